@@ -1,0 +1,5 @@
+import sys
+
+from dmref.cli import main
+
+sys.exit(main())

@@ -1,0 +1,407 @@
+"""Vectorised encode / decode / quantize for numpy arrays and torch tensors (CPU or CUDA).
+
+The arithmetic is the specification of :mod:`dmref.emulation.spec`, done on the integer bit
+patterns of the input (float32 or float64; float16 and bfloat16 inputs are widened to float32
+first, which is exact), so a float64 input is rounded once, never through float32.
+
+Three routes compute the same function; the tests prove them equal:
+
+- ``_encode_arith``: integer arithmetic in torch int64, for every format, mode and device.
+- ``_encode_lut`` (CPU, 8-bit targets): for FP8 targets the result depends only on the top 16
+  bits of the input and on whether any lower bit is set (the rounding position and its guard
+  bit always lie inside the top 16 bits; asserted in ``_lut_tables``). So a 2**17-entry table
+  built *by* ``_encode_arith`` gives the code with one gather; stochastic rounding adds a second
+  table and the random-bit comparison. Runs in cache-sized chunks on two threads.
+- torch's own cast, for float32 -> e4m3fn with ``saturate=True`` and float32 -> e5m2 with
+  ``saturate=False`` under nearest-even: the exhaustive 2**32 test (tests/emulation/
+  test_exhaustive.py) proves it code-for-code identical to the specification.
+
+Special values follow the specification: see :mod:`dmref.emulation.spec`. In short: NaN in gives
+``fmt.nan_code_for(sign)`` (0x7F|sign for e4m3fn and e5m2, 0x80 for the FNUZ formats, 0xFF for
+e8m0fnu); overflow gives +-max with ``saturate=True``, else the format's overflow value
+(NaN for e4m3fn, inf for e5m2) except under a rounding direction toward zero (IEEE 754 7.4).
+
+Stochastic rounding: ``rbits`` is an unsigned integer array broadcastable to ``x`` with dtype
+uint8 (w = 8 random bits per value) or uint16 (w = 16). The discarded part of |x|, as a fraction
+f of one quantum of the result, is truncated to its top w bits; the magnitude is rounded up iff
+``floor(f * 2**w) + r >= 2**w``. Same x and same rbits give the same codes, on every device.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from .formats import Format, Rounding, get_format, get_rounding
+
+# ----------------------------------------------------------------------------------------------
+# Input handling
+# ----------------------------------------------------------------------------------------------
+
+_NUMPY_FLOATS = {
+    np.dtype(np.float16): "float16",
+    np.dtype(ml_dtypes.bfloat16): "bfloat16",
+    np.dtype(np.float32): "float32",
+    np.dtype(np.float64): "float64",
+}
+_TORCH_FLOATS = {
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float32",
+    torch.float64: "float64",
+}
+
+
+class _Source:
+    """Bit layout of an input float type: (total bits, exponent bits, mantissa bits)."""
+
+    def __init__(self, total: int, exponent_bits: int, mantissa_bits: int):
+        self.total, self.exponent_bits, self.mantissa_bits = total, exponent_bits, mantissa_bits
+        self.bias = (1 << (exponent_bits - 1)) - 1
+
+
+_FLOAT32 = _Source(32, 8, 23)
+_FLOAT64 = _Source(64, 11, 52)
+
+
+def _as_torch(x, what: str = "x") -> tuple[torch.Tensor, bool]:
+    """(tensor, was_numpy). Rejects non-float input with a message naming the dtype."""
+    if isinstance(x, torch.Tensor):
+        if x.dtype not in _TORCH_FLOATS:
+            raise TypeError(
+                f"{what} must be a float16, bfloat16, float32 or float64 tensor, got {x.dtype}"
+            )
+        return x, False
+    if isinstance(x, np.ndarray) or np.isscalar(x):
+        arr = np.asarray(x)
+        if arr.dtype not in _NUMPY_FLOATS:
+            raise TypeError(
+                f"{what} must be a float16, bfloat16, float32 or float64 array, got {arr.dtype}"
+            )
+        if arr.dtype == np.dtype(ml_dtypes.bfloat16) or arr.dtype == np.float16:
+            arr = arr.astype(np.float32)  # exact widening
+        return torch.from_numpy(np.ascontiguousarray(arr)), True
+    raise TypeError(f"{what} must be a numpy array or a torch tensor, got {type(x).__name__}")
+
+
+def _widen(t: torch.Tensor) -> tuple[torch.Tensor, _Source]:
+    """float16/bfloat16 -> float32 (exact); float32 and float64 stay."""
+    if t.dtype == torch.float64:
+        return t.contiguous(), _FLOAT64
+    return t.to(torch.float32).contiguous(), _FLOAT32
+
+
+def _bits(t: torch.Tensor, src: _Source) -> torch.Tensor:
+    """The input's bit pattern as non-negative int64."""
+    if src is _FLOAT64:
+        return t.view(torch.int64)
+    return t.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+# ----------------------------------------------------------------------------------------------
+# Route 1: integer arithmetic (the vectorised specification)
+# ----------------------------------------------------------------------------------------------
+
+
+def _encode_arith(
+    bits: torch.Tensor,
+    src: _Source,
+    fmt: Format,
+    rounding: Rounding,
+    saturate: bool,
+    rbits: torch.Tensor | None = None,
+    rbits_width: int = 16,
+) -> torch.Tensor:
+    """Codes (int64) of ``fmt`` for input bit patterns ``bits`` (int64) of layout ``src``."""
+    mb, total = src.mantissa_bits, src.total
+    sign_shift = total - 1
+    negative = (bits >> sign_shift) & 1 if total < 64 else (bits < 0).to(torch.int64)
+    a = bits & ((1 << sign_shift) - 1)
+    exp_field = a >> mb
+    man_field = a & ((1 << mb) - 1)
+    exp_all_ones = (1 << src.exponent_bits) - 1
+    is_nan = (exp_field == exp_all_ones) & (man_field != 0)
+    is_inf = (exp_field == exp_all_ones) & (man_field == 0)
+    is_zero = a == 0
+
+    # significand as an integer with its lsb at exponent e_ulp
+    sig = man_field | ((exp_field != 0).to(torch.int64) << mb)
+    e_ulp = torch.clamp(exp_field, min=1) - src.bias - mb
+    e_top = exp_field - src.bias  # floor(log2 a) for normal inputs; below every emin otherwise
+    m, emin = fmt.mantissa_bits, fmt.emin
+    e = torch.clamp(e_top, min=emin)
+    # drop `shift` low bits of sig; beyond mb + 2 every remaining bit is below half a quantum,
+    # so the clamped shift gives the same n and rem (rem = sig there)
+    true_shift = torch.clamp((e - m) - e_ulp, min=0)
+    shift = torch.clamp(true_shift, max=mb + 2)
+    one = torch.ones_like(shift)
+    n = sig >> shift
+    rem = sig & (torch.bitwise_left_shift(one, shift) - 1)
+    half = torch.bitwise_left_shift(one, shift) >> 1
+
+    if rounding is Rounding.NEAREST_EVEN:
+        up = (rem > half) | ((rem == half) & (rem != 0) & ((n & 1) == 1))
+    elif rounding is Rounding.TOWARD_ZERO:
+        up = torch.zeros_like(rem, dtype=torch.bool)
+    elif rounding is Rounding.TOWARD_POSITIVE:
+        up = (rem != 0) & (negative == 0)
+    elif rounding is Rounding.TOWARD_NEGATIVE:
+        up = (rem != 0) & (negative == 1)
+    else:  # stochastic: top `w` bits of the discarded fraction, plus the random bits
+        w = rbits_width
+        top = torch.where(
+            true_shift >= w,
+            rem >> torch.clamp(true_shift - w, min=0, max=63),
+            rem << torch.clamp(w - true_shift, min=0),
+        )
+        up = (top + rbits) >= (1 << w)
+    n = n + up.to(torch.int64)
+
+    magnitude = (e - emin) * (1 << m) + n
+    if not fmt.subnormals:
+        magnitude = torch.clamp(magnitude - (1 << m), min=0)
+    sign = negative * fmt.sign_bit
+
+    toward_zero = rounding is Rounding.TOWARD_ZERO
+    if rounding is Rounding.TOWARD_POSITIVE:
+        overflow_to_max = negative == 1
+    elif rounding is Rounding.TOWARD_NEGATIVE:
+        overflow_to_max = negative == 0
+    else:
+        overflow_to_max = torch.full_like(negative, toward_zero or saturate, dtype=torch.bool)
+    if saturate:
+        overflow_to_max = torch.ones_like(negative, dtype=torch.bool)
+    if fmt.has_inf:
+        overflow_value = fmt.inf_code | sign
+    else:
+        overflow_value = torch.where(negative == 1, fmt.nan_code_for(True), fmt.nan_code_for(False))
+    overflow_code = torch.where(overflow_to_max, fmt.max_code | sign, overflow_value)
+
+    if fmt.has_negative_zero:
+        code = magnitude | sign
+    else:
+        code = torch.where(magnitude == 0, 0, magnitude | sign)
+    code = torch.where(magnitude > fmt.max_code, overflow_code, code)
+    # infinite input: saturate -> max, else inf (NaN where the format has none)
+    inf_code = torch.full_like(code, 0) + (
+        (fmt.max_code | sign) if saturate else (
+            (fmt.inf_code | sign) if fmt.has_inf else torch.where(negative == 1, fmt.nan_code_for(True), fmt.nan_code_for(False))
+        )
+    )
+    code = torch.where(is_inf, inf_code, code)
+    nan_code = torch.where(negative == 1, fmt.nan_code_for(True), fmt.nan_code_for(False))
+    code = torch.where(is_nan, nan_code, code)
+    if fmt.has_zero:
+        zero_code = sign if fmt.has_negative_zero else torch.zeros_like(sign)
+        code = torch.where(is_zero, zero_code, code)
+    else:  # E8M0: unsigned, no zero -> zero, negative and NaN inputs are NaN
+        code = torch.where(is_zero | (negative == 1), fmt.nan_code_for(False), code)
+    return code
+
+
+# ----------------------------------------------------------------------------------------------
+# Route 2: table lookup for 8-bit targets on the CPU
+# ----------------------------------------------------------------------------------------------
+
+_CHUNK = 1 << 16
+_THREADS = max(1, min(2, os.cpu_count() or 1))
+_POOL = ThreadPoolExecutor(max_workers=_THREADS) if _THREADS > 1 else None
+
+
+@functools.lru_cache(maxsize=None)
+def _lut_tables(src_total: int, fmt: Format, rounding: Rounding, saturate: bool, rbits_width: int):
+    """Tables indexed by ``top16 << 1 | sticky`` (deterministic modes), or by ``top16`` (the
+    truncated and the rounded-up code for stochastic rounding, plus the shift table)."""
+    src = _FLOAT64 if src_total == 64 else _FLOAT32
+    low = src.total - 16
+    explicit_mantissa_in_top16 = 16 - 1 - src.exponent_bits
+    # rounding position (after m bits) plus its guard bit must lie in the top 16 bits
+    assert fmt.bits <= 8 and fmt.mantissa_bits + 1 <= explicit_mantissa_in_top16, (fmt, src_total)
+    top = torch.arange(1 << 16, dtype=torch.int64)
+    if src.total == 64:
+        top = torch.where(top >= (1 << 15), top - (1 << 16), top)  # signed int64 top bits
+    base = top << low
+    if rounding is not Rounding.STOCHASTIC:
+        reps = torch.stack([base, base | 1], dim=1).reshape(-1)
+        codes = _encode_arith(reps, src, fmt, rounding, saturate)
+        return (codes.to(torch.uint8).numpy(),)
+    # index top16 << 1 | sticky as above; `lo` never rounds up (rbits = 0), `hi` always does
+    # when any discarded bit is set (rbits = all ones, all low bits set); inf and NaN never round
+    reps = torch.stack([base, base | 1], dim=1).reshape(-1)
+    zeros = torch.zeros_like(reps)
+    lo = _encode_arith(reps, src, fmt, rounding, saturate, zeros, rbits_width)
+    all_low = torch.repeat_interleave(base | ((1 << low) - 1), 2)
+    hi = _encode_arith(all_low, src, fmt, rounding, saturate, zeros + (1 << rbits_width) - 1, rbits_width)
+    exp_all_ones = (1 << src.exponent_bits) - 1
+    special = ((reps >> src.mantissa_bits) & exp_all_ones) == exp_all_ones
+    hi = torch.where(special, lo, hi)
+    # per (sign, exponent) field: how far to shift the significand so that the top
+    # `rbits_width` bits of the discarded part land at the bottom (clamped: all zero beyond)
+    exps = torch.arange(1 << (src.exponent_bits + 1), dtype=torch.int64) & exp_all_ones
+    e = torch.clamp(exps - src.bias, min=fmt.emin)
+    e_ulp = torch.clamp(exps, min=1) - src.bias - src.mantissa_bits
+    true_shift = torch.clamp((e - fmt.mantissa_bits) - e_ulp, min=0)
+    assert int(true_shift.min()) >= rbits_width, "stochastic table route needs shift >= rbits width"
+    shift_w = torch.clamp(true_shift - rbits_width, max=src.total - 1)
+    return lo.to(torch.uint8).numpy(), hi.to(torch.uint8).numpy(), shift_w.numpy().astype(np.uint64 if src.total == 64 else np.uint32)
+
+
+def _run_chunks(fn, n: int) -> None:
+    starts = range(0, n, _CHUNK)
+    if _POOL is None or n <= _CHUNK:
+        for s in starts:
+            fn(s, min(s + _CHUNK, n))
+        return
+    # two threads, each a contiguous half, so chunks stay cache-sized
+    per = -(-len(starts) // _THREADS)
+    def worker(i):
+        for s in list(starts)[i * per:(i + 1) * per]:
+            fn(s, min(s + _CHUNK, n))
+    list(_POOL.map(worker, range(_THREADS)))
+
+
+def _encode_lut(x: np.ndarray, fmt: Format, rounding: Rounding, saturate: bool,
+                rbits: np.ndarray | None, rbits_width: int) -> np.ndarray:
+    """``x`` float32 or float64, contiguous, 1-D."""
+    wide = x.dtype == np.float64
+    u = x.view(np.uint64 if wide else np.uint32)
+    low = 48 if wide else 16
+    utype = u.dtype.type
+    out = np.empty(x.shape, np.uint8)
+    tables = _lut_tables(64 if wide else 32, fmt, rounding, saturate, rbits_width)
+    if rounding is not Rounding.STOCHASTIC:
+        (lut,) = tables
+
+        def body(s, e):
+            uc = u[s:e]
+            idx = (uc >> utype(low - 1)) & utype(0x1FFFE)
+            idx |= (uc & utype((1 << low) - 1)) != 0
+            np.take(lut, idx, out=out[s:e])
+    else:
+        lo, hi, shift_tab = tables
+        mb = 52 if wide else 23
+        eb = 11 if wide else 8
+        w = rbits_width
+
+        def body(s, e):
+            uc = u[s:e]
+            top = (uc >> utype(low - 1)) & utype(0x1FFFE)
+            top |= (uc & utype((1 << low) - 1)) != 0
+            sh = np.take(shift_tab, uc >> utype(mb))
+            exp_nonzero = ((uc >> utype(mb)) & utype((1 << eb) - 1)) != 0
+            sig = (uc & utype((1 << mb) - 1)) | (exp_nonzero.astype(u.dtype) << utype(mb))
+            frac_top = (sig >> sh) & utype((1 << w) - 1)
+            up = (frac_top + rbits[s:e]) >= (1 << w)
+            out[s:e] = np.where(up, np.take(hi, top), np.take(lo, top))
+    _run_chunks(body, x.size)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------
+
+#: (format, saturate) pairs where torch's own float32 cast is the specification (nearest-even)
+_TORCH_NATIVE = {
+    ("float8_e4m3fn", True): torch.float8_e4m3fn,
+    ("float8_e5m2", False): torch.float8_e5m2,
+}
+
+
+def _rbits_width(rbits) -> int:
+    dtype = rbits.dtype
+    if dtype in (np.uint8, torch.uint8):
+        return 8
+    if dtype in (np.uint16, getattr(torch, "uint16", None)):
+        return 16
+    raise TypeError(f"rbits must be uint8 (8 random bits) or uint16 (16 random bits), got {dtype}")
+
+
+def encode(x, fmt: Format | str, *, rounding: Rounding | str = Rounding.NEAREST_EVEN,
+           saturate: bool = False, rbits=None):
+    """Round ``x`` into ``fmt`` and return the codes.
+
+    Args:
+        x: numpy array (float16, bfloat16, float32, float64) or torch tensor of those dtypes, on
+            any device. Non-contiguous tensors are read through a contiguous copy.
+        fmt: a :class:`Format`, its name (``"float8_e4m3fn"``) or an alias (``"e4m3"``).
+        rounding: a :class:`Rounding` or its value string.
+        saturate: overflow to +-max instead of the format's overflow value.
+        rbits: random bits for ``rounding="stochastic"`` (uint8 or uint16, broadcastable to x).
+
+    Returns:
+        Codes of the same shape and kind (numpy / torch, same device): uint8 for 8-bit formats,
+        uint16 for bfloat16 and float16 (torch: int16 holding the same bits, as torch has no
+        general uint16).
+
+    Raises:
+        TypeError: non-float input (integers, complex, bool), or bad ``rbits`` dtype.
+        ValueError: unknown format or rounding name; rbits missing or given without stochastic
+            rounding.
+    """
+    fmt = get_format(fmt)
+    rounding = get_rounding(rounding)
+    t, was_numpy = _as_torch(x)
+    if (rbits is None) != (rounding is not Rounding.STOCHASTIC):
+        raise ValueError("rbits must be given exactly when rounding='stochastic'")
+    w = 16
+    if rbits is not None:
+        w = _rbits_width(rbits)
+        rb = torch.from_numpy(np.asarray(rbits)) if isinstance(rbits, np.ndarray) else rbits
+        rb = torch.broadcast_to(rb.to(device=t.device, dtype=torch.int64), t.shape)
+    wide, src = _widen(t)
+
+    out_dtype = torch.uint8 if fmt.bits <= 8 else torch.int16
+    native = _TORCH_NATIVE.get((fmt.name, saturate))
+    if native is not None and rounding is Rounding.NEAREST_EVEN and src is _FLOAT32:
+        codes = wide.to(native).view(torch.uint8)
+    elif wide.device.type == "cpu" and fmt.bits <= 8 and wide.numel() > 0:
+        flat = wide.reshape(-1).numpy()
+        rb_np = None if rbits is None else rb.reshape(-1).numpy().astype(flat.view(
+            np.uint64 if src is _FLOAT64 else np.uint32).dtype)
+        codes = torch.from_numpy(_encode_lut(flat, fmt, rounding, saturate, rb_np, w)).reshape(t.shape)
+    else:
+        bits = _bits(wide, src)
+        codes = _encode_arith(bits, src, fmt, rounding, saturate, None if rbits is None else rb, w)
+        codes = codes.to(torch.int32).to(torch.int16) if fmt.bits > 8 else codes.to(torch.uint8)
+    if was_numpy:
+        arr = codes.numpy()
+        return arr.view(np.uint16) if fmt.bits > 8 else arr
+    return codes
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_table(fmt: Format) -> np.ndarray:
+    return np.array([fmt.value(c) for c in range(fmt.n_codes)], dtype=np.float32)
+
+
+_decode_table_torch = functools.lru_cache(maxsize=None)(
+    lambda fmt, device: torch.from_numpy(_decode_table(fmt)).to(device)
+)
+
+
+def decode(codes, fmt: Format | str):
+    """The exact float32 values of ``codes`` (uint8, or uint16 / int16 bits for 16-bit
+    formats); numpy in, numpy out; torch in, torch out on the same device."""
+    fmt = get_format(fmt)
+    if isinstance(codes, torch.Tensor):
+        allowed = (torch.uint8,) if fmt.bits <= 8 else (torch.int16, getattr(torch, "uint16", torch.int16))
+        if codes.dtype not in allowed:
+            raise TypeError(f"codes of {fmt.name} must be {allowed}, got {codes.dtype}")
+        idx = codes.to(torch.int32) & (fmt.n_codes - 1)
+        return _decode_table_torch(fmt, codes.device)[idx]
+    arr = np.asarray(codes)
+    want = np.uint8 if fmt.bits <= 8 else np.uint16
+    if arr.dtype != want:
+        raise TypeError(f"codes of {fmt.name} must be {np.dtype(want)}, got {arr.dtype}")
+    return np.take(_decode_table(fmt), arr)
+
+
+def quantize(x, fmt: Format | str, **kwargs):
+    """``decode(encode(x, fmt, **kwargs), fmt)``: the rounded values as float32 (exact)."""
+    return decode(encode(x, fmt, **kwargs), fmt)

@@ -1,0 +1,73 @@
+"""Where the kernels may run: a Hopper GPU, or Triton's interpreter on the CPU.
+
+Triton reads ``TRITON_INTERPRET`` when a kernel is defined, so the interpreter has to be switched on
+before ``dmref.kernels``' kernel modules are first imported (the tests do it in a conftest).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    """True when Triton's interpreter runs the kernels (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def require_runnable(*tensors: torch.Tensor) -> None:
+    """Raise a clear error when the kernels cannot run on these tensors here."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        raise RuntimeError(
+            "dmref.kernels needs triton (pip install 'dmref[gpu]') and a CUDA GPU of compute "
+            "capability >= 9.0"
+        ) from exc
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    (device,) = devices
+    if interpreting():
+        if device.type != "cpu":
+            raise RuntimeError(f"TRITON_INTERPRET=1 runs kernels on the CPU; tensors are on {device}")
+        return
+    if device.type != "cuda":
+        raise RuntimeError(
+            f"dmref.kernels runs on a CUDA GPU of compute capability >= 9.0 (Hopper); the tensors "
+            f"are on {device}"
+            + ("" if torch.cuda.is_available() else " and this machine has no CUDA GPU")
+            + ". To check indexing on the CPU, set TRITON_INTERPRET=1 before importing triton."
+        )
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        raise RuntimeError(
+            f"dmref.kernels uses FP8 wgmma, which needs compute capability >= 9.0; "
+            f"{torch.cuda.get_device_name(device)} has {major}.{minor}"
+        )
+
+
+def patch_interpreter_scalar_index() -> None:
+    """Let Triton's interpreter use program-id-derived values as ``range`` bounds under NumPy 2.4+.
+
+    The interpreter stores scalars as 1-element arrays and converts them with ``int(array)``,
+    which NumPy 2.4 turns from a deprecation warning into a TypeError; every kernel that loops
+    from ``program_id`` bounds then fails in the interpreter only. This wraps the interpreter's
+    per-call patching of ``tl.tensor`` so that ``__index__`` reads the single element instead.
+    Does nothing unless the interpreter is on; idempotent.
+    """
+    if not interpreting():
+        return
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_dmref_index_patched", False):
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+    interpreter._dmref_index_patched = True

@@ -1,0 +1,150 @@
+"""``dmref.kernels.attention``: FP8 attention forward and backward as a torch.autograd.Function.
+
+Tensors are ``(batch, heads, seqlen, head_dim)`` like ``torch.nn.functional.
+scaled_dot_product_attention``; k and v may have fewer heads than q (GQA, ``heads % kv_heads ==
+0``). Inputs are BF16; quantization to FP8 happens inside (fused quantization kernel), and the
+outputs and gradients are BF16.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ._runtime import require_runnable
+from .config import KernelRecipe, get_recipe
+
+
+@dataclass
+class SavedForward:
+    """What the backward reads: FP8 copies of Q, K, V made once in the forward, and LSE2."""
+
+    q: object  #: quantize.Quantized with rows (QK^T) and cols (dS^T Q)
+    k: object  #: rows (QK^T) and cols (dS K)
+    v: object  #: cols (PV, forward) and rows (dO V^T, backward)
+    lse2: torch.Tensor  #: (B*H, N) float32, base 2: LSE = LSE2 * ln 2
+
+
+@dataclass
+class Shape:
+    batch: int
+    heads: int
+    kv_heads: int
+    n: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> "Shape":
+        if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+            raise ValueError(f"q, k, v must be (B, H, N, D): got {tuple(q.shape)}, "
+                             f"{tuple(k.shape)}, {tuple(v.shape)}")
+        b, h, n, d = q.shape
+        bk, hkv, nk, dk = k.shape
+        if k.shape != v.shape:
+            raise ValueError(f"k shape {tuple(k.shape)} != v shape {tuple(v.shape)}")
+        if (bk, nk, dk) != (b, n, d):
+            raise ValueError(f"k shape {tuple(k.shape)} does not fit q shape {tuple(q.shape)}: "
+                             "batch, seqlen and head dim must agree")
+        if h % hkv:
+            raise ValueError(f"query heads {h=} must be a multiple of key/value heads {hkv=}")
+        if d not in (64, 128):
+            raise ValueError(f"head dim {d=} must be 64 or 128")
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.dtype != torch.bfloat16:
+                raise TypeError(f"{name} must be bfloat16, got {t.dtype}")
+        return cls(b, h, hkv, n, d)
+
+
+def _dims(s: Shape) -> dict:
+    return dict(batch=s.batch, heads=s.heads, kv_heads=s.kv_heads, n=s.n, head_dim=s.head_dim)
+
+
+def attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+    scale: float | None = None, recipe: str | KernelRecipe = "delta_matching",
+    for_backward: bool = True, debug: bool = False,
+):
+    """Quantize (fused) and run the forward kernel.
+
+    Returns ``(O, LSE, saved, debug dict)``: O ``(B, H, N, D)`` BF16, LSE ``(B, H, N)`` float32
+    (natural log), ``saved`` for :func:`attention_backward` (None unless ``for_backward``), and
+    with ``debug`` the forward's P codes under ``"p_codes"`` (``(B*H, N, N)`` uint8).
+    """
+    from . import fwd
+    from .quantize import quantize
+
+    require_runnable(q, k, v)
+    r = get_recipe(recipe)
+    s = Shape.of(q, k, v)
+    scale = 1.0 / math.sqrt(s.head_dim) if scale is None else float(scale)
+    fmt = r.qkv_format
+    q8, _ = quantize(q, fmt, rows=True, cols=for_backward)
+    k8, _ = quantize(k, fmt, rows=True, cols=for_backward)
+    v8, _ = quantize(v, fmt, rows=for_backward, cols=True)
+    o, lse2, p_codes = fwd.forward(q8, k8, v8, causal=causal, scale=scale, recipe=r, debug=debug,
+                                   **_dims(s))
+    lse = (lse2 * fwd.LN2).view(s.batch, s.heads, s.n)
+    saved = SavedForward(q8, k8, v8, lse2) if for_backward else None
+    return o, lse, saved, ({"p_codes": p_codes} if debug else {})
+
+
+def attention_backward(
+    saved: SavedForward, o: torch.Tensor, do: torch.Tensor, *, shape: Shape, causal: bool,
+    scale: float, recipe: str | KernelRecipe = "delta_matching", debug: bool = False,
+):
+    """Preprocess (dO quantization + stale delta, one kernel), then the dq and dkdv kernels.
+
+    Returns ``(dq, dk, dv, debug dict)``. The debug dict always holds ``"delta"`` (the D the dkdv
+    kernel used) and with ``debug`` also ``"ds_rowsum"`` (float32 row sums of the dS tiles that
+    dK uses, before quantization), ``"dq_ds_rowsum"`` (row sums of the effective dS behind dQ),
+    ``"p_codes"`` / ``"ds_codes"`` (``(B*H, N, N)`` uint8 codes of the dkdv kernel's P and dS) and
+    ``"ds_tile_scale"`` (their per-tile dequantization factors).
+    """
+    from . import bwd
+    from .quantize import quantize
+
+    r = get_recipe(recipe)
+    if do.dtype != torch.bfloat16:
+        do = do.to(torch.bfloat16)
+    # delta step (stale) fused into the quantization of dO: one read of dO and O
+    do8, delta_stale = quantize(do, r.do_format, rows=True, cols=True, delta_with=o)
+    return bwd.backward(saved, do8, do8, delta_stale, causal=causal, scale=scale, recipe=r,
+                        debug=debug, **_dims(shape))
+
+
+class _FP8Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, recipe):
+        o, _lse, saved, _ = attention_forward(q, k, v, causal=causal, scale=scale, recipe=recipe,
+                                              for_backward=True)
+        ctx.saved = saved
+        ctx.shape = Shape.of(q, k, v)
+        ctx.causal = causal
+        ctx.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        ctx.recipe = recipe
+        ctx.save_for_backward(o)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        (o,) = ctx.saved_tensors
+        dq, dk, dv, _ = attention_backward(ctx.saved, o, do.contiguous(), shape=ctx.shape,
+                                           causal=ctx.causal, scale=ctx.scale, recipe=ctx.recipe)
+        return dq, dk, dv, None, None, None
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+    scale: float | None = None, recipe: str | KernelRecipe = "delta_matching",
+) -> torch.Tensor:
+    """FP8 attention with Delta-Matching (or stale delta), forward and backward.
+
+    q: (B, H, N, D), k and v: (B, HKV, N, D), all BF16 on a Hopper GPU; D in {64, 128};
+    ``scale`` defaults to 1/sqrt(D); ``recipe`` is ``"delta_matching"``, ``"stale"`` or a
+    ``config.KernelRecipe``. Returns O (B, H, N, D) BF16. Fails with a clear message where no
+    Hopper GPU is available (unless Triton's interpreter is switched on).
+    """
+    require_runnable(q, k, v)
+    return _FP8Attention.apply(q, k, v, causal, scale, get_recipe(recipe))

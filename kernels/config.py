@@ -1,0 +1,176 @@
+"""Tile configurations and the recipe each kernel implements, as data.
+
+Nothing here imports triton: the reference (``dmref``) and the tests read these dataclasses to
+reproduce exactly what the kernels compute.
+
+Layout conventions used by every kernel (``B`` batch, ``H`` query heads, ``HKV`` key/value heads,
+``N`` tokens, ``D`` head dim; ``H % HKV == 0``, query head ``h`` reads key/value head
+``h // (H // HKV)``):
+
+- *row copy* of a tensor ``X: (B, H, N, D)``: FP8 codes ``(B*H, N, D)``, one power-of-two scale per
+  token (a 1 x D tile along the head dim), dequantization factors ``(B*H, N)`` float32.
+- *transposed copy*: FP8 codes ``(B*H, D, NPAD)`` with the token dimension contiguous
+  (``NPAD = ceil(N / QUANT_BLOCK) * QUANT_BLOCK``, padding codes are zero), one power-of-two scale
+  per head-dim channel and block of ``QUANT_BLOCK`` tokens, dequantization factors
+  ``(B*H, NPAD // QUANT_BLOCK, D)`` float32.
+
+FP8 wgmma on Hopper reads both operands K-major from shared memory, so a matmul that contracts
+over tokens (PV, P^T dO, dS K, dS^T Q) takes its token-major operand from a transposed copy, and a
+matmul that contracts over the head dim (QK^T, dO V^T) takes row copies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+#: Tokens per scale block of a transposed copy; every kernel tile along tokens divides it.
+QUANT_BLOCK = 128
+
+#: log2 of the fixed factor P is multiplied by before it is cast to FP8 (FA3's "max offset 8").
+#: P <= 1 against the running max (forward) or against LSE (backward), so 256 * P <= 256 < 448.
+P_SCALE_LOG2 = 8
+
+DeltaStrategy = Literal["stale", "matched"]
+
+
+@dataclass(frozen=True)
+class FwdTiles:
+    """Forward tiling: one program per ``block_m`` queries, looping over ``block_n`` keys.
+
+    ``block_n`` is both the PV contraction length per promotion (``acc += dot(P~, V^)`` once per
+    tile) and the granularity of the running max P is quantized against.
+    """
+
+    block_m: int = 128  #: queries per program
+    block_n: int = 128  #: keys per inner step (divides QUANT_BLOCK)
+    num_warps: int = 8  #: warps per program (Triton launch option)
+    num_stages: int = 3  #: software-pipelining depth (Triton launch option)
+
+    def __post_init__(self) -> None:
+        _check_tile("block_n", self.block_n)
+        if self.block_m % self.block_n:
+            raise ValueError(f"{self.block_m=} must be a multiple of {self.block_n=} (causal split)")
+
+
+@dataclass(frozen=True)
+class BwdTiles:
+    """Backward tiling of the two named kernels.
+
+    - ``dkdv``: one program per ``block_n1`` keys (and one key/value head, summing over its query
+      heads), looping over ``block_m1`` queries; dS is quantized per ``block_m1 x block_n1`` tile.
+    - ``dq``: one program per ``block_m2`` queries, looping over ``block_n2`` keys; dS is quantized
+      per ``block_m2 x block_n2`` tile.
+    """
+
+    block_m1: int = 64
+    block_n1: int = 128
+    block_m2: int = 128
+    block_n2: int = 64
+    num_warps_dkdv: int = 8
+    num_stages_dkdv: int = 2
+    num_warps_dq: int = 8
+    num_stages_dq: int = 2
+
+    def __post_init__(self) -> None:
+        _check_tile("block_m1", self.block_m1)
+        _check_tile("block_n2", self.block_n2)
+        if self.block_n1 % self.block_m1:
+            raise ValueError(f"{self.block_n1=} must be a multiple of {self.block_m1=} (causal split)")
+        if self.block_m2 % self.block_n2:
+            raise ValueError(f"{self.block_m2=} must be a multiple of {self.block_n2=} (causal split)")
+
+
+def _check_tile(name: str, value: int) -> None:
+    # A token tile that feeds a K-major FP8 operand must lie inside one scale block, and FP8 wgmma
+    # contracts 32 elements per step.
+    if value < 32 or QUANT_BLOCK % value:
+        raise ValueError(f"{name}={value} must be >= 32 and divide QUANT_BLOCK={QUANT_BLOCK}")
+
+
+@dataclass(frozen=True)
+class KernelRecipe:
+    """What the kernels compute, point by point, so that the reference can reproduce it.
+
+    Scale rule everywhere (``pow2_floor``): for a block with ``amax = max |x|`` the multiplier is
+    ``2**k`` with ``k = floor(log2(fmt.max / amax))`` computed exactly from the bits of ``amax``
+    (``k = 0`` when ``amax == 0``; ``k`` clamped to [-126, 126]); codes are
+    ``cast_rne_satfinite(x * 2**k)``, dequantized as ``code * 2**-k``.
+
+    Accumulation: every ``tl.dot`` is one FP8 wgmma chain over its tile's contraction length with
+    Triton's default (no intermediate promotion); results are scaled and added into float32
+    registers once per tile (promotion per tile). QK^T and dO V^T contract over the head dim in one
+    chain.
+    """
+
+    name: str
+    delta: DeltaStrategy
+    #: format of Q, K, V (all copies), P and dS
+    qkv_format: str = "float8_e4m3fn"
+    #: format of both dO copies
+    do_format: str = "float8_e4m3fn"
+    ds_format: str = "float8_e4m3fn"
+    p_format: str = "float8_e4m3fn"
+    p_scale_log2: int = P_SCALE_LOG2
+    fwd: FwdTiles = field(default_factory=FwdTiles)
+    bwd: BwdTiles = field(default_factory=BwdTiles)
+
+    def __post_init__(self) -> None:
+        for name in ("qkv_format", "ds_format", "p_format"):
+            if getattr(self, name) != "float8_e4m3fn":
+                raise ValueError(f"{name}={getattr(self, name)!r}: the kernels implement float8_e4m3fn only")
+        if self.do_format not in ("float8_e4m3fn", "float8_e5m2"):
+            raise ValueError(f"do_format={self.do_format!r} must be float8_e4m3fn or float8_e5m2")
+        if self.delta not in ("stale", "matched"):
+            raise ValueError(f"delta={self.delta!r} must be 'stale' or 'matched'")
+
+    def with_tiles(self, fwd: FwdTiles | None = None, bwd: BwdTiles | None = None) -> "KernelRecipe":
+        return dataclasses.replace(self, fwd=fwd or self.fwd, bwd=bwd or self.bwd)
+
+    def quantization_points(self) -> dict[str, str]:
+        """One line per quantization point, in the words the reference uses."""
+        b = self.bwd
+        p = f"2**{self.p_scale_log2}"
+        return {
+            "Q (QK^T, fwd and bwd)": f"{self.qkv_format}, 1 x D per token, pow2_floor, RNE satfinite",
+            "K (QK^T, fwd and bwd)": f"{self.qkv_format}, 1 x D per token, pow2_floor, RNE satfinite",
+            "V (PV, fwd)": f"{self.qkv_format}, {QUANT_BLOCK} tokens x 1 channel, pow2_floor",
+            "P (PV, fwd)": f"{self.p_format}, P * {p} against the running max of each "
+            f"{self.fwd.block_n}-key tile, normalizer l = sum of float32 P",
+            "V (dO V^T)": f"{self.qkv_format}, 1 x D per token, pow2_floor",
+            "dO (dO V^T)": f"{self.do_format}, 1 x D per token, pow2_floor",
+            "P (P^T dO)": f"{self.p_format}, P * {p} against LSE",
+            "dO (P^T dO)": f"{self.do_format}, {QUANT_BLOCK} tokens x 1 channel, pow2_floor",
+            "dS (dS^T Q)": f"{self.ds_format}, one pow2_floor scale per {b.block_m1} x {b.block_n1} tile",
+            "Q (dS^T Q)": f"{self.qkv_format}, {QUANT_BLOCK} tokens x 1 channel, pow2_floor",
+            "dS (dS K)": f"{self.ds_format}, one pow2_floor scale per {b.block_m2} x {b.block_n2} tile",
+            "K (dS K)": f"{self.qkv_format}, {QUANT_BLOCK} tokens x 1 channel, pow2_floor",
+            "delta": _DELTA_WORDS[self.delta],
+        }
+
+
+_DELTA_WORDS = {
+    "stale": "D = rowsum(float32(dO_bf16) * float32(O_bf16)); dS = P (dP - D) in both kernels",
+    "matched": (
+        "D = sum_j P_ij dP_ij / sum_j P_ij with the float32 P and dP of the backward (accumulated "
+        "in the dq kernel, which runs first); dK: dS = P (dP - D) exactly; dQ by deferred "
+        "correction: dQ = tau [sum_tiles deq(Q8(P (dP - D_stale))) K - (D - D_stale) * "
+        "sum_tiles deq(Q8(2**8 P)) K / 2**8]"
+    ),
+}
+
+#: The recipes the kernels implement, by name.
+RECIPES: dict[str, KernelRecipe] = {
+    "delta_matching": KernelRecipe(name="delta_matching", delta="matched"),
+    "stale": KernelRecipe(name="stale", delta="stale"),
+}
+
+
+def get_recipe(recipe: str | KernelRecipe) -> KernelRecipe:
+    if isinstance(recipe, KernelRecipe):
+        return recipe
+    try:
+        return RECIPES[recipe]
+    except KeyError:
+        raise ValueError(f"recipe={recipe!r} is not one of {sorted(RECIPES)}") from None

@@ -1,0 +1,163 @@
+"""Forward FP8 attention kernel (FlashAttention-2 loop, Hopper FP8 wgmma operands).
+
+Per program: ``BLOCK_M`` queries of one head, looping over ``BLOCK_N`` keys of its key/value head.
+
+    S2 = dot(Q8, K8^T) * (q_scale_i * k_scale_j)          # S * log2(e); q_scale holds tau*log2(e)
+    m  = max(m, rowmax(S2));  P = exp2(S2 - m)           # float32, against the running max
+    l  = l * alpha + rowsum(P)                           # normalizer from float32 P
+    acc = acc * alpha + dot(Q8(P * 2**8), V8T) * v_scale # promoted: one float32 add per tile
+    O = acc / (l * 2**8);  LSE2 = m + log2(l)
+
+The Q-points are those of ``KernelRecipe.quantization_points``. P is quantized against the running
+max with a fixed 2**8 offset; V comes from its transposed copy (tokens contiguous) so that the PV
+wgmma reads both operands K-major.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import to_fp8
+from ._runtime import interpreting
+from .config import QUANT_BLOCK, FwdTiles, KernelRecipe
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _fwd_inner(
+    acc, l_i, m_i, q, q_scale, offs_m,
+    K8, K_SCALE, VT8, VT_SCALE, kv_base, lo, hi, N, NPAD,
+    P_DUMP, p_dump_base,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, P_SCALE: tl.constexpr,
+    DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    offs_d = tl.arange(0, HEAD_DIM)
+    n_blocks = NPAD // QB
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        # K row copy as a (D, BLOCK_N) tile: the head dim (the contraction) is contiguous
+        k_ptrs = K8 + kv_base * N * HEAD_DIM + offs_n[None, :] * HEAD_DIM + offs_d[:, None]
+        if MASK:
+            k = tl.load(k_ptrs, mask=offs_n[None, :] < N, other=0.0)
+            k_scale = tl.load(K_SCALE + kv_base * N + offs_n, mask=offs_n < N, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            k_scale = tl.load(K_SCALE + kv_base * N + offs_n)
+        s = tl.dot(q, k) * (q_scale[:, None] * k_scale[None, :])
+        if MASK:
+            valid = offs_n[None, :] < N
+            if CAUSAL:
+                valid = valid & (offs_m[:, None] >= offs_n[None, :])
+            s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        if MASK:
+            # a row with every key masked so far keeps m = -inf; subtract 0 there instead
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_sub = m_new
+        p = tl.math.exp2(s - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        # Q-point P: float32 -> E4M3, scale 2**8 against the running max, RNE, satfinite
+        p8 = to_fp8(p * P_SCALE, False, INTERPRET)
+        if DEBUG:
+            dump_ptrs = P_DUMP + p_dump_base + offs_m[:, None] * N + offs_n[None, :]
+            tl.store(dump_ptrs, p8.to(tl.uint8, bitcast=True),
+                     mask=(offs_m[:, None] < N) & (offs_n[None, :] < N))
+        # V transposed copy as a (BLOCK_N, D) tile: tokens (the contraction) contiguous; the
+        # padding up to NPAD holds zero codes, so no mask is needed
+        vt_ptrs = VT8 + kv_base * HEAD_DIM * NPAD + offs_d[None, :] * NPAD + offs_n[:, None]
+        vt = tl.load(vt_ptrs)
+        v_scale = tl.load(VT_SCALE + (kv_base * n_blocks + start_n // QB) * HEAD_DIM + offs_d)
+        # promotion: the wgmma chain covers one tile, then one float32 add
+        acc = acc * alpha[:, None] + tl.dot(p8, vt) * v_scale[None, :]
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_kernel(
+    Q8, Q_SCALE, K8, K_SCALE, VT8, VT_SCALE,
+    O, LSE2, P_DUMP,
+    qk_scale, H, GROUP, N, NPAD,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    QB: tl.constexpr, CAUSAL: tl.constexpr, P_SCALE: tl.constexpr,
+    DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)
+    tl.static_assert(QB % BLOCK_N == 0)
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    kv_base = ((bh // H) * (H // GROUP) + (bh % H) // GROUP).to(tl.int64)
+    bh64 = bh.to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    in_seq = offs_m < N
+    q = tl.load(Q8 + bh64 * N * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=in_seq[:, None], other=0.0)
+    # tau * log2(e) rides on the query scale: S2 = S * log2(e), so P = exp2(S2 - m)
+    q_scale = tl.load(Q_SCALE + bh64 * N + offs_m, mask=in_seq, other=0.0) * qk_scale
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    p_dump_base = bh64 * N * N
+    if CAUSAL:
+        # keys [0, start_m) are below the diagonal for every row; the diagonal block is masked
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q_scale, offs_m, K8, K_SCALE, VT8, VT_SCALE,
+                                   kv_base, 0, start_m, N, NPAD, P_DUMP, p_dump_base,
+                                   HEAD_DIM, BLOCK_N, QB, False, True, P_SCALE, DEBUG, INTERPRET)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q_scale, offs_m, K8, K_SCALE, VT8, VT_SCALE,
+                                   kv_base, start_m, tl.minimum(start_m + BLOCK_M, N), N, NPAD,
+                                   P_DUMP, p_dump_base,
+                                   HEAD_DIM, BLOCK_N, QB, True, True, P_SCALE, DEBUG, INTERPRET)
+    else:
+        n_full = (N // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q_scale, offs_m, K8, K_SCALE, VT8, VT_SCALE,
+                                   kv_base, 0, n_full, N, NPAD, P_DUMP, p_dump_base,
+                                   HEAD_DIM, BLOCK_N, QB, False, False, P_SCALE, DEBUG, INTERPRET)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q_scale, offs_m, K8, K_SCALE, VT8, VT_SCALE,
+                                   kv_base, n_full, N, N, NPAD, P_DUMP, p_dump_base,
+                                   HEAD_DIM, BLOCK_N, QB, True, False, P_SCALE, DEBUG, INTERPRET)
+    o = acc / (l_i * P_SCALE)[:, None]
+    tl.store(O + bh64 * N * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
+             o.to(O.dtype.element_ty), mask=in_seq[:, None])
+    tl.store(LSE2 + bh64 * N + offs_m, m_i + tl.math.log2(l_i), mask=in_seq)
+
+
+def forward(
+    q8, k8, vt, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int,
+    causal: bool, scale: float, recipe: KernelRecipe, debug: bool = False,
+):
+    """Run the forward kernel on quantized operands.
+
+    ``q8`` / ``k8`` are row copies and ``vt`` a transposed copy (``quantize.Quantized``). Returns
+    ``(O, LSE2, P codes or None)``: O ``(B, H, N, D)`` BF16, LSE2 ``(B*H, N)`` float32 in base 2
+    (``LSE = LSE2 * ln 2``), and with ``debug`` the E4M3 codes of every quantized P as
+    ``(B*H, N, N)`` uint8 (0 where masked).
+    """
+    tiles: FwdTiles = recipe.fwd
+    dev = q8.rows.device
+    o = torch.empty((batch, heads, n, head_dim), device=dev, dtype=torch.bfloat16)
+    lse2 = torch.empty((batch * heads, n), device=dev, dtype=torch.float32)
+    p_dump = (torch.zeros((batch * heads, n, n), device=dev, dtype=torch.uint8) if debug
+              else torch.empty(1, device=dev, dtype=torch.uint8))
+    grid = (triton.cdiv(n, tiles.block_m), batch * heads)
+    _fwd_kernel[grid](
+        q8.rows, q8.row_scale, k8.rows, k8.row_scale, vt.cols, vt.col_scale,
+        o, lse2, p_dump,
+        scale * LOG2E, heads, heads // kv_heads, n, vt.npad,
+        HEAD_DIM=head_dim, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, QB=QUANT_BLOCK,
+        CAUSAL=causal, P_SCALE=float(2 ** recipe.p_scale_log2), DEBUG=debug,
+        INTERPRET=interpreting(), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    return o, lse2, (p_dump if debug else None)
+
+
+LN2 = math.log(2.0)

@@ -1,0 +1,140 @@
+"""Fused quantization: one read of a BF16 tensor, block-scaled FP8 row and transposed copies.
+
+Each program reads a ``QUANT_BLOCK x D`` tile of ``X: (B, H, N, D)`` once and writes
+
+- the *row copy*: codes scaled per token (amax over the head dim), and
+- the *transposed copy*: codes scaled per channel over the tile's ``QUANT_BLOCK`` tokens, stored
+  ``(D, NPAD)`` with tokens contiguous, the K-major layout FP8 wgmma needs when a matmul contracts
+  over tokens.
+
+For dO it also computes the stale delta ``D_i = sum_d O_id dO_id`` (float32) from the same read:
+the backward's preprocess step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import exp2_int, pow2_floor_exponent, to_fp8
+from ._runtime import interpreting
+from .config import QUANT_BLOCK
+
+_TORCH_FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+
+@dataclass
+class Quantized:
+    """FP8 copies of one ``(B, H, N, D)`` tensor (see ``config`` for the layouts)."""
+
+    n: int
+    rows: torch.Tensor | None = None  #: (B*H, N, D) codes
+    row_scale: torch.Tensor | None = None  #: (B*H, N) dequantization factors
+    cols: torch.Tensor | None = None  #: (B*H, D, NPAD) codes, tokens contiguous
+    col_scale: torch.Tensor | None = None  #: (B*H, NPAD // QUANT_BLOCK, D) dequantization factors
+
+    @property
+    def npad(self) -> int:
+        return triton.cdiv(self.n, QUANT_BLOCK) * QUANT_BLOCK
+
+
+@triton.jit
+def _quantize_kernel(
+    X, stride_xb, stride_xh, stride_xn, stride_xd,
+    XR, XR_SCALE, XT, XT_SCALE,
+    O, stride_ob, stride_oh, stride_on, stride_od, DELTA,
+    H, N, NPAD,
+    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
+    EMIT_ROWS: tl.constexpr, EMIT_COLS: tl.constexpr, WITH_DELTA: tl.constexpr,
+    IS_E5M2: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, HEAD_DIM)
+    in_seq = offs_t < N
+    x_ptrs = (X + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh
+              + offs_t[:, None].to(tl.int64) * stride_xn + offs_d[None, :] * stride_xd)
+    # padding tokens read as 0: they get code 0 in the transposed copy and do not move its amax
+    x = tl.load(x_ptrs, mask=in_seq[:, None], other=0.0).to(tl.float32)
+    bh64 = bh.to(tl.int64)
+    if EMIT_ROWS:
+        # Q-point row copy: one pow2_floor scale per token over the head dim
+        k_row = pow2_floor_exponent(tl.max(tl.abs(x), axis=1), IS_E5M2)
+        codes = to_fp8(x * exp2_int(k_row)[:, None], IS_E5M2, INTERPRET)
+        row_ptrs = XR + bh64 * N * HEAD_DIM + offs_t[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(row_ptrs, codes, mask=in_seq[:, None])
+        tl.store(XR_SCALE + bh64 * N + offs_t, exp2_int(-k_row), mask=in_seq)
+    if EMIT_COLS:
+        # Q-point transposed copy: one pow2_floor scale per channel over BLOCK_T tokens
+        k_col = pow2_floor_exponent(tl.max(tl.abs(x), axis=0), IS_E5M2)
+        codes_t = to_fp8(x * exp2_int(k_col)[None, :], IS_E5M2, INTERPRET)
+        col_ptrs = XT + bh64 * HEAD_DIM * NPAD + offs_d[None, :] * NPAD + offs_t[:, None]
+        tl.store(col_ptrs, codes_t)  # NPAD is a multiple of BLOCK_T: padding is written as 0
+        n_blocks = NPAD // BLOCK_T
+        tl.store(XT_SCALE + (bh64 * n_blocks + pid_t) * HEAD_DIM + offs_d, exp2_int(-k_col))
+    if WITH_DELTA:
+        # stale delta, the backward's preprocess: D_i = sum_d O_id dO_id from BF16 O and dO
+        o_ptrs = (O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+                  + offs_t[:, None].to(tl.int64) * stride_on + offs_d[None, :] * stride_od)
+        o = tl.load(o_ptrs, mask=in_seq[:, None], other=0.0).to(tl.float32)
+        tl.store(DELTA + bh64 * N + offs_t, tl.sum(o * x, axis=1), mask=in_seq)
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: str = "float8_e4m3fn",
+    *,
+    rows: bool = True,
+    cols: bool = True,
+    delta_with: torch.Tensor | None = None,
+) -> tuple[Quantized, torch.Tensor | None]:
+    """Quantize ``x: (B, H, N, D)`` (BF16, any strides) in one pass.
+
+    Returns the copies asked for and, when ``delta_with`` (O, same shape) is given, the stale delta
+    ``rowsum(x * O)`` as ``(B*H, N)`` float32.
+    """
+    if x.ndim != 4:
+        raise ValueError(f"x must be (B, H, N, D), got shape {tuple(x.shape)}")
+    if fmt not in _TORCH_FP8:
+        raise ValueError(f"fmt={fmt!r} must be one of {sorted(_TORCH_FP8)}")
+    bsz, heads, n, d = x.shape
+    if d not in (64, 128):
+        raise ValueError(f"head dim {d=} must be 64 or 128")
+    npad = triton.cdiv(n, QUANT_BLOCK) * QUANT_BLOCK
+    dtype = _TORCH_FP8[fmt]
+    dev = x.device
+    out = Quantized(n=n)
+    dummy8 = torch.empty(1, device=dev, dtype=dtype)
+    dummy32 = torch.empty(1, device=dev, dtype=torch.float32)
+    if rows:
+        out.rows = torch.empty((bsz * heads, n, d), device=dev, dtype=dtype)
+        out.row_scale = torch.empty((bsz * heads, n), device=dev, dtype=torch.float32)
+    if cols:
+        out.cols = torch.empty((bsz * heads, d, npad), device=dev, dtype=dtype)
+        out.col_scale = torch.empty((bsz * heads, npad // QUANT_BLOCK, d), device=dev, dtype=torch.float32)
+    delta = None
+    o = x
+    if delta_with is not None:
+        if delta_with.shape != x.shape:
+            raise ValueError(f"delta_with shape {tuple(delta_with.shape)} != x shape {tuple(x.shape)}")
+        delta = torch.empty((bsz * heads, n), device=dev, dtype=torch.float32)
+        o = delta_with
+    grid = (npad // QUANT_BLOCK, bsz * heads)
+    _quantize_kernel[grid](
+        x, *x.stride(),
+        out.rows if rows else dummy8, out.row_scale if rows else dummy32,
+        out.cols if cols else dummy8, out.col_scale if cols else dummy32,
+        o, *o.stride(), delta if delta is not None else dummy32,
+        heads, n, npad,
+        HEAD_DIM=d, BLOCK_T=QUANT_BLOCK,
+        EMIT_ROWS=rows, EMIT_COLS=cols, WITH_DELTA=delta is not None,
+        IS_E5M2=fmt == "float8_e5m2", INTERPRET=interpreting(),
+        num_warps=4,
+    )
+    return out, delta

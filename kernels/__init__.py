@@ -6,7 +6,7 @@ raises a clear error.
 
 - :func:`attention` — ``torch.autograd.Function`` over BF16 ``(B, H, N, D)`` tensors.
 - :mod:`dmref.kernels.config` — tile configurations and the recipes the kernels implement
-  (``RECIPES["delta_matching"]``, ``RECIPES["stale"]``), importable without triton.
+  (``RECIPES["delta_matching"]``, ``RECIPES["naive_fp8"]``), importable without triton.
 """
 
 from __future__ import annotations

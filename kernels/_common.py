@@ -96,3 +96,10 @@ def quantize_tile(x, IS_E5M2: tl.constexpr, INTERPRET: tl.constexpr):
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
     k = pow2_floor_exponent(amax, IS_E5M2)
     return to_fp8(x * exp2_int(k), IS_E5M2, INTERPRET), exp2_int(-k)
+
+
+@triton.jit
+def quantize_rows(x, IS_E5M2: tl.constexpr, INTERPRET: tl.constexpr):
+    """One pow2_floor scale per row of the 2-D tile: returns (codes, dequantization factors)."""
+    k = pow2_floor_exponent(tl.max(tl.abs(x), axis=1), IS_E5M2)
+    return to_fp8(x * exp2_int(k)[:, None], IS_E5M2, INTERPRET), exp2_int(-k)

@@ -100,7 +100,7 @@ def attention_backward(
     kernel used) and with ``debug`` also ``"ds_rowsum"`` (float32 row sums of the dS tiles that
     dK uses, before quantization), ``"dq_ds_rowsum"`` (row sums of the effective dS behind dQ),
     ``"p_codes"`` / ``"ds_codes"`` (``(B*H, N, N)`` uint8 codes of the dkdv kernel's P and dS) and
-    ``"ds_tile_scale"`` (their per-tile dequantization factors).
+    ``"ds_scale"`` (the dequantization factor of each dS element, ``(B*H, cdiv(N, block_m1), N)``: per query tile and key).
     """
     from . import bwd
     from .quantize import quantize
@@ -142,7 +142,7 @@ def attention(
     """FP8 attention with Delta-Matching (or stale delta), forward and backward.
 
     q: (B, H, N, D), k and v: (B, HKV, N, D), all BF16 on a Hopper GPU; D in {64, 128};
-    ``scale`` defaults to 1/sqrt(D); ``recipe`` is ``"delta_matching"``, ``"stale"`` or a
+    ``scale`` defaults to 1/sqrt(D); ``recipe`` is ``"delta_matching"``, ``"naive_fp8"`` (stale delta) or a
     ``config.KernelRecipe``. Returns O (B, H, N, D) BF16. Fails with a clear message where no
     Hopper GPU is available (unless Triton's interpreter is switched on).
     """

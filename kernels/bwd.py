@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import quantize_tile, to_fp8
+from ._common import quantize_rows, quantize_tile, to_fp8
 from ._runtime import interpreting
 from .config import QUANT_BLOCK, KernelRecipe
 
@@ -47,7 +47,7 @@ def _dq_inner(
     K8, K_SCALE, V8, V_SCALE, KT8, KT_SCALE, kv_base, lo, hi, N, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, MATCHED: tl.constexpr, P_SCALE: tl.constexpr,
-    DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
+    DS_ROWWISE: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     offs_d = tl.arange(0, HEAD_DIM)
     n_blocks = NPAD // QB
@@ -81,12 +81,17 @@ def _dq_inner(
         ds = p * (dp - d_stale[:, None])
         if DEBUG:
             rowsum += tl.sum(ds, axis=1)
-        # Q-point dS: float32 -> E4M3, one pow2_floor scale per BLOCK_M x BLOCK_N tile
-        ds8, ds_inv = quantize_tile(ds, False, INTERPRET)
         # K transposed copy as a (BLOCK_N, D) tile, tokens contiguous; padding codes are zero
         kt = tl.load(KT8 + kv_base * HEAD_DIM * NPAD + offs_d[None, :] * NPAD + offs_n[:, None])
         kt_scale = tl.load(KT_SCALE + (kv_base * n_blocks + start_n // QB) * HEAD_DIM + offs_d)
-        dq += tl.dot(ds8, kt) * (kt_scale * ds_inv)[None, :]
+        if DS_ROWWISE:
+            # Q-point dS: float32 -> E4M3, one pow2_floor scale per query row and BLOCK_N keys
+            ds8, ds_inv = quantize_rows(ds, False, INTERPRET)
+            dq += tl.dot(ds8, kt) * kt_scale[None, :] * ds_inv[:, None]
+        else:
+            # Q-point dS: float32 -> E4M3, one pow2_floor scale per BLOCK_M x BLOCK_N tile
+            ds8, ds_inv = quantize_tile(ds, False, INTERPRET)
+            dq += tl.dot(ds8, kt) * (kt_scale * ds_inv)[None, :]
         if MATCHED:
             # Q-point P (kbar): float32 -> E4M3, scale 2**8 against LSE
             p8 = to_fp8(p * P_SCALE, False, INTERPRET)
@@ -102,9 +107,8 @@ def _bwd_dq_kernel(
     qk_scale, sm_scale, H, GROUP, N, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
     CAUSAL: tl.constexpr, MATCHED: tl.constexpr, P_SCALE: tl.constexpr,
-    DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
+    DS_ROWWISE: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    tl.static_assert(BLOCK_M % BLOCK_N == 0)
     tl.static_assert(QB % BLOCK_N == 0)
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
@@ -127,28 +131,28 @@ def _bwd_dq_kernel(
     rowsum = tl.zeros([BLOCK_M], tl.float32)
     if start_m + BLOCK_M <= N:
         if CAUSAL:
-            lo_diag = start_m
+            lo_diag = (start_m // BLOCK_N) * BLOCK_N
         else:
             lo_diag = (N // BLOCK_N) * BLOCK_N
         # keys below the diagonal (causal) or in full tiles: no mask
         dq, kbar, pdp, psum, rowsum = _dq_inner(
             dq, kbar, pdp, psum, rowsum, q, q_scale, do, do_scale, lse2, d_stale, offs_m,
             K8, K_SCALE, V8, V_SCALE, KT8, KT_SCALE, kv_base, 0, lo_diag, N, NPAD,
-            HEAD_DIM, BLOCK_N, QB, False, CAUSAL, MATCHED, P_SCALE, DEBUG, INTERPRET)
+            HEAD_DIM, BLOCK_N, QB, False, CAUSAL, MATCHED, P_SCALE, DS_ROWWISE, DEBUG, INTERPRET)
         if CAUSAL:
-            hi_diag = start_m + BLOCK_M
+            hi_diag = tl.minimum(start_m + BLOCK_M, N)
         else:
             hi_diag = N
         dq, kbar, pdp, psum, rowsum = _dq_inner(
             dq, kbar, pdp, psum, rowsum, q, q_scale, do, do_scale, lse2, d_stale, offs_m,
             K8, K_SCALE, V8, V_SCALE, KT8, KT_SCALE, kv_base, lo_diag, hi_diag, N, NPAD,
-            HEAD_DIM, BLOCK_N, QB, True, CAUSAL, MATCHED, P_SCALE, DEBUG, INTERPRET)
+            HEAD_DIM, BLOCK_N, QB, True, CAUSAL, MATCHED, P_SCALE, DS_ROWWISE, DEBUG, INTERPRET)
     else:
         # the last, partial query block: rows past N must not move the dS tile scales
         dq, kbar, pdp, psum, rowsum = _dq_inner(
             dq, kbar, pdp, psum, rowsum, q, q_scale, do, do_scale, lse2, d_stale, offs_m,
             K8, K_SCALE, V8, V_SCALE, KT8, KT_SCALE, kv_base, 0, N, N, NPAD,
-            HEAD_DIM, BLOCK_N, QB, True, CAUSAL, MATCHED, P_SCALE, DEBUG, INTERPRET)
+            HEAD_DIM, BLOCK_N, QB, True, CAUSAL, MATCHED, P_SCALE, DS_ROWWISE, DEBUG, INTERPRET)
     if MATCHED:
         # delta step (matched), normalized by the same P's mass: sum_j dS_ij = 0 up to rounding
         d_matched = pdp / tl.where(psum > 0, psum, 1.0)  # psum = 0 only on rows past N
@@ -172,11 +176,11 @@ def _bwd_dq_kernel(
 def _dkdv_inner(
     dk, dv, k, k_scale, v, v_scale, start_n, offs_n,
     Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA,
-    DS_ROWSUM, P_DUMP, DS_DUMP, DS_TILE_SCALE,
+    DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE,
     bh64, lo, hi, qk_scale, N, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, P_SCALE: tl.constexpr,
-    DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
+    DS_ROWWISE: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     offs_d = tl.arange(0, HEAD_DIM)
     n_blocks = NPAD // QB
@@ -219,20 +223,24 @@ def _dkdv_inner(
         dv += tl.dot(p8_t, do_tok) * tl.load(DOT_SCALE + tok_scale)[None, :]
         # dS = P (dP - D), with D stale or matched as the caller chose
         ds_t = p_t * (dp_t - delta[None, :])
-        # Q-point dS: float32 -> E4M3, one pow2_floor scale per BLOCK_M x BLOCK_N tile
-        ds8_t, ds_inv = quantize_tile(ds_t, False, INTERPRET)
+        if DS_ROWWISE:
+            # Q-point dS: float32 -> E4M3, one pow2_floor scale per key and BLOCK_M queries
+            ds8_t, ds_inv = quantize_rows(ds_t, False, INTERPRET)
+        else:
+            # Q-point dS: float32 -> E4M3, one pow2_floor scale per BLOCK_M x BLOCK_N tile
+            ds8_t, ds_inv = quantize_tile(ds_t, False, INTERPRET)
+            ds_inv = tl.full([BLOCK_N], 1.0, tl.float32) * ds_inv
         if DEBUG:
             tl.atomic_add(DS_ROWSUM + bh64 * N + offs_m, tl.sum(ds_t, axis=0), mask=offs_m < N)
             dump = bh64 * N * N + offs_m[None, :] * N + offs_n[:, None]
             dump_mask = (offs_m[None, :] < N) & (offs_n[:, None] < N)
             tl.store(P_DUMP + dump, p8_t.to(tl.uint8, bitcast=True), mask=dump_mask)
             tl.store(DS_DUMP + dump, ds8_t.to(tl.uint8, bitcast=True), mask=dump_mask)
-            n_tiles_m = tl.cdiv(N, BLOCK_M)
-            n_tiles_n = tl.cdiv(N, BLOCK_N)
-            tile = (bh64 * n_tiles_m + start_m // BLOCK_M) * n_tiles_n + start_n // BLOCK_N
-            tl.store(DS_TILE_SCALE + tile, ds_inv)
+            # dequantization factor of dS[:, j] in this query tile: (B*H, cdiv(N, BLOCK_M), N)
+            scale_ptrs = (bh64 * tl.cdiv(N, BLOCK_M) + start_m // BLOCK_M) * N + offs_n
+            tl.store(DS_SCALE + scale_ptrs, ds_inv, mask=offs_n < N)
         q_tok = tl.load(QT8 + tok_ptrs)
-        dk += tl.dot(ds8_t, q_tok) * (tl.load(QT_SCALE + tok_scale) * ds_inv)[None, :]
+        dk += tl.dot(ds8_t, q_tok) * tl.load(QT_SCALE + tok_scale)[None, :] * ds_inv[:, None]
     return dk, dv
 
 
@@ -240,12 +248,12 @@ def _dkdv_inner(
 def _bwd_dkdv_kernel(
     Q8, Q_SCALE, QT8, QT_SCALE, K8, K_SCALE, V8, V_SCALE,
     DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA,
-    DK, DV, DS_ROWSUM, P_DUMP, DS_DUMP, DS_TILE_SCALE,
+    DK, DV, DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE,
     qk_scale, sm_scale, H, HKV, N, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
-    CAUSAL: tl.constexpr, P_SCALE: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
+    CAUSAL: tl.constexpr, P_SCALE: tl.constexpr, DS_ROWWISE: tl.constexpr,
+    DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    tl.static_assert(BLOCK_N % BLOCK_M == 0)
     tl.static_assert(QB % BLOCK_M == 0)
     start_n = tl.program_id(0) * BLOCK_N
     bkv = tl.program_id(1)
@@ -255,7 +263,7 @@ def _bwd_dkdv_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     in_seq = offs_n < N
     rows = bkv64 * N * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
-    # K and V row copies stay in registers/shared memory for the whole loop
+    # K and V row copies stay on chip for the whole loop
     k = tl.load(K8 + rows, mask=in_seq[:, None], other=0.0)
     v = tl.load(V8 + rows, mask=in_seq[:, None], other=0.0)
     k_scale = tl.load(K_SCALE + bkv64 * N + offs_n, mask=in_seq, other=0.0)
@@ -263,47 +271,46 @@ def _bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     if CAUSAL:
-        lo = start_n
+        # query tiles that touch the diagonal [start_n, start_n + BLOCK_N): causal mask; tiles
+        # divide one another, so these are whole query tiles
+        lo = (start_n // BLOCK_M) * BLOCK_M
+        hi_diag = tl.cdiv(start_n + BLOCK_N, BLOCK_M) * BLOCK_M
     else:
         lo = 0
+        hi_diag = 0
     n_full = (N // BLOCK_M) * BLOCK_M
     for g in range(0, group):
-        bh64 = (bkv // HKV) * H + (bkv % HKV) * group + g
-        bh64 = bh64.to(tl.int64)
+        bh64 = ((bkv // HKV) * H + (bkv % HKV) * group + g).to(tl.int64)
         if start_n + BLOCK_N <= N:
             if CAUSAL:
-                # queries on the diagonal block: causal mask
                 dk, dv = _dkdv_inner(
                     dk, dv, k, k_scale, v, v_scale, start_n, offs_n,
                     Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA,
-                    DS_ROWSUM, P_DUMP, DS_DUMP, DS_TILE_SCALE,
-                    bh64, start_n, start_n + BLOCK_N, qk_scale, N, NPAD,
-                    HEAD_DIM, BLOCK_M, BLOCK_N, QB, True, CAUSAL, P_SCALE, DEBUG, INTERPRET)
-                lo_full = start_n + BLOCK_N
-            else:
-                lo_full = 0
-            # queries in full tiles past the diagonal: no mask
+                    DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE,
+                    bh64, lo, tl.minimum(hi_diag, N), qk_scale, N, NPAD,
+                    HEAD_DIM, BLOCK_M, BLOCK_N, QB, True, CAUSAL, P_SCALE, DS_ROWWISE, DEBUG, INTERPRET)
+            # full query tiles past the diagonal: no mask
             dk, dv = _dkdv_inner(
                 dk, dv, k, k_scale, v, v_scale, start_n, offs_n,
                 Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA,
-                DS_ROWSUM, P_DUMP, DS_DUMP, DS_TILE_SCALE,
-                bh64, lo_full, n_full, qk_scale, N, NPAD,
-                HEAD_DIM, BLOCK_M, BLOCK_N, QB, False, CAUSAL, P_SCALE, DEBUG, INTERPRET)
+                DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE,
+                bh64, hi_diag, n_full, qk_scale, N, NPAD,
+                HEAD_DIM, BLOCK_M, BLOCK_N, QB, False, CAUSAL, P_SCALE, DS_ROWWISE, DEBUG, INTERPRET)
             # the partial query tile at the end
             dk, dv = _dkdv_inner(
                 dk, dv, k, k_scale, v, v_scale, start_n, offs_n,
                 Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA,
-                DS_ROWSUM, P_DUMP, DS_DUMP, DS_TILE_SCALE,
-                bh64, tl.maximum(n_full, lo_full), N, qk_scale, N, NPAD,
-                HEAD_DIM, BLOCK_M, BLOCK_N, QB, True, CAUSAL, P_SCALE, DEBUG, INTERPRET)
+                DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE,
+                bh64, tl.maximum(n_full, hi_diag), N, qk_scale, N, NPAD,
+                HEAD_DIM, BLOCK_M, BLOCK_N, QB, True, CAUSAL, P_SCALE, DS_ROWWISE, DEBUG, INTERPRET)
         else:
-            # the last, partial key block: keys past N must not move the dS tile scales
+            # the last, partial key block: keys past N must not move the dS scales
             dk, dv = _dkdv_inner(
                 dk, dv, k, k_scale, v, v_scale, start_n, offs_n,
                 Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA,
-                DS_ROWSUM, P_DUMP, DS_DUMP, DS_TILE_SCALE,
+                DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE,
                 bh64, lo, N, qk_scale, N, NPAD,
-                HEAD_DIM, BLOCK_M, BLOCK_N, QB, True, CAUSAL, P_SCALE, DEBUG, INTERPRET)
+                HEAD_DIM, BLOCK_M, BLOCK_N, QB, True, CAUSAL, P_SCALE, DS_ROWWISE, DEBUG, INTERPRET)
     tl.store(DK + rows, (dk * sm_scale).to(DK.dtype.element_ty), mask=in_seq[:, None])
     tl.store(DV + rows, (dv * (1.0 / P_SCALE)).to(DV.dtype.element_ty), mask=in_seq[:, None])
 
@@ -342,12 +349,12 @@ def backward(
         dbg["ds_rowsum"] = torch.zeros((batch * heads, n), device=dev, dtype=torch.float32)
         dbg["p_codes"] = torch.zeros((batch * heads, n, n), device=dev, dtype=torch.uint8)
         dbg["ds_codes"] = torch.zeros((batch * heads, n, n), device=dev, dtype=torch.uint8)
-        dbg["ds_tile_scale"] = torch.zeros(
-            (batch * heads, triton.cdiv(n, t.block_m1), triton.cdiv(n, t.block_n1)),
-            device=dev, dtype=torch.float32)
+        dbg["ds_scale"] = torch.zeros((batch * heads, triton.cdiv(n, t.block_m1), n),
+                                      device=dev, dtype=torch.float32)
     q8, k8, v8 = saved.q, saved.k, saved.v
     common = dict(HEAD_DIM=head_dim, QB=QUANT_BLOCK, CAUSAL=causal,
-                  P_SCALE=float(2 ** recipe.p_scale_log2), DEBUG=debug, INTERPRET=interpreting())
+                  P_SCALE=float(2 ** recipe.p_scale_log2), DS_ROWWISE=recipe.ds_granularity == "1x128",
+                  DEBUG=debug, INTERPRET=interpreting())
 
     def run_dq():
         _bwd_dq_kernel[(triton.cdiv(n, t.block_m2), batch * heads)](
@@ -365,7 +372,7 @@ def backward(
             v8.rows, v8.row_scale, do8.rows, do8.row_scale, do_t.cols, do_t.col_scale,
             saved.lse2, delta_matched,
             dk, dv, dbg.get("ds_rowsum", dummy32), dbg.get("p_codes", dummy8),
-            dbg.get("ds_codes", dummy8), dbg.get("ds_tile_scale", dummy32),
+            dbg.get("ds_codes", dummy8), dbg.get("ds_scale", dummy32),
             qk_scale, scale, heads, kv_heads, n, npad,
             BLOCK_M=t.block_m1, BLOCK_N=t.block_n1,
             num_warps=t.num_warps_dkdv, num_stages=t.num_stages_dkdv, **common)

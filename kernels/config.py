@@ -49,9 +49,8 @@ class FwdTiles:
     num_stages: int = 3  #: software-pipelining depth (Triton launch option)
 
     def __post_init__(self) -> None:
+        _check_tile("block_m", self.block_m)
         _check_tile("block_n", self.block_n)
-        if self.block_m % self.block_n:
-            raise ValueError(f"{self.block_m=} must be a multiple of {self.block_n=} (causal split)")
 
 
 @dataclass(frozen=True)
@@ -59,32 +58,31 @@ class BwdTiles:
     """Backward tiling of the two named kernels.
 
     - ``dkdv``: one program per ``block_n1`` keys (and one key/value head, summing over its query
-      heads), looping over ``block_m1`` queries; dS is quantized per ``block_m1 x block_n1`` tile.
-    - ``dq``: one program per ``block_m2`` queries, looping over ``block_n2`` keys; dS is quantized
-      per ``block_m2 x block_n2`` tile.
+      heads), looping over ``block_m1`` queries.
+    - ``dq``: one program per ``block_m2`` queries, looping over ``block_n2`` keys.
+
+    dS is quantized per ``block_m1`` queries for dK and per ``block_n2`` keys for dQ (the
+    contraction of the tile), so with the ``1x128`` dS granularity both are 128.
     """
 
-    block_m1: int = 64
-    block_n1: int = 128
-    block_m2: int = 128
-    block_n2: int = 64
+    block_m1: int = 128
+    block_n1: int = 64
+    block_m2: int = 64
+    block_n2: int = 128
     num_warps_dkdv: int = 8
     num_stages_dkdv: int = 2
     num_warps_dq: int = 8
     num_stages_dq: int = 2
 
     def __post_init__(self) -> None:
-        _check_tile("block_m1", self.block_m1)
-        _check_tile("block_n2", self.block_n2)
-        if self.block_n1 % self.block_m1:
-            raise ValueError(f"{self.block_n1=} must be a multiple of {self.block_m1=} (causal split)")
-        if self.block_m2 % self.block_n2:
-            raise ValueError(f"{self.block_m2=} must be a multiple of {self.block_n2=} (causal split)")
+        for name in ("block_m1", "block_n1", "block_m2", "block_n2"):
+            _check_tile(name, getattr(self, name))
 
 
 def _check_tile(name: str, value: int) -> None:
     # A token tile that feeds a K-major FP8 operand must lie inside one scale block, and FP8 wgmma
-    # contracts 32 elements per step.
+    # contracts 32 elements per step; so tiles are 32, 64 or 128 and divide one another, which
+    # the causal loop split relies on.
     if value < 32 or QUANT_BLOCK % value:
         raise ValueError(f"{name}={value} must be >= 32 and divide QUANT_BLOCK={QUANT_BLOCK}")
 
@@ -111,6 +109,10 @@ class KernelRecipe:
     #: format of both dO copies
     do_format: str = "float8_e4m3fn"
     ds_format: str = "float8_e4m3fn"
+    #: ``"1x128"``: one scale per row of dS and 128 elements of the contraction (per query and
+    #: 128 keys for dQ, per key and 128 queries for dK), as the reference's 1x128 granularity;
+    #: ``"tile"``: one scale per backward tile
+    ds_granularity: Literal["1x128", "tile"] = "1x128"
     p_format: str = "float8_e4m3fn"
     p_scale_log2: int = P_SCALE_LOG2
     fwd: FwdTiles = field(default_factory=FwdTiles)
@@ -124,6 +126,13 @@ class KernelRecipe:
             raise ValueError(f"do_format={self.do_format!r} must be float8_e4m3fn or float8_e5m2")
         if self.delta not in ("stale", "matched"):
             raise ValueError(f"delta={self.delta!r} must be 'stale' or 'matched'")
+        if self.ds_granularity == "1x128":
+            if (self.bwd.block_m1, self.bwd.block_n2) != (QUANT_BLOCK, QUANT_BLOCK):
+                raise ValueError(
+                    f"ds_granularity='1x128' needs block_m1 = block_n2 = {QUANT_BLOCK}, got "
+                    f"{self.bwd.block_m1=}, {self.bwd.block_n2=}")
+        elif self.ds_granularity != "tile":
+            raise ValueError(f"ds_granularity={self.ds_granularity!r} must be '1x128' or 'tile'")
 
     def with_tiles(self, fwd: FwdTiles | None = None, bwd: BwdTiles | None = None) -> "KernelRecipe":
         return dataclasses.replace(self, fwd=fwd or self.fwd, bwd=bwd or self.bwd)
@@ -132,6 +141,12 @@ class KernelRecipe:
         """One line per quantization point, in the words the reference uses."""
         b = self.bwd
         p = f"2**{self.p_scale_log2}"
+        if self.ds_granularity == "1x128":
+            ds_dk = f"{self.ds_format}, one pow2_floor scale per key and {b.block_m1} queries"
+            ds_dq = f"{self.ds_format}, one pow2_floor scale per query and {b.block_n2} keys"
+        else:
+            ds_dk = f"{self.ds_format}, one pow2_floor scale per {b.block_m1} x {b.block_n1} tile"
+            ds_dq = f"{self.ds_format}, one pow2_floor scale per {b.block_m2} x {b.block_n2} tile"
         return {
             "Q (QK^T, fwd and bwd)": f"{self.qkv_format}, 1 x D per token, pow2_floor, RNE satfinite",
             "K (QK^T, fwd and bwd)": f"{self.qkv_format}, 1 x D per token, pow2_floor, RNE satfinite",
@@ -142,9 +157,9 @@ class KernelRecipe:
             "dO (dO V^T)": f"{self.do_format}, 1 x D per token, pow2_floor",
             "P (P^T dO)": f"{self.p_format}, P * {p} against LSE",
             "dO (P^T dO)": f"{self.do_format}, {QUANT_BLOCK} tokens x 1 channel, pow2_floor",
-            "dS (dS^T Q)": f"{self.ds_format}, one pow2_floor scale per {b.block_m1} x {b.block_n1} tile",
+            "dS (dS^T Q)": ds_dk,
             "Q (dS^T Q)": f"{self.qkv_format}, {QUANT_BLOCK} tokens x 1 channel, pow2_floor",
-            "dS (dS K)": f"{self.ds_format}, one pow2_floor scale per {b.block_m2} x {b.block_n2} tile",
+            "dS (dS K)": ds_dq,
             "K (dS K)": f"{self.qkv_format}, {QUANT_BLOCK} tokens x 1 channel, pow2_floor",
             "delta": _DELTA_WORDS[self.delta],
         }
@@ -161,9 +176,11 @@ _DELTA_WORDS = {
 }
 
 #: The recipes the kernels implement, by name.
+#: The names are those of the reference presets they implement (``dmref.recipes``):
+#: ``naive_fp8`` is every matmul in block-scaled FP8 with the stale delta.
 RECIPES: dict[str, KernelRecipe] = {
     "delta_matching": KernelRecipe(name="delta_matching", delta="matched"),
-    "stale": KernelRecipe(name="stale", delta="stale"),
+    "naive_fp8": KernelRecipe(name="naive_fp8", delta="stale"),
 }
 
 

@@ -91,7 +91,6 @@ def _fwd_kernel(
     QB: tl.constexpr, CAUSAL: tl.constexpr, P_SCALE: tl.constexpr,
     DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    tl.static_assert(BLOCK_M % BLOCK_N == 0)
     tl.static_assert(QB % BLOCK_N == 0)
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
@@ -109,12 +108,14 @@ def _fwd_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     p_dump_base = bh64 * N * N
     if CAUSAL:
-        # keys [0, start_m) are below the diagonal for every row; the diagonal block is masked
+        # key tiles wholly below the diagonal for every row: no mask; the rest up to the
+        # diagonal: causal mask (tiles divide one another, so the split is tile-aligned)
+        lo_diag = (start_m // BLOCK_N) * BLOCK_N
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q_scale, offs_m, K8, K_SCALE, VT8, VT_SCALE,
-                                   kv_base, 0, start_m, N, NPAD, P_DUMP, p_dump_base,
+                                   kv_base, 0, lo_diag, N, NPAD, P_DUMP, p_dump_base,
                                    HEAD_DIM, BLOCK_N, QB, False, True, P_SCALE, DEBUG, INTERPRET)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q_scale, offs_m, K8, K_SCALE, VT8, VT_SCALE,
-                                   kv_base, start_m, tl.minimum(start_m + BLOCK_M, N), N, NPAD,
+                                   kv_base, lo_diag, tl.minimum(start_m + BLOCK_M, N), N, NPAD,
                                    P_DUMP, p_dump_base,
                                    HEAD_DIM, BLOCK_N, QB, True, True, P_SCALE, DEBUG, INTERPRET)
     else:

@@ -1,0 +1,426 @@
+"""Recipes: what a given FP8 attention implementation does, written down as data.
+
+A :class:`Recipe` names, for every quantization point of the seven attention matmuls, the format,
+the scale granularity, the scale rule and the rounding; the accumulation model of each matmul; how
+P is scaled before it is quantized; what the forward normalizes by; the delta strategy; and the
+tile sizes. The emulated reference (:mod:`dmref.tiled`) and every kernel take the same object.
+
+The seven matmuls and their quantization points (field names in brackets)::
+
+    forward    S  = Q Kᵀ      [q, k]        contraction over the head dim d
+               O  = P V       [p, v]        contraction over the keys j
+    backward   S  = Q Kᵀ      [q, k]        the recompute: the very same operands (assumption A1)
+               dP = dO Vᵀ     [do_dp, v_dp] contraction over d
+               dV = Pᵀ dO     [p_dv, do_dv] contraction over the queries i
+               dQ = dS K      [ds_dq, k_dq] contraction over j
+               dK = dSᵀ Q     [ds_dk, q_dk] contraction over i
+
+Scale granularities are stated relative to the contraction of the matmul the operand enters
+(see :class:`Granularity`), so "V blocked along the sequence in the forward and along the head dim
+in the backward" (DESIGN.md source 4) is simply ``v`` and ``v_dp`` with the same granularity.
+
+Everything here is plain frozen dataclasses and enums: no torch import.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, replace
+
+__all__ = [
+    "Accumulation",
+    "DeltaKind",
+    "DeltaStrategy",
+    "Granularity",
+    "Normalizer",
+    "PReference",
+    "PScaling",
+    "PRESETS",
+    "QuantPoint",
+    "Recipe",
+    "ScaleRule",
+    "Tiles",
+    "get_recipe",
+    "MATMULS",
+]
+
+
+class Granularity(enum.Enum):
+    """Which elements share one scale. "Row" and "contraction" refer to the operand laid out as
+    (rows, contraction) for the matmul it enters; batch and heads are always separate rows."""
+
+    TENSOR = "tensor"  #: one scale for the whole operand, across batch and heads (cuDNN per-tensor)
+    ROW = "row"  #: one scale per row, over the whole contraction
+    TILE_1x128 = "1x128"  #: one scale per row and 128 consecutive contraction elements (DeepSeek-V3 activations)
+    BLOCK_128x128 = "128x128"  #: one scale per 128 rows x 128 contraction elements; transpose-invariant
+    MX32 = "mx32"  #: one scale per row and 32 consecutive contraction elements (OCP MX v1.0)
+
+    @property
+    def block(self) -> tuple[int, int] | None:
+        """(rows, contraction) extent of one scale block; None for whole-tensor or whole-row."""
+        return {
+            Granularity.TILE_1x128: (1, 128),
+            Granularity.BLOCK_128x128: (128, 128),
+            Granularity.MX32: (1, 32),
+        }.get(self)
+
+
+class ScaleRule(enum.Enum):
+    """How a block's scale s is chosen from its amax; the stored value is Q(x / s) and the operand
+    the matmul sees is s * Q(x / s). A block whose amax is 0 gets s = 1 (its codes are all zero);
+    a NaN or inf anywhere in a block makes s, and so the whole dequantized block, NaN."""
+
+    FIXED = "fixed"  #: no data-dependent scale: s = 1, or s = 2^-offset for P (see PScaling)
+    AMAX = "amax"  #: s = amax / fmt.max in float32 (current scaling; not a power of two)
+    POW2_DOWN = "pow2_down"  #: Transformer Engine: the multiplier fmt.max / amax (float32) rounded down to a power of two
+    MX_OCP = "mx_ocp"  #: E8M0 s = 2^(floor(log2 amax) - emax_elem) (OCP MX v1.0 6.3); may saturate the block max
+    MX_NVIDIA = "mx_nvidia"  #: E8M0 s = amax / fmt.max (float32) rounded up to a power of two (cuDNN / TE MXFP8)
+
+    @property
+    def is_dynamic(self) -> bool:
+        """Whether the scale depends on the data (and so on which elements a block holds)."""
+        return self is not ScaleRule.FIXED
+
+
+@dataclass(frozen=True)
+class QuantPoint:
+    """One operand of one matmul: how it is rounded before the matmul sees it.
+
+    ``fmt=None`` means the operand is not rounded: the matmul sees it in the recipe's working
+    precision. ``fmt`` is a format name of :mod:`dmref.emulation` (``"float8_e4m3fn"``,
+    ``"e5m2"``, ``"bfloat16"`` ...). ``saturate=True`` is ``satfinite``: overflow clamps to
+    +-fmt.max (what ``cvt.rn.satfinite`` and torch's e4m3fn cast do).
+    """
+
+    fmt: str | None = None
+    granularity: Granularity = Granularity.TENSOR
+    scale_rule: ScaleRule = ScaleRule.FIXED
+    rounding: str = "nearest_even"
+    saturate: bool = True
+
+    @property
+    def quantized(self) -> bool:
+        return self.fmt is not None
+
+    def describe(self) -> str:
+        """One line, as in the marker comments: ``E4M3, 1x128, pow2_down, RNE, satfinite``."""
+        if self.fmt is None:
+            return "not rounded"
+        short = {"float8_e4m3fn": "E4M3", "e4m3": "E4M3", "float8_e5m2": "E5M2", "e5m2": "E5M2",
+                 "bfloat16": "BF16", "bf16": "BF16", "float16": "FP16"}.get(self.fmt, self.fmt)
+        rnd = {"nearest_even": "RNE"}.get(self.rounding, self.rounding)
+        sat = "satfinite" if self.saturate else "overflow per format"
+        return f"{short}, {self.granularity.value}, {self.scale_rule.value}, {rnd}, {sat}"
+
+
+#: The operand is used as it is.
+NONE = QuantPoint()
+
+
+class PReference(enum.Enum):
+    """What P is computed against before it is quantized (all in base 2: x = S * log2(e))."""
+
+    RUNNING_MAX = "running_max"  #: forward: p = 2^(x - m), m the running row max over the key tiles seen so far (FlashAttention)
+    POW2_RUNNING_MAX = "pow2_running_max"  #: forward: p = 2^(x - k), k = ceil(m) an integer, so rescaling between tiles is by exact powers of two
+    LSE = "lse"  #: backward: P = 2^(x - lse), lse = m + log2(l) saved by the forward
+    SAVED_MAX = "saved_max"  #: backward: p = 2^(x - k) with the forward's final reference k, normalized by the forward's l (consistent P)
+
+
+@dataclass(frozen=True)
+class PScaling:
+    """How P is formed before its quantization point.
+
+    P enters its quantization point multiplied by 2^offset_log2 (FlashAttention-3 uses 8, so
+    P in (0, 1] lands in (0, 256] inside E4M3's range with ``ScaleRule.FIXED``); the matmul sees
+    the dequantized value times 2^-offset_log2, i.e. P in probability units. With a dynamic
+    power-of-two scale rule the offset changes nothing (Q(2^k x) = 2^k Q(x) for those rules).
+    """
+
+    reference: PReference
+    offset_log2: int = 0
+
+
+class Normalizer(enum.Enum):
+    """What the forward divides the P V accumulator by."""
+
+    FP32_SUM = "fp32_sum"  #: l = sum_j p_ij of the unquantized p (FlashAttention; with quantized P the weights sum to != 1)
+    QUANTIZED_SUM = "quantized_sum"  #: l = sum_j p~_ij of the quantized p actually multiplied into V
+
+
+class DeltaKind(enum.Enum):
+    """How D_i, the row constant in dS = P * (dP - D), is computed. Equations in dmref/tiled.py."""
+
+    STALE = "stale"  #: D_i = sum_d dO'_id O'_id from the saved O (FlashAttention-2 preprocess; cuDNN per-tensor)
+    MATCHED = "matched"  #: D_i = sum_j P_ij dP^_ij with the very P and dP^ that form dS (Delta-Matching)
+    CONSISTENT_P = "consistent_p"  #: dS uses the forward's quantized P~/l~; D_i = dO^_i . O_i with the dP matmul's dO^
+
+
+@dataclass(frozen=True)
+class DeltaStrategy:
+    """A delta strategy. ``do`` and ``o`` say how dO and the saved O are rounded as they enter a
+    STALE delta (the other kinds take their operands from the dP matmul and ignore them)."""
+
+    kind: DeltaKind
+    do: QuantPoint = NONE
+    o: QuantPoint = NONE
+
+    @property
+    def name(self) -> str:
+        if self.kind is DeltaKind.STALE:
+            return "stale_fp8_do" if (self.do.fmt or "").startswith(("float8", "e4m3", "e5m2")) else "stale"
+        return self.kind.value
+
+
+_BF16 = QuantPoint("bfloat16")
+_E5M2_TENSOR = QuantPoint("float8_e5m2", Granularity.TENSOR, ScaleRule.AMAX)
+_E4M3_TENSOR = QuantPoint("float8_e4m3fn", Granularity.TENSOR, ScaleRule.AMAX)
+
+#: D_i = rowsum(dO ∘ O) with BF16 dO and the saved O (FlashAttention-2/3, cuDNN MXFP8).
+STALE = DeltaStrategy(DeltaKind.STALE, do=_BF16)
+#: D_i = descale_dO descale_O rowsum(dO_fp8 ∘ O_fp8), per-tensor scales (cuDNN FP8 backward).
+STALE_FP8_DO = DeltaStrategy(DeltaKind.STALE, do=_E5M2_TENSOR, o=_E4M3_TENSOR)
+#: Delta-Matching.
+MATCHED = DeltaStrategy(DeltaKind.MATCHED)
+#: Consistent P.
+CONSISTENT_P = DeltaStrategy(DeltaKind.CONSISTENT_P)
+#: D from unrounded dO and O: the exact preset's FlashAttention-2 delta.
+STALE_UNROUNDED = DeltaStrategy(DeltaKind.STALE)
+
+#: The seven matmuls, by the names used in :class:`Accumulation`.
+MATMULS = ("qk", "pv", "qk_bwd", "dp", "dv", "dq", "dk")
+
+
+@dataclass(frozen=True)
+class Accumulation:
+    """The accumulation model of each matmul, by name.
+
+    ``"fp32"``: torch float32 matmul of the dequantized operands (each product is exact when both
+    operands have at most 12 significant bits, as FP8 and BF16 values with power-of-two scales
+    do; the summation order is torch's). ``"float64"``: float64 matmul, the result kept in float64
+    (the exact preset). ``"exact"``: float64 matmul rounded once to float32. ``"hopper"`` and any
+    other name: the emulated GEMM of :mod:`dmref.emulation` with that model name.
+    """
+
+    qk: str = "fp32"
+    pv: str = "fp32"
+    qk_bwd: str = "fp32"
+    dp: str = "fp32"
+    dv: str = "fp32"
+    dq: str = "fp32"
+    dk: str = "fp32"
+
+    @classmethod
+    def all(cls, model: str) -> "Accumulation":
+        return cls(**{m: model for m in MATMULS})
+
+    def models(self) -> set[str]:
+        return {getattr(self, m) for m in MATMULS}
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Tile sizes of the kernel the recipe describes.
+
+    The forward's online softmax rescales once per ``block_k`` keys (this changes the running
+    max P is quantized against). Both sizes must be multiples of 128 so that every scale block
+    (1x128, 128x128, MX-32) lies inside one tile. The emulation processes all query rows of a key
+    tile at once; since rows are independent this equals any ``block_q`` that is a multiple of 128.
+    """
+
+    block_q: int = 128
+    block_k: int = 128
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0 or value % 128:
+                raise ValueError(f"Tiles.{name}={value!r} must be a positive multiple of 128")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything that decides the numbers of one FP8 attention implementation."""
+
+    name: str
+    # forward: S = Q Kᵀ (and its backward recompute), O = P V
+    q: QuantPoint = NONE
+    k: QuantPoint = NONE
+    v: QuantPoint = NONE
+    p: QuantPoint = NONE
+    o: QuantPoint = NONE  #: O as returned and saved for the backward
+    # backward
+    do_dp: QuantPoint = NONE
+    v_dp: QuantPoint = NONE
+    p_dv: QuantPoint = NONE
+    do_dv: QuantPoint = NONE
+    ds_dq: QuantPoint = NONE
+    k_dq: QuantPoint = NONE
+    ds_dk: QuantPoint = NONE
+    q_dk: QuantPoint = NONE
+    accumulation: Accumulation = field(default_factory=Accumulation)
+    p_fwd: PScaling = PScaling(PReference.RUNNING_MAX)
+    p_bwd: PScaling = PScaling(PReference.LSE)
+    normalizer: Normalizer = Normalizer.FP32_SUM
+    delta: DeltaStrategy = STALE
+    tiles: Tiles = field(default_factory=Tiles)
+    precision: str = "float32"  #: working precision of everything outside the matmuls
+
+    def __post_init__(self):
+        if self.precision not in ("float32", "float64"):
+            raise ValueError(f"Recipe.precision={self.precision!r} must be 'float32' or 'float64'")
+        if self.p_fwd.reference not in (PReference.RUNNING_MAX, PReference.POW2_RUNNING_MAX):
+            raise ValueError(f"Recipe.p_fwd.reference={self.p_fwd.reference} is not a forward reference")
+        if self.p_bwd.reference not in (PReference.LSE, PReference.SAVED_MAX):
+            raise ValueError(f"Recipe.p_bwd.reference={self.p_bwd.reference} is not a backward reference")
+        # The forward sees one key tile at a time: P's scale cannot depend on the whole row.
+        if self.p.quantized and self.p.scale_rule.is_dynamic and self.p.granularity in (
+            Granularity.TENSOR, Granularity.ROW
+        ):
+            raise ValueError(
+                f"recipe {self.name!r}: P in the forward is quantized with {self.p.granularity.value} "
+                f"granularity and a data-dependent scale ({self.p.scale_rule.value}), which no online "
+                "softmax can know before the row is finished; use ScaleRule.FIXED or a tile granularity"
+            )
+
+    def points(self) -> dict[str, QuantPoint]:
+        """Every quantization point by field name."""
+        names = ("q", "k", "v", "p", "o", "do_dp", "v_dp", "p_dv", "do_dv", "ds_dq", "k_dq", "ds_dk", "q_dk")
+        return {n: getattr(self, n) for n in names}
+
+    def with_accumulation(self, model: str) -> "Recipe":
+        """The same recipe with every matmul accumulated under ``model`` (e.g. ``"hopper"``)."""
+        return replace(self, name=f"{self.name}@{model}", accumulation=Accumulation.all(model))
+
+    def describe(self) -> str:
+        lines = [f"recipe {self.name}"]
+        for name, point in self.points().items():
+            lines.append(f"  {name:6s} {point.describe()}")
+        lines.append(f"  P fwd  {self.p_fwd.reference.value}, offset 2^{self.p_fwd.offset_log2}")
+        lines.append(f"  P bwd  {self.p_bwd.reference.value}, offset 2^{self.p_bwd.offset_log2}")
+        lines.append(f"  norm   {self.normalizer.value}")
+        lines.append(f"  delta  {self.delta.name}")
+        acc = ", ".join(f"{m}={getattr(self.accumulation, m)}" for m in MATMULS)
+        lines.append(f"  accum  {acc}")
+        lines.append(f"  tiles  {self.tiles.block_q}x{self.tiles.block_k}, working precision {self.precision}")
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Presets
+# ----------------------------------------------------------------------------------------------
+
+
+def _fp8(fmt: str, granularity: Granularity, rule: ScaleRule) -> QuantPoint:
+    return QuantPoint(fmt, granularity, rule)
+
+
+def _all_operands(fwd: QuantPoint, grad: QuantPoint, p: QuantPoint, ds: QuantPoint) -> dict:
+    """Forward operands and V in ``fwd``; dO in ``grad``; P points in ``p``; dS in ``ds``."""
+    return dict(
+        q=fwd, k=fwd, v=fwd, p=p,
+        do_dp=grad, v_dp=fwd, p_dv=p, do_dv=grad,
+        ds_dq=ds, k_dq=fwd, ds_dk=ds, q_dk=fwd,
+    )
+
+
+#: P into E4M3 with no data-dependent scale: P * 2^offset is stored as it is (FA3).
+_P_E4M3_FIXED = QuantPoint("float8_e4m3fn", Granularity.TENSOR, ScaleRule.FIXED)
+
+_E4M3_1x128 = _fp8("float8_e4m3fn", Granularity.TILE_1x128, ScaleRule.POW2_DOWN)
+
+EXACT = Recipe(
+    name="exact",
+    accumulation=Accumulation.all("float64"),
+    delta=STALE_UNROUNDED,
+    precision="float64",
+)
+
+FP32 = Recipe(name="fp32", delta=STALE_UNROUNDED)
+
+BF16 = Recipe(
+    name="bf16",
+    **_all_operands(_BF16, _BF16, _BF16, _BF16),
+    o=_BF16,
+    delta=STALE,
+)
+
+# Every matmul operand cast to FP8 the way a training framework casts GEMM inputs (1x128 tiles,
+# power-of-two scales, E4M3 throughout as in TE Float8BlockScaling), P against the running max
+# in the forward and against LSE in the backward, and FlashAttention-2's delta from BF16 dO and
+# the BF16 output.
+NAIVE_FP8 = Recipe(
+    name="naive_fp8",
+    **_all_operands(_E4M3_1x128, _E4M3_1x128, _P_E4M3_FIXED, _E4M3_1x128),
+    o=_BF16,
+    p_fwd=PScaling(PReference.RUNNING_MAX, 8),
+    p_bwd=PScaling(PReference.LSE, 8),
+    delta=STALE,
+)
+
+# cuDNN FP8 (per-tensor) as DESIGN.md section 2 describes it: E4M3 forward, E5M2 gradients,
+# one scale per tensor (current scaling stands in for delayed scaling), FP8 output,
+# D = descale_dO descale_O rowsum(dO_fp8 ∘ O_fp8).
+_E4M3_T = _fp8("float8_e4m3fn", Granularity.TENSOR, ScaleRule.AMAX)
+_E5M2_T = _fp8("float8_e5m2", Granularity.TENSOR, ScaleRule.AMAX)
+CUDNN_FP8 = Recipe(
+    name="cudnn_fp8",
+    **_all_operands(_E4M3_T, _E5M2_T, _P_E4M3_FIXED, _E5M2_T),
+    o=_E4M3_T,
+    p_fwd=PScaling(PReference.RUNNING_MAX, 8),
+    p_bwd=PScaling(PReference.LSE, 8),
+    delta=STALE_FP8_DO,
+)
+
+# cuDNN MXFP8 backward (cuDNN >= 9.21) as DESIGN.md describes it: MX-32 blocks everywhere
+# (E8M0 scales rounded up, NVIDIA's rule), E4M3 forward, E5M2 gradients, D from BF16 dO and the
+# BF16 output, P * 256 against the running max in the forward and P * 16 against LSE in the
+# backward (which side uses which grid is not public; the mismatch is the point).
+_E4M3_MX = _fp8("float8_e4m3fn", Granularity.MX32, ScaleRule.MX_NVIDIA)
+_E5M2_MX = _fp8("float8_e5m2", Granularity.MX32, ScaleRule.MX_NVIDIA)
+MXFP8_STALE = Recipe(
+    name="mxfp8_stale",
+    **_all_operands(_E4M3_MX, _E5M2_MX, _P_E4M3_FIXED, _E5M2_MX),
+    o=_BF16,
+    p_fwd=PScaling(PReference.RUNNING_MAX, 8),
+    p_bwd=PScaling(PReference.LSE, 4),
+    delta=STALE,
+)
+
+# Delta-Matching: naive_fp8's quantization, with D_i = sum_j P_ij dP^_ij.
+DELTA_MATCHING = replace(NAIVE_FP8, name="delta_matching", delta=MATCHED)
+
+# Consistent P: the forward quantizes P against a power-of-two running reference and
+# normalizes by the quantized mass; the backward recomputes the same P~ against the saved final
+# reference and uses P~/l~ in dS; V has transpose-invariant 128x128 blocks so that P V and dO Vᵀ
+# see the same V^; O is saved in FP32 and D = dO^ . O needs no extra sweep.
+_E4M3_128x128 = _fp8("float8_e4m3fn", Granularity.BLOCK_128x128, ScaleRule.POW2_DOWN)
+CONSISTENT_P_RECIPE = replace(
+    NAIVE_FP8,
+    name="consistent_p",
+    v=_E4M3_128x128,
+    v_dp=_E4M3_128x128,
+    o=NONE,
+    p_fwd=PScaling(PReference.POW2_RUNNING_MAX, 8),
+    p_bwd=PScaling(PReference.SAVED_MAX, 8),
+    normalizer=Normalizer.QUANTIZED_SUM,
+    delta=CONSISTENT_P,
+)
+
+#: Every preset by name, in the order tables list them.
+PRESETS: dict[str, Recipe] = {
+    r.name: r
+    for r in (EXACT, FP32, BF16, NAIVE_FP8, CUDNN_FP8, MXFP8_STALE, DELTA_MATCHING, CONSISTENT_P_RECIPE)
+}
+
+
+def get_recipe(recipe: Recipe | str) -> Recipe:
+    """A :class:`Recipe`, or a preset by name (``"delta_matching"``; ``"naive_fp8@hopper"`` for
+    a preset with every matmul under another accumulation model)."""
+    if isinstance(recipe, Recipe):
+        return recipe
+    if not isinstance(recipe, str):
+        raise TypeError(f"recipe must be a Recipe or a preset name, got {type(recipe).__name__}")
+    base, _, model = recipe.partition("@")
+    if base not in PRESETS:
+        raise ValueError(f"unknown recipe {recipe!r}; presets: {', '.join(PRESETS)}")
+    return PRESETS[base].with_accumulation(model) if model else PRESETS[base]

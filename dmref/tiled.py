@@ -1,0 +1,574 @@
+"""FlashAttention-style attention, forward and backward, with every FP8 decision taken from a
+:class:`~dmref.recipes.Recipe`.
+
+Shapes as in :mod:`dmref.reference`: ``q (B, H, Nq, D)``, ``k (B, Hkv, Nk, D)``,
+``v (B, Hkv, Nk, Dv)``, ``dout (B, H, Nq, Dv)``. Results are in the recipe's working precision
+(float32, or float64 for the ``exact`` preset).
+
+What is computed, one key tile ``[j0, j1)`` at a time (all query rows of the tile at once: rows
+are independent, so this equals any query tiling; under ``causal`` the rows that see no key of
+the tile are skipped)::
+
+    forward   x    = (Q^ K^ᵀ) * fl(scale * log2 e)  [+ mask * log2 e]     base-2 logits
+              m    = running row max of x;  alpha = 2^(m_old - m);  p = 2^(x - m)
+              P~   = Q-point P (p * 2^offset) * 2^-offset
+              l    = alpha l + rowsum(p or P~);  acc = alpha acc + P~ V^
+              O    = acc / l;  lse = m + log2 l                          (saved: O, lse)
+    delta     D    (one of the strategies below, its own step before the sweep)
+    backward  P    = 2^(x - lse)   (FP32: the multiplier of dS)
+              dV  += Q(Pᵀ) dO^;   dP^ = dO^ V^ᵀ;   dS = P ∘ (dP^ - D)
+              dQ  += Q(dS) K^;    dK  = Q(dSᵀ) Q^;   dQ, dK *= scale
+
+Every cast is one line marked ``# Q-point``; every matmul is a call to :func:`_matmul` with the
+recipe's accumulation model for it. All casts go through :mod:`dmref.emulation`, in
+:func:`_quantize` (the only call site).
+
+Tails: a tile or scale block that runs past the end of a dimension is padded with zeros for the
+scale computation (zeros change no amax) and the padding is dropped again, so any sequence length
+and any head dim work. Fully masked rows give zero output, ``lse = -inf`` and zero gradients.
+Non-finite inputs propagate as in :mod:`dmref.reference`; in addition a NaN or inf makes its
+whole scale block NaN (its amax, hence its scale, is not finite), so with per-tensor scales one
+bad value turns the whole operand NaN, as on the hardware.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import emulation
+from .recipes import DeltaKind, Granularity, Normalizer, PReference, QuantPoint, Recipe, ScaleRule, get_recipe
+from .reference import AttentionShape, check_attention_inputs, keep_mask, mask_window
+
+__all__ = ["BackwardResult", "ForwardResult", "RowsumStats", "SoftmaxStats", "attention", "backward", "forward"]
+
+_LOG2E = 1.0 / math.log(2.0)
+_NEG_INF = float("-inf")
+
+
+# ==============================================================================================
+# Quantization: the one place that calls dmref.emulation
+# ==============================================================================================
+
+#: Formats whose codes torch can widen to float32 itself; the widening is exact, and
+#: tests/dmref/test_tiled.py proves it equal to ``emulation.decode`` on all 256 codes.
+_TORCH_FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+
+def _decode(codes: torch.Tensor, fmt) -> torch.Tensor:
+    if fmt.name in _TORCH_FP8:
+        return codes.view(_TORCH_FP8[fmt.name]).to(torch.float32)
+    return emulation.decode(codes, fmt)
+
+
+def _block_shape(granularity: Granularity, rows: int, cols: int, contract_dim: int):
+    """((row blocks, rows per block), (col blocks, cols per block)) of the blocked view of a
+    (rows, cols) operand whose contraction is ``contract_dim`` (-1: cols, -2: rows)."""
+    if granularity is Granularity.ROW:
+        return ((rows, 1), (1, cols)) if contract_dim == -1 else ((1, rows), (cols, 1))
+    block_r, block_c = granularity.block
+    if contract_dim == -2:  # the block's contraction extent runs along the rows
+        block_r, block_c = block_c, block_r
+    return ((-(-rows // block_r), block_r), (-(-cols // block_c), block_c))
+
+
+def _scale_from_amax(amax: torch.Tensor, point: QuantPoint, fmt, fixed_scale: float) -> torch.Tensor:
+    """The dequantization scale s of each block (float32). Exponents come from the bits
+    (``torch.frexp``), never from a float log2. amax == 0 gives s = 1; a non-finite amax gives
+    s = NaN."""
+    rule = point.scale_rule
+    if rule is ScaleRule.FIXED:
+        return torch.tensor(fixed_scale, dtype=torch.float32, device=amax.device)
+    a = amax.to(torch.float32)
+    one = torch.ones_like(a)
+    if rule is ScaleRule.AMAX:
+        s = a / fmt.max
+    elif rule is ScaleRule.POW2_DOWN:
+        # TE: multiplier fmt.max / amax in float32, mantissa masked off (rounded down to 2^(e-1))
+        mult = torch.clamp(fmt.max / a, max=torch.finfo(torch.float32).max)
+        _, e = torch.frexp(mult)
+        s = torch.ldexp(one, (1 - e).to(torch.float32))
+    elif rule is ScaleRule.MX_OCP:
+        _, e = torch.frexp(a)  # floor(log2 a) = e - 1
+        s = torch.ldexp(one, torch.clamp(e - 1 - fmt.emax, -127, 127).to(torch.float32))
+    elif rule is ScaleRule.MX_NVIDIA:
+        m, e = torch.frexp(a / fmt.max)  # ceil(log2 r) = e - 1 when r is a power of two, else e
+        e = torch.where(m == 0.5, e - 1, e)
+        s = torch.ldexp(one, torch.clamp(e, -127, 127).to(torch.float32))
+    else:  # pragma: no cover - the enum is closed
+        raise ValueError(f"unknown scale rule {rule}")
+    s = torch.where(a == 0, one, s)
+    return torch.where(torch.isfinite(a), s, torch.full_like(s, float("nan")))
+
+
+def _blocked(x: torch.Tensor, point: QuantPoint, contract_dim: int):
+    """(blocked view (..., Rb, br, Cb, bc) of the zero-padded x, padded (rows, cols))."""
+    rows, cols = x.shape[-2], x.shape[-1]
+    (rb, br), (cb, bc) = _block_shape(point.granularity, rows, cols, contract_dim)
+    pad_r, pad_c = rb * br - rows, cb * bc - cols
+    if pad_r or pad_c:
+        x = F.pad(x, (0, pad_c, 0, pad_r))
+    return x.reshape(*x.shape[:-2], rb, br, cb, bc), (rows, cols)
+
+
+def group_amax(x: torch.Tensor, point: QuantPoint, *, contract_dim: int) -> torch.Tensor:
+    """amax of each scale block of x under ``point``: a 0-d tensor for TENSOR granularity,
+    else shaped like x with the blocked axes reduced to blocks (ROW: (..., R, 1) or (..., 1, C))."""
+    if point.granularity is Granularity.TENSOR:
+        return x.abs().amax()
+    if point.granularity is Granularity.ROW:
+        return x.abs().amax(dim=contract_dim, keepdim=True)
+    raise ValueError("group_amax is only needed for TENSOR and ROW granularity")
+
+
+def _quantize(x: torch.Tensor, point: QuantPoint, *, contract_dim: int, dtype: torch.dtype,
+              fixed_scale: float = 1.0, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """s * Q(x / s): the operand the matmul sees, in ``dtype``.
+
+    ``contract_dim`` (-1 or -2) says which axis of x the matmul contracts over (the axis scale
+    blocks run along). ``amax`` (from :func:`group_amax` over a whole sweep) overrides the
+    block amax for TENSOR and ROW granularity, whose blocks span several key tiles.
+    ``fixed_scale`` is the scale of ``ScaleRule.FIXED`` (2^-offset for P, else 1).
+    """
+    if not point.quantized:
+        return x.to(dtype)
+    fmt = emulation.get_format(point.fmt)
+    kwargs = dict(rounding=point.rounding, saturate=point.saturate)
+    if point.granularity is Granularity.TENSOR or point.scale_rule is ScaleRule.FIXED:
+        if amax is None and point.scale_rule.is_dynamic:
+            amax = x.abs().amax()
+        s = _scale_from_amax(amax if amax is not None else x.new_zeros(()), point, fmt, fixed_scale)
+        return (_decode(emulation.encode(x / s, fmt, **kwargs), fmt) * s).to(dtype)
+    xb, (rows, cols) = _blocked(x, point, contract_dim)
+    if amax is None:
+        amax = xb.abs().amax(dim=(-3, -1), keepdim=True)
+    elif point.granularity is Granularity.ROW:  # (..., R, 1) or (..., 1, C) -> blocked layout
+        amax = amax.unsqueeze(-1).unsqueeze(-3)
+    s = _scale_from_amax(amax, point, fmt, fixed_scale)
+    y = _decode(emulation.encode(xb / s, fmt, **kwargs), fmt) * s
+    y = y.reshape(*y.shape[:-4], y.shape[-4] * y.shape[-3], y.shape[-2] * y.shape[-1])
+    return y[..., :rows, :cols].to(dtype)
+
+
+# ==============================================================================================
+# Accumulation models: the one place the seven matmuls are computed
+# ==============================================================================================
+
+
+def _matmul(a_deq: torch.Tensor, b_deq: torch.Tensor, model: str, dtype: torch.dtype) -> torch.Tensor:
+    """``a_deq (..., m, k) @ b_deq (..., k, n)`` under the accumulation model ``model``.
+
+    - ``"fp32"``: torch's float32 matmul of the dequantized operands. Products of FP8 or BF16
+      values with power-of-two scales are exact in float32; the sum is rounded in torch's
+      (BLAS's) order, which is not specified: the error bound is gamma_k * sum |a b|.
+    - ``"float64"``: float64 matmul, kept in float64.
+    - ``"exact"``: float64 matmul rounded once to float32 (exact products; the float64 sum is
+      exact unless the products span more than 2^29 in magnitude).
+    - any other name (``"hopper"``): the emulated GEMM of :mod:`dmref.emulation`.
+    """
+    if model == "fp32":
+        out = torch.matmul(a_deq.to(torch.float32), b_deq.to(torch.float32))
+    elif model == "float64":
+        out = torch.matmul(a_deq.to(torch.float64), b_deq.to(torch.float64))
+    elif model == "exact":
+        out = torch.matmul(a_deq.to(torch.float64), b_deq.to(torch.float64)).to(torch.float32)
+    else:
+        out = _emulated_gemm(a_deq, b_deq, model)
+    return out.to(dtype)
+
+
+def _emulated_gemm(a_deq: torch.Tensor, b_deq: torch.Tensor, model: str) -> torch.Tensor:
+    gemm = getattr(emulation, "attention_matmul", None) or getattr(emulation, "matmul", None)
+    if gemm is None:
+        raise NotImplementedError(
+            f"accumulation model {model!r} needs the emulated GEMM of dmref.emulation (issue 4), "
+            "which this tree does not have yet; use 'fp32', 'exact' or 'float64'"
+        )
+    return gemm(a_deq, b_deq.transpose(-1, -2), model=model)
+
+
+# ==============================================================================================
+# Shared pieces of the forward and the backward
+# ==============================================================================================
+
+
+@dataclass
+class _Problem:
+    """Validated inputs, masks and constants of one call."""
+
+    shape: AttentionShape
+    recipe: Recipe
+    causal: bool
+    mask: torch.Tensor | None
+    dtype: torch.dtype  # working precision
+    c: float  # fl(scale * log2 e) in the working precision
+
+    def key_tiles(self):
+        """(j0, j1, i0): each key tile and the first query row (a multiple of block_q) that can
+        see one of its keys."""
+        n_q, n_k = self.shape.seqlen_q, self.shape.seqlen_k
+        bq, bk = self.recipe.tiles.block_q, self.recipe.tiles.block_k
+        for j0 in range(0, n_k, bk):
+            i0 = 0
+            if self.causal:
+                first = j0 - (n_k - n_q)  # row i sees key j iff j <= i + (n_k - n_q)
+                if first >= n_q:
+                    continue
+                i0 = max(0, first) // bq * bq
+            yield j0, min(j0 + bk, n_k), i0
+
+
+def _problem(q, k, v, recipe, causal, scale, mask, dout=None) -> _Problem:
+    recipe = get_recipe(recipe)
+    shape = check_attention_inputs(q, k, v, scale=scale, mask=mask, dout=dout)
+    dtype = torch.float64 if recipe.precision == "float64" else torch.float32
+    c = torch.tensor(shape.scale * _LOG2E, dtype=dtype).item()
+    if not math.isfinite(c) or c < torch.finfo(dtype).tiny:
+        raise ValueError(
+            f"scale={shape.scale!r} does not fit the working precision {recipe.precision} of recipe "
+            f"{recipe.name!r}: scale * log2(e) rounds to {c}"
+        )
+    for name in ("p", "p_dv"):
+        point = getattr(recipe, name)
+        offset = (recipe.p_fwd if name == "p" else recipe.p_bwd).offset_log2
+        if point.quantized and point.scale_rule is ScaleRule.FIXED:
+            fmt = emulation.get_format(point.fmt)
+            if 2.0**offset > fmt.max:
+                raise ValueError(
+                    f"recipe {recipe.name!r}: P * 2^{offset} does not fit {fmt.name} (max {fmt.max}); "
+                    "P = 1 would saturate"
+                )
+    return _Problem(shape, recipe, bool(causal), mask, dtype, c)
+
+
+def _expand_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _reduce_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+    if groups == 1:
+        return t
+    b, h, n, d = t.shape
+    return t.view(b, h // groups, groups, n, d).sum(dim=2)
+
+
+def _logits(pb: _Problem, q_hat, k_hat, i0: int, j0: int, j1: int, model: str) -> torch.Tensor:
+    """Base-2 logits x = (Q^ K^ᵀ) * fl(scale log2 e) [+ mask log2 e] of rows i0: and keys
+    j0:j1; masked positions -inf. The forward and both backward sweeps call exactly this, so
+    they see bit-identical x (assumption A1)."""
+    s = _matmul(q_hat[..., i0:, :], k_hat[..., j0:j1, :].transpose(-1, -2), model, pb.dtype)
+    x = s * pb.c
+    rows, cols = slice(i0, pb.shape.seqlen_q), slice(j0, j1)
+    bool_mask = None
+    if pb.mask is not None:
+        if pb.mask.dtype == torch.bool:
+            bool_mask = pb.mask
+        else:
+            x = x + mask_window(pb.mask, rows, cols).to(pb.dtype) * _LOG2E
+    keep = keep_mask(pb.shape.seqlen_q, pb.shape.seqlen_k, causal=pb.causal, mask=bool_mask,
+                     device=x.device, rows=rows, cols=cols)
+    if keep is not None:
+        x = x.masked_fill(~keep, _NEG_INF)
+    return x
+
+
+def _exp2_split(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """2^(x - ref) for integer-valued ``ref``, computed as ldexp(2^f, n - ref) with n = floor(x)
+    and f = x - n (both exact): the value for another integer reference differs by exactly a
+    power of two (barring float underflow), which is what consistent P needs. -inf gives 0."""
+    n = torch.floor(x)
+    p = torch.ldexp(torch.exp2(x - n), n - ref)
+    return torch.where(x == _NEG_INF, torch.zeros_like(p), p)
+
+
+def _no_inf(ref: torch.Tensor) -> torch.Tensor:
+    """A row reference of -inf (nothing seen yet / fully masked) replaced by 0, so that
+    2^(x - ref) of a masked x = -inf is 0 and never NaN."""
+    return torch.where(ref == _NEG_INF, torch.zeros_like(ref), ref)
+
+
+# ==============================================================================================
+# Forward
+# ==============================================================================================
+
+
+@dataclass
+class SoftmaxStats:
+    """What the forward saves per query row (all in base 2)."""
+
+    ref: torch.Tensor  #: final reference: running max m, or the integer k for POW2_RUNNING_MAX
+    l: torch.Tensor  #: the normalizer (per Recipe.normalizer), relative to ``ref``
+    lse2: torch.Tensor  #: ref + log2(l); -inf for fully masked rows
+
+    @property
+    def lse(self) -> torch.Tensor:
+        """Natural-log LSE, comparable with :func:`dmref.reference.attention_forward`."""
+        return self.lse2 * math.log(2.0)
+
+
+@dataclass
+class ForwardResult:
+    out: torch.Tensor  #: O after the recipe's ``o`` point: what is returned and saved
+    stats: SoftmaxStats
+
+
+def forward(q, k, v, *, recipe="exact", causal: bool = False, scale=None, mask=None) -> ForwardResult:
+    """The tiled forward of ``recipe``; see the module docstring."""
+    pb = _problem(q, k, v, recipe, causal, scale, mask)
+    r, sh, wd = pb.recipe, pb.shape, pb.dtype
+    acc_model = r.accumulation
+    # Q-point Q (QKᵀ): input -> recipe.q, blocks along d
+    q_hat = _quantize(q, r.q, contract_dim=-1, dtype=wd)
+    # Q-point K (QKᵀ): input -> recipe.k, blocks along d
+    k_hat = _expand_kv(_quantize(k, r.k, contract_dim=-1, dtype=wd), sh.groups)
+    # Q-point V (PV): input -> recipe.v, blocks along the keys (the contraction of P V)
+    v_hat = _expand_kv(_quantize(v, r.v, contract_dim=-2, dtype=wd), sh.groups)
+
+    lead = (sh.batch, sh.heads, sh.seqlen_q)
+    ref = torch.full(lead, _NEG_INF, dtype=wd, device=q.device)  # running max m (or integer k)
+    l = torch.zeros(lead, dtype=wd, device=q.device)
+    acc = torch.zeros(*lead, sh.head_dim_v, dtype=wd, device=q.device)
+    pow2 = r.p_fwd.reference is PReference.POW2_RUNNING_MAX
+    p_scale = 2.0 ** -r.p_fwd.offset_log2
+
+    for j0, j1, i0 in pb.key_tiles():
+        x = _logits(pb, q_hat, k_hat, i0, j0, j1, acc_model.qk)
+        ref_old = ref[..., i0:]
+        if pow2:  # k = ceil(running max): rescaling by 2^(k_old - k) is exact
+            ref_new = torch.maximum(ref_old, torch.ceil(x.amax(dim=-1)))
+            ref_use = _no_inf(ref_new)
+            p = _exp2_split(x, ref_use[..., None])
+        else:  # m = running max (FlashAttention)
+            ref_new = torch.maximum(ref_old, x.amax(dim=-1))
+            ref_use = _no_inf(ref_new)
+            p = torch.exp2(x - ref_use[..., None])
+        alpha = torch.exp2(ref_old - ref_use)  # 0 where nothing was seen yet
+        # Q-point P (PV): fp32 p * 2^offset -> recipe.p (FA3: E4M3, fixed scale 2^-8, RNE, satfinite)
+        p_hat = _quantize(p, r.p, contract_dim=-1, dtype=wd, fixed_scale=p_scale)
+        mass = p if r.normalizer is Normalizer.FP32_SUM else p_hat
+        l[..., i0:] = l[..., i0:] * alpha + mass.sum(dim=-1)
+        acc[..., i0:, :] = acc[..., i0:, :] * alpha[..., None] + _matmul(
+            p_hat, v_hat[..., j0:j1, :], acc_model.pv, wd
+        )
+        ref[..., i0:] = ref_new
+
+    seen = l > 0
+    out = torch.where(seen[..., None], acc / torch.where(seen, l, 1)[..., None], torch.zeros_like(acc))
+    lse2 = torch.where(seen, _no_inf(ref) + torch.log2(torch.where(seen, l, 1)), torch.full_like(l, _NEG_INF))
+    # Q-point O (saved and returned): fp32 -> recipe.o (BF16 for FA2-style kernels, E4M3 for cuDNN FP8)
+    out = _quantize(out, r.o, contract_dim=-1, dtype=wd)
+    return ForwardResult(out, SoftmaxStats(ref, l, lse2))
+
+
+# ==============================================================================================
+# Delta strategies
+# ==============================================================================================
+
+
+def _delta(pb: _Problem, kind: DeltaKind, dout, fwd: ForwardResult, do_dp, sweep) -> torch.Tensor:
+    """D_i, the row constant of dS = P ∘ (dP^ - D). Its own step, before the backward sweep.
+
+    In exact arithmetic sum_j P_ij = 1 and sum_j P_ij dP_ij = dO_i . O_i = D_i, so every row
+    of dS sums to zero. With rounding, sum_j dS_ij = sum_j P_ij dP^_ij - D_i sum_j P_ij, so a
+    delta is only as good as its agreement with sum_j P_ij dP^_ij *as the sweep computes it*.
+    """
+    r = pb.recipe
+    if kind is DeltaKind.STALE:
+        # Stale (FlashAttention-2/3 preprocess; cuDNN per-tensor with FP8 dO and O):
+        #     D_i = sum_d dO'_id O'_id,  dO' = Q_delta.do(dO),  O' = Q_delta.o(O_saved)
+        # Its O was made by the forward's P~ and V^ (other scales, other grids, BF16 rounding),
+        # and its dO' is not the dP matmul's dO^: D_i = sum_j P_ij dP^_ij + delta_i, and row i
+        # of dS sums to -delta_i.
+        # Q-point dO (delta): input -> recipe.delta.do (BF16; cuDNN: E5M2 per tensor)
+        do_d = _quantize(dout, r.delta.do, contract_dim=-1, dtype=pb.dtype)
+        # Q-point O (delta): saved O -> recipe.delta.o (cuDNN: E4M3 per tensor)
+        o_d = _quantize(fwd.out, r.delta.o, contract_dim=-1, dtype=pb.dtype)
+        return (do_d * o_d).sum(dim=-1)
+    if kind is DeltaKind.MATCHED:
+        # Delta-Matching:
+        #     D_i = sum_j P_ij dP^_ij,  dP^ = deq(dO^) deq(V^)ᵀ  (the dP matmul, its own scales)
+        # with P exactly the FP32 multiplier of dS (recomputed from the same Q^, K^, lse by the
+        # same code). Then sum_j dS_ij = D_i (1 - sum_j P_ij) + FP32 rounding: no stale term.
+        # It costs a pre-sweep of the QKᵀ and dO Vᵀ matmuls.
+        lead = (pb.shape.batch, pb.shape.heads, pb.shape.seqlen_q)
+        d = torch.zeros(lead, dtype=pb.dtype, device=dout.device)
+        for i0, j0, j1, p, dp in sweep():
+            d[..., i0:] += (p * dp).sum(dim=-1)
+        return d
+    if kind is DeltaKind.CONSISTENT_P:
+        # Consistent P: dS uses the forward's own P~/l~ (recomputed bit for bit, see
+        # _backward_p), so O_i = sum_j (P~_ij / l~_i) V^_j up to FP32 accumulation, and
+        #     D_i = sum_d dO^_id O_id   (dO^ = the dP matmul's operand, O the FP32 output)
+        # equals sum_j P_ij dP^_ij when V^ is the same in P V and dO Vᵀ (128x128 blocks) and the
+        # forward's and backward's P~ agree, which fails only where P * 2^offset is below the
+        # smallest normal of its format at one reference and not at the other.
+        return (do_dp * fwd.out.to(pb.dtype)).sum(dim=-1)
+    raise ValueError(f"unknown delta kind {kind}")  # pragma: no cover
+
+
+# ==============================================================================================
+# Backward
+# ==============================================================================================
+
+
+@dataclass
+class RowsumStats:
+    """Per query row, in float64, from the working-precision dS tiles the backward computed."""
+
+    residual: torch.Tensor  #: r_i = sum_j dS_ij, dS before its quantization
+    abs_pdp: torch.Tensor  #: A_i = sum_j |P_ij dP^_ij|
+    psum: torch.Tensor  #: sigma_i = sum_j P_ij (P: the multiplier of dS)
+    residual_dq: torch.Tensor  #: sum_j of dS as the dQ matmul sees it (after its Q-point)
+    residual_dk: torch.Tensor  #: sum_j of dS as the dK matmul sees it (after its Q-point)
+    delta: torch.Tensor  #: D_i as used
+    n_keys: int  #: keys per row (the length of the sums)
+
+
+@dataclass
+class BackwardResult:
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    rowsum: RowsumStats | None = None
+
+
+def _global_amax_points(r: Recipe) -> dict[str, bool]:
+    """Backward points whose dynamic scale blocks span several key tiles (they need an amax
+    pre-sweep): TENSOR for P (dV) and both dS; ROW for the dS of dQ (a row spans all keys)."""
+    def spans(point: QuantPoint, row_spans: bool) -> bool:
+        if not (point.quantized and point.scale_rule.is_dynamic):
+            return False
+        return point.granularity is Granularity.TENSOR or (row_spans and point.granularity is Granularity.ROW)
+    return {"p_dv": spans(r.p_dv, False), "ds_dq": spans(r.ds_dq, True), "ds_dk": spans(r.ds_dk, False)}
+
+
+def backward(q, k, v, fwd: ForwardResult, dout, *, recipe="exact", causal: bool = False, scale=None,
+             mask=None, diagnostics: bool = False) -> BackwardResult:
+    """The tiled backward of ``recipe`` from the forward's saved ``fwd``; see the module
+    docstring. With ``diagnostics`` the row sums of dS are collected (:class:`RowsumStats`)."""
+    pb = _problem(q, k, v, recipe, causal, scale, mask, dout=dout)
+    r, sh, wd = pb.recipe, pb.shape, pb.dtype
+    acc_model, g = r.accumulation, sh.groups
+    kind = r.delta.kind
+    # In the forward these were the operands of S = Q Kᵀ, so now the recompute sees them again.
+    # Q-point Q (QKᵀ recompute): input -> recipe.q, as in the forward
+    q_hat = _quantize(q, r.q, contract_dim=-1, dtype=wd)
+    # Q-point K (QKᵀ recompute): input -> recipe.k, as in the forward
+    k_hat = _expand_kv(_quantize(k, r.k, contract_dim=-1, dtype=wd), g)
+    # Q-point dO (dP = dO Vᵀ): input -> recipe.do_dp, blocks along d
+    do_dp = _quantize(dout, r.do_dp, contract_dim=-1, dtype=wd)
+    # Q-point V (dP = dO Vᵀ): input -> recipe.v_dp, blocks along d (the forward blocked V along keys)
+    v_dp = _expand_kv(_quantize(v, r.v_dp, contract_dim=-1, dtype=wd), g)
+    # Q-point dO (dV = Pᵀ dO): input -> recipe.do_dv, blocks along the queries
+    do_dv = _quantize(dout, r.do_dv, contract_dim=-2, dtype=wd)
+    # Q-point K (dQ = dS K): input -> recipe.k_dq, blocks along the keys
+    k_dq = _expand_kv(_quantize(k, r.k_dq, contract_dim=-2, dtype=wd), g)
+    # Q-point Q (dK = dSᵀ Q): input -> recipe.q_dk, blocks along the queries
+    q_dk = _quantize(q, r.q_dk, contract_dim=-2, dtype=wd)
+
+    stats = fwd.stats
+    consistent = kind is DeltaKind.CONSISTENT_P
+    if consistent or r.p_bwd.reference is PReference.SAVED_MAX:
+        ref = _no_inf(stats.ref)[..., None]
+        l_inv_ok = stats.l > 0
+        l_safe = torch.where(l_inv_ok, stats.l, 1)[..., None]
+    else:  # fully masked rows: lse = -inf -> +inf, so that P = 2^(-inf) = 0
+        lse2 = torch.where(stats.lse2 == _NEG_INF, torch.full_like(stats.lse2, float("inf")), stats.lse2)[..., None]
+
+    def backward_p(x, i0):
+        """P, the FP32 multiplier of dS, for rows i0: (the forward had P = 2^(x - lse))."""
+        if consistent:
+            # consistent P: the forward's own P~ (same x, same integer reference, same Q-point)
+            # Q-point P (consistent recompute): fp32 -> recipe.p, exactly the forward's P Q-point
+            p_t = _quantize(_exp2_split(x, ref[..., i0:, :]), r.p, contract_dim=-1, dtype=wd,
+                            fixed_scale=2.0 ** -r.p_fwd.offset_log2)
+            return p_t / l_safe[..., i0:, :]
+        if r.p_bwd.reference is PReference.SAVED_MAX:
+            return _exp2_split(x, ref[..., i0:, :]) / l_safe[..., i0:, :]
+        return torch.exp2(x - lse2[..., i0:, :])
+
+    def sweep():
+        """(i0, j0, j1, P, dP^) per key tile: the recompute shared by every pass."""
+        for j0, j1, i0 in pb.key_tiles():
+            x = _logits(pb, q_hat, k_hat, i0, j0, j1, acc_model.qk_bwd)
+            p = backward_p(x, i0)
+            dp = _matmul(do_dp[..., i0:, :], v_dp[..., j0:j1, :].transpose(-1, -2), acc_model.dp, wd)
+            yield i0, j0, j1, p, dp
+
+    # ---- the delta step ----------------------------------------------------------------------
+    delta = _delta(pb, kind, dout, fwd, do_dp, sweep)[..., None]
+
+    # ---- amax pre-sweep for scale blocks that span key tiles (current scaling stands in for
+    # ---- the delayed scaling of a real kernel) --------------------------------------------------
+    amax = {name: None for name in ("p_dv", "ds_dq", "ds_dk")}
+    spans = _global_amax_points(r)
+    if any(spans.values()):
+        lead = (sh.batch, sh.heads, sh.seqlen_q, 1)
+        amax = {n: (torch.zeros((), dtype=wd, device=q.device) if spans[n] else None) for n in amax}
+        if spans["ds_dq"] and r.ds_dq.granularity is Granularity.ROW:
+            amax["ds_dq"] = torch.zeros(lead, dtype=wd, device=q.device)
+        for i0, j0, j1, p, dp in sweep():
+            ds = p * (dp - delta[..., i0:, :])
+            if spans["p_dv"]:
+                amax["p_dv"] = torch.maximum(amax["p_dv"], p.abs().amax())
+            if spans["ds_dk"]:
+                amax["ds_dk"] = torch.maximum(amax["ds_dk"], ds.abs().amax())
+            if spans["ds_dq"]:
+                if amax["ds_dq"].dim():
+                    amax["ds_dq"][..., i0:, :] = torch.maximum(amax["ds_dq"][..., i0:, :], group_amax(ds, r.ds_dq, contract_dim=-1))
+                else:
+                    amax["ds_dq"] = torch.maximum(amax["ds_dq"], ds.abs().amax())
+
+    # ---- the sweep -----------------------------------------------------------------------------
+    dq = torch.zeros(sh.batch, sh.heads, sh.seqlen_q, sh.head_dim, dtype=wd, device=q.device)
+    dk = torch.zeros(sh.batch, sh.heads, sh.seqlen_k, sh.head_dim, dtype=wd, device=q.device)
+    dv = torch.zeros(sh.batch, sh.heads, sh.seqlen_k, sh.head_dim_v, dtype=wd, device=q.device)
+    if diagnostics:
+        lead64 = dict(dtype=torch.float64, device=q.device)
+        rows = (sh.batch, sh.heads, sh.seqlen_q)
+        res, abs_pdp, psum, res_dq, res_dk = (torch.zeros(rows, **lead64) for _ in range(5))
+    p_scale_bwd = 2.0 ** -r.p_bwd.offset_log2
+    for i0, j0, j1, p, dp in sweep():
+        a_rows = None if amax["ds_dq"] is None or not amax["ds_dq"].dim() else amax["ds_dq"][..., i0:, :]
+        # Q-point P (dV = Pᵀ dO): fp32 P * 2^offset -> recipe.p_dv, blocks along the queries
+        p_dv = _quantize(p, r.p_dv, contract_dim=-2, dtype=wd, fixed_scale=p_scale_bwd,
+                         amax=amax["p_dv"])
+        dv[..., j0:j1, :] += _matmul(p_dv.transpose(-1, -2), do_dv[..., i0:, :], acc_model.dv, wd)
+        ds = p * (dp - delta[..., i0:, :])
+        # Q-point dS (dQ = dS K): fp32 -> recipe.ds_dq, blocks along the keys
+        ds_dq = _quantize(ds, r.ds_dq, contract_dim=-1, dtype=wd,
+                          amax=a_rows if a_rows is not None else amax["ds_dq"])
+        dq[..., i0:, :] += _matmul(ds_dq, k_dq[..., j0:j1, :], acc_model.dq, wd)
+        # Q-point dS (dK = dSᵀ Q): fp32 -> recipe.ds_dk, blocks along the queries
+        ds_dk = _quantize(ds, r.ds_dk, contract_dim=-2, dtype=wd, amax=amax["ds_dk"])
+        dk[..., j0:j1, :] += _matmul(ds_dk.transpose(-1, -2), q_dk[..., i0:, :], acc_model.dk, wd)
+        if diagnostics:  # from the very dS tile above, in float64
+            p64 = p.to(torch.float64)
+            res[..., i0:] += ds.to(torch.float64).sum(dim=-1)
+            abs_pdp[..., i0:] += (p64 * dp.to(torch.float64)).abs().sum(dim=-1)
+            psum[..., i0:] += p64.sum(dim=-1)
+            res_dq[..., i0:] += ds_dq.to(torch.float64).sum(dim=-1)
+            res_dk[..., i0:] += ds_dk.to(torch.float64).sum(dim=-1)
+
+    dq = dq * sh.scale
+    dk = _reduce_kv(dk * sh.scale, g)
+    dv = _reduce_kv(dv, g)
+    stats_out = None
+    if diagnostics:
+        stats_out = RowsumStats(res, abs_pdp, psum, res_dq, res_dk, delta[..., 0].to(torch.float64), sh.seqlen_k)
+    return BackwardResult(dq, dk, dv, stats_out)
+
+
+def attention(q, k, v, dout=None, *, recipe="exact", causal: bool = False, scale=None, mask=None,
+              diagnostics: bool = False):
+    """Forward (and backward when ``dout`` is given) in one call: ``ForwardResult`` or
+    ``(ForwardResult, BackwardResult)``."""
+    fwd = forward(q, k, v, recipe=recipe, causal=causal, scale=scale, mask=mask)
+    if dout is None:
+        return fwd
+    bwd = backward(q, k, v, fwd, dout, recipe=recipe, causal=causal, scale=scale, mask=mask,
+                   diagnostics=diagnostics)
+    return fwd, bwd

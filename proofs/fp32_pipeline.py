@@ -137,6 +137,7 @@ def _hopper_dp(do_codes, do_scale_row, v_codes, v_scale_row, fmt_do, fmt_v, prom
 class Fp32Backward:
     """Tensors (batch, heads, n_q, n_k) and per-row statistics (numpy, flattened rows)."""
 
+    s: torch.Tensor  #: the float32 logits (masked entries -inf)
     p: torch.Tensor
     dp: torch.Tensor
     delta: torch.Tensor
@@ -253,7 +254,7 @@ def fp32_backward(q, k, v, do, *, tau: float | None = None, causal: bool = False
     op_mag = _rounded_up(((p64 @ vh.double().abs()) * doh.double().abs()).sum(-1)
                          .reshape(-1).numpy(), n + d)
     return Fp32Backward(
-        p, dp, dlt, ds,
+        s, p, dp, dlt, ds,
         residual=_exact_row_sums(ds),
         abs_products=np.array([math.fsum(r) for r in abs_p]),
         mass=_exact_row_sums(p),

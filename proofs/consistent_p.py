@@ -92,6 +92,7 @@ class ConsistentPCase:
     delta: list[Fraction]
     ds: Matrix
     residuals: list[Fraction]
+    hopper_bound: list[Fraction] | None = None  #: Theorem 9b, per row (Hopper variant only)
 
     @property
     def max_abs_residual(self) -> Fraction:
@@ -103,7 +104,8 @@ def consistent_p_backward(q, k, v, do, *, tau=Fraction(1, 8), fmt_p="e4m3", fmt=
                           tile: int | None = None, rescale: str = "pow2",
                           normalizer: str = "quantized", bwd_grid: str = "mu",
                           saved_o: str | None = None, v_blocking: str = "same", block: int = 32,
-                          mask=None, failure: str = "") -> ConsistentPCase:
+                          mask=None, failure: str = "", accumulation: str = "exact",
+                          promote_every: int | None = None) -> ConsistentPCase:
     """Run the consistent-P forward and backward of the module docstring on float arrays."""
     fmt_p = get_format(fmt_p)
     qh, _ = quantize_blocked_exact(to_fractions(q), fmt, block)
@@ -114,20 +116,34 @@ def consistent_p_backward(q, k, v, do, *, tau=Fraction(1, 8), fmt_p="e4m3", fmt=
         v_fwd = v_bwd
     elif v_blocking == "split":  # blocks along the sequence, the PV contraction dim
         v_fwd = transpose(quantize_blocked_exact(transpose(to_fractions(v)), fmt, block)[0])
+    elif v_blocking == "tensor":  # one scale: constant along both contractions (Hopper case)
+        flat = [x for row in to_fractions(v) for x in row]
+        vq, (vs,) = quantize_blocked_exact([flat], fmt, len(flat))
+        d_v = len(v_bwd[0])
+        v_bwd = v_fwd = [vq[0][r * d_v:(r + 1) * d_v] for r in range(len(v_bwd))]
+        v_tensor_scale = vs[0]
     else:
         raise ValueError(f"unknown {v_blocking=}")
+    if accumulation not in ("exact", "hopper"):
+        raise ValueError(f"unknown {accumulation=}")
+    if accumulation == "hopper" and (v_blocking != "tensor" or block < len(v_bwd[0])
+                                     or (tile or len(v_bwd)) < len(v_bwd)):
+        raise ValueError("the Hopper variant needs v_blocking='tensor', block >= head dim and "
+                         "one tile (so every scale factors out of both wgmma chains)")
     n_q, n_k = len(qh), len(kh)
     tile = n_k if tile is None else tile
     msk = make_mask(n_q, n_k, mask)
     x = [[Fraction(tau) * LOG2E * s for s in row] for row in matmul_nt(qh, kh)]
 
     w_fwd, w_bwd, agree, edge, masses = [], [], [], [], []
+    p_tildes, l_tildes = [], []  # the forward's P~ (times its rescale factor) and l~, per row
     lo, hi = Fraction(fmt_p.min_normal), Fraction(fmt_p.max)
     for xr, mr in zip(x, msk):
         vis = [j for j in range(n_k) if mr[j]]
         if not vis:
             zeros = [Fraction(0)] * n_k
             w_fwd.append(zeros), w_bwd.append(zeros), masses.append(Fraction(0))
+            p_tildes.append(zeros), l_tildes.append(Fraction(0))
             agree.append([True] * n_k), edge.append([False] * n_k)
             continue
         real_max = max(xr[j] for j in vis)
@@ -151,6 +167,7 @@ def consistent_p_backward(q, k, v, do, *, tau=Fraction(1, 8), fmt_p="e4m3", fmt=
         else:
             raise ValueError(f"unknown {normalizer=}")
         wf = [w / l_tilde for w in wt]
+        p_tildes.append(wt), l_tildes.append(l_tilde)
         wb, ag, ed = [Fraction(0)] * n_k, [True] * n_k, [False] * n_k
         for j in vis:
             p_b = exp2_surrogate(xr[j] - mu)
@@ -166,53 +183,58 @@ def consistent_p_backward(q, k, v, do, *, tau=Fraction(1, 8), fmt_p="e4m3", fmt=
         w_fwd.append(wf), w_bwd.append(wb), agree.append(ag), edge.append(ed)
         masses.append(sum(wf))
 
-    o = [[sum((w * vj[c] for w, vj in zip(wr, v_fwd)), Fraction(0)) for c in range(len(v_fwd[0]))]
-         for wr in w_fwd]
+    hopper_bound = None
+    if accumulation == "exact":
+        o = [[sum((w * vj[c] for w, vj in zip(wr, v_fwd)), Fraction(0))
+              for c in range(len(v_fwd[0]))] for wr in w_fwd]
+        dp = matmul_nt(doh, v_bwd)
+    else:
+        o, dp, hopper_bound = _hopper_products(p_tildes, l_tildes, w_bwd, doh, v_bwd, fmt_p, fmt,
+                                               fmt_do, fwd_scale_exp, v_tensor_scale,
+                                               promote_every)
     if saved_o is None:
         o_saved = o
     else:
         o_saved = [[quantize_exact(val, saved_o) for val in row] for row in o]
-    dp = matmul_nt(doh, v_bwd)
     delta = [sum((a * b for a, b in zip(dr, orow)), Fraction(0)) for dr, orow in zip(doh, o_saved)]
     ds = [[w * (g - dl) if m else Fraction(0) for w, g, m in zip(wr, gr, mr)]
           for wr, gr, dl, mr in zip(w_bwd, dp, delta, msk)]
     return ConsistentPCase(failure, w_fwd, w_bwd, agree, edge, masses, o, o_saved, dp, delta, ds,
-                           row_sums(ds))
+                           row_sums(ds), hopper_bound)
 
 
-def consistent_p_case(failure: str = "", seed: int = 0, n_q: int = 3, n_k: int = 8, d: int = 8,
-                      mask=None) -> ConsistentPCase:
-    """One generated case: ``failure`` "" meets every condition (a = b = 8, no rescaling), any
-    key of :data:`FAILURES` breaks that one. Logits are spread wide (so that small
-    probabilities reach the FP8 subnormal range) and the forward uses tiles of 2 keys where a
-    rescale is involved."""
-    q, k, v, do = random_problem(seed, n_q, n_k, d, spread=1.0)
-    q = q * 3.0  # wide logits: probabilities down to the FP8 subnormal range
-    kw = dict(mask=mask, failure=failure)
-    match failure:
-        case "":
-            pass
-        case "grid_edge":
-            kw.update(fwd_scale_exp=8, bwd_scale_exp=4, tile=2)
-        case "natural_rescale":
-            kw.update(rescale="natural", tile=2)
-        case "lse_grid":
-            kw.update(bwd_grid="lse")
-        case "unquantized_normalizer":
-            kw.update(normalizer="unquantized")
-        case "saved_o_bf16":
-            kw.update(saved_o="bfloat16")
-        case "split_v":
-            kw.update(v_blocking="split", block=2)
-        case _:
-            raise ValueError(f"unknown failure {failure!r}; known: {sorted(FAILURES)}")
-    return consistent_p_backward(q, k, v, do, **kw)
+def _hopper_products(p_tilde, l_tilde, w_bwd, doh, vh, fmt_p, fmt_v, fmt_do, fwd_scale_exp,
+                     v_scale, promote_every):
+    """O = (P~ V~) / l~ and dP = dO^ V^T under the wgmma model (exact elsewhere), and the bound
+    of Theorem 9b per row: beta_n sum_k |dO^_ik| W^PV_ik / l~_i + beta_d sum_j w^_ij W^dP_ij,
+    W the Lemma 7 magnitudes (scales included)."""
+    import numpy as np
 
+    from .bounds import hopper_dot_error_bound
+    from .hopper import hopper_magnitude, hopper_matmul
+    from .rational import block_scale
 
-def find_consistent_p_failure(failure: str, *, max_seeds: int = 64, **kw) -> ConsistentPCase:
-    """The first seed whose case of ``failure`` has a non-zero residual."""
-    for seed in range(max_seeds):
-        case = consistent_p_case(failure, seed, **kw)
-        if case.max_abs_residual != 0:
-            return case
-    raise RuntimeError(f"no counterexample for {failure} within {max_seeds} seeds")
+    n_k, d = len(vh), len(vh[0])
+    s_p = Fraction(2) ** -fwd_scale_exp
+    p_codes = np.array([[float(x / s_p) for x in row] for row in p_tilde])  # FP8 values
+    v_codes = np.array([[float(x / v_scale) for x in row] for row in vh])
+    do_scale = [block_scale(max(abs(x) for x in row), fmt_do, "pow2_floor") for row in doh]
+    do_codes = np.array([[float(x / sc) for x in row] for row, sc in zip(doh, do_scale)])
+    pv = hopper_matmul(p_codes, v_codes.T, fmt_p, fmt_v, promote_every=promote_every)
+    dpc = hopper_matmul(do_codes, v_codes, fmt_do, fmt_v, promote_every=promote_every)
+    o = [[Fraction(float(pv[i, c])) * s_p * v_scale / l_tilde[i] if l_tilde[i] else Fraction(0)
+          for c in range(d)] for i in range(len(p_tilde))]
+    dp = [[Fraction(float(dpc[i, j])) * do_scale[i] * v_scale for j in range(n_k)]
+          for i in range(len(doh))]
+    w_pv = hopper_magnitude(p_codes, v_codes.T, fmt_p, fmt_v)
+    w_dp = hopper_magnitude(do_codes, v_codes, fmt_do, fmt_v)
+    beta_n = Fraction(hopper_dot_error_bound(n_k, promote_every))
+    beta_d = Fraction(hopper_dot_error_bound(d, promote_every))
+    bound = []
+    for i in range(len(doh)):
+        pv_term = sum((abs(doh[i][c]) * Fraction(float(w_pv[i, c])) for c in range(d)),
+                      Fraction(0)) * s_p * v_scale / (l_tilde[i] or 1)
+        dp_term = sum((abs(w_bwd[i][j]) * Fraction(float(w_dp[i, j])) for j in range(n_k)),
+                      Fraction(0)) * do_scale[i] * v_scale
+        bound.append(beta_n * pv_term + beta_d * dp_term)
+    return o, dp, bound

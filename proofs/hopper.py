@@ -54,13 +54,15 @@ def _truncate(x: np.ndarray, quantum: np.ndarray) -> np.ndarray:
 def wgmma_step(c: np.ndarray, products: np.ndarray, product_exponents: np.ndarray,
                model: HopperModel = HOPPER) -> np.ndarray:
     """One k-step: ``c (...)`` float32 values, ``products (..., k)`` exact, their exponents."""
+    product_exponents = np.where(products == 0, _NO_EXPONENT, product_exponents)
     big_e = np.maximum(product_exponents.max(axis=-1), _float32_exponents(c))
-    quantum = np.ldexp(1.0, big_e - model.term_frac_bits)
+    empty = big_e <= _NO_EXPONENT // 2  # every term is zero: the step leaves C as it is
+    quantum = np.ldexp(1.0, np.where(empty, 0, big_e) - model.term_frac_bits)
     total = _truncate(c, quantum) + _truncate(products, quantum[..., None]).sum(axis=-1)
     _, e = np.frexp(np.abs(total))
     result_quantum = np.ldexp(1.0, np.maximum(e - 1, -126) - (model.result_sig_bits - 1))
     out = _truncate(total, result_quantum)
-    return np.where(big_e == _NO_EXPONENT, c, out)
+    return np.where(empty, c, out)
 
 
 def _padded(x: np.ndarray, k_step: int) -> np.ndarray:

@@ -238,3 +238,41 @@ def _hopper_products(p_tilde, l_tilde, w_bwd, doh, vh, fmt_p, fmt_v, fmt_do, fwd
                       Fraction(0)) * do_scale[i] * v_scale
         bound.append(beta_n * pv_term + beta_d * dp_term)
     return o, dp, bound
+
+
+def consistent_p_case(failure: str = "", seed: int = 0, n_q: int = 3, n_k: int = 8, d: int = 8,
+                      mask=None) -> ConsistentPCase:
+    """One generated case: ``failure`` "" meets every condition (a = b = 8, no rescaling), any
+    key of :data:`FAILURES` breaks that one. Logits are spread wide (so that small
+    probabilities reach the FP8 subnormal range) and the forward uses tiles of 2 keys where a
+    rescale is involved."""
+    q, k, v, do = random_problem(seed, n_q, n_k, d, spread=1.0)
+    q = q * 3.0  # wide logits: probabilities down to the FP8 subnormal range
+    kw = dict(mask=mask, failure=failure)
+    match failure:
+        case "":
+            pass
+        case "grid_edge":
+            kw.update(fwd_scale_exp=8, bwd_scale_exp=4, tile=2)
+        case "natural_rescale":
+            kw.update(rescale="natural", tile=2)
+        case "lse_grid":
+            kw.update(bwd_grid="lse")
+        case "unquantized_normalizer":
+            kw.update(normalizer="unquantized")
+        case "saved_o_bf16":
+            kw.update(saved_o="bfloat16")
+        case "split_v":
+            kw.update(v_blocking="split", block=2)
+        case _:
+            raise ValueError(f"unknown failure {failure!r}; known: {sorted(FAILURES)}")
+    return consistent_p_backward(q, k, v, do, **kw)
+
+
+def find_consistent_p_failure(failure: str, *, max_seeds: int = 64, **kw) -> ConsistentPCase:
+    """The first seed whose case of ``failure`` has a non-zero residual."""
+    for seed in range(max_seeds):
+        case = consistent_p_case(failure, seed, **kw)
+        if case.max_abs_residual != 0:
+            return case
+    raise RuntimeError(f"no counterexample for {failure} within {max_seeds} seeds")

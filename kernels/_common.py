@@ -103,3 +103,14 @@ def quantize_rows(x, IS_E5M2: tl.constexpr, INTERPRET: tl.constexpr):
     """One pow2_floor scale per row of the 2-D tile: returns (codes, dequantization factors)."""
     k = pow2_floor_exponent(tl.max(tl.abs(x), axis=1), IS_E5M2)
     return to_fp8(x * exp2_int(k)[:, None], IS_E5M2, INTERPRET), exp2_int(-k)
+
+
+@triton.jit
+def to_bf16(x, INTERPRET: tl.constexpr):
+    """float32 -> bfloat16, round to nearest even (the interpreter's own cast truncates)."""
+    if INTERPRET:
+        bits = x.to(tl.int32, bitcast=True)
+        # bfloat16 keeps float32's exponent field, so one integer RNE on the low 16 bits suffices
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        x = (bits - (bits & 0xFFFF)).to(tl.float32, bitcast=True)
+    return x.to(tl.bfloat16)

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import quantize_rows, quantize_tile, to_fp8
+from ._common import quantize_rows, quantize_tile, to_bf16, to_fp8
 from ._runtime import interpreting
 from .config import QUANT_BLOCK, KernelRecipe
 
@@ -161,7 +161,7 @@ def _bwd_dq_kernel(
         dq -= (d_matched - d_stale)[:, None] * (kbar * (1.0 / P_SCALE))
         if DEBUG:
             rowsum -= (d_matched - d_stale) * psum
-    tl.store(DQ + rows, (dq * sm_scale).to(DQ.dtype.element_ty), mask=in_seq[:, None])
+    tl.store(DQ + rows, to_bf16(dq * sm_scale, INTERPRET), mask=in_seq[:, None])
     if DEBUG:
         tl.store(DQ_ROWSUM + bh64 * N + offs_m, rowsum, mask=in_seq)
 
@@ -311,8 +311,8 @@ def _bwd_dkdv_kernel(
                 DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE,
                 bh64, lo, N, qk_scale, N, NPAD,
                 HEAD_DIM, BLOCK_M, BLOCK_N, QB, True, CAUSAL, P_SCALE, DS_ROWWISE, DEBUG, INTERPRET)
-    tl.store(DK + rows, (dk * sm_scale).to(DK.dtype.element_ty), mask=in_seq[:, None])
-    tl.store(DV + rows, (dv * (1.0 / P_SCALE)).to(DV.dtype.element_ty), mask=in_seq[:, None])
+    tl.store(DK + rows, to_bf16(dk * sm_scale, INTERPRET), mask=in_seq[:, None])
+    tl.store(DV + rows, to_bf16(dv * (1.0 / P_SCALE), INTERPRET), mask=in_seq[:, None])
 
 
 # --------------------------------------------------------------------------------------------

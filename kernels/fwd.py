@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import to_fp8
+from ._common import to_bf16, to_fp8
 from ._runtime import interpreting
 from .config import QUANT_BLOCK, FwdTiles, KernelRecipe
 
@@ -128,7 +128,7 @@ def _fwd_kernel(
                                    HEAD_DIM, BLOCK_N, QB, True, False, P_SCALE, DEBUG, INTERPRET)
     o = acc / (l_i * P_SCALE)[:, None]
     tl.store(O + bh64 * N * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
-             o.to(O.dtype.element_ty), mask=in_seq[:, None])
+             to_bf16(o, INTERPRET), mask=in_seq[:, None])
     tl.store(LSE2 + bh64 * N + offs_m, m_i + tl.math.log2(l_i), mask=in_seq)
 
 

@@ -1,0 +1,264 @@
+"""Differential tests: dmref.kernels against a model of the same recipe (``kernel_model``).
+
+Every test body runs on the GPU (marked ``gpu``) and in Triton's interpreter on the CPU at small
+sizes (see conftest). The interpreter checks indexing, masking and the recipe's arithmetic; its
+FP8 casts are made exact by the kernels' own rounding helper, so codes are compared there too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from dmref.kernels.config import RECIPES, BwdTiles, FwdTiles, KernelRecipe
+
+import kernel_model as model
+from kernel_bounds import (
+    CODE_AGREEMENT,
+    RECIPE_NOISE_FRACTION,
+    U32,
+    bf16_ulp,
+    delta_matching_rowsum_bound,
+    gamma,
+    rel_err,
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int
+    heads: int
+    kv_heads: int
+    n: int
+    head_dim: int
+    causal: bool
+    recipe: str
+    #: optional (FwdTiles, BwdTiles, ds_granularity) replacing the recipe's
+    tiles: tuple | None = None
+
+    def recipe_obj(self) -> KernelRecipe:
+        r = RECIPES[self.recipe]
+        if self.tiles is not None:
+            fwd, bwd, gran = self.tiles
+            import dataclasses
+
+            r = dataclasses.replace(r, fwd=fwd, bwd=bwd, ds_granularity=gran)
+        return r
+
+    def __str__(self) -> str:
+        t = "" if self.tiles is None else "-smalltiles"
+        return (f"{self.recipe}-{'causal' if self.causal else 'full'}-b{self.batch}h{self.heads}"
+                f"kv{self.kv_heads}n{self.n}d{self.head_dim}{t}")
+
+
+_SMALL_TILES = (FwdTiles(64, 32, 4, 1), BwdTiles(32, 64, 64, 32, 4, 1, 4, 1), "tile")
+
+#: Awkward sequence lengths (tails in every tile size), GQA, both head dims, both recipes.
+CASES = {
+    "interpreter": [
+        Case(1, 2, 1, 203, 64, False, "naive_fp8"),
+        Case(1, 2, 1, 203, 64, True, "naive_fp8"),
+        Case(1, 2, 1, 203, 64, False, "delta_matching"),
+        Case(1, 2, 1, 203, 64, True, "delta_matching"),
+        Case(1, 1, 1, 130, 128, True, "delta_matching"),
+        Case(1, 2, 2, 113, 64, True, "delta_matching", _SMALL_TILES),
+    ],
+    "gpu": [
+        Case(2, 4, 2, 1000, 128, False, "naive_fp8"),
+        Case(2, 4, 2, 1000, 128, True, "naive_fp8"),
+        Case(2, 4, 2, 1000, 128, False, "delta_matching"),
+        Case(2, 4, 2, 1000, 128, True, "delta_matching"),
+        Case(1, 4, 4, 777, 64, True, "delta_matching"),
+        Case(1, 4, 1, 777, 64, False, "naive_fp8"),
+        Case(1, 4, 2, 333, 64, True, "delta_matching", _SMALL_TILES),
+    ],
+}
+
+
+def _inputs(case: Case, device: str, seed: int = 0):
+    """Realistic-ish inputs: normal values with a few large-magnitude channels (outliers)."""
+    g = torch.Generator().manual_seed(seed)
+    b, h, hkv, n, d = case.batch, case.heads, case.kv_heads, case.n, case.head_dim
+    outlier = torch.ones(d)
+    outlier[::16] = 3.0  # every 16th channel 3x larger, as outlier channels in real activations
+    q = torch.randn(b, h, n, d, generator=g) * outlier
+    k = torch.randn(b, hkv, n, d, generator=g) * outlier
+    v = torch.randn(b, hkv, n, d, generator=g)
+    do = torch.randn(b, h, n, d, generator=g)
+    return [t.to(torch.bfloat16).to(device) for t in (q, k, v, do)]
+
+
+_RUNS: dict = {}
+
+
+def run_case(backend: str, case: Case) -> dict:
+    """Kernel (with debug outputs), model and float64 attention on the same inputs; cached."""
+    key = (backend, case)
+    if key in _RUNS:
+        return _RUNS[key]
+    from dmref.kernels import api
+
+    device = "cuda" if backend == "gpu" else "cpu"
+    q, k, v, do = _inputs(case, device)
+    recipe = case.recipe_obj()
+    scale = 1.0 / math.sqrt(case.head_dim)
+    o, lse, saved, fdbg = api.attention_forward(q, k, v, causal=case.causal, scale=scale,
+                                                recipe=recipe, debug=True)
+    dq, dk, dv, bdbg = api.attention_backward(saved, o, do, shape=api.Shape.of(q, k, v),
+                                              causal=case.causal, scale=scale, recipe=recipe,
+                                              debug=True)
+    dot = model.hopper_dot if backend == "gpu" else model.exact_dot
+    mo, mlse2, mp = model.forward(q, k, v, causal=case.causal, scale=scale, recipe=recipe, dot=dot)
+    # the model's backward reads the kernel's O and LSE, so that it sees the same saved state
+    mb = model.backward(q, k, v, o, saved.lse2, do, causal=case.causal, scale=scale,
+                        recipe=recipe, dot=dot)
+    exact = model.exact_attention(q, k, v, do, causal=case.causal, scale=scale)
+    out = dict(kernel=dict(o=o, lse2=saved.lse2, p_fwd=fdbg["p_codes"], dq=dq, dk=dk, dv=dv, **bdbg),
+               model=dict(o=mo, lse2=mlse2, p_fwd=mp, **mb), exact=exact)
+    _RUNS[key] = out
+    return out
+
+
+def _cases(which: str | None = None):
+    """(backend, case) parameters: interpreter cases and GPU cases, GPU ones marked."""
+    params = []
+    for backend, cases in CASES.items():
+        for c in cases:
+            if which is not None and c.recipe != which:
+                continue
+            marks = [pytest.mark.gpu] if backend == "gpu" else []
+            params.append(pytest.param(backend, c, id=f"{backend}-{c}", marks=marks))
+    return params
+
+
+def _check_backend(backend: str) -> None:
+    import os
+
+    if backend == "interpreter":
+        pytest.importorskip("triton")
+        if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            pytest.skip("this process compiles for the GPU; the interpreter variant runs on the CPU")
+
+
+def _valid(case: Case, device) -> torch.Tensor:
+    i = torch.arange(case.n, device=device)
+    return (i[:, None] >= i[None, :]) if case.causal else torch.ones(case.n, case.n, dtype=torch.bool, device=device)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["interpreter", pytest.param("gpu", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("n,head_dim", [(203, 64), (130, 128)])
+def test_quantize_kernel_codes_and_scales_equal_model(backend, fmt, n, head_dim):
+    _check_backend(backend)
+    from dmref.kernels.quantize import quantize
+
+    device = "cuda" if backend == "gpu" else "cpu"
+    case = Case(1, 2, 2, n, head_dim, False, "naive_fp8")
+    x, _, _, o = _inputs(case, device)
+    got, delta = quantize(x, fmt, rows=True, cols=True, delta_with=o)
+    xf = x.reshape(2, n, head_dim).float()
+    rows, row_inv = model.rows(xf, fmt)
+    cols, col_inv = model.cols(xf, fmt)
+    assert torch.equal(got.rows.view(torch.uint8), rows)
+    assert torch.equal(got.row_scale, row_inv)
+    assert torch.equal(got.cols.view(torch.uint8), cols)
+    assert torch.equal(got.col_scale, col_inv)
+    # the preprocess's stale delta: a float32 dot over the head dim
+    of = o.reshape(2, n, head_dim).float()
+    exact = (of.double() * xf.double()).sum(-1)
+    bound = gamma(head_dim) * (of.double() * xf.double()).abs().sum(-1)
+    assert ((delta.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("backend,case", _cases())
+def test_p_and_ds_codes_agree_with_model(backend, case):
+    _check_backend(backend)
+    r = run_case(backend, case)
+    kern, mod = r["kernel"], r["model"]
+    valid = _valid(case, kern["o"].device).expand_as(mod["p_fwd"])
+    for name in ("p_fwd", "p_codes", "ds_codes"):
+        agree = (kern[name].view(torch.uint8) == mod[name])[valid].double().mean().item()
+        assert agree >= CODE_AGREEMENT, f"{name}: {agree:.6f} of codes agree"
+    # outside the mask every code is +-0 (0 * negative is -0, code 0x80)
+    for name in ("p_fwd", "p_codes", "ds_codes"):
+        assert (kern[name][~valid] & 0x7F == 0).all()
+
+
+@pytest.mark.parametrize("backend,case", _cases())
+def test_outputs_and_gradients_match_model_within_recipe_noise(backend, case):
+    _check_backend(backend)
+    r = run_case(backend, case)
+    kern, mod, exact = r["kernel"], r["model"], r["exact"]
+    for name in ("o", "dq", "dk", "dv"):
+        recipe_error = rel_err(mod[name], exact[name])
+        diff = rel_err(kern[name].float(), mod[name])
+        assert diff <= RECIPE_NOISE_FRACTION * recipe_error, (
+            f"{name}: kernel vs model {diff:.3e}, model vs float64 {recipe_error:.3e}")
+        if backend == "interpreter":
+            # float32 accumulation there, and every code agrees: the kernel's BF16 outputs are
+            # the model's values rounded to BF16, up to one BF16 ulp where the float32 values
+            # straddle a rounding boundary
+            excess = ((kern[name].float() - mod[name]).abs() - bf16_ulp(mod[name])).max().item()
+            assert excess <= 0, f"{name}: kernel and model differ by more than one BF16 ulp"
+    # LSE: the same float32 online softmax, up to exp2/log2 rounding and accumulation order
+    lse_tol = gamma(case.n + 4) * mod["lse2"].abs().max().item() + 2 * gamma(case.head_dim) * \
+        mod["s2_abs"].abs().max().item()
+    assert (kern["lse2"] - mod["lse2"]).abs().max().item() <= lse_tol
+
+
+@pytest.mark.parametrize("backend,case", _cases("delta_matching"))
+def test_matched_delta_ds_rowsums_within_delta_matching_bound(backend, case):
+    _check_backend(backend)
+    r = run_case(backend, case)
+    kern, mod = r["kernel"], r["model"]
+    bound = delta_matching_rowsum_bound(
+        mod["p"], mod["dp"], kern["delta"], s2_abs=mod["s2_abs"], dp_abs=mod["dp_abs"],
+        head_dim=case.head_dim, recompute_unit=0.0 if backend == "gpu" else U32)
+    for name in ("ds_rowsum", "dq_ds_rowsum"):
+        excess = (kern[name].double().abs() - bound).max().item()
+        assert excess <= 0, f"{name} exceeds the Delta-Matching bound by {excess:.3e}"
+
+
+@pytest.mark.parametrize("backend,case", _cases("naive_fp8"))
+def test_stale_delta_ds_rowsums_visibly_outside_delta_matching_bound(backend, case):
+    _check_backend(backend)
+    r = run_case(backend, case)
+    kern, mod = r["kernel"], r["model"]
+    bound = delta_matching_rowsum_bound(
+        mod["p"], mod["dp"], kern["delta"], s2_abs=mod["s2_abs"], dp_abs=mod["dp_abs"],
+        head_dim=case.head_dim, recompute_unit=0.0 if backend == "gpu" else U32)
+    outside = (kern["ds_rowsum"].double().abs() > bound).double().mean().item()
+    # "visibly": most rows, not a rounding accident
+    assert outside > 0.5, f"only {outside:.3f} of stale rows exceed the bound"
+    # and they are what DESIGN.md section 1 says: sum_j P (dP - D_stale) = (D_matched - D_stale) sum_j P
+    matched = (mod["p"].double() * mod["dp"].double()).sum(-1) / mod["p"].double().sum(-1)
+    predicted = (matched - kern["delta"].double()) * mod["p"].double().sum(-1)
+    assert rel_err(kern["ds_rowsum"], predicted) <= RECIPE_NOISE_FRACTION
+
+
+@pytest.mark.parametrize("backend", ["interpreter", pytest.param("gpu", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("recipe", ["delta_matching", "naive_fp8"])
+def test_autograd_function_gives_the_backward_kernels_gradients(backend, recipe):
+    _check_backend(backend)
+    from dmref.kernels import api, attention
+
+    device = "cuda" if backend == "gpu" else "cpu"
+    case = Case(1, 4, 2, 150, 64, True, recipe)
+    q, k, v, do = _inputs(case, device, seed=1)
+    q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    o = attention(q, k, v, causal=True, recipe=recipe)
+    o.backward(do)
+    o2, _lse, saved, _ = api.attention_forward(q.detach(), k.detach(), v.detach(), causal=True,
+                                               recipe=recipe)
+    dq, dk, dv, _ = api.attention_backward(saved, o2, do, shape=api.Shape.of(q, k, v), causal=True,
+                                           scale=1 / math.sqrt(64), recipe=recipe)
+    assert o.dtype == torch.bfloat16 and o.shape == q.shape
+    assert torch.equal(o, o2)
+    assert torch.equal(q.grad, dq) and torch.equal(k.grad, dk) and torch.equal(v.grad, dv)
+    assert k.grad.shape == k.shape  # GQA: summed over each key/value head's query heads

@@ -33,9 +33,11 @@ bad value turns the whole operand NaN, as on the hardware.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -53,15 +55,36 @@ _NEG_INF = float("-inf")
 # Quantization: the one place that calls dmref.emulation
 # ==============================================================================================
 
-#: Formats whose codes torch can widen to float32 itself; the widening is exact, and
-#: tests/dmref/test_tiled.py proves it equal to ``emulation.decode`` on all 256 codes.
+@functools.lru_cache(maxsize=None)
+def _decode_table(fmt, scale: float = 1.0) -> np.ndarray:
+    """``emulation.decode`` of every code of ``fmt``, times ``scale`` (float32), as a table."""
+    dtype = torch.uint8 if fmt.bits <= 8 else torch.int16
+    codes = torch.arange(fmt.n_codes, dtype=torch.int32).to(dtype)
+    return (emulation.decode(codes, fmt) * scale).numpy()
+
+
+#: Formats whose codes torch widens to float32 itself (exact; used on CUDA).
 _TORCH_FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 
-def _decode(codes: torch.Tensor, fmt) -> torch.Tensor:
+def _decode(codes: torch.Tensor, fmt, scale: float = 1.0) -> torch.Tensor:
+    """``emulation.decode(codes, fmt) * scale`` (one float32 multiply), faster: on the CPU a
+    gather from a table of ``emulation.decode`` over all codes (torch's own uint8 -> float
+    conversions run at ~10 ns per value on this CPU, numpy's take at ~1-2); on CUDA torch's
+    exact FP8 widening. tests/dmref/test_tiled.py checks both against ``emulation.decode`` on
+    every code."""
+    if codes.device.type == "cpu":
+        out = torch.empty(codes.shape, dtype=torch.float32)
+        flat = codes.contiguous().numpy().reshape(-1)
+        if flat.dtype == np.int16:
+            flat = flat.view(np.uint16)
+        np.take(_decode_table(fmt, scale), flat, out=out.numpy().reshape(-1), mode="clip")  # codes are in range
+        return out
     if fmt.name in _TORCH_FP8:
-        return codes.view(_TORCH_FP8[fmt.name]).to(torch.float32)
-    return emulation.decode(codes, fmt)
+        values = codes.view(_TORCH_FP8[fmt.name]).to(torch.float32)
+    else:
+        values = emulation.decode(codes, fmt)
+    return values * scale if scale != 1.0 else values
 
 
 def _block_shape(granularity: Granularity, rows: int, cols: int, contract_dim: int):
@@ -118,15 +141,23 @@ def group_amax(x: torch.Tensor, point: QuantPoint, *, contract_dim: int) -> torc
     """amax of each scale block of x under ``point``: a 0-d tensor for TENSOR granularity,
     else shaped like x with the blocked axes reduced to blocks (ROW: (..., R, 1) or (..., 1, C))."""
     if point.granularity is Granularity.TENSOR:
-        return x.abs().amax()
+        return _abs_amax(x)
     if point.granularity is Granularity.ROW:
-        return x.abs().amax(dim=contract_dim, keepdim=True)
+        return _abs_amax(x, dim=contract_dim, keepdim=True)
     raise ValueError("group_amax is only needed for TENSOR and ROW granularity")
+
+
+def _abs_amax(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
+    """max |x| over ``dim`` (all dims when None) without an |x| temporary; NaN propagates."""
+    if dim is None:
+        return torch.maximum(x.amax(), x.amin().neg())
+    return torch.maximum(x.amax(dim=dim, keepdim=keepdim), x.amin(dim=dim, keepdim=keepdim).neg())
 
 
 def _quantize(x: torch.Tensor, point: QuantPoint, *, contract_dim: int, dtype: torch.dtype,
               fixed_scale: float = 1.0, amax: torch.Tensor | None = None) -> torch.Tensor:
-    """s * Q(x / s): the operand the matmul sees, in ``dtype``.
+    """s * Q(x / s): the operand the matmul sees, in ``dtype``. Every cast of dmref.tiled
+    happens here, through ``emulation.encode`` (and the table of ``emulation.decode``).
 
     ``contract_dim`` (-1 or -2) says which axis of x the matmul contracts over (the axis scale
     blocks run along). ``amax`` (from :func:`group_amax` over a whole sweep) overrides the
@@ -137,18 +168,19 @@ def _quantize(x: torch.Tensor, point: QuantPoint, *, contract_dim: int, dtype: t
         return x.to(dtype)
     fmt = emulation.get_format(point.fmt)
     kwargs = dict(rounding=point.rounding, saturate=point.saturate)
-    if point.granularity is Granularity.TENSOR or point.scale_rule is ScaleRule.FIXED:
-        if amax is None and point.scale_rule.is_dynamic:
-            amax = x.abs().amax()
-        s = _scale_from_amax(amax if amax is not None else x.new_zeros(()), point, fmt, fixed_scale)
-        return (_decode(emulation.encode(x / s, fmt, **kwargs), fmt) * s).to(dtype)
+    if point.scale_rule is ScaleRule.FIXED:
+        y = x * (1.0 / fixed_scale) if fixed_scale != 1.0 else x
+        return _decode(emulation.encode(y, fmt, **kwargs), fmt, fixed_scale).to(dtype)
+    if point.granularity is Granularity.TENSOR:
+        s = _scale_from_amax(_abs_amax(x) if amax is None else amax, point, fmt, fixed_scale)
+        return _decode(emulation.encode(x / s, fmt, **kwargs), fmt).mul_(s).to(dtype)
     xb, (rows, cols) = _blocked(x, point, contract_dim)
     if amax is None:
-        amax = xb.abs().amax(dim=(-3, -1), keepdim=True)
+        amax = _abs_amax(xb, dim=(-3, -1), keepdim=True)
     elif point.granularity is Granularity.ROW:  # (..., R, 1) or (..., 1, C) -> blocked layout
         amax = amax.unsqueeze(-1).unsqueeze(-3)
     s = _scale_from_amax(amax, point, fmt, fixed_scale)
-    y = _decode(emulation.encode(xb / s, fmt, **kwargs), fmt) * s
+    y = _decode(emulation.encode(xb / s, fmt, **kwargs), fmt).mul_(s)
     y = y.reshape(*y.shape[:-4], y.shape[-4] * y.shape[-3], y.shape[-2] * y.shape[-1])
     return y[..., :rows, :cols].to(dtype)
 
@@ -158,7 +190,8 @@ def _quantize(x: torch.Tensor, point: QuantPoint, *, contract_dim: int, dtype: t
 # ==============================================================================================
 
 
-def _matmul(a_deq: torch.Tensor, b_deq: torch.Tensor, model: str, dtype: torch.dtype) -> torch.Tensor:
+def _matmul(a_deq: torch.Tensor, b_deq: torch.Tensor, model: str, dtype: torch.dtype,
+            points: tuple[QuantPoint, QuantPoint] | None = None) -> torch.Tensor:
     """``a_deq (..., m, k) @ b_deq (..., k, n)`` under the accumulation model ``model``.
 
     - ``"fp32"``: torch's float32 matmul of the dequantized operands. Products of FP8 or BF16
@@ -167,7 +200,9 @@ def _matmul(a_deq: torch.Tensor, b_deq: torch.Tensor, model: str, dtype: torch.d
     - ``"float64"``: float64 matmul, kept in float64.
     - ``"exact"``: float64 matmul rounded once to float32 (exact products; the float64 sum is
       exact unless the products span more than 2^29 in magnitude).
-    - any other name (``"hopper"``): the emulated GEMM of :mod:`dmref.emulation`.
+    - ``"hopper"`` (``"hopper-p<N>"``: promotion to float32 every N products): the emulated
+      Hopper wgmma of ``dmref.emulation.gemm``, with the operands' FP8 formats and their scale
+      blocks along k (``points``: the two operands' quantization points).
     """
     if model == "fp32":
         out = torch.matmul(a_deq.to(torch.float32), b_deq.to(torch.float32))
@@ -176,18 +211,50 @@ def _matmul(a_deq: torch.Tensor, b_deq: torch.Tensor, model: str, dtype: torch.d
     elif model == "exact":
         out = torch.matmul(a_deq.to(torch.float64), b_deq.to(torch.float64)).to(torch.float32)
     else:
-        out = _emulated_gemm(a_deq, b_deq, model)
+        out = _emulated_gemm(a_deq, b_deq, model, points)
     return out.to(dtype)
 
 
-def _emulated_gemm(a_deq: torch.Tensor, b_deq: torch.Tensor, model: str) -> torch.Tensor:
-    gemm = getattr(emulation, "attention_matmul", None) or getattr(emulation, "matmul", None)
-    if gemm is None:
+def _k_block(point: QuantPoint) -> int | None:
+    """Extent along the contraction of one scale block (None: the whole contraction)."""
+    block = point.granularity.block
+    return None if block is None or point.scale_rule is ScaleRule.FIXED else block[1]
+
+
+def _pow2_blocks(x: torch.Tensor, fmt, block: int):
+    """(values, scales): x (..., R, K) = values * scales per (row, K tile of ``block``), with
+    power-of-two scales chosen so that values are exactly ``fmt`` values. Exact for operands
+    quantized with power-of-two scale blocks that nest in these tiles: the Hopper model's
+    result does not depend on which power of two carries the scale."""
+    rows, k = x.shape[-2:]
+    tiles = -(-k // block)
+    xb = F.pad(x, (0, tiles * block - k)).reshape(*x.shape[:-1], tiles, block).to(torch.float32)
+    amax = _abs_amax(xb, dim=-1, keepdim=True)
+    m, e = torch.frexp(amax / fmt.max)
+    s = torch.ldexp(torch.ones_like(amax), torch.where(m == 0.5, e - 1, e).to(torch.float32))
+    s = torch.where(amax > s * fmt.max, 2 * s, s)
+    s = torch.where(amax == 0, torch.ones_like(s), s)
+    values = (xb / s).reshape(*x.shape[:-1], tiles * block)[..., :k]
+    return values, s[..., 0]
+
+
+def _emulated_gemm(a_deq: torch.Tensor, b_deq: torch.Tensor, model: str, points) -> torch.Tensor:
+    from .emulation import gemm  # imported only when a recipe asks for an emulated model
+
+    name, _, promote = model.partition("-p")
+    if points is None or not all(p.quantized and emulation.get_format(p.fmt).bits == 8 for p in points):
         raise NotImplementedError(
-            f"accumulation model {model!r} needs the emulated GEMM of dmref.emulation (issue 4), "
-            "which this tree does not have yet; use 'fp32', 'exact' or 'float64'"
+            f"accumulation model {model!r} emulates FP8 tensor cores; both operands of this "
+            f"matmul must be FP8 quantization points, got {points}"
         )
-    return gemm(a_deq, b_deq.transpose(-1, -2), model=model)
+    blocks = [b for b in (_k_block(p) for p in points) if b is not None]
+    block = min(blocks) if blocks else a_deq.shape[-1]
+    fa, fb = (emulation.get_format(p.fmt) for p in points)
+    a, sa = _pow2_blocks(a_deq, fa, block)
+    bt, sb = _pow2_blocks(b_deq.transpose(-1, -2), fb, block)
+    return gemm.matmul(a.contiguous(), bt.contiguous(), fa=fa, fb=fb, model=name,
+                       promote_every=int(promote) if promote else None,
+                       scale_a=sa.contiguous(), scale_b=sb.contiguous(), scale_block_k=block)
 
 
 # ==============================================================================================
@@ -259,19 +326,20 @@ def _logits(pb: _Problem, q_hat, k_hat, i0: int, j0: int, j1: int, model: str) -
     """Base-2 logits x = (Q^ K^ᵀ) * fl(scale log2 e) [+ mask log2 e] of rows i0: and keys
     j0:j1; masked positions -inf. The forward and both backward sweeps call exactly this, so
     they see bit-identical x (assumption A1)."""
-    s = _matmul(q_hat[..., i0:, :], k_hat[..., j0:j1, :].transpose(-1, -2), model, pb.dtype)
-    x = s * pb.c
+    s = _matmul(q_hat[..., i0:, :], k_hat[..., j0:j1, :].transpose(-1, -2), model, pb.dtype,
+                (pb.recipe.q, pb.recipe.k))
+    x = s.mul_(pb.c)
     rows, cols = slice(i0, pb.shape.seqlen_q), slice(j0, j1)
     bool_mask = None
     if pb.mask is not None:
         if pb.mask.dtype == torch.bool:
             bool_mask = pb.mask
         else:
-            x = x + mask_window(pb.mask, rows, cols).to(pb.dtype) * _LOG2E
+            x = x.add_(mask_window(pb.mask, rows, cols).to(pb.dtype) * _LOG2E)
     keep = keep_mask(pb.shape.seqlen_q, pb.shape.seqlen_k, causal=pb.causal, mask=bool_mask,
                      device=x.device, rows=rows, cols=cols)
     if keep is not None:
-        x = x.masked_fill(~keep, _NEG_INF)
+        x = x.masked_fill_(~keep, _NEG_INF)
     return x
 
 
@@ -344,14 +412,14 @@ def forward(q, k, v, *, recipe="exact", causal: bool = False, scale=None, mask=N
         else:  # m = running max (FlashAttention)
             ref_new = torch.maximum(ref_old, x.amax(dim=-1))
             ref_use = _no_inf(ref_new)
-            p = torch.exp2(x - ref_use[..., None])
+            p = x.sub_(ref_use[..., None]).exp2_()  # x is not needed again
         alpha = torch.exp2(ref_old - ref_use)  # 0 where nothing was seen yet
         # Q-point P (PV): fp32 p * 2^offset -> recipe.p (FA3: E4M3, fixed scale 2^-8, RNE, satfinite)
         p_hat = _quantize(p, r.p, contract_dim=-1, dtype=wd, fixed_scale=p_scale)
         mass = p if r.normalizer is Normalizer.FP32_SUM else p_hat
         l[..., i0:] = l[..., i0:] * alpha + mass.sum(dim=-1)
         acc[..., i0:, :] = acc[..., i0:, :] * alpha[..., None] + _matmul(
-            p_hat, v_hat[..., j0:j1, :], acc_model.pv, wd
+            p_hat, v_hat[..., j0:j1, :], acc_model.pv, wd, (r.p, r.v)
         )
         ref[..., i0:] = ref_new
 
@@ -488,14 +556,15 @@ def backward(q, k, v, fwd: ForwardResult, dout, *, recipe="exact", causal: bool 
             return p_t / l_safe[..., i0:, :]
         if r.p_bwd.reference is PReference.SAVED_MAX:
             return _exp2_split(x, ref[..., i0:, :]) / l_safe[..., i0:, :]
-        return torch.exp2(x - lse2[..., i0:, :])
+        return x.sub_(lse2[..., i0:, :]).exp2_()  # x is not needed again
 
     def sweep():
         """(i0, j0, j1, P, dP^) per key tile: the recompute shared by every pass."""
         for j0, j1, i0 in pb.key_tiles():
             x = _logits(pb, q_hat, k_hat, i0, j0, j1, acc_model.qk_bwd)
             p = backward_p(x, i0)
-            dp = _matmul(do_dp[..., i0:, :], v_dp[..., j0:j1, :].transpose(-1, -2), acc_model.dp, wd)
+            dp = _matmul(do_dp[..., i0:, :], v_dp[..., j0:j1, :].transpose(-1, -2), acc_model.dp, wd,
+                         (r.do_dp, r.v_dp))
             yield i0, j0, j1, p, dp
 
     # ---- the delta step ----------------------------------------------------------------------
@@ -511,16 +580,16 @@ def backward(q, k, v, fwd: ForwardResult, dout, *, recipe="exact", causal: bool 
         if spans["ds_dq"] and r.ds_dq.granularity is Granularity.ROW:
             amax["ds_dq"] = torch.zeros(lead, dtype=wd, device=q.device)
         for i0, j0, j1, p, dp in sweep():
-            ds = p * (dp - delta[..., i0:, :])
+            ds = dp.sub_(delta[..., i0:, :]).mul_(p)  # dS = P ∘ (dP^ - D), as in the sweep below
             if spans["p_dv"]:
-                amax["p_dv"] = torch.maximum(amax["p_dv"], p.abs().amax())
+                amax["p_dv"] = torch.maximum(amax["p_dv"], _abs_amax(p))
             if spans["ds_dk"]:
-                amax["ds_dk"] = torch.maximum(amax["ds_dk"], ds.abs().amax())
+                amax["ds_dk"] = torch.maximum(amax["ds_dk"], _abs_amax(ds))
             if spans["ds_dq"]:
                 if amax["ds_dq"].dim():
                     amax["ds_dq"][..., i0:, :] = torch.maximum(amax["ds_dq"][..., i0:, :], group_amax(ds, r.ds_dq, contract_dim=-1))
                 else:
-                    amax["ds_dq"] = torch.maximum(amax["ds_dq"], ds.abs().amax())
+                    amax["ds_dq"] = torch.maximum(amax["ds_dq"], _abs_amax(ds))
 
     # ---- the sweep -----------------------------------------------------------------------------
     dq = torch.zeros(sh.batch, sh.heads, sh.seqlen_q, sh.head_dim, dtype=wd, device=q.device)
@@ -536,20 +605,23 @@ def backward(q, k, v, fwd: ForwardResult, dout, *, recipe="exact", causal: bool 
         # Q-point P (dV = Pᵀ dO): fp32 P * 2^offset -> recipe.p_dv, blocks along the queries
         p_dv = _quantize(p, r.p_dv, contract_dim=-2, dtype=wd, fixed_scale=p_scale_bwd,
                          amax=amax["p_dv"])
-        dv[..., j0:j1, :] += _matmul(p_dv.transpose(-1, -2), do_dv[..., i0:, :], acc_model.dv, wd)
-        ds = p * (dp - delta[..., i0:, :])
+        dv[..., j0:j1, :] += _matmul(p_dv.transpose(-1, -2), do_dv[..., i0:, :], acc_model.dv, wd,
+                                     (r.p_dv, r.do_dv))
+        if diagnostics:  # A_i and sigma_i from the very P and dP^ of this tile, in float64
+            p64 = p.to(torch.float64)
+            abs_pdp[..., i0:] += (p64 * dp.to(torch.float64)).abs().sum(dim=-1)
+            psum[..., i0:] += p64.sum(dim=-1)
+        ds = dp.sub_(delta[..., i0:, :]).mul_(p)  # dS = P ∘ (dP^ - D); dP^ is not needed again
         # Q-point dS (dQ = dS K): fp32 -> recipe.ds_dq, blocks along the keys
         ds_dq = _quantize(ds, r.ds_dq, contract_dim=-1, dtype=wd,
                           amax=a_rows if a_rows is not None else amax["ds_dq"])
-        dq[..., i0:, :] += _matmul(ds_dq, k_dq[..., j0:j1, :], acc_model.dq, wd)
+        dq[..., i0:, :] += _matmul(ds_dq, k_dq[..., j0:j1, :], acc_model.dq, wd, (r.ds_dq, r.k_dq))
         # Q-point dS (dK = dSᵀ Q): fp32 -> recipe.ds_dk, blocks along the queries
         ds_dk = _quantize(ds, r.ds_dk, contract_dim=-2, dtype=wd, amax=amax["ds_dk"])
-        dk[..., j0:j1, :] += _matmul(ds_dk.transpose(-1, -2), q_dk[..., i0:, :], acc_model.dk, wd)
-        if diagnostics:  # from the very dS tile above, in float64
-            p64 = p.to(torch.float64)
+        dk[..., j0:j1, :] += _matmul(ds_dk.transpose(-1, -2), q_dk[..., i0:, :], acc_model.dk, wd,
+                                     (r.ds_dk, r.q_dk))
+        if diagnostics:  # r_i from the very dS tile above, in float64
             res[..., i0:] += ds.to(torch.float64).sum(dim=-1)
-            abs_pdp[..., i0:] += (p64 * dp.to(torch.float64)).abs().sum(dim=-1)
-            psum[..., i0:] += p64.sum(dim=-1)
             res_dq[..., i0:] += ds_dq.to(torch.float64).sum(dim=-1)
             res_dk[..., i0:] += ds_dk.to(torch.float64).sum(dim=-1)
 

@@ -323,12 +323,14 @@ def _bwd_dkdv_kernel(
 def backward(
     saved, do8, do_t, delta_stale, *, batch: int, heads: int, kv_heads: int, n: int,
     head_dim: int, causal: bool, scale: float, recipe: KernelRecipe, debug: bool = False,
+    kernels: tuple[str, ...] = ("dq", "dkdv"),
 ):
     """Run the backward kernels in the order the delta strategy needs.
 
     ``saved``: the forward's ``SavedForward`` (quantized Q, K, V copies and LSE2). ``do8`` /
     ``do_t``: row and transposed copies of dO; ``delta_stale``: the preprocess's rowsum(dO * O).
     Returns ``(dq, dk, dv, debug dict)``; dk and dv have the key/value heads' shape.
+    ``kernels`` names the kernels to run (both; one alone only to time it).
     """
     from .fwd import LOG2E
 
@@ -377,12 +379,9 @@ def backward(
             BLOCK_M=t.block_m1, BLOCK_N=t.block_n1,
             num_warps=t.num_warps_dkdv, num_stages=t.num_stages_dkdv, **common)
 
-    if matched:
-        run_dq()  # produces the matched delta that dkdv reads
-        run_dkdv()
-        dbg["delta"] = delta_matched
-    else:
-        run_dkdv()
-        run_dq()
-        dbg["delta"] = delta_stale
+    order = (run_dq, run_dkdv) if matched else (run_dkdv, run_dq)  # matched: dq makes D first
+    for run in order:
+        if run.__name__[4:] in kernels:
+            run()
+    dbg["delta"] = delta_matched if matched else delta_stale
     return dq, dk, dv, dbg

@@ -1,0 +1,367 @@
+"""FP8 attention (dmref.kernels) against torch SDPA (cuDNN, flash; BF16), in one process on a GPU.
+
+    python benchmarks/bench_attention.py --out DIR [--quick] [--no-sweep] [--accuracy]
+
+Measures, per shape B·H·N·D and causal or not, medians of ``triton.testing.do_bench``:
+
+- ours: forward kernel alone (pre-quantized operands); forward incl. its fused quantization;
+  backward with stale delta (``naive_fp8``) and with matched delta (``delta_matching``), each incl.
+  the preprocess (dO quantization + stale delta) and split into the dq and dkdv kernels;
+  end to end (quantization + forward + backward through ``torch.autograd``);
+- SDPA cuDNN and flash backends, BF16: forward, backward, end to end.
+
+FLOPs: forward 4·B·H·N²·D, halved when causal; backward 2.5 × forward. Writes
+``bench_attention.json`` (and ``accuracy.json`` with ``--accuracy``) into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = [(4, 16, 4096, 128), (1, 16, 16384, 128), (4, 32, 4096, 64)]
+
+# Candidate tilings, tried on the first shape of each head dim (the winner is used for the rest).
+FWD_CANDIDATES = [  # block_m, block_n, num_warps, num_stages
+    (128, 128, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3),
+]
+BWD_CANDIDATES = [  # block_n1 (keys per dkdv program), warps, stages; block_m2 (dq), warps, stages
+    (64, 8, 2, 64, 8, 2), (64, 4, 2, 64, 4, 2), (128, 8, 2, 128, 8, 2),
+]
+
+
+def _tiles(fwd_c, bwd_c):
+    from dmref.kernels.config import BwdTiles, FwdTiles
+
+    fwd = FwdTiles(block_m=fwd_c[0], block_n=fwd_c[1], num_warps=fwd_c[2], num_stages=fwd_c[3])
+    bn1, w1, s1, bm2, w2, s2 = bwd_c
+    bwd = BwdTiles(block_m1=128, block_n1=bn1, block_m2=bm2, block_n2=128,
+                   num_warps_dkdv=w1, num_stages_dkdv=s1, num_warps_dq=w2, num_stages_dq=s2)
+    return fwd, bwd
+
+
+def _recipe(name, fwd_c, bwd_c):
+    from dmref.kernels.config import RECIPES
+
+    fwd, bwd = _tiles(fwd_c, bwd_c)
+    return RECIPES[name].with_tiles(fwd, bwd)
+
+
+def _flops(b, h, n, d, causal):
+    f = 4.0 * b * h * n * n * d
+    return f / 2 if causal else f
+
+
+def _bench(fn, grad_to_none=None):
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none,
+                                   return_mode="median")
+
+
+# ---------------------------------------------------------------------------------------------
+# compile ahead in parallel: one tiny problem per (head dim, causal, tiling, recipe)
+# ---------------------------------------------------------------------------------------------
+
+
+def _warm_one(job):
+    d, causal, fwd_c, bwd_c, heads = job
+    try:
+        from dmref.kernels import api
+
+        torch.manual_seed(0)
+        q, k, v, do = (torch.randn(1, heads, 512, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        for name in ("naive_fp8", "delta_matching"):
+            r = _recipe(name, fwd_c, bwd_c)
+            o, _, saved, _ = api.attention_forward(q, k, v, causal=causal, recipe=r, for_backward=True)
+            api.attention_forward(q, k, v, causal=causal, recipe=r, for_backward=False)
+            api.attention_backward(saved, o, do, shape=api.Shape.of(q, k, v), causal=causal,
+                                   scale=1 / math.sqrt(d), recipe=r)
+        torch.cuda.synchronize()
+        return None
+    except Exception as exc:  # reported, the config is then skipped
+        return f"{job}: {type(exc).__name__}: {exc}"
+
+
+def warm(jobs, workers):
+    t0 = time.time()
+    ctx = __import__("multiprocessing").get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as ex:
+        errors = [e for e in ex.map(_warm_one, jobs) if e]
+    print(f"compiled {len(jobs)} variants in {time.time() - t0:.1f} s; {len(errors)} failed", flush=True)
+    for e in errors:
+        print("  ", e[:400], flush=True)
+    return errors
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _kernel_stats(fn_kernel):
+    """Registers, spills and shared memory of the compiled variants of one jitted kernel."""
+    out = []
+    try:
+        compiled = [ck for dc in fn_kernel.device_caches.values() for ck in dc[0].values()]
+    except Exception as exc:  # the cache layout is Triton-version specific
+        return [f"unavailable: {type(exc).__name__}: {exc}"]
+    for ck in compiled:
+        if True:
+            meta = ck.metadata
+            out.append(dict(n_regs=getattr(ck, "n_regs", None), n_spills=getattr(ck, "n_spills", None),
+                            shared=getattr(meta, "shared", None), num_warps=getattr(meta, "num_warps", None),
+                            constants={k2: str(v2) for k2, v2 in (getattr(meta, "constants", None) or {}).items()}
+                            if isinstance(getattr(meta, "constants", None), dict) else None))
+    return out
+
+
+def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from dmref.kernels import api, bwd as bwd_mod, fwd as fwd_mod
+    from dmref.kernels.quantize import quantize
+
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    scale = 1 / math.sqrt(d)
+    shape = api.Shape.of(q, k, v)
+    res = dict(shape=[b, h, n, d], causal=causal, fwd_tiles=list(fwd_c), bwd_tiles=list(bwd_c))
+    fl = _flops(b, h, n, d, causal)
+    r_st = _recipe("naive_fp8", fwd_c, bwd_c)
+    r_dm = _recipe("delta_matching", fwd_c, bwd_c)
+    ms = {}
+
+    # --- ours: forward
+    o, lse, saved, _ = api.attention_forward(q, k, v, causal=causal, scale=scale, recipe=r_dm)
+    dims = dict(batch=b, heads=h, kv_heads=h, n=n, head_dim=d)
+    ms["ours_fwd_kernel"] = _bench(lambda: fwd_mod.forward(saved.q, saved.k, saved.v, causal=causal,
+                                                           scale=scale, recipe=r_dm, **dims))
+    ms["ours_fwd_incl_quant"] = _bench(lambda: api.attention_forward(
+        q, k, v, causal=causal, scale=scale, recipe=r_dm, for_backward=False))
+    ms["ours_fwd_incl_quant_for_bwd"] = _bench(lambda: api.attention_forward(
+        q, k, v, causal=causal, scale=scale, recipe=r_dm, for_backward=True))
+    ms["ours_quant_qkv_for_bwd"] = _bench(lambda: [quantize(t, "float8_e4m3fn") for t in (q, k, v)])
+    # --- ours: backward
+    do8, d_stale = quantize(do, "float8_e4m3fn", rows=True, cols=True, delta_with=o)
+    ms["ours_bwd_preprocess"] = _bench(lambda: quantize(do, "float8_e4m3fn", rows=True, cols=True,
+                                                        delta_with=o))
+    for tag, r in (("stale", r_st), ("matched", r_dm)):
+        ms[f"ours_bwd_{tag}"] = _bench(lambda r=r: api.attention_backward(
+            saved, o, do, shape=shape, causal=causal, scale=scale, recipe=r))
+        for part, kernels in (("kernels", ("dq", "dkdv")), ("dq", ("dq",)), ("dkdv", ("dkdv",))):
+            ms[f"ours_bwd_{tag}_{part}"] = _bench(lambda r=r, kernels=kernels: bwd_mod.backward(
+                saved, do8, do8, d_stale, causal=causal, scale=scale, recipe=r, kernels=kernels,
+                **dims))
+    # --- ours: end to end through autograd
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    for tag, r in (("stale", r_st), ("matched", r_dm)):
+        def step(r=r):
+            out = api.attention(qg, kg, vg, causal=causal, scale=scale, recipe=r)
+            out.backward(do)
+        ms[f"ours_e2e_{tag}"] = _bench(step, grad_to_none=[qg, kg, vg])
+    del saved, o
+    # --- SDPA
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        try:
+            with sdpa_kernel(backend):
+                ms[f"{name}_fwd"] = _bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+                out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+                ms[f"{name}_bwd"] = _bench(lambda: out.backward(do, retain_graph=True),
+                                           grad_to_none=[qg, kg, vg])
+
+                def step():
+                    F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal).backward(do)
+                ms[f"{name}_e2e"] = _bench(step, grad_to_none=[qg, kg, vg])
+                del out
+        except Exception as exc:
+            res[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    res["ms"] = ms
+    tf = {}
+    for key, t in ms.items():
+        if key in ("ours_quant_qkv_for_bwd", "ours_bwd_preprocess"):
+            continue
+        if "_e2e" in key:
+            f = 3.5 * fl  # forward + backward
+        elif "_bwd" in key:
+            f = 2.5 * fl
+        else:
+            f = fl
+        tf[key] = f / (t * 1e-3) / 1e12
+    res["tflops"] = tf
+    c = ms.get("cudnn_fwd")
+    if c:
+        res["speedup_vs_cudnn"] = {
+            "fwd_kernel": c / ms["ours_fwd_kernel"],
+            "fwd_incl_quant": c / ms["ours_fwd_incl_quant"],
+            "bwd_matched": ms["cudnn_bwd"] / ms["ours_bwd_matched"],
+            "bwd_stale": ms["cudnn_bwd"] / ms["ours_bwd_stale"],
+            "e2e_matched": ms["cudnn_e2e"] / ms["ours_e2e_matched"],
+        }
+    res["matched_over_stale"] = ms["ours_bwd_matched"] / ms["ours_bwd_stale"] - 1
+    res["matched_over_stale_kernels"] = ms["ours_bwd_matched_kernels"] / ms["ours_bwd_stale_kernels"] - 1
+    return res
+
+
+def sweep(d, causal, h, n, b):
+    """Pick the fastest forward and backward tilings for one (head dim, causal) on one shape."""
+    from dmref.kernels import api, bwd as bwd_mod, fwd as fwd_mod
+    from dmref.kernels.quantize import quantize
+
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    scale = 1 / math.sqrt(d)
+    dims = dict(batch=b, heads=h, kv_heads=h, n=n, head_dim=d)
+    out = {"fwd": {}, "bwd": {}}
+    base_bwd = BWD_CANDIDATES[0]
+    r0 = _recipe("delta_matching", FWD_CANDIDATES[0], base_bwd)
+    o, _, saved, _ = api.attention_forward(q, k, v, causal=causal, scale=scale, recipe=r0)
+    for fc in FWD_CANDIDATES:
+        try:
+            r = _recipe("delta_matching", fc, base_bwd)
+            out["fwd"][str(fc)] = _bench(lambda: fwd_mod.forward(saved.q, saved.k, saved.v, causal=causal,
+                                                                scale=scale, recipe=r, **dims))
+        except Exception as exc:
+            out["fwd"][str(fc)] = f"{type(exc).__name__}: {exc}"[:200]
+    do8, d_stale = quantize(do, "float8_e4m3fn", rows=True, cols=True, delta_with=o)
+    for bc in BWD_CANDIDATES:
+        for name in ("delta_matching", "naive_fp8"):
+            try:
+                r = _recipe(name, FWD_CANDIDATES[0], bc)
+                out["bwd"][f"{name}{bc}"] = _bench(lambda: bwd_mod.backward(
+                    saved, do8, do8, d_stale, causal=causal, scale=scale, recipe=r, **dims))
+            except Exception as exc:
+                out["bwd"][f"{name}{bc}"] = f"{type(exc).__name__}: {exc}"[:200]
+    ok_f = {k2: v2 for k2, v2 in out["fwd"].items() if isinstance(v2, float)}
+    best_f = eval(min(ok_f, key=ok_f.get)) if ok_f else FWD_CANDIDATES[0]
+    # backward: the tiling whose matched backward is fastest
+    ok_b = {k2: v2 for k2, v2 in out["bwd"].items() if isinstance(v2, float) and k2.startswith("delta")}
+    best_b = eval(min(ok_b, key=ok_b.get)[len("delta_matching"):]) if ok_b else base_bwd
+    return tuple(best_f), tuple(best_b), out
+
+
+def accuracy(out_dir):
+    """Errors against float64 attention on inputs with outlier channels: ours (both recipes),
+    SDPA cuDNN and flash in BF16."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from dmref.kernels import attention
+
+    res = []
+    for (b, h, n, d), causal in (((1, 8, 2048, 128), True), ((1, 8, 2048, 64), False)):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        outlier = torch.ones(d, device="cuda")
+        outlier[::16] = 4.0
+        q = (torch.randn(b, h, n, d, device="cuda", generator=g) * outlier).bfloat16()
+        k = (torch.randn(b, h, n, d, device="cuda", generator=g) * outlier).bfloat16()
+        v = torch.randn(b, h, n, d, device="cuda", generator=g).bfloat16()
+        do = torch.randn(b, h, n, d, device="cuda", generator=g).bfloat16()
+        q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+        o64 = F.scaled_dot_product_attention(q64, k64, v64, is_causal=causal)
+        o64.backward(do.double())
+        ref = dict(o=o64.detach(), dq=q64.grad, dk=k64.grad, dv=v64.grad)
+        row = dict(shape=[b, h, n, d], causal=causal, inputs="randn, every 16th channel of q and k x4")
+
+        def errs(fn):
+            qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+            o = fn(qg, kg, vg)
+            o.backward(do)
+            got = dict(o=o.detach(), dq=qg.grad, dk=kg.grad, dv=vg.grad)
+            return {x: ((got[x].double() - ref[x]).norm() / ref[x].norm()).item() for x in ref}
+
+        for name in ("delta_matching", "naive_fp8"):
+            row[f"ours_{name}"] = errs(lambda a, b_, c, name=name: attention(a, b_, c, causal=causal, recipe=name))
+        for name, backend in (("cudnn_bf16", SDPBackend.CUDNN_ATTENTION), ("flash_bf16", SDPBackend.FLASH_ATTENTION)):
+            try:
+                with sdpa_kernel(backend):
+                    row[name] = errs(lambda a, b_, c: F.scaled_dot_product_attention(a, b_, c, is_causal=causal))
+            except Exception as exc:
+                row[name] = f"{type(exc).__name__}: {exc}"[:200]
+        res.append(row)
+        print(json.dumps(row), flush=True)
+    with open(os.path.join(out_dir, "accuracy.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="directory for the JSON results")
+    ap.add_argument("--quick", action="store_true", help="first shape only, non-causal")
+    ap.add_argument("--no-sweep", action="store_true", help="use the first candidate tilings")
+    ap.add_argument("--accuracy", action="store_true", help="also measure errors vs float64")
+    ap.add_argument("--workers", type=int, default=8, help="processes compiling ahead")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if not torch.cuda.is_available():
+        sys.exit("bench_attention.py needs a CUDA GPU")
+    import triton
+
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    causals = (False,) if args.quick else (False, True)
+    meta = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(),
+                torch=torch.__version__, triton=triton.__version__,
+                cudnn=torch.backends.cudnn.version(), method="triton.testing.do_bench medians, "
+                "warmup 25 ms, rep 100 ms; FLOPs fwd 4BHN^2D (/2 causal), bwd 2.5x, e2e 3.5x")
+    print(json.dumps(meta), flush=True)
+    t_start = time.time()
+    # compile every variant ahead, in parallel
+    ds = sorted({s[3] for s in shapes})
+    fwd_cands = FWD_CANDIDATES[:1] if args.no_sweep else FWD_CANDIDATES
+    bwd_cands = BWD_CANDIDATES[:1] if args.no_sweep else BWD_CANDIDATES
+    jobs = []
+    for d in ds:
+        heads = [s[1] for s in shapes if s[3] == d][0]
+        for causal in causals:
+            for i, fc in enumerate(fwd_cands):
+                jobs.append((d, causal, fc, bwd_cands[min(i, len(bwd_cands) - 1)], heads))
+            for bc in bwd_cands[len(fwd_cands):]:
+                jobs.append((d, causal, fwd_cands[0], bc, heads))
+    meta["compile_errors"] = warm(jobs, args.workers)
+    results = dict(meta=meta, sweep={}, cases=[])
+    best = {}
+    for d in ds:
+        b, h, n, _ = [s for s in shapes if s[3] == d][0]
+        for causal in causals:
+            if args.no_sweep:
+                best[(d, causal)] = (FWD_CANDIDATES[0], BWD_CANDIDATES[0])
+                continue
+            bf, bb, table = sweep(d, causal, h, n, b)
+            best[(d, causal)] = (bf, bb)
+            results["sweep"][f"d{d}_{'causal' if causal else 'full'}"] = dict(best_fwd=bf, best_bwd=bb, ms=table)
+            print(f"sweep d={d} causal={causal}: fwd {bf} bwd {bb}", flush=True)
+    for (b, h, n, d) in shapes:
+        for causal in causals:
+            fc, bc = best[(d, causal)]
+            try:
+                r = run_shape(b, h, n, d, causal, fc, bc)
+            except Exception as exc:
+                r = dict(shape=[b, h, n, d], causal=causal, error=traceback.format_exc()[-1500:])
+            results["cases"].append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "ms"}), flush=True)
+            torch.cuda.empty_cache()
+    from dmref.kernels import bwd as bwd_mod, fwd as fwd_mod, quantize as q_mod
+
+    results["compiled"] = {
+        "fwd": _kernel_stats(fwd_mod._fwd_kernel),
+        "dq": _kernel_stats(bwd_mod._bwd_dq_kernel),
+        "dkdv": _kernel_stats(bwd_mod._bwd_dkdv_kernel),
+        "quantize": _kernel_stats(q_mod._quantize_kernel),
+    }
+    results["meta"]["wall_s"] = time.time() - t_start
+    with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    if args.accuracy:
+        accuracy(args.out)
+
+
+if __name__ == "__main__":
+    main()

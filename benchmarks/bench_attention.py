@@ -292,6 +292,11 @@ def accuracy(out_dir):
         json.dump(res, f, indent=1)
 
 
+def _write(out_dir, results):
+    with open(os.path.join(out_dir, "bench_attention.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="directory for the JSON results")
@@ -348,6 +353,7 @@ def main(argv=None):
             results["cases"].append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "ms"}), flush=True)
             torch.cuda.empty_cache()
+            _write(args.out, results)  # after every case: a time limit keeps what was measured
     from dmref.kernels import bwd as bwd_mod, fwd as fwd_mod, quantize as q_mod
 
     results["compiled"] = {
@@ -357,8 +363,7 @@ def main(argv=None):
         "quantize": _kernel_stats(q_mod._quantize_kernel),
     }
     results["meta"]["wall_s"] = time.time() - t_start
-    with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
-        json.dump(results, f, indent=1, default=str)
+    _write(args.out, results)
     if args.accuracy:
         accuracy(args.out)
 

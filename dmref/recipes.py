@@ -67,12 +67,15 @@ class Granularity(enum.Enum):
 
 class ScaleRule(enum.Enum):
     """How a block's scale s is chosen from its amax; the stored value is Q(x / s) and the operand
-    the matmul sees is s * Q(x / s). A block whose amax is 0 gets s = 1 (its codes are all zero);
-    a NaN or inf anywhere in a block makes s, and so the whole dequantized block, NaN."""
+    the matmul sees is s * Q(x / s). The dynamic rules are those of
+    ``dmref.emulation.blocked.ScaleRule`` (same values; docs/block_scaling.md states them
+    exactly). A block whose amax is 0 gets s = 1 (its codes are all zero); a NaN or inf anywhere
+    in a block makes s, and so the whole dequantized block, NaN."""
 
     FIXED = "fixed"  #: no data-dependent scale: s = 1, or s = 2^-offset for P (see PScaling)
     AMAX = "amax"  #: s = amax / fmt.max in float32 (current scaling; not a power of two)
     POW2_DOWN = "pow2_down"  #: Transformer Engine: the multiplier fmt.max / amax (float32) rounded down to a power of two
+    POW2_UP = "pow2_up"  #: the multiplier rounded up to a power of two: the largest elements saturate
     MX_OCP = "mx_ocp"  #: E8M0 s = 2^(floor(log2 amax) - emax_elem) (OCP MX v1.0 6.3); may saturate the block max
     MX_NVIDIA = "mx_nvidia"  #: E8M0 s = amax / fmt.max (float32) rounded up to a power of two (cuDNN / TE MXFP8)
 

@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from . import emulation
+from .emulation.blocked import Block, dequantize_blocked, quantize_blocked, scales_from_amax
+from .emulation.blocked import ScaleRule as BlockScaleRule
 from .recipes import DeltaKind, Granularity, Normalizer, PReference, QuantPoint, Recipe, ScaleRule, get_recipe
 from .reference import AttentionShape, check_attention_inputs, keep_mask, mask_window
 
@@ -65,6 +67,7 @@ def _decode_table(fmt, scale: float = 1.0) -> np.ndarray:
 
 #: Formats whose codes torch widens to float32 itself (exact; used on CUDA).
 _TORCH_FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+_E8M0 = emulation.get_format("float8_e8m0fnu")
 
 
 def _decode(codes: torch.Tensor, fmt, scale: float = 1.0) -> torch.Tensor:
@@ -87,64 +90,26 @@ def _decode(codes: torch.Tensor, fmt, scale: float = 1.0) -> torch.Tensor:
     return values * scale if scale != 1.0 else values
 
 
-def _block_shape(granularity: Granularity, rows: int, cols: int, contract_dim: int):
-    """((row blocks, rows per block), (col blocks, cols per block)) of the blocked view of a
-    (rows, cols) operand whose contraction is ``contract_dim`` (-1: cols, -2: rows)."""
+def _block(granularity: Granularity, contract_dim: int) -> Block:
+    """The emulation's :class:`Block` of a granularity on an operand (..., rows, cols) whose
+    matmul contracts over ``contract_dim`` (-1: cols, -2: rows)."""
+    if granularity is Granularity.TENSOR:
+        return Block.tensor()
     if granularity is Granularity.ROW:
-        return ((rows, 1), (1, cols)) if contract_dim == -1 else ((1, rows), (cols, 1))
-    block_r, block_c = granularity.block
-    if contract_dim == -2:  # the block's contraction extent runs along the rows
-        block_r, block_c = block_c, block_r
-    return ((-(-rows // block_r), block_r), (-(-cols // block_c), block_c))
+        block = Block.rows()
+    else:
+        block = Block.tile(*granularity.block)  # (1, k) or (128, 128): k along the contraction
+    return block if contract_dim == -1 else block.t()
 
 
-def _scale_from_amax(amax: torch.Tensor, point: QuantPoint, fmt, fixed_scale: float) -> torch.Tensor:
-    """The dequantization scale s of each block (float32). Exponents come from the bits
-    (``torch.frexp``), never from a float log2. amax == 0 gives s = 1; a non-finite amax gives
-    s = NaN."""
-    rule = point.scale_rule
-    if rule is ScaleRule.FIXED:
-        return torch.tensor(fixed_scale, dtype=torch.float32, device=amax.device)
-    a = amax.to(torch.float32)
-    one = torch.ones_like(a)
-    if rule is ScaleRule.AMAX:
-        s = a / fmt.max
-    elif rule is ScaleRule.POW2_DOWN:
-        # TE: multiplier fmt.max / amax in float32, mantissa masked off (rounded down to 2^(e-1))
-        mult = torch.clamp(fmt.max / a, max=torch.finfo(torch.float32).max)
-        _, e = torch.frexp(mult)
-        s = torch.ldexp(one, (1 - e).to(torch.float32))
-    elif rule is ScaleRule.MX_OCP:
-        _, e = torch.frexp(a)  # floor(log2 a) = e - 1
-        s = torch.ldexp(one, torch.clamp(e - 1 - fmt.emax, -127, 127).to(torch.float32))
-    elif rule is ScaleRule.MX_NVIDIA:
-        m, e = torch.frexp(a / fmt.max)  # ceil(log2 r) = e - 1 when r is a power of two, else e
-        e = torch.where(m == 0.5, e - 1, e)
-        s = torch.ldexp(one, torch.clamp(e, -127, 127).to(torch.float32))
-    else:  # pragma: no cover - the enum is closed
-        raise ValueError(f"unknown scale rule {rule}")
-    s = torch.where(a == 0, one, s)
-    return torch.where(torch.isfinite(a), s, torch.full_like(s, float("nan")))
-
-
-def _blocked(x: torch.Tensor, point: QuantPoint, contract_dim: int):
-    """(blocked view (..., Rb, br, Cb, bc) of the zero-padded x, padded (rows, cols))."""
+def _blocked_view(x: torch.Tensor, block: Block):
+    """(view (..., Rb, br, Cb, bc) of the zero-padded x, (rows, cols)); zeros change no amax."""
     rows, cols = x.shape[-2], x.shape[-1]
-    (rb, br), (cb, bc) = _block_shape(point.granularity, rows, cols, contract_dim)
-    pad_r, pad_c = rb * br - rows, cb * bc - cols
-    if pad_r or pad_c:
-        x = F.pad(x, (0, pad_c, 0, pad_r))
+    br, bc = block.extent(rows, cols)
+    rb, cb = -(-rows // br), -(-cols // bc)
+    if rb * br - rows or cb * bc - cols:
+        x = F.pad(x, (0, cb * bc - cols, 0, rb * br - rows))
     return x.reshape(*x.shape[:-2], rb, br, cb, bc), (rows, cols)
-
-
-def group_amax(x: torch.Tensor, point: QuantPoint, *, contract_dim: int) -> torch.Tensor:
-    """amax of each scale block of x under ``point``: a 0-d tensor for TENSOR granularity,
-    else shaped like x with the blocked axes reduced to blocks (ROW: (..., R, 1) or (..., 1, C))."""
-    if point.granularity is Granularity.TENSOR:
-        return _abs_amax(x)
-    if point.granularity is Granularity.ROW:
-        return _abs_amax(x, dim=contract_dim, keepdim=True)
-    raise ValueError("group_amax is only needed for TENSOR and ROW granularity")
 
 
 def _abs_amax(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
@@ -154,35 +119,76 @@ def _abs_amax(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
     return torch.maximum(x.amax(dim=dim, keepdim=keepdim), x.amin(dim=dim, keepdim=keepdim).neg())
 
 
+def group_amax(x: torch.Tensor, point: QuantPoint, *, contract_dim: int) -> torch.Tensor:
+    """amax of each scale block of x under a TENSOR or ROW ``point`` (blocks that span key
+    tiles): 0-d for TENSOR, (..., R, 1) or (..., 1, C) for ROW."""
+    if point.granularity is Granularity.TENSOR:
+        return _abs_amax(x)
+    if point.granularity is Granularity.ROW:
+        return _abs_amax(x, dim=contract_dim, keepdim=True)
+    raise ValueError("group_amax is only needed for TENSOR and ROW granularity")
+
+
+_POW2_RULES = (ScaleRule.POW2_DOWN, ScaleRule.POW2_UP, ScaleRule.MX_OCP, ScaleRule.MX_NVIDIA)
+
+
 def _quantize(x: torch.Tensor, point: QuantPoint, *, contract_dim: int, dtype: torch.dtype,
               fixed_scale: float = 1.0, amax: torch.Tensor | None = None) -> torch.Tensor:
     """s * Q(x / s): the operand the matmul sees, in ``dtype``. Every cast of dmref.tiled
-    happens here, through ``emulation.encode`` (and the table of ``emulation.decode``).
+    happens here, through :mod:`dmref.emulation`.
 
-    ``contract_dim`` (-1 or -2) says which axis of x the matmul contracts over (the axis scale
-    blocks run along). ``amax`` (from :func:`group_amax` over a whole sweep) overrides the
-    block amax for TENSOR and ROW granularity, whose blocks span several key tiles.
-    ``fixed_scale`` is the scale of ``ScaleRule.FIXED`` (2^-offset for P, else 1).
+    ``contract_dim`` (-1 or -2): the axis of x the matmul contracts over (scale blocks run along
+    it). ``amax`` (:func:`group_amax` over a whole sweep) replaces the block amax for TENSOR and
+    ROW granularity, whose blocks span several key tiles. ``fixed_scale``: the scale of
+    ``ScaleRule.FIXED`` (2^-offset for P, else 1).
+
+    The result equals ``dequantize_blocked(*quantize_blocked(x, ...))`` of the emulation (tested
+    in tests/dmref/test_tiled.py), computed faster: the scales come from
+    ``emulation.scales_from_amax``; the quotient x / s, which quantize_blocked forms exactly in
+    float64, is formed in float32 where that is exact (a power-of-two s, an input of at most 24
+    bits, an 8-bit format: a float32-subnormal quotient rounds to zero either way), else in
+    float64, which for a float32 x and a float32 s is one correct rounding (an inexact float64
+    quotient is never an FP8 midpoint: x - m s would need more than 53 bits to vanish). Only a
+    float64 x with a non-power-of-two scale takes quantize_blocked's own path. The dequantized
+    value is decode(code) * s in float32, exact for power-of-two scales.
     """
     if not point.quantized:
         return x.to(dtype)
     fmt = emulation.get_format(point.fmt)
     kwargs = dict(rounding=point.rounding, saturate=point.saturate)
-    if point.scale_rule is ScaleRule.FIXED:
+    if point.scale_rule is ScaleRule.FIXED:  # a power of two: the quotient is exact
         y = x * (1.0 / fixed_scale) if fixed_scale != 1.0 else x
         return _decode(emulation.encode(y, fmt, **kwargs), fmt, fixed_scale).to(dtype)
-    if point.granularity is Granularity.TENSOR:
-        s = _scale_from_amax(_abs_amax(x) if amax is None else amax, point, fmt, fixed_scale)
-        return _decode(emulation.encode(x / s, fmt, **kwargs), fmt).mul_(s).to(dtype)
-    xb, (rows, cols) = _blocked(x, point, contract_dim)
-    if amax is None:
-        amax = _abs_amax(xb, dim=(-3, -1), keepdim=True)
-    elif point.granularity is Granularity.ROW:  # (..., R, 1) or (..., 1, C) -> blocked layout
-        amax = amax.unsqueeze(-1).unsqueeze(-3)
-    s = _scale_from_amax(amax, point, fmt, fixed_scale)
-    y = _decode(emulation.encode(xb / s, fmt, **kwargs), fmt).mul_(s)
-    y = y.reshape(*y.shape[:-4], y.shape[-4] * y.shape[-3], y.shape[-2] * y.shape[-1])
-    return y[..., :rows, :cols].to(dtype)
+    rule = BlockScaleRule(point.scale_rule.value)
+    block = _block(point.granularity, contract_dim)
+    pow2 = point.scale_rule in _POW2_RULES
+    if x.dtype == torch.float64 and not pow2:
+        if amax is not None:
+            raise NotImplementedError("a precomputed amax with a float64 operand and a non-power-of-two scale")
+        codes, scales = quantize_blocked(x, fmt, block=block, scale_rule=rule, **kwargs)
+        return dequantize_blocked(codes, scales, fmt, block=block).to(dtype)
+    if block.spans_batch:
+        xb, shape = x, None
+        if amax is None:
+            amax = _abs_amax(x)
+    else:
+        xb, shape = _blocked_view(x, block)
+        if amax is None:
+            amax = _abs_amax(xb, dim=(-3, -1), keepdim=True)
+        elif point.granularity is Granularity.ROW:  # (..., R, 1) or (..., 1, C) -> blocked layout
+            amax = amax.unsqueeze(-1).unsqueeze(-3)
+    scales = scales_from_amax(amax, fmt, rule)
+    s = _decode(scales, _E8M0) if rule.is_e8m0 else scales
+    if pow2 and fmt.bits == 8 and x.dtype != torch.float64:
+        y = xb.to(torch.float32) / s
+    else:
+        y = xb.to(torch.float64) / s.to(torch.float64)
+    values = _decode(emulation.encode(y, fmt, **kwargs), fmt).mul_(s)
+    if shape is not None:
+        rows, cols = shape
+        values = values.reshape(*values.shape[:-4], values.shape[-4] * values.shape[-3],
+                                values.shape[-2] * values.shape[-1])[..., :rows, :cols]
+    return values.to(dtype)
 
 
 # ==============================================================================================

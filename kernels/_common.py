@@ -14,16 +14,16 @@ patch_interpreter_scalar_index()
 
 # Format constants, per FP8 format: (mantissa bits, exponent of the smallest normal, max,
 # 2**(emin - mantissa_bits + 23), exponent of max). Both formats' max is 1.75 * 2**EMAX.
-E4M3_MANT: tl.constexpr = 3
-E4M3_MIN_NORMAL: tl.constexpr = 0.015625  # 2**-6
-E4M3_MAX: tl.constexpr = 448.0
-E4M3_SUB_MAGIC: tl.constexpr = 16384.0  # 2**14: x + C rounds x to a multiple of 2**-9
-E4M3_EMAX: tl.constexpr = 8
-E5M2_MANT: tl.constexpr = 2
-E5M2_MIN_NORMAL: tl.constexpr = 6.103515625e-05  # 2**-14
-E5M2_MAX: tl.constexpr = 57344.0
-E5M2_SUB_MAGIC: tl.constexpr = 128.0  # 2**7: x + C rounds x to a multiple of 2**-16
-E5M2_EMAX: tl.constexpr = 15
+E4M3_MANT = tl.constexpr(3)
+E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2**-6
+E4M3_MAX = tl.constexpr(448.0)
+E4M3_SUB_MAGIC = tl.constexpr(16384.0)  # 2**14: x + C rounds x to a multiple of 2**-9
+E4M3_EMAX = tl.constexpr(8)
+E5M2_MANT = tl.constexpr(2)
+E5M2_MIN_NORMAL = tl.constexpr(6.103515625e-05)  # 2**-14
+E5M2_MAX = tl.constexpr(57344.0)
+E5M2_SUB_MAGIC = tl.constexpr(128.0)  # 2**7: x + C rounds x to a multiple of 2**-16
+E5M2_EMAX = tl.constexpr(15)
 
 
 @triton.jit

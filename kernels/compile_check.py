@@ -1,0 +1,130 @@
+"""Compile the kernels for Hopper (sm_90a) without a GPU, and read their resource usage.
+
+Triton's front end, its MLIR passes and the ptxas it ships run on any machine, so CI can catch
+what the interpreter cannot (Triton language rules, layouts, wgmma lowering) and a developer can
+read registers, spills and shared memory of a tiling before spending GPU time on it.
+
+    python -m dmref.kernels.compile_check            # the default recipe, both head dims
+
+Must run with ``TRITON_INTERPRET`` unset (under the interpreter kernels are not compiled).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+from .config import QUANT_BLOCK, KernelRecipe, get_recipe
+
+_INT_ARGS = ("H", "HKV", "GROUP", "N", "NPAD")
+_FP8 = {"float8_e4m3fn": "*fp8e4nv", "float8_e5m2": "*fp8e5"}
+
+
+@dataclass
+class Usage:
+    kernel: str
+    registers: int
+    spill_bytes: int  #: local-memory stores + loads per thread reported by ptxas
+    shared_bytes: int
+    variant: str
+
+
+def _pointer_type(name: str, do_format: str) -> str:
+    if name in ("O", "DQ", "DK", "DV", "X"):
+        return "*bf16"
+    if name in ("P_DUMP", "DS_DUMP"):
+        return "*u8"
+    if name.startswith(("DO8", "DOT8")):
+        return _FP8[do_format]
+    if name.endswith("8"):
+        return "*fp8e4nv"
+    return "*fp32"  # scales, LSE2, deltas, row sums
+
+
+def compile_sm90(kernel, constexprs: dict, *, num_warps: int, num_stages: int,
+                 do_format: str = "float8_e4m3fn"):
+    """``triton.compile`` one variant of a jitted kernel for sm_90 (no GPU needed)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = kernel
+    if not hasattr(fn, "arg_names") or type(fn).__name__ == "InterpretedFunction":
+        raise RuntimeError("kernels are interpreted (TRITON_INTERPRET=1): nothing to compile")
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name[0].isupper() and name not in _INT_ARGS:
+            sig[name] = _pointer_type(name, do_format)
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in ("qk_scale", "sm_scale"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if name in ("N", "NPAD") or name.startswith("stride"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn, sig, constexprs, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def resource_usage(compiled) -> tuple[int, int, int]:
+    """(registers, spill bytes, shared bytes) of a compiled kernel, from ptxas's own report."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(90).path
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        out = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", ptx, "-o", os.path.join(tmp, "k.o")],
+                             capture_output=True, text=True, check=True).stderr
+    regs = int(re.search(r"Used (\d+) registers", out).group(1))
+    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", out))
+    return regs, spills, int(compiled.metadata.shared)
+
+
+def recipe_variants(recipe: KernelRecipe, head_dim: int, causal: bool):
+    """(name, kernel, constexprs, num_warps, num_stages) of every kernel a training step runs."""
+    from . import bwd, fwd, quantize
+
+    f, b = recipe.fwd, recipe.bwd
+    common = dict(HEAD_DIM=head_dim, QB=QUANT_BLOCK, CAUSAL=causal,
+                  P_SCALE=float(2 ** recipe.p_scale_log2), DEBUG=False, INTERPRET=False)
+    ds = dict(DS_ROWWISE=recipe.ds_granularity == "1x128")
+    yield ("quantize", quantize._quantize_kernel,
+           dict(HEAD_DIM=head_dim, BLOCK_T=QUANT_BLOCK, EMIT_ROWS=True, EMIT_COLS=True,
+                WITH_DELTA=True, IS_E5M2=False, INTERPRET=False), 4, 3)
+    yield ("fwd", fwd._fwd_kernel, dict(common, BLOCK_M=f.block_m, BLOCK_N=f.block_n),
+           f.num_warps, f.num_stages)
+    yield ("dq", bwd._bwd_dq_kernel,
+           dict(common, **ds, BLOCK_M=b.block_m2, BLOCK_N=b.block_n2, MATCHED=recipe.delta == "matched"),
+           b.num_warps_dq, b.num_stages_dq)
+    yield ("dkdv", bwd._bwd_dkdv_kernel, dict(common, **ds, BLOCK_M=b.block_m1, BLOCK_N=b.block_n1),
+           b.num_warps_dkdv, b.num_stages_dkdv)
+
+
+def check(recipe: str | KernelRecipe = "delta_matching", head_dims=(64, 128), causal=(False, True),
+          only: tuple[str, ...] | None = None) -> list[Usage]:
+    r = get_recipe(recipe)
+    out = []
+    for d in head_dims:
+        for c in causal:
+            for name, kernel, consts, warps, stages in recipe_variants(r, d, c):
+                if only is not None and name not in only:
+                    continue
+                ck = compile_sm90(kernel, consts, num_warps=warps, num_stages=stages,
+                                  do_format=r.do_format)
+                regs, spills, shared = resource_usage(ck)
+                out.append(Usage(name, regs, spills, shared,
+                                 f"{r.name} d={d} causal={c} warps={warps} stages={stages}"))
+    return out
+
+
+if __name__ == "__main__":  # pragma: no cover
+    for u in check():
+        print(f"{u.kernel:9s} regs {u.registers:4d} spill {u.spill_bytes:6d} B  smem {u.shared_bytes:7d} B  {u.variant}")

@@ -242,21 +242,22 @@ class HopperModel:
 
     @property
     def step_growth(self) -> float:
-        """w: the error of one k-step is at most w times the running magnitude bound (Lemma 7):
-        ``w = 2**-(s-1) + (k + 1) 2**-f (1 + 2**-(s-1))`` (k products and C each truncated by
-        less than 2**(E-f), the result by less than 2**-(s-1) of itself)."""
+        """w: one k-step errs by at most w times the running magnitude W_t (Lemma 7):
+        ``w = (k + 1) 2**-f + 2**-(s-1)`` (k products and C each truncated by less than
+        2**(E-f) <= 2**-f W_t, the sum by less than 2**-(s-1) of itself, itself <= W_t)."""
         e_term = math.ldexp(1.0, -self.term_frac_bits)
         e_result = math.ldexp(1.0, -(self.result_sig_bits - 1))
-        return e_result + (self.k_step + 1) * e_term * (1.0 + e_result)
+        return (self.k_step + 1) * e_term + e_result
 
 
 HOPPER = HopperModel()
 
 
 def hopper_chain_growth(steps: int, model: HopperModel = HOPPER) -> float:
-    """psi_s = (1 + w)**s - 1: relative error bound (against W) of a chain of s k-steps started
-    from a zero accumulator."""
-    return math.expm1(steps * math.log1p(model.step_growth))
+    """psi_t = t w: relative error bound (against W) of a chain of t k-steps started from a zero
+    accumulator. Linear, because truncation toward zero never increases a magnitude, so every
+    accumulator stays below the running sum of |products| <= W."""
+    return steps * model.step_growth
 
 
 def hopper_dot_error_bound(n: int, promote_every: int | None = None,
@@ -290,8 +291,9 @@ def operand_matched_residual_bound(A, Bw, Bp, n, d, sigma, dO_abs_sum, beta,
 
     ``|r| <= beta Bw + c sigma + e_D + Dmax |1 - sigma| + gamma_2 (A + Dmax sigma) + n eta``
     (``c`` = ``dp_abs_err``, an absolute error per dP entry: underflow of a float32 dP) with
-    ``e_D = (gamma_n + gamma_d (1 + gamma_n)) Bp + (1 + gamma_d) n eta (1 + gamma_{n-1}) sum_k|dO_ik|
-    + d eta (1 + gamma_{d-1})`` and ``Dmax = Bp + e_D``.
+    ``e_D = (gamma_n + gamma_d (1 + gamma_n)) Bp
+    + (1 + gamma_d) n eta (1 + gamma_{n-1}) sum_k|dO_ik| + d eta (1 + gamma_{d-1})`` and
+    ``Dmax = Bp + e_D``.
     """
     n = np.maximum(np.asarray(n, dtype=np.float64), 1.0)
     u, eta = model.u, model.eta

@@ -208,8 +208,13 @@ def counterexample_a4_hopper(seed: int = 0, n_q: int = 3, n_k: int = 4, d: int =
                                 for pr, hr, er in zip(c.p_ds, c.dp_ds, c.dp_delta)])
 
 
-def _f32(x) -> np.float32:
-    return np.float32(x)
+def _f32(x: Fraction) -> np.float32:
+    """A rational that is a float32 number (FP8 value times a power-of-two scale, or a dyadic P
+    entry), as np.float32; exact for every input used here."""
+    out = np.float32(x)
+    if Fraction(float(out)) != x:
+        raise ValueError(f"{x} is not a float32 number")
+    return out
 
 
 def _fp32_dot(x: list[np.float32], y: list[np.float32]) -> np.float32:

@@ -171,7 +171,8 @@ class Fp32Backward:
         if strategy == "operand_matched":
             d = self.head_dim
             if self.hopper_magnitude is not None:  # dP from the wgmma model: Lemma 7
-                beta, bw, c = hopper_dot_error_bound(d, self.promote_every), self.hopper_magnitude, 0.0
+                beta = hopper_dot_error_bound(d, self.promote_every)
+                bw, c = self.hopper_magnitude, 0.0
             else:  # dP from a float32 dot: gamma_d, plus underflow of its products
                 beta, bw = gamma(d), self.operand_magnitude
                 c = d * FP32.eta * (1.0 + gamma(max(d - 1, 0)))

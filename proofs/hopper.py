@@ -83,7 +83,8 @@ def hopper_matmul(a, bt, fmt_a, fmt_b, *, promote_every: int | None = None, c=No
         raise ValueError(f"{promote_every=} must be a multiple of the k-step {k}")
     ea, eb = fp8_exponents(a, fmt_a), fp8_exponents(bt, fmt_b)
     m_rows, n_cols, steps = a.shape[0], bt.shape[0], a.shape[1] // k
-    c = np.zeros((m_rows, n_cols)) if c is None else np.asarray(c, dtype=np.float32).astype(np.float64)
+    c = (np.zeros((m_rows, n_cols)) if c is None
+         else np.asarray(c, dtype=np.float32).astype(np.float64))
     steps_per_chunk = steps if promote_every is None else promote_every // k
     rows_per_block = max(1, max_block_bytes // (8 * n_cols * k * 2))
     out = np.empty((m_rows, n_cols), dtype=np.float32)

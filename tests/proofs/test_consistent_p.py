@@ -43,7 +43,8 @@ def test_consistent_p_fails_when_its_condition_is_dropped(failure):
 
 def test_consistent_p_fails_at_the_fp8_subnormal_edge():
     case = checks.check_consistent_p("grid_edge")
-    disagree = [(i, j) for i, row in enumerate(case.grids_agree) for j, ok in enumerate(row) if not ok]
+    disagree = [(i, j) for i, row in enumerate(case.grids_agree)
+                for j, ok in enumerate(row) if not ok]
     assert disagree and all(case.edge_entries[i][j] for i, j in disagree)
 
 

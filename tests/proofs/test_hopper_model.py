@@ -106,3 +106,18 @@ def test_hopper_dot_bound_grows_with_the_chain_and_shrinks_with_promotion():
     assert promoted < chain
     with pytest.raises(ValueError):
         bounds.hopper_dot_error_bound(n, 48)
+
+
+@given(ops=fp8_operands())
+def test_vs_emulation_gemm_hopper_model_agrees_bit_for_bit(ops):
+    """The proofs' small model and dmref.emulation.gemm's Hopper model, written independently,
+    give the same float32 bits."""
+    from dmref.emulation.gemm import matmul
+
+    a, bt, fmt_a, fmt_b, promote = ops
+    if promote is not None and promote > a.shape[1]:
+        promote = None  # a promotion interval beyond K means one chain in both models
+    ours = hopper_matmul(a, bt, fmt_a, fmt_b, promote_every=promote)
+    theirs = matmul(a.astype(np.float32), bt.astype(np.float32), fa=fmt_a, fb=fmt_b,
+                    model="hopper", promote_every=promote)
+    assert (np.asarray(ours).view(np.uint32) == np.asarray(theirs).view(np.uint32)).all()

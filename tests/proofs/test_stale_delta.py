@@ -24,7 +24,8 @@ def test_stale_delta_changes_dq_dk_and_rowsum_by_the_closed_forms(seed, n_q, n_k
 @given(seed=st.integers(0, 2**20), deltas=st.lists(
     st.fractions(min_value=-4, max_value=4, max_denominator=2**20), min_size=3, max_size=3))
 def test_any_stale_delta_gives_dq_error_minus_tau_delta_kbar(seed, deltas):
-    effects = checks.check_stale_delta_effects(seed, n_q=3, delta_error=[Fraction(x) for x in deltas])
+    effects = checks.check_stale_delta_effects(seed, n_q=3,
+                                               delta_error=[Fraction(x) for x in deltas])
     assert effects.holds
 
 

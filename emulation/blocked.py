@@ -541,8 +541,10 @@ def dequantize_blocked(codes, scales, fmt: Format | str, *, block: Block | str):
         s = st.to(torch.float64)
     else:
         raise TypeError(f"scales must be float32/float64 values or uint8 E8M0 codes, got {st.dtype}")
-    if v.numel() == 0 or block.spans_batch:
+    if block.spans_batch:
         out = v * s
+    elif v.numel() == 0:
+        out = v.clone()
     else:
         r, c = v.shape[-2:]
         br, bc = block.extent(r, c)

@@ -83,7 +83,7 @@ class Format:
     # ---- the definition: one code to its value -----------------------------------------------
     def value(self, code: int) -> float:
         """The exact value of ``code`` as a Python float (every value of these formats is a
-        float64). NaN codes give ``nan``; infinities ``+-inf``."""
+        float64). NaN codes give ``nan`` with the code's sign bit; infinities ``+-inf``."""
         if not 0 <= code < self.n_codes:
             raise ValueError(f"{code=} is not a code of {self.name} ({self.bits} bits)")
         m, e = self.mantissa_bits, self.exponent_bits
@@ -91,12 +91,13 @@ class Format:
         exp_field = (code >> m) & ((1 << e) - 1)
         man_field = code & ((1 << m) - 1)
         all_ones_exp = exp_field == (1 << e) - 1
+        signed_nan = -math.nan if negative else math.nan  # NaN keeps the code's sign bit
         if self.specials is Specials.IEEE and all_ones_exp:
-            return -math.inf if (negative and man_field == 0) else (math.inf if man_field == 0 else math.nan)
+            return (-math.inf if negative else math.inf) if man_field == 0 else signed_nan
         if self.specials is Specials.FN and all_ones_exp and man_field == (1 << m) - 1:
-            return math.nan
+            return signed_nan
         if self.specials is Specials.FNUZ and code == self.sign_bit:
-            return math.nan
+            return signed_nan
         if self.specials is Specials.E8M0 and code == self.n_codes - 1:
             return math.nan
         if exp_field == 0 and self.subnormals:
@@ -118,12 +119,12 @@ class Format:
                 out.append((v, code))
         return tuple(out)
 
-    @property
+    @functools.cached_property
     def max(self) -> float:
         """Largest finite value."""
         return max(v for v, _ in self._positive_finite)
 
-    @property
+    @functools.cached_property
     def max_code(self) -> int:
         """Code (without sign) of the largest finite value."""
         return max(self._positive_finite)[1]
@@ -143,7 +144,7 @@ class Format:
         """Exponent of the largest finite value."""
         return math.frexp(self.max)[1] - 1
 
-    @property
+    @functools.cached_property
     def min_subnormal(self) -> float:
         """Smallest positive value (equal to min_normal for formats without subnormals)."""
         return min(v for v, _ in self._positive_finite if v > 0)

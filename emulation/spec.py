@@ -49,13 +49,10 @@ def decode_scalar(code: int, fmt: Format | str) -> float:
 
 def _floor_log2(a: Fraction) -> int:
     """floor(log2 a) for a positive rational, exactly (no float log2)."""
-    e = a.numerator.bit_length() - a.denominator.bit_length()
-    # 2**e <= a < 2**(e+2) now; step down or up once if needed
-    if Fraction(2) ** e > a:
-        e -= 1
-    elif Fraction(2) ** (e + 1) <= a:
-        e += 1
-    return e
+    num, den = a.numerator, a.denominator
+    e = num.bit_length() - den.bit_length()  # now 2**(e-1) < a < 2**(e+1)
+    below = num < (den << e) if e >= 0 else (num << -e) < den  # a < 2**e
+    return e - 1 if below else e
 
 
 def _overflow_code(fmt: Format, negative: bool, rounding: Rounding, saturate: bool) -> int:

@@ -13,6 +13,8 @@ import sys
 #: Modules that contribute sub-commands, in the order they appear in ``dmref --help``.
 COMMAND_MODULES = (
     "dmref._cli_formats",
+    "dmref._cli_demo",
+    "dmref._cli_gemm",
 )
 
 

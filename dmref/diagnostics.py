@@ -247,6 +247,7 @@ class Report:
     rowsum_residual_max: float  #: max_i |r_i| / A_i, dS in the working precision
     rowsum_residual_mean: float  #: mean_i |r_i| / A_i
     rowsum_residual_after_quant_max: float  #: max_i |sum_j Q(dS)_ij| / A_i, dS as the dQ matmul sees it
+    rowsum_residual_after_quant_mean: float  #: mean_i |sum_j Q(dS)_ij| / A_i
     rowsum_residual_after_quant_dk_max: float  #: the same for the dK matmul's dS
     rowsum_bound_max: float  #: max_i of matched_rowsum_bound / A_i (the FP32 bound Delta-Matching meets)
     rowsum_over_bound_max: float  #: max_i |r_i| / matched_rowsum_bound_i (<= 1: within the bound)
@@ -310,6 +311,7 @@ def evaluate(q, k, v, dout, recipe, *, causal=False, scale=None, mask=None,
         rowsum_residual_max=rel.max().item(),
         rowsum_residual_mean=(rel[active].mean().item() if bool(active.any()) else 0.0),
         rowsum_residual_after_quant_max=rel_dq.max().item(),
+        rowsum_residual_after_quant_mean=(rel_dq[active].mean().item() if bool(active.any()) else 0.0),
         rowsum_residual_after_quant_dk_max=rel_dk.max().item(),
         rowsum_bound_max=_relative_rows(bound, rs.abs_pdp).max().item(),
         rowsum_over_bound_max=over.max().item(),

@@ -240,6 +240,7 @@ def _lut_tables(src_total: int, fmt: Format, rounding: Rounding, saturate: bool,
     exp_all_ones = (1 << src.exponent_bits) - 1
     special = ((reps >> src.mantissa_bits) & exp_all_ones) == exp_all_ones
     hi = torch.where(special, lo, hi)
+    lut2 = torch.stack([lo, hi], dim=1).reshape(-1)  # index: top16 << 2 | sticky << 1 | up
     # per (sign, exponent) field: how far to shift the significand so that the top
     # `rbits_width` bits of the discarded part land at the bottom (clamped: all zero beyond)
     exps = torch.arange(1 << (src.exponent_bits + 1), dtype=torch.int64) & exp_all_ones
@@ -248,7 +249,7 @@ def _lut_tables(src_total: int, fmt: Format, rounding: Rounding, saturate: bool,
     true_shift = torch.clamp((e - fmt.mantissa_bits) - e_ulp, min=0)
     assert int(true_shift.min()) >= rbits_width, "stochastic table route needs shift >= rbits width"
     shift_w = torch.clamp(true_shift - rbits_width, max=src.total - 1)
-    return lo.to(torch.uint8).numpy(), hi.to(torch.uint8).numpy(), shift_w.numpy().astype(np.uint64 if src.total == 64 else np.uint32)
+    return lut2.to(torch.uint8).numpy(), shift_w.numpy().astype(np.uint64 if src.total == 64 else np.uint32)
 
 
 def _run_chunks(fn, n: int) -> None:
@@ -283,21 +284,20 @@ def _encode_lut(x: np.ndarray, fmt: Format, rounding: Rounding, saturate: bool,
             idx |= (uc & utype((1 << low) - 1)) != 0
             np.take(lut, idx, out=out[s:e])
     else:
-        lo, hi, shift_tab = tables
+        lut2, shift_tab = tables
         mb = 52 if wide else 23
-        eb = 11 if wide else 8
         w = rbits_width
 
         def body(s, e):
             uc = u[s:e]
-            top = (uc >> utype(low - 1)) & utype(0x1FFFE)
-            top |= (uc & utype((1 << low) - 1)) != 0
-            sh = np.take(shift_tab, uc >> utype(mb))
-            exp_nonzero = ((uc >> utype(mb)) & utype((1 << eb) - 1)) != 0
-            sig = (uc & utype((1 << mb) - 1)) | (exp_nonzero.astype(u.dtype) << utype(mb))
-            frac_top = (sig >> sh) & utype((1 << w) - 1)
-            up = (frac_top + rbits[s:e]) >= (1 << w)
-            out[s:e] = np.where(up, np.take(hi, top), np.take(lo, top))
+            idx = (uc >> utype(low - 2)) & utype(0x3FFFC)  # top16 << 2
+            idx |= ((uc & utype((1 << low) - 1)) != 0) << utype(1)  # sticky << 1
+            # significand with its implicit bit; inputs with exponent field 0 have a shift of
+            # at least 31 here, so their (absent) implicit bit is shifted out regardless
+            sig = (uc & utype((1 << mb) - 1)) | utype(1 << mb)
+            frac_top = (sig >> np.take(shift_tab, uc >> utype(mb))) & utype((1 << w) - 1)
+            idx |= (frac_top + rbits[s:e]) >> utype(w)  # 1 iff the random bits carry: round up
+            np.take(lut2, idx, out=out[s:e])
     _run_chunks(body, x.size)
     return out
 
@@ -349,25 +349,25 @@ def encode(x, fmt: Format | str, *, rounding: Rounding | str = Rounding.NEAREST_
     t, was_numpy = _as_torch(x)
     if (rbits is None) != (rounding is not Rounding.STOCHASTIC):
         raise ValueError("rbits must be given exactly when rounding='stochastic'")
-    w = 16
-    if rbits is not None:
-        w = _rbits_width(rbits)
-        rb = torch.from_numpy(np.asarray(rbits)) if isinstance(rbits, np.ndarray) else rbits
-        rb = torch.broadcast_to(rb.to(device=t.device, dtype=torch.int64), t.shape)
+    w = 16 if rbits is None else _rbits_width(rbits)
     wide, src = _widen(t)
 
-    out_dtype = torch.uint8 if fmt.bits <= 8 else torch.int16
     native = _TORCH_NATIVE.get((fmt.name, saturate))
     if native is not None and rounding is Rounding.NEAREST_EVEN and src is _FLOAT32:
         codes = wide.to(native).view(torch.uint8)
     elif wide.device.type == "cpu" and fmt.bits <= 8 and wide.numel() > 0:
         flat = wide.reshape(-1).numpy()
-        rb_np = None if rbits is None else rb.reshape(-1).numpy().astype(flat.view(
-            np.uint64 if src is _FLOAT64 else np.uint32).dtype)
-        codes = torch.from_numpy(_encode_lut(flat, fmt, rounding, saturate, rb_np, w)).reshape(t.shape)
+        rb = None
+        if rbits is not None:  # kept in its own narrow dtype; broadcast only when needed
+            rb = rbits.cpu().numpy() if isinstance(rbits, torch.Tensor) else np.asarray(rbits)
+            rb = np.ascontiguousarray(np.broadcast_to(rb, t.shape)).reshape(-1)
+        codes = torch.from_numpy(_encode_lut(flat, fmt, rounding, saturate, rb, w)).reshape(t.shape)
     else:
-        bits = _bits(wide, src)
-        codes = _encode_arith(bits, src, fmt, rounding, saturate, None if rbits is None else rb, w)
+        rb = None
+        if rbits is not None:
+            rb = torch.from_numpy(np.asarray(rbits)) if not isinstance(rbits, torch.Tensor) else rbits
+            rb = torch.broadcast_to(rb.to(device=t.device, dtype=torch.int64), t.shape)
+        codes = _encode_arith(_bits(wide, src), src, fmt, rounding, saturate, rb, w)
         codes = codes.to(torch.int32).to(torch.int16) if fmt.bits > 8 else codes.to(torch.uint8)
     if was_numpy:
         arr = codes.numpy()
@@ -393,13 +393,28 @@ def decode(codes, fmt: Format | str):
         allowed = (torch.uint8,) if fmt.bits <= 8 else (torch.int16, getattr(torch, "uint16", torch.int16))
         if codes.dtype not in allowed:
             raise TypeError(f"codes of {fmt.name} must be {allowed}, got {codes.dtype}")
+        if codes.device.type == "cpu":
+            arr = codes.contiguous().numpy()
+            return torch.from_numpy(_decode_cpu(arr.view(np.uint16) if fmt.bits > 8 else arr, fmt))
         idx = codes.to(torch.int32) & (fmt.n_codes - 1)
         return _decode_table_torch(fmt, codes.device)[idx]
     arr = np.asarray(codes)
     want = np.uint8 if fmt.bits <= 8 else np.uint16
     if arr.dtype != want:
         raise TypeError(f"codes of {fmt.name} must be {np.dtype(want)}, got {arr.dtype}")
-    return np.take(_decode_table(fmt), arr)
+    return _decode_cpu(np.ascontiguousarray(arr), fmt)
+
+
+def _decode_cpu(arr: np.ndarray, fmt: Format) -> np.ndarray:
+    table = _decode_table(fmt)
+    out = np.empty(arr.shape, np.float32)
+    flat_in, flat_out = arr.reshape(-1), out.reshape(-1)
+
+    def body(s, e):
+        np.take(table, flat_in[s:e], out=flat_out[s:e])
+
+    _run_chunks(body, arr.size)
+    return out
 
 
 def quantize(x, fmt: Format | str, **kwargs):

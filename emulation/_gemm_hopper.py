@@ -109,7 +109,8 @@ class TileKernel:
         self.frac = rules.term_frac_bits
         self.fast = (rules.term_rounding is Rounding.TOWARD_ZERO
                      and rules.result_rounding is Rounding.TOWARD_ZERO
-                     and rules.truncate_accumulator and rules.accumulator_in_max)
+                     and rules.truncate_accumulator and rules.accumulator_in_max
+                     and rules.subnormal_accumulator_at_emin)
         keep = min(rules.term_frac_bits, rules.result_bits - 1)  # C alone keeps this many fraction bits
         self.result_mask = ~((1 << (24 - rules.result_bits)) - 1)
         self.alone_mask = ~((1 << (23 - keep)) - 1)
@@ -192,6 +193,9 @@ class TileKernel:
         if self.fast:
             out = self._step_fast(c, c_bits, eb_p, eb_c, step, every_output_has_products)
         else:
+            if not self.rules.subnormal_accumulator_at_emin:  # rule variant: true exponent
+                _, x = torch.frexp(c)
+                eb_c = torch.where(c != 0, x - 1 + 127, 1)
             out = self._step_general(c, eb_p, eb_c, step)
         if self.specials:
             out = self._specials(c, out, step * self.k_step)
@@ -209,7 +213,7 @@ class TileKernel:
         if not every_output_has_products:
             # E < frac - 126 happens only with no product and a tiny C (E = e(C)): then the step
             # just truncates C to its leading bits, and 2**(+-(frac - E)) would leave float32
-            alone = (c_bits & self.alone_mask).view(torch.float32)
+            alone = (c_bits & self.alone_mask).view(torch.float32) + 0.0  # +0, never -0
             out = torch.where(eb - frac < 1, alone, out)
         return out
 
@@ -218,7 +222,7 @@ class TileKernel:
         rules, frac = self.rules, self.frac
         has_p = eb_p > 1
         if rules.accumulator_in_max:
-            eb = torch.maximum(eb_p, eb_c)
+            eb = torch.where(has_p, torch.maximum(eb_p, eb_c), eb_c)
         else:
             eb = torch.where(has_p, eb_p, eb_c)
         e = eb - 127

@@ -94,7 +94,10 @@ def wgmma_step(c: float, a, b, fa, fb, rules: WgmmaRules = HOPPER) -> float:
                 exps.append(floor_log2(p))
         else:
             exps.append(exponent(x, fa, rules) + exponent(y, fb, rules))
-    c_exp = max(floor_log2(Fraction(c)), -126) if c != 0 else None
+    c_exp = None
+    if c != 0:
+        c_exp = floor_log2(Fraction(c))
+        c_exp = max(c_exp, -126) if rules.subnormal_accumulator_at_emin else c_exp
     candidates = exps + ([c_exp] if c_exp is not None and (rules.accumulator_in_max or not exps) else [])
     if not candidates:
         return 0.0

@@ -91,6 +91,7 @@ class WgmmaRules:
     accumulator_in_max: bool = True  #: the accumulator's exponent takes part in E
     truncate_accumulator: bool = True  #: the accumulator is truncated like a product
     subnormals_at_emin: bool = True  #: a subnormal operand has exponent emin (significand < 1)
+    subnormal_accumulator_at_emin: bool = True  #: a float32 subnormal C has exponent -126
     zeros_in_max: bool = False  #: zero products (exponent emin) take part in E
     normalised_products: bool = False  #: a product's exponent is floor(log2|ab|), not ea + eb
 

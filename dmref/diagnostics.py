@@ -74,30 +74,34 @@ def _exp2_ulp_error() -> float:
     return 2 * U_FP32
 
 
-def matched_rowsum_bound(stats: "tiled.RowsumStats", u: float = U_FP32) -> torch.Tensor:
+def matched_rowsum_bound(stats: "tiled.RowsumStats", u: float = U_FP32, chain: int | None = None) -> torch.Tensor:
     """Bound on |r_i| = |sum_j dS_ij| of Delta-Matching, per row, given the measured sigma_i.
 
     Derivation (every step one rounding of unit roundoff u; T_i = sum_j P_ij dP^_ij exactly,
-    A_i = sum_j |P_ij dP^_ij|, sigma_i = sum_j P_ij, P and dP^ the working-precision values):
+    A_i = sum_j |P_ij dP^_ij|, sigma_i = sum_j P_ij, P and dP^ the working-precision values;
+    c = ``chain``, the longest chain of roundings a product passes through in D's sum: n for
+    any summation order (the a-priori statement), block_k + key tiles for dmref.tiled, which
+    sums each tile in torch's order and adds the tiles one by one; default
+    ``stats.sum_chain``):
 
-    1. D_i = fl(sum_j fl(P_ij dP^_ij)) = T_i + e_D with |e_D| <= gamma_n A_i (n products, n - 1
-       additions in any order; the sum over key tiles is one more order of the same sum).
+    1. D_i = fl(sum_j fl(P_ij dP^_ij)) = T_i + e_D with |e_D| <= gamma_c A_i.
     2. dS_ij = fl(P_ij fl(dP^_ij - D_i)) = P_ij (dP^_ij - D_i) + eta_ij,
        |eta_ij| <= gamma_2 P_ij (|dP^_ij| + |D_i|).
     3. sum_j dS_ij = T_i (1 - sigma_i) - e_D sigma_i + sum_j eta_ij, so with |T_i| <= A_i and
-       |D_i| <= (1 + gamma_n) A_i:
-       |r_i| <= [ |1 - sigma_i| + gamma_n sigma_i + gamma_2 (1 + sigma_i (1 + gamma_n)) ] A_i.
+       |D_i| <= (1 + gamma_c) A_i:
+       |r_i| <= [ |1 - sigma_i| + gamma_c sigma_i + gamma_2 (1 + sigma_i (1 + gamma_c)) ] A_i.
     4. r_i itself is summed in float64 from the dS tiles: add gamma_n(2^-53) sum_j |dS_ij|
-       <= gamma_n(2^-53) (1 + gamma_2)(1 + sigma_i (1 + gamma_n)) A_i.
+       <= gamma_n(2^-53) (1 + gamma_2)(1 + sigma_i (1 + gamma_c)) A_i.
 
     The |1 - sigma_i| term is assumption A3 (sum_j P_ij = 1); :func:`psum_error_bound` bounds it
-    a priori.
+    a priori. The bound holds whatever produced dP^ (any FP8 recipe, any accumulation model).
     """
     n = stats.n_keys
+    c = stats.sum_chain if chain is None else chain
     a, sigma = stats.abs_pdp, stats.psum
-    g_n, g_2 = gamma(n, u), gamma(2, u)
-    d_mag = 1 + sigma * (1 + g_n)
-    bound = ((1 - sigma).abs() + g_n * sigma + g_2 * d_mag) * a
+    g_c, g_2 = gamma(c, u), gamma(2, u)
+    d_mag = 1 + sigma * (1 + g_c)
+    bound = ((1 - sigma).abs() + g_c * sigma + g_2 * d_mag) * a
     return bound + gamma(n, U_FP64) * (1 + g_2) * d_mag * a
 
 
@@ -145,7 +149,8 @@ def logit_bound(q, k, *, scale: float, mask=None) -> torch.Tensor:
 
 def attention_error_bound(q, k, v, dout, *, u: float, causal=False, scale=None, mask=None,
                           n_tiles: int = 1) -> dict[str, torch.Tensor]:
-    """Per-element bounds on |computed - exact| of out, lse, dq, dk, dv for any implementation
+    """Per-element bounds on |computed - exact| of out, lse, dq, dk, dv (and ``p_rel``: the
+    relative bound R_ij of a computed P_ij, shape (B, H, Nq, Nk)) for any implementation
     that computes softmax attention and its gradient in a float format of unit roundoff u,
     in any summation order, either directly (reference, torch.autograd) or tiled with online
     softmax over ``n_tiles`` key tiles, with D either as rowsum(dO o O) or sum_j P dP.
@@ -212,7 +217,7 @@ def attention_error_bound(q, k, v, dout, *, u: float, causal=False, scale=None, 
     b_dv = pr.transpose(-1, -2) @ do64.abs() + gamma(nq_g + 3, u) * (p.transpose(-1, -2) @ do64.abs())
     b_dk, b_dv = (reference._reduce_kv(t, g_heads) for t in (b_dk, b_dv))
     return {name: 1.1 * t for name, t in
-            dict(out=b_out, lse=b_lse, dq=b_dq, dk=b_dk, dv=b_dv).items()}
+            dict(out=b_out, lse=b_lse, dq=b_dq, dk=b_dk, dv=b_dv, p_rel=r).items()}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -197,7 +197,7 @@ def attention_forward(q, k, v, *, causal: bool = False, scale=None, mask=None):
     m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)  # fully masked rows
     e = torch.exp(s - m_safe)
     l = e.sum(dim=-1, keepdim=True)
-    p = torch.where(l > 0, e / l, torch.zeros_like(e))
+    p = torch.where(l == 0, torch.zeros_like(e), e / l)  # l = 0: fully masked; NaN stays NaN
     out = p @ _expand_kv(v64, shape.groups)
     lse = (m_safe + torch.log(l)).squeeze(-1)  # log(0) = -inf for fully masked rows
     return out, lse

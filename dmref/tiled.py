@@ -429,9 +429,10 @@ def forward(q, k, v, *, recipe="exact", causal: bool = False, scale=None, mask=N
         )
         ref[..., i0:] = ref_new
 
-    seen = l > 0
-    out = torch.where(seen[..., None], acc / torch.where(seen, l, 1)[..., None], torch.zeros_like(acc))
-    lse2 = torch.where(seen, _no_inf(ref) + torch.log2(torch.where(seen, l, 1)), torch.full_like(l, _NEG_INF))
+    dead = l == 0  # fully masked rows (a NaN l stays NaN: non-finite inputs propagate)
+    l_div = torch.where(dead, torch.ones_like(l), l)
+    out = torch.where(dead[..., None], torch.zeros_like(acc), acc / l_div[..., None])
+    lse2 = torch.where(dead, torch.full_like(l, _NEG_INF), _no_inf(ref) + torch.log2(l_div))
     # Q-point O (saved and returned): fp32 -> recipe.o (BF16 for FA2-style kernels, E4M3 for cuDNN FP8)
     out = _quantize(out, r.o, contract_dim=-1, dtype=wd)
     return ForwardResult(out, SoftmaxStats(ref, l, lse2))
@@ -499,6 +500,7 @@ class RowsumStats:
     residual_dk: torch.Tensor  #: sum_j of dS as the dK matmul sees it (after its Q-point)
     delta: torch.Tensor  #: D_i as used
     n_keys: int  #: keys per row (the length of the sums)
+    sum_chain: int  #: additions (plus the product) any term of a matched D passes through: block_k + key tiles
 
 
 @dataclass
@@ -547,8 +549,7 @@ def backward(q, k, v, fwd: ForwardResult, dout, *, recipe="exact", causal: bool 
     consistent = kind is DeltaKind.CONSISTENT_P
     if consistent or r.p_bwd.reference is PReference.SAVED_MAX:
         ref = _no_inf(stats.ref)[..., None]
-        l_inv_ok = stats.l > 0
-        l_safe = torch.where(l_inv_ok, stats.l, 1)[..., None]
+        l_safe = torch.where(stats.l == 0, torch.ones_like(stats.l), stats.l)[..., None]
     else:  # fully masked rows: lse = -inf -> +inf, so that P = 2^(-inf) = 0
         lse2 = torch.where(stats.lse2 == _NEG_INF, torch.full_like(stats.lse2, float("inf")), stats.lse2)[..., None]
 
@@ -636,7 +637,10 @@ def backward(q, k, v, fwd: ForwardResult, dout, *, recipe="exact", causal: bool 
     dv = _reduce_kv(dv, g)
     stats_out = None
     if diagnostics:
-        stats_out = RowsumStats(res, abs_pdp, psum, res_dq, res_dk, delta[..., 0].to(torch.float64), sh.seqlen_k)
+        n_tiles = -(-sh.seqlen_k // r.tiles.block_k)
+        chain = min(sh.seqlen_k, r.tiles.block_k) + n_tiles  # torch's sum within a tile, then += per tile
+        stats_out = RowsumStats(res, abs_pdp, psum, res_dq, res_dk, delta[..., 0].to(torch.float64),
+                                sh.seqlen_k, chain)
     return BackwardResult(dq, dk, dv, stats_out)
 
 

@@ -36,8 +36,11 @@ SHAPES = [(4, 16, 4096, 128), (1, 16, 16384, 128), (4, 32, 4096, 64)]
 FWD_CANDIDATES = [  # block_m, block_n, num_warps, num_stages
     (128, 128, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3),
 ]
-BWD_CANDIDATES = [  # block_n1 (keys per dkdv program), warps, stages; block_m2 (dq), warps, stages
-    (64, 8, 2, 64, 8, 2), (64, 4, 2, 64, 4, 2), (128, 8, 2, 128, 8, 2),
+BWD_CANDIDATES = [  # dkdv: block_m1, block_n1, warps, stages; dq: block_m2, block_n2, warps, stages
+    (64, 128, 8, 2, 128, 64, 8, 2),
+    (64, 64, 4, 2, 64, 64, 4, 2),
+    (64, 128, 8, 1, 128, 64, 8, 1),
+    (128, 64, 8, 1, 64, 128, 8, 1),  # dS blocks of 1x128: the reference presets' granularity
 ]
 
 
@@ -45,8 +48,8 @@ def _tiles(fwd_c, bwd_c):
     from dmref.kernels.config import BwdTiles, FwdTiles
 
     fwd = FwdTiles(block_m=fwd_c[0], block_n=fwd_c[1], num_warps=fwd_c[2], num_stages=fwd_c[3])
-    bn1, w1, s1, bm2, w2, s2 = bwd_c
-    bwd = BwdTiles(block_m1=128, block_n1=bn1, block_m2=bm2, block_n2=128,
+    bm1, bn1, w1, s1, bm2, bn2, w2, s2 = bwd_c
+    bwd = BwdTiles(block_m1=bm1, block_n1=bn1, block_m2=bm2, block_n2=bn2,
                    num_warps_dkdv=w1, num_stages_dkdv=s1, num_warps_dq=w2, num_stages_dq=s2)
     return fwd, bwd
 
@@ -304,6 +307,7 @@ def main(argv=None):
     ap.add_argument("--no-sweep", action="store_true", help="use the first candidate tilings")
     ap.add_argument("--accuracy", action="store_true", help="also measure errors vs float64")
     ap.add_argument("--workers", type=int, default=8, help="processes compiling ahead")
+    ap.add_argument("--warm-only", action="store_true", help="compile every variant, then stop")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if not torch.cuda.is_available():
@@ -331,6 +335,8 @@ def main(argv=None):
             for bc in bwd_cands[len(fwd_cands):]:
                 jobs.append((d, causal, fwd_cands[0], bc, heads))
     meta["compile_errors"] = warm(jobs, args.workers)
+    if args.warm_only:
+        return
     results = dict(meta=meta, sweep={}, cases=[])
     best = {}
     for d in ds:

@@ -12,14 +12,12 @@ from ._runtime import patch_interpreter_scalar_index
 
 patch_interpreter_scalar_index()
 
-# Format constants, per FP8 format: (mantissa bits, exponent of the smallest normal, max,
+# Format constants, per FP8 format: (smallest normal, max,
 # 2**(emin - mantissa_bits + 23), exponent of max). Both formats' max is 1.75 * 2**EMAX.
-E4M3_MANT = tl.constexpr(3)
 E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2**-6
 E4M3_MAX = tl.constexpr(448.0)
 E4M3_SUB_MAGIC = tl.constexpr(16384.0)  # 2**14: x + C rounds x to a multiple of 2**-9
 E4M3_EMAX = tl.constexpr(8)
-E5M2_MANT = tl.constexpr(2)
 E5M2_MIN_NORMAL = tl.constexpr(6.103515625e-05)  # 2**-14
 E5M2_MAX = tl.constexpr(57344.0)
 E5M2_SUB_MAGIC = tl.constexpr(128.0)  # 2**7: x + C rounds x to a multiple of 2**-16
@@ -27,14 +25,14 @@ E5M2_EMAX = tl.constexpr(15)
 
 
 @triton.jit
-def _round_to_grid(x, MANT: tl.constexpr, MIN_NORMAL: tl.constexpr, FMAX: tl.constexpr,
+def _round_to_grid(x, DROP: tl.constexpr, MIN_NORMAL: tl.constexpr, FMAX: tl.constexpr,
                    SUB_MAGIC: tl.constexpr):
     """Round float32 ``x`` to the FP8 grid: nearest-even, saturating to +-FMAX (finite x only).
+    ``DROP`` = 23 - mantissa bits of the format.
 
     Used under the interpreter only, whose own FP8 cast rounds half up and drops the carry into the
     exponent; the hardware cast (``cvt.rn.satfinite``) computes the same values.
     """
-    DROP: tl.constexpr = 23 - MANT
     LOW: tl.constexpr = (1 << DROP) - 1
     HALF_MINUS_ONE: tl.constexpr = (1 << (DROP - 1)) - 1
     bits = x.to(tl.int32, bitcast=True)
@@ -57,11 +55,11 @@ def to_fp8(x, IS_E5M2: tl.constexpr, INTERPRET: tl.constexpr):
     """float32 -> FP8 (E4M3 or E5M2), round to nearest even, saturating."""
     if IS_E5M2:
         if INTERPRET:
-            x = _round_to_grid(x, E5M2_MANT, E5M2_MIN_NORMAL, E5M2_MAX, E5M2_SUB_MAGIC)
+            x = _round_to_grid(x, 21, E5M2_MIN_NORMAL, E5M2_MAX, E5M2_SUB_MAGIC)
         y = x.to(tl.float8e5)
     else:
         if INTERPRET:
-            x = _round_to_grid(x, E4M3_MANT, E4M3_MIN_NORMAL, E4M3_MAX, E4M3_SUB_MAGIC)
+            x = _round_to_grid(x, 20, E4M3_MIN_NORMAL, E4M3_MAX, E4M3_SUB_MAGIC)
         y = x.to(tl.float8e4nv)
     return y
 

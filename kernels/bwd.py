@@ -44,27 +44,27 @@ from .config import QUANT_BLOCK, KernelRecipe
 def _dq_inner(
     dq, kbar, pdp, psum, rowsum,
     q, q_scale, do, do_scale, lse2, d_stale, offs_m,
-    K8, K_SCALE, V8, V_SCALE, KT8, KT_SCALE, kv_base, lo, hi, N, NPAD,
+    K8, K_SCALE, V8, V_SCALE, KT8, KT_SCALE, lo, hi, N, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, MATCHED: tl.constexpr, P_SCALE: tl.constexpr,
     DS_ROWWISE: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
+    # every pointer points at this program's key/value head: offsets stay int32
     offs_d = tl.arange(0, HEAD_DIM)
-    n_blocks = NPAD // QB
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_rows = kv_base * N * HEAD_DIM + offs_n[None, :] * HEAD_DIM + offs_d[:, None]
+        kv_rows = offs_n[None, :] * HEAD_DIM + offs_d[:, None]
         if MASK:
             k = tl.load(K8 + kv_rows, mask=offs_n[None, :] < N, other=0.0)
             v = tl.load(V8 + kv_rows, mask=offs_n[None, :] < N, other=0.0)
-            k_scale = tl.load(K_SCALE + kv_base * N + offs_n, mask=offs_n < N, other=0.0)
-            v_scale = tl.load(V_SCALE + kv_base * N + offs_n, mask=offs_n < N, other=0.0)
+            k_scale = tl.load(K_SCALE + offs_n, mask=offs_n < N, other=0.0)
+            v_scale = tl.load(V_SCALE + offs_n, mask=offs_n < N, other=0.0)
         else:
             k = tl.load(K8 + kv_rows)
             v = tl.load(V8 + kv_rows)
-            k_scale = tl.load(K_SCALE + kv_base * N + offs_n)
-            v_scale = tl.load(V_SCALE + kv_base * N + offs_n)
+            k_scale = tl.load(K_SCALE + offs_n)
+            v_scale = tl.load(V_SCALE + offs_n)
         # recompute: in the forward this was S2 = dot(Q8, K8^T) * scales; now P against LSE
         s = tl.dot(q, k) * (q_scale[:, None] * k_scale[None, :])
         p = tl.math.exp2(s - lse2[:, None])
@@ -82,8 +82,8 @@ def _dq_inner(
         if DEBUG:
             rowsum += tl.sum(ds, axis=1)
         # K transposed copy as a (BLOCK_N, D) tile, tokens contiguous; padding codes are zero
-        kt = tl.load(KT8 + kv_base * HEAD_DIM * NPAD + offs_d[None, :] * NPAD + offs_n[:, None])
-        kt_scale = tl.load(KT_SCALE + (kv_base * n_blocks + start_n // QB) * HEAD_DIM + offs_d)
+        kt = tl.load(KT8 + offs_d[None, :] * NPAD + offs_n[:, None])
+        kt_scale = tl.load(KT_SCALE + (start_n // QB) * HEAD_DIM + offs_d)
         if DS_ROWWISE:
             # Q-point dS: float32 -> E4M3, one pow2_floor scale per query row and BLOCK_N keys
             ds8, ds_inv = quantize_rows(ds, False, INTERPRET)
@@ -113,13 +113,20 @@ def _bwd_dq_kernel(
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     bh64 = bh.to(tl.int64)
-    kv_base = ((bh // H) * (H // GROUP) + (bh % H) // GROUP).to(tl.int64)
+    kv = ((bh // H) * (H // GROUP) + (bh % H) // GROUP).to(tl.int64)
+    # per-head base pointers (64-bit scalars); the tiles use int32 offsets from them
+    K8 += kv * N * HEAD_DIM
+    V8 += kv * N * HEAD_DIM
+    K_SCALE += kv * N
+    V_SCALE += kv * N
+    KT8 += kv * HEAD_DIM * NPAD
+    KT_SCALE += kv * (NPAD // QB) * HEAD_DIM
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     in_seq = offs_m < N
-    rows = bh64 * N * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-    q = tl.load(Q8 + rows, mask=in_seq[:, None], other=0.0)
-    do = tl.load(DO8 + rows, mask=in_seq[:, None], other=0.0)
+    rows = offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+    q = tl.load(Q8 + bh64 * N * HEAD_DIM + rows, mask=in_seq[:, None], other=0.0)
+    do = tl.load(DO8 + bh64 * N * HEAD_DIM + rows, mask=in_seq[:, None], other=0.0)
     q_scale = tl.load(Q_SCALE + bh64 * N + offs_m, mask=in_seq, other=0.0) * qk_scale
     do_scale = tl.load(DO_SCALE + bh64 * N + offs_m, mask=in_seq, other=0.0)
     lse2 = tl.load(LSE2 + bh64 * N + offs_m, mask=in_seq, other=0.0)
@@ -137,7 +144,7 @@ def _bwd_dq_kernel(
         # keys below the diagonal (causal) or in full tiles: no mask
         dq, kbar, pdp, psum, rowsum = _dq_inner(
             dq, kbar, pdp, psum, rowsum, q, q_scale, do, do_scale, lse2, d_stale, offs_m,
-            K8, K_SCALE, V8, V_SCALE, KT8, KT_SCALE, kv_base, 0, lo_diag, N, NPAD,
+            K8, K_SCALE, V8, V_SCALE, KT8, KT_SCALE, 0, lo_diag, N, NPAD,
             HEAD_DIM, BLOCK_N, QB, False, CAUSAL, MATCHED, P_SCALE, DS_ROWWISE, DEBUG, INTERPRET)
         if CAUSAL:
             hi_diag = tl.minimum(start_m + BLOCK_M, N)
@@ -145,13 +152,13 @@ def _bwd_dq_kernel(
             hi_diag = N
         dq, kbar, pdp, psum, rowsum = _dq_inner(
             dq, kbar, pdp, psum, rowsum, q, q_scale, do, do_scale, lse2, d_stale, offs_m,
-            K8, K_SCALE, V8, V_SCALE, KT8, KT_SCALE, kv_base, lo_diag, hi_diag, N, NPAD,
+            K8, K_SCALE, V8, V_SCALE, KT8, KT_SCALE, lo_diag, hi_diag, N, NPAD,
             HEAD_DIM, BLOCK_N, QB, True, CAUSAL, MATCHED, P_SCALE, DS_ROWWISE, DEBUG, INTERPRET)
     else:
         # the last, partial query block: rows past N must not move the dS tile scales
         dq, kbar, pdp, psum, rowsum = _dq_inner(
             dq, kbar, pdp, psum, rowsum, q, q_scale, do, do_scale, lse2, d_stale, offs_m,
-            K8, K_SCALE, V8, V_SCALE, KT8, KT_SCALE, kv_base, 0, N, N, NPAD,
+            K8, K_SCALE, V8, V_SCALE, KT8, KT_SCALE, 0, N, N, NPAD,
             HEAD_DIM, BLOCK_N, QB, True, CAUSAL, MATCHED, P_SCALE, DS_ROWWISE, DEBUG, INTERPRET)
     if MATCHED:
         # delta step (matched), normalized by the same P's mass: sum_j dS_ij = 0 up to rounding
@@ -161,7 +168,7 @@ def _bwd_dq_kernel(
         dq -= (d_matched - d_stale)[:, None] * (kbar * (1.0 / P_SCALE))
         if DEBUG:
             rowsum -= (d_matched - d_stale) * psum
-    tl.store(DQ + rows, to_bf16(dq * sm_scale, INTERPRET), mask=in_seq[:, None])
+    tl.store(DQ + bh64 * N * HEAD_DIM + rows, to_bf16(dq * sm_scale, INTERPRET), mask=in_seq[:, None])
     if DEBUG:
         tl.store(DQ_ROWSUM + bh64 * N + offs_m, rowsum, mask=in_seq)
 
@@ -177,33 +184,33 @@ def _dkdv_inner(
     dk, dv, k, k_scale, v, v_scale, start_n, offs_n,
     Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA,
     DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE,
-    bh64, lo, hi, qk_scale, N, NPAD,
+    lo, hi, qk_scale, N, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, P_SCALE: tl.constexpr,
     DS_ROWWISE: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
+    # every pointer points at this query head: offsets stay int32
     offs_d = tl.arange(0, HEAD_DIM)
-    n_blocks = NPAD // QB
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         # Q and dO row copies as (D, BLOCK_M) tiles: the head dim (the contraction) contiguous
-        q_rows = bh64 * N * HEAD_DIM + offs_m[None, :] * HEAD_DIM + offs_d[:, None]
+        q_rows = offs_m[None, :] * HEAD_DIM + offs_d[:, None]
         if MASK:
             in_seq = offs_m < N
             q_t = tl.load(Q8 + q_rows, mask=in_seq[None, :], other=0.0)
             do_t = tl.load(DO8 + q_rows, mask=in_seq[None, :], other=0.0)
-            q_scale = tl.load(Q_SCALE + bh64 * N + offs_m, mask=in_seq, other=0.0)
-            do_scale = tl.load(DO_SCALE + bh64 * N + offs_m, mask=in_seq, other=0.0)
-            lse2 = tl.load(LSE2 + bh64 * N + offs_m, mask=in_seq, other=0.0)
-            delta = tl.load(DELTA + bh64 * N + offs_m, mask=in_seq, other=0.0)
+            q_scale = tl.load(Q_SCALE + offs_m, mask=in_seq, other=0.0)
+            do_scale = tl.load(DO_SCALE + offs_m, mask=in_seq, other=0.0)
+            lse2 = tl.load(LSE2 + offs_m, mask=in_seq, other=0.0)
+            delta = tl.load(DELTA + offs_m, mask=in_seq, other=0.0)
         else:
             q_t = tl.load(Q8 + q_rows)
             do_t = tl.load(DO8 + q_rows)
-            q_scale = tl.load(Q_SCALE + bh64 * N + offs_m)
-            do_scale = tl.load(DO_SCALE + bh64 * N + offs_m)
-            lse2 = tl.load(LSE2 + bh64 * N + offs_m)
-            delta = tl.load(DELTA + bh64 * N + offs_m)
+            q_scale = tl.load(Q_SCALE + offs_m)
+            do_scale = tl.load(DO_SCALE + offs_m)
+            lse2 = tl.load(LSE2 + offs_m)
+            delta = tl.load(DELTA + offs_m)
         q_scale = q_scale * qk_scale
         # recompute, transposed: S2^T = dot(K8, Q8^T) * scales, P^T against LSE
         s_t = tl.dot(k, q_t) * (k_scale[:, None] * q_scale[None, :])
@@ -217,8 +224,8 @@ def _dkdv_inner(
         # Q-point P (dV): float32 -> E4M3, scale 2**8 against LSE
         p8_t = to_fp8(p_t * P_SCALE, False, INTERPRET)
         # dO transposed copy as a (BLOCK_M, D) tile: tokens (the contraction) contiguous
-        tok_ptrs = bh64 * HEAD_DIM * NPAD + offs_d[None, :] * NPAD + offs_m[:, None]
-        tok_scale = (bh64 * n_blocks + start_m // QB) * HEAD_DIM + offs_d
+        tok_ptrs = offs_d[None, :] * NPAD + offs_m[:, None]
+        tok_scale = (start_m // QB) * HEAD_DIM + offs_d
         do_tok = tl.load(DOT8 + tok_ptrs)
         dv += tl.dot(p8_t, do_tok) * tl.load(DOT_SCALE + tok_scale)[None, :]
         # dS = P (dP - D), with D stale or matched as the caller chose
@@ -231,13 +238,13 @@ def _dkdv_inner(
             ds8_t, ds_inv = quantize_tile(ds_t, False, INTERPRET)
             ds_inv = tl.full([BLOCK_N], 1.0, tl.float32) * ds_inv
         if DEBUG:
-            tl.atomic_add(DS_ROWSUM + bh64 * N + offs_m, tl.sum(ds_t, axis=0), mask=offs_m < N)
-            dump = bh64 * N * N + offs_m[None, :] * N + offs_n[:, None]
+            tl.atomic_add(DS_ROWSUM + offs_m, tl.sum(ds_t, axis=0), mask=offs_m < N)
+            dump = offs_m[None, :] * N + offs_n[:, None]
             dump_mask = (offs_m[None, :] < N) & (offs_n[:, None] < N)
             tl.store(P_DUMP + dump, p8_t.to(tl.uint8, bitcast=True), mask=dump_mask)
             tl.store(DS_DUMP + dump, ds8_t.to(tl.uint8, bitcast=True), mask=dump_mask)
             # dequantization factor of dS[:, j] in this query tile: (B*H, cdiv(N, BLOCK_M), N)
-            scale_ptrs = (bh64 * tl.cdiv(N, BLOCK_M) + start_m // BLOCK_M) * N + offs_n
+            scale_ptrs = (start_m // BLOCK_M) * N + offs_n
             tl.store(DS_SCALE + scale_ptrs, ds_inv, mask=offs_n < N)
         q_tok = tl.load(QT8 + tok_ptrs)
         dk += tl.dot(ds8_t, q_tok) * tl.load(QT_SCALE + tok_scale)[None, :] * ds_inv[:, None]
@@ -262,10 +269,11 @@ def _bwd_dkdv_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     in_seq = offs_n < N
-    rows = bkv64 * N * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    rows = offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    kv_rows = bkv64 * N * HEAD_DIM
     # K and V row copies stay on chip for the whole loop
-    k = tl.load(K8 + rows, mask=in_seq[:, None], other=0.0)
-    v = tl.load(V8 + rows, mask=in_seq[:, None], other=0.0)
+    k = tl.load(K8 + kv_rows + rows, mask=in_seq[:, None], other=0.0)
+    v = tl.load(V8 + kv_rows + rows, mask=in_seq[:, None], other=0.0)
     k_scale = tl.load(K_SCALE + bkv64 * N + offs_n, mask=in_seq, other=0.0)
     v_scale = tl.load(V_SCALE + bkv64 * N + offs_n, mask=in_seq, other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -281,38 +289,53 @@ def _bwd_dkdv_kernel(
     n_full = (N // BLOCK_M) * BLOCK_M
     for g in range(0, group):
         bh64 = ((bkv // HKV) * H + (bkv % HKV) * group + g).to(tl.int64)
+        # this query head's base pointers (64-bit scalars)
+        q8_h = Q8 + bh64 * N * HEAD_DIM
+        do8_h = DO8 + bh64 * N * HEAD_DIM
+        qt8_h = QT8 + bh64 * HEAD_DIM * NPAD
+        dot8_h = DOT8 + bh64 * HEAD_DIM * NPAD
+        qt_scale_h = QT_SCALE + bh64 * (NPAD // QB) * HEAD_DIM
+        dot_scale_h = DOT_SCALE + bh64 * (NPAD // QB) * HEAD_DIM
+        q_scale_h = Q_SCALE + bh64 * N
+        do_scale_h = DO_SCALE + bh64 * N
+        lse2_h = LSE2 + bh64 * N
+        delta_h = DELTA + bh64 * N
+        rowsum_h = DS_ROWSUM + bh64 * N
+        p_dump_h = P_DUMP + bh64 * N * N
+        ds_dump_h = DS_DUMP + bh64 * N * N
+        ds_scale_h = DS_SCALE + bh64 * tl.cdiv(N, BLOCK_M) * N
         if start_n + BLOCK_N <= N:
             if CAUSAL:
                 dk, dv = _dkdv_inner(
                     dk, dv, k, k_scale, v, v_scale, start_n, offs_n,
-                    Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA,
-                    DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE,
-                    bh64, lo, tl.minimum(hi_diag, N), qk_scale, N, NPAD,
+                    q8_h, q_scale_h, qt8_h, qt_scale_h, do8_h, do_scale_h, dot8_h, dot_scale_h,
+                    lse2_h, delta_h, rowsum_h, p_dump_h, ds_dump_h, ds_scale_h,
+                    lo, tl.minimum(hi_diag, N), qk_scale, N, NPAD,
                     HEAD_DIM, BLOCK_M, BLOCK_N, QB, True, CAUSAL, P_SCALE, DS_ROWWISE, DEBUG, INTERPRET)
             # full query tiles past the diagonal: no mask
             dk, dv = _dkdv_inner(
                 dk, dv, k, k_scale, v, v_scale, start_n, offs_n,
-                Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA,
-                DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE,
-                bh64, hi_diag, n_full, qk_scale, N, NPAD,
+                q8_h, q_scale_h, qt8_h, qt_scale_h, do8_h, do_scale_h, dot8_h, dot_scale_h,
+                lse2_h, delta_h, rowsum_h, p_dump_h, ds_dump_h, ds_scale_h,
+                hi_diag, n_full, qk_scale, N, NPAD,
                 HEAD_DIM, BLOCK_M, BLOCK_N, QB, False, CAUSAL, P_SCALE, DS_ROWWISE, DEBUG, INTERPRET)
             # the partial query tile at the end
             dk, dv = _dkdv_inner(
                 dk, dv, k, k_scale, v, v_scale, start_n, offs_n,
-                Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA,
-                DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE,
-                bh64, tl.maximum(n_full, hi_diag), N, qk_scale, N, NPAD,
+                q8_h, q_scale_h, qt8_h, qt_scale_h, do8_h, do_scale_h, dot8_h, dot_scale_h,
+                lse2_h, delta_h, rowsum_h, p_dump_h, ds_dump_h, ds_scale_h,
+                tl.maximum(n_full, hi_diag), N, qk_scale, N, NPAD,
                 HEAD_DIM, BLOCK_M, BLOCK_N, QB, True, CAUSAL, P_SCALE, DS_ROWWISE, DEBUG, INTERPRET)
         else:
             # the last, partial key block: keys past N must not move the dS scales
             dk, dv = _dkdv_inner(
                 dk, dv, k, k_scale, v, v_scale, start_n, offs_n,
-                Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA,
-                DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE,
-                bh64, lo, N, qk_scale, N, NPAD,
+                q8_h, q_scale_h, qt8_h, qt_scale_h, do8_h, do_scale_h, dot8_h, dot_scale_h,
+                lse2_h, delta_h, rowsum_h, p_dump_h, ds_dump_h, ds_scale_h,
+                lo, N, qk_scale, N, NPAD,
                 HEAD_DIM, BLOCK_M, BLOCK_N, QB, True, CAUSAL, P_SCALE, DS_ROWWISE, DEBUG, INTERPRET)
-    tl.store(DK + rows, to_bf16(dk * sm_scale, INTERPRET), mask=in_seq[:, None])
-    tl.store(DV + rows, to_bf16(dv * (1.0 / P_SCALE), INTERPRET), mask=in_seq[:, None])
+    tl.store(DK + kv_rows + rows, to_bf16(dk * sm_scale, INTERPRET), mask=in_seq[:, None])
+    tl.store(DV + kv_rows + rows, to_bf16(dv * (1.0 / P_SCALE), INTERPRET), mask=in_seq[:, None])
 
 
 # --------------------------------------------------------------------------------------------
@@ -355,7 +378,7 @@ def backward(
                                       device=dev, dtype=torch.float32)
     q8, k8, v8 = saved.q, saved.k, saved.v
     common = dict(HEAD_DIM=head_dim, QB=QUANT_BLOCK, CAUSAL=causal,
-                  P_SCALE=float(2 ** recipe.p_scale_log2), DS_ROWWISE=recipe.ds_granularity == "1x128",
+                  P_SCALE=float(2 ** recipe.p_scale_log2), DS_ROWWISE=recipe.ds_granularity == "rowwise",
                   DEBUG=debug, INTERPRET=interpreting())
 
     def run_dq():

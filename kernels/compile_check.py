@@ -95,10 +95,10 @@ def recipe_variants(recipe: KernelRecipe, head_dim: int, causal: bool):
     f, b = recipe.fwd, recipe.bwd
     common = dict(HEAD_DIM=head_dim, QB=QUANT_BLOCK, CAUSAL=causal,
                   P_SCALE=float(2 ** recipe.p_scale_log2), DEBUG=False, INTERPRET=False)
-    ds = dict(DS_ROWWISE=recipe.ds_granularity == "1x128")
+    ds = dict(DS_ROWWISE=recipe.ds_granularity == "rowwise")
     yield ("quantize", quantize._quantize_kernel,
            dict(HEAD_DIM=head_dim, BLOCK_T=QUANT_BLOCK, EMIT_ROWS=True, EMIT_COLS=True,
-                WITH_DELTA=True, IS_E5M2=False, INTERPRET=False), 4, 3)
+                WITH_DELTA=True, IS_E5M2=False, INTERPRET=False), 8, 3)
     yield ("fwd", fwd._fwd_kernel, dict(common, BLOCK_M=f.block_m, BLOCK_N=f.block_n),
            f.num_warps, f.num_stages)
     yield ("dq", bwd._bwd_dq_kernel,

@@ -61,14 +61,16 @@ class BwdTiles:
       heads), looping over ``block_m1`` queries.
     - ``dq``: one program per ``block_m2`` queries, looping over ``block_n2`` keys.
 
-    dS is quantized per ``block_m1`` queries for dK and per ``block_n2`` keys for dQ (the
-    contraction of the tile), so with the ``1x128`` dS granularity both are 128.
+    With the ``rowwise`` dS granularity dS is quantized per ``block_m1`` queries for dK and per
+    ``block_n2`` keys for dQ (the contraction of the tile): tiles of 128 there give the
+    reference's 1x128 granularity; the defaults use 64, which keeps the S-sized tiles at 32
+    float32 registers per thread (tiles of 128 spill at head dim 128).
     """
 
-    block_m1: int = 128
-    block_n1: int = 64
-    block_m2: int = 64
-    block_n2: int = 128
+    block_m1: int = 64
+    block_n1: int = 128
+    block_m2: int = 128
+    block_n2: int = 64
     num_warps_dkdv: int = 8
     num_stages_dkdv: int = 2
     num_warps_dq: int = 8
@@ -109,10 +111,10 @@ class KernelRecipe:
     #: format of both dO copies
     do_format: str = "float8_e4m3fn"
     ds_format: str = "float8_e4m3fn"
-    #: ``"1x128"``: one scale per row of dS and 128 elements of the contraction (per query and
-    #: 128 keys for dQ, per key and 128 queries for dK), as the reference's 1x128 granularity;
-    #: ``"tile"``: one scale per backward tile
-    ds_granularity: Literal["1x128", "tile"] = "1x128"
+    #: ``"rowwise"``: one scale per row of dS and the whole contraction of its tile: per query
+    #: and ``block_n2`` keys for dQ, per key and ``block_m1`` queries for dK (with tiles of 128
+    #: this is the reference's 1x128 granularity); ``"tile"``: one scale per backward tile
+    ds_granularity: Literal["rowwise", "tile"] = "rowwise"
     p_format: str = "float8_e4m3fn"
     p_scale_log2: int = P_SCALE_LOG2
     fwd: FwdTiles = field(default_factory=FwdTiles)
@@ -126,13 +128,8 @@ class KernelRecipe:
             raise ValueError(f"do_format={self.do_format!r} must be float8_e4m3fn or float8_e5m2")
         if self.delta not in ("stale", "matched"):
             raise ValueError(f"delta={self.delta!r} must be 'stale' or 'matched'")
-        if self.ds_granularity == "1x128":
-            if (self.bwd.block_m1, self.bwd.block_n2) != (QUANT_BLOCK, QUANT_BLOCK):
-                raise ValueError(
-                    f"ds_granularity='1x128' needs block_m1 = block_n2 = {QUANT_BLOCK}, got "
-                    f"{self.bwd.block_m1=}, {self.bwd.block_n2=}")
-        elif self.ds_granularity != "tile":
-            raise ValueError(f"ds_granularity={self.ds_granularity!r} must be '1x128' or 'tile'")
+        if self.ds_granularity not in ("rowwise", "tile"):
+            raise ValueError(f"ds_granularity={self.ds_granularity!r} must be 'rowwise' or 'tile'")
 
     def with_tiles(self, fwd: FwdTiles | None = None, bwd: BwdTiles | None = None) -> "KernelRecipe":
         return dataclasses.replace(self, fwd=fwd or self.fwd, bwd=bwd or self.bwd)
@@ -141,7 +138,7 @@ class KernelRecipe:
         """One line per quantization point, in the words the reference uses."""
         b = self.bwd
         p = f"2**{self.p_scale_log2}"
-        if self.ds_granularity == "1x128":
+        if self.ds_granularity == "rowwise":
             ds_dk = f"{self.ds_format}, one pow2_floor scale per key and {b.block_m1} queries"
             ds_dq = f"{self.ds_format}, one pow2_floor scale per query and {b.block_n2} keys"
         else:

@@ -31,25 +31,24 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, q_scale, offs_m,
-    K8, K_SCALE, VT8, VT_SCALE, kv_base, lo, hi, N, NPAD,
-    P_DUMP, p_dump_base,
+    K8, K_SCALE, VT8, VT_SCALE, lo, hi, N, NPAD, P_DUMP,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, P_SCALE: tl.constexpr,
     DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
+    # K8, K_SCALE, VT8, VT_SCALE and P_DUMP point at this program's head: offsets stay int32
     offs_d = tl.arange(0, HEAD_DIM)
-    n_blocks = NPAD // QB
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         # K row copy as a (D, BLOCK_N) tile: the head dim (the contraction) is contiguous
-        k_ptrs = K8 + kv_base * N * HEAD_DIM + offs_n[None, :] * HEAD_DIM + offs_d[:, None]
+        k_ptrs = K8 + offs_n[None, :] * HEAD_DIM + offs_d[:, None]
         if MASK:
             k = tl.load(k_ptrs, mask=offs_n[None, :] < N, other=0.0)
-            k_scale = tl.load(K_SCALE + kv_base * N + offs_n, mask=offs_n < N, other=0.0)
+            k_scale = tl.load(K_SCALE + offs_n, mask=offs_n < N, other=0.0)
         else:
             k = tl.load(k_ptrs)
-            k_scale = tl.load(K_SCALE + kv_base * N + offs_n)
+            k_scale = tl.load(K_SCALE + offs_n)
         s = tl.dot(q, k) * (q_scale[:, None] * k_scale[None, :])
         if MASK:
             valid = offs_n[None, :] < N
@@ -68,14 +67,13 @@ def _fwd_inner(
         # Q-point P: float32 -> E4M3, scale 2**8 against the running max, RNE, satfinite
         p8 = to_fp8(p * P_SCALE, False, INTERPRET)
         if DEBUG:
-            dump_ptrs = P_DUMP + p_dump_base + offs_m[:, None] * N + offs_n[None, :]
+            dump_ptrs = P_DUMP + offs_m[:, None] * N + offs_n[None, :]
             tl.store(dump_ptrs, p8.to(tl.uint8, bitcast=True),
                      mask=(offs_m[:, None] < N) & (offs_n[None, :] < N))
         # V transposed copy as a (BLOCK_N, D) tile: tokens (the contraction) contiguous; the
         # padding up to NPAD holds zero codes, so no mask is needed
-        vt_ptrs = VT8 + kv_base * HEAD_DIM * NPAD + offs_d[None, :] * NPAD + offs_n[:, None]
-        vt = tl.load(vt_ptrs)
-        v_scale = tl.load(VT_SCALE + (kv_base * n_blocks + start_n // QB) * HEAD_DIM + offs_d)
+        vt = tl.load(VT8 + offs_d[None, :] * NPAD + offs_n[:, None])
+        v_scale = tl.load(VT_SCALE + (start_n // QB) * HEAD_DIM + offs_d)
         # promotion: the wgmma chain covers one tile, then one float32 add
         acc = acc * alpha[:, None] + tl.dot(p8, vt) * v_scale[None, :]
         m_i = m_new
@@ -94,42 +92,50 @@ def _fwd_kernel(
     tl.static_assert(QB % BLOCK_N == 0)
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
-    kv_base = ((bh // H) * (H // GROUP) + (bh % H) // GROUP).to(tl.int64)
+    kv = ((bh // H) * (H // GROUP) + (bh % H) // GROUP).to(tl.int64)
     bh64 = bh.to(tl.int64)
+    # per-head base pointers (64-bit scalars); the tiles below use int32 offsets from them
+    Q8 += bh64 * N * HEAD_DIM
+    Q_SCALE += bh64 * N
+    O += bh64 * N * HEAD_DIM
+    LSE2 += bh64 * N
+    K8 += kv * N * HEAD_DIM
+    K_SCALE += kv * N
+    VT8 += kv * HEAD_DIM * NPAD
+    VT_SCALE += kv * (NPAD // QB) * HEAD_DIM
+    if DEBUG:
+        P_DUMP += bh64 * N * N
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     in_seq = offs_m < N
-    q = tl.load(Q8 + bh64 * N * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
-                mask=in_seq[:, None], other=0.0)
+    q = tl.load(Q8 + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=in_seq[:, None], other=0.0)
     # tau * log2(e) rides on the query scale: S2 = S * log2(e), so P = exp2(S2 - m)
-    q_scale = tl.load(Q_SCALE + bh64 * N + offs_m, mask=in_seq, other=0.0) * qk_scale
+    q_scale = tl.load(Q_SCALE + offs_m, mask=in_seq, other=0.0) * qk_scale
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    p_dump_base = bh64 * N * N
     if CAUSAL:
         # key tiles wholly below the diagonal for every row: no mask; the rest up to the
         # diagonal: causal mask (tiles divide one another, so the split is tile-aligned)
         lo_diag = (start_m // BLOCK_N) * BLOCK_N
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q_scale, offs_m, K8, K_SCALE, VT8, VT_SCALE,
-                                   kv_base, 0, lo_diag, N, NPAD, P_DUMP, p_dump_base,
+                                   0, lo_diag, N, NPAD, P_DUMP,
                                    HEAD_DIM, BLOCK_N, QB, False, True, P_SCALE, DEBUG, INTERPRET)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q_scale, offs_m, K8, K_SCALE, VT8, VT_SCALE,
-                                   kv_base, lo_diag, tl.minimum(start_m + BLOCK_M, N), N, NPAD,
-                                   P_DUMP, p_dump_base,
+                                   lo_diag, tl.minimum(start_m + BLOCK_M, N), N, NPAD, P_DUMP,
                                    HEAD_DIM, BLOCK_N, QB, True, True, P_SCALE, DEBUG, INTERPRET)
     else:
         n_full = (N // BLOCK_N) * BLOCK_N
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q_scale, offs_m, K8, K_SCALE, VT8, VT_SCALE,
-                                   kv_base, 0, n_full, N, NPAD, P_DUMP, p_dump_base,
+                                   0, n_full, N, NPAD, P_DUMP,
                                    HEAD_DIM, BLOCK_N, QB, False, False, P_SCALE, DEBUG, INTERPRET)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q_scale, offs_m, K8, K_SCALE, VT8, VT_SCALE,
-                                   kv_base, n_full, N, N, NPAD, P_DUMP, p_dump_base,
+                                   n_full, N, N, NPAD, P_DUMP,
                                    HEAD_DIM, BLOCK_N, QB, True, False, P_SCALE, DEBUG, INTERPRET)
     o = acc / (l_i * P_SCALE)[:, None]
-    tl.store(O + bh64 * N * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
+    tl.store(O + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
              to_bf16(o, INTERPRET), mask=in_seq[:, None])
-    tl.store(LSE2 + bh64 * N + offs_m, m_i + tl.math.log2(l_i), mask=in_seq)
+    tl.store(LSE2 + offs_m, m_i + tl.math.log2(l_i), mask=in_seq)
 
 
 def forward(

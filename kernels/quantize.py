@@ -58,32 +58,36 @@ def _quantize_kernel(
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, HEAD_DIM)
     in_seq = offs_t < N
-    x_ptrs = (X + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh
-              + offs_t[:, None].to(tl.int64) * stride_xn + offs_d[None, :] * stride_xd)
+    # per-head base pointers (64-bit scalars); tiles use int32 offsets from them
+    X += b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh
+    bh64 = bh.to(tl.int64)
+    XR += bh64 * N * HEAD_DIM
+    XR_SCALE += bh64 * N
+    XT += bh64 * HEAD_DIM * NPAD
+    XT_SCALE += bh64 * (NPAD // BLOCK_T) * HEAD_DIM
+    DELTA += bh64 * N
+    x_ptrs = X + offs_t[:, None] * stride_xn + offs_d[None, :] * stride_xd
     # padding tokens read as 0: they get code 0 in the transposed copy and do not move its amax
     x = tl.load(x_ptrs, mask=in_seq[:, None], other=0.0).to(tl.float32)
-    bh64 = bh.to(tl.int64)
     if EMIT_ROWS:
         # Q-point row copy: one pow2_floor scale per token over the head dim
         k_row = pow2_floor_exponent(tl.max(tl.abs(x), axis=1), IS_E5M2)
         codes = to_fp8(x * exp2_int(k_row)[:, None], IS_E5M2, INTERPRET)
-        row_ptrs = XR + bh64 * N * HEAD_DIM + offs_t[:, None] * HEAD_DIM + offs_d[None, :]
-        tl.store(row_ptrs, codes, mask=in_seq[:, None])
-        tl.store(XR_SCALE + bh64 * N + offs_t, exp2_int(-k_row), mask=in_seq)
+        tl.store(XR + offs_t[:, None] * HEAD_DIM + offs_d[None, :], codes, mask=in_seq[:, None])
+        tl.store(XR_SCALE + offs_t, exp2_int(-k_row), mask=in_seq)
     if EMIT_COLS:
         # Q-point transposed copy: one pow2_floor scale per channel over BLOCK_T tokens
         k_col = pow2_floor_exponent(tl.max(tl.abs(x), axis=0), IS_E5M2)
         codes_t = to_fp8(x * exp2_int(k_col)[None, :], IS_E5M2, INTERPRET)
-        col_ptrs = XT + bh64 * HEAD_DIM * NPAD + offs_d[None, :] * NPAD + offs_t[:, None]
-        tl.store(col_ptrs, codes_t)  # NPAD is a multiple of BLOCK_T: padding is written as 0
-        n_blocks = NPAD // BLOCK_T
-        tl.store(XT_SCALE + (bh64 * n_blocks + pid_t) * HEAD_DIM + offs_d, exp2_int(-k_col))
+        # NPAD is a multiple of BLOCK_T: padding is written as 0
+        tl.store(XT + offs_d[None, :] * NPAD + offs_t[:, None], codes_t)
+        tl.store(XT_SCALE + pid_t * HEAD_DIM + offs_d, exp2_int(-k_col))
     if WITH_DELTA:
         # stale delta, the backward's preprocess: D_i = sum_d O_id dO_id from BF16 O and dO
-        o_ptrs = (O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-                  + offs_t[:, None].to(tl.int64) * stride_on + offs_d[None, :] * stride_od)
+        O += b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+        o_ptrs = O + offs_t[:, None] * stride_on + offs_d[None, :] * stride_od
         o = tl.load(o_ptrs, mask=in_seq[:, None], other=0.0).to(tl.float32)
-        tl.store(DELTA + bh64 * N + offs_t, tl.sum(o * x, axis=1), mask=in_seq)
+        tl.store(DELTA + offs_t, tl.sum(o * x, axis=1), mask=in_seq)
 
 
 def quantize(
@@ -135,6 +139,6 @@ def quantize(
         HEAD_DIM=d, BLOCK_T=QUANT_BLOCK,
         EMIT_ROWS=rows, EMIT_COLS=cols, WITH_DELTA=delta is not None,
         IS_E5M2=fmt == "float8_e5m2", INTERPRET=interpreting(),
-        num_warps=4,
+        num_warps=8,
     )
     return out, delta

@@ -123,7 +123,7 @@ def forward(q, k, v, *, causal: bool, scale: float, recipe: KernelRecipe, dot=ex
 def _quantize_ds(ds: torch.Tensor, fmt: str, along: int, block: int, other_block: int,
                  granularity: str):
     """Quantize dS (BH, N, N) in blocks of ``block`` elements along ``along`` (2: keys, 1:
-    queries), with one scale per row of the other axis ("1x128") or per whole tile ("tile", tile
+    queries), with one scale per row of the other axis ("rowwise") or per whole tile ("tile", tile
     extent ``other_block`` along the other axis). Returns (codes, dequantization factors), both
     (BH, N, N)."""
     bh, n, _ = ds.shape

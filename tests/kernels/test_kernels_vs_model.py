@@ -55,6 +55,8 @@ class Case:
 
 
 _SMALL_TILES = (FwdTiles(64, 32, 4, 1), BwdTiles(32, 64, 64, 32, 4, 1, 4, 1), "tile")
+#: dS in 1x128 blocks, as the reference presets quantize it
+_REFERENCE_TILES = (FwdTiles(), BwdTiles(128, 64, 64, 128, 8, 1, 8, 1), "rowwise")
 
 #: Awkward sequence lengths (tails in every tile size), GQA, both head dims, both recipes.
 CASES = {
@@ -74,6 +76,7 @@ CASES = {
         Case(1, 4, 4, 777, 64, True, "delta_matching"),
         Case(1, 4, 1, 777, 64, False, "naive_fp8"),
         Case(1, 4, 2, 333, 64, True, "delta_matching", _SMALL_TILES),
+        Case(1, 2, 2, 700, 128, True, "delta_matching", _REFERENCE_TILES),
     ],
 }
 

@@ -175,6 +175,15 @@ def matmul(a_values, bt_values, c, fa, fb, model="hopper", **kwargs) -> np.ndarr
     c = np.broadcast_to(np.asarray(c, dtype=np.float32), (m, n))
     out = np.zeros((m, n), dtype=np.float32)
     scales = kwargs.pop("scales", None)
+    with np.errstate(over="ignore"):  # a result that rounds past the float32 range is +-inf
+        _fill(out, a_values, bt_values, c, fa, fb, model, scales, kwargs)
+    bits = out.view(np.uint32)
+    bits[np.isnan(out)] = 0x7FFFFFFF
+    return out
+
+
+def _fill(out, a_values, bt_values, c, fa, fb, model, scales, kwargs):
+    m, n = out.shape
     for i in range(m):
         for j in range(n):
             row, col = [float(x) for x in a_values[i]], [float(y) for y in bt_values[j]]
@@ -187,9 +196,6 @@ def matmul(a_values, bt_values, c, fa, fb, model="hopper", **kwargs) -> np.ndarr
                 out[i, j] = exact_dot(float(c[i, j]), row, col)
             else:
                 out[i, j] = fp32_dot(float(c[i, j]), row, col)
-    bits = out.view(np.uint32)
-    bits[np.isnan(out)] = 0x7FFFFFFF
-    return out
 
 
 def _scaled_dot(c, row, col, model, scales):

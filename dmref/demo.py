@@ -237,7 +237,7 @@ def main(args) -> int:
         json.dump(result.json_rows(), sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        out = Console()
+        out = Console(width=None if sys.stdout.isatty() else 200)  # no wrapped rows in a log file
         print_table(result, out)
         if args.out:
             out.print(f"plot written to {args.out}")

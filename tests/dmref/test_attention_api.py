@@ -1,0 +1,113 @@
+"""dmref.attention: a torch.autograd.Function whose backward is the recipe's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from dmref_problems import make_inputs
+
+import dmref
+from dmref import reference, tiled
+from dmref.diagnostics import U_FP64, attention_error_bound
+
+_SHAPE = dict(batch=2, heads=4, kv_heads=2, seqlen_q=140, seqlen_k=140, head_dim=32, head_dim_v=32)
+
+
+@pytest.mark.parametrize("recipe", ["naive_fp8", "delta_matching", "consistent_p", "mxfp8_stale"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_gradients_are_the_recipes_backward(recipe, dtype):
+    q, k, v, dout = (t.to(dtype) for t in make_inputs(_SHAPE, 0, dtype=torch.float32))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = dmref.attention(*leaves, causal=True, recipe=recipe)
+    out.backward(dout)
+    fwd, bwd = tiled.attention(q, k, v, dout, recipe=recipe, causal=True)
+    assert out.dtype == dtype and all(t.grad.dtype == dtype for t in leaves)
+    assert torch.equal(out, fwd.out.to(dtype))
+    for leaf, grad in zip(leaves, (bwd.dq, bwd.dk, bwd.dv)):
+        assert torch.equal(leaf.grad, grad.to(dtype))
+
+
+def test_exact_recipe_matches_the_reference_within_float64_bound():
+    q, k, v, dout = make_inputs(_SHAPE, 1)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    mask = torch.rand(140, 140, generator=torch.Generator().manual_seed(0)) < 0.8
+    out = dmref.attention(*leaves, mask=mask, recipe="exact")
+    out.backward(dout)
+    want = reference.attention_ref(q, k, v, dout, mask=mask)
+    n_tiles = 2
+    bound = attention_error_bound(q, k, v, dout, u=U_FP64, n_tiles=n_tiles, mask=mask)
+    b_ref = attention_error_bound(q, k, v, dout, u=U_FP64, mask=mask)
+    for name, got, ref in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in leaves)), (want[0], *want[2:])):
+        assert bool(((got.detach() - ref).abs() <= bound[name] + b_ref[name]).all()), name
+
+
+def test_a_small_model_trains_with_emulated_fp8_attention():
+    torch.manual_seed(0)
+    vocab, dim, heads, seqlen = 17, 32, 2, 48
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(vocab, dim)
+            self.qkv = torch.nn.Linear(dim, 3 * dim)
+            self.out = torch.nn.Linear(dim, vocab)
+
+        def forward(self, tokens):
+            b, n = tokens.shape
+            x = self.emb(tokens)
+            q, k, v = self.qkv(x).view(b, n, 3, heads, dim // heads).permute(2, 0, 3, 1, 4)
+            y = dmref.attention(q, k, v, causal=True, recipe="delta_matching")
+            return self.out(y.transpose(1, 2).reshape(b, n, dim) + x)
+
+    model = Tiny()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, vocab, (4, seqlen + 1))
+    losses = []
+    for _ in range(25):
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
+
+
+def test_unknown_recipe_and_bad_input_are_clear_errors():
+    q, k, v, _ = make_inputs(_SHAPE, 2, dtype=torch.float32)
+    with pytest.raises(ValueError, match="unknown recipe 'fp6'"):
+        dmref.attention(q, k, v, recipe="fp6")
+    with pytest.raises(TypeError, match="recipe must be a Recipe"):
+        dmref.attention(q, k, v, recipe=3)
+    with pytest.raises(TypeError, match="float16, bfloat16, float32 or float64"):
+        dmref.attention(q.to(torch.int32), k, v)
+    with pytest.raises(ValueError, match="head_dim of q"):
+        dmref.attention(q[..., :16], k, v, recipe="naive_fp8")
+
+
+def test_import_dmref_does_not_import_torch():
+    code = "import sys, dmref; assert 'torch' not in sys.modules; dmref.attention; assert 'torch' in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.gpu
+def test_attention_on_cuda_is_as_accurate_as_on_the_cpu():
+    """The casts are bit-exact on both devices; the float32 matmuls sum in other orders, which
+    can move a value across an FP8 rounding boundary. So: the GPU's error against the exact
+    reference is at most twice the CPU's (STYLE.md: relative to a baseline's own error)."""
+    q, k, v, dout = make_inputs(_SHAPE, 3, dtype=torch.float32)
+    exact = reference.attention_ref(q, k, v, dout, causal=True)
+    exact = (exact[0], *exact[2:])
+    errors = {}
+    for device in ("cpu", "cuda"):
+        leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
+        out = dmref.attention(*leaves, causal=True, recipe="delta_matching")
+        out.backward(dout.to(device))
+        got = [out.detach().cpu()] + [t.grad.cpu() for t in leaves]
+        errors[device] = [(g.double() - e).norm().item() for g, e in zip(got, exact)]
+    for cpu, gpu in zip(errors["cpu"], errors["cuda"]):
+        assert gpu <= 2 * cpu

@@ -496,16 +496,30 @@ def test_float64_input_is_rounded_once():
 
 
 def test_float64_input_with_amax_scale_matches_exact_quotient():
-    """A non-power-of-two scale s0 (the row's amax is 448 s0) and float64 elements within
-    2**-45 (relative) of every rounding midpoint of e4m3, on both sides."""
+    """A non-power-of-two scale s0 (the row's amax is 448 s0) and, for every rounding midpoint
+    m of e4m3, the float64 values nearest to m * s0 and two ulps either side: their float64
+    quotients by s0 often land exactly on m although the exact quotient does not, so a plain
+    float64 division would round some of them the wrong way."""
     s0 = Fraction(float(np.float32(3 / 7)))
     values = [Fraction(E4M3.value(c)) for c in range(E4M3.max_code + 1)]
     midpoints = [(a + b) / 2 for a, b in zip(values, values[1:])]
-    x = [float(m * s0 * (1 + Fraction(side, 2**45))) for m in midpoints for side in (-1, 1)]
-    x = np.array([[float(Fraction(E4M3.max) * s0)] + x])
+    near = np.array([float(m * s0) for m in midpoints])
+    x = np.concatenate([near, np.nextafter(near, 0), np.nextafter(near, np.inf),
+                        np.nextafter(np.nextafter(near, 0), 0), np.nextafter(np.nextafter(near, np.inf), np.inf)])
+    x = np.concatenate([[float(Fraction(E4M3.max) * s0)], x])[None, :]
+    assert (x[0, 1:] / float(s0) == np.tile([float(m) for m in midpoints], 5)).any()
     codes, scales, _ = check_against_reference(x, E4M3, "row", "amax")
     assert Fraction(float(scales[0, 0])) == s0
-    np.testing.assert_array_equal(codes[0, 1::2] + 1, codes[0, 2::2])  # below / above each midpoint
+
+
+@pytest.mark.parametrize("rounding", ["toward_positive", "nearest_even", "stochastic"])
+def test_float64_quotients_below_float64_range_keep_their_sign(rounding):
+    """x / s for x = 5e-324 and s = 2**127 underflows float64; rounding toward +inf must still
+    give the smallest subnormal (the exact quotient is positive), nearest-even zero."""
+    x = np.array([[5e-324, -5e-324, 1e-310, 1e60]])  # max / 1e60 underflows float32: s = 2**127
+    rbits = np.full(x.shape, 255, dtype=np.uint8) if rounding == "stochastic" else None
+    codes, scales, _ = check_against_reference(x, E4M3, "row", "pow2_down", rounding=rounding, rbits=rbits)
+    assert float(scales[0, 0]) == 2.0 ** E8M0_EXP_MAX
 
 
 # ----------------------------------------------------------------------------------------------

@@ -261,6 +261,28 @@ def _div_round_odd(n: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(n), q * _pow2(e), n)
 
 
+def _quotient(x: torch.Tensor, s: torch.Tensor, wide_input: bool) -> torch.Tensor:
+    """x / s (float64, s broadcast) such that encoding it rounds the exact quotient once; a NaN
+    scale gives NaN with the sign of x.
+
+    float64 input: round to odd (:func:`_div_round_odd`). float32, float16 and bfloat16 input:
+    the plain float64 quotient suffices. For a power-of-two s it is exact (|x / s| stays within
+    2**+-400). Otherwise x = X 2**a and s = S 2**c with integers X, S < 2**24, and a rounding
+    boundary b = B 2**d of the target has B < 2**27 (at most 1 + 10 mantissa bits + 16 random
+    bits of stochastic rounding). If x / s != b then |x - b s| >= 2**min(a, c + d), which is more
+    than 2**-52 |x| and more than 2**-52 |b s| (X, B S < 2**53); so the float64 rounding error,
+    at most 2**-53 |x / s|, cannot carry the quotient onto or across b.
+    """
+    nan_scale = torch.isnan(s)
+    any_nan = bool(nan_scale.any())
+    if any_nan:
+        s = torch.where(nan_scale, 1.0, s)
+    q = _div_round_odd(x, s) if wide_input else x / s
+    if any_nan:
+        q = torch.where(nan_scale, torch.copysign(torch.tensor(torch.nan, dtype=x.dtype, device=x.device), x), q)
+    return q
+
+
 def _floor_log2(v: torch.Tensor) -> torch.Tensor:
     """floor(log2 v) for positive finite v, from the bits (int64)."""
     _, e = torch.frexp(v)
@@ -437,20 +459,17 @@ class BlockQuantized:
 
         amax = _block_amax(x64, block)
         s, stored = _scales(amax, fmt, rule, margin)
+        wide = t.dtype in (torch.float64,)  # narrower inputs divide exactly enough in float64
         if x64.numel() == 0:
             q = x64
         elif block.spans_batch:
-            q = _div_round_odd(x64, torch.where(torch.isnan(s), 1.0, s))
-            q = torch.where(torch.isnan(s), torch.copysign(torch.full_like(x64, torch.nan), x64), q)
+            q = _quotient(x64, s, wide)
         else:
             r, c = shape[-2:]
             br, bc = block.extent(r, c)
             xb = _to_blocks(x64.reshape(-1, r, c), br, bc, scale_shape[-2], scale_shape[-1])
             sb = s.reshape(xb.shape[0], xb.shape[1], 1, xb.shape[3], 1)
-            nan_block = torch.isnan(sb)
-            qb = _div_round_odd(xb, torch.where(nan_block, 1.0, sb))
-            qb = torch.where(nan_block, torch.copysign(torch.full_like(xb, torch.nan), xb), qb)
-            q = _from_blocks(qb, r, c).reshape(shape)
+            q = _from_blocks(_quotient(xb, sb, wide), r, c).reshape(shape)
         codes = encode(q.contiguous(), fmt, rounding=rounding, saturate=saturate, rbits=rbits)
         return cls(_kind(codes, was_numpy), _kind(_stored(stored, rule), was_numpy), fmt, block, rule)
 

@@ -34,7 +34,7 @@ def main():
     for r in results:
         table.add_row(r.fmt, str(r.saturate), r.library, f"{r.inputs:,}", f"{r.mismatches:,}",
                       r.allowed, str(r.undocumented), f"{r.seconds:.1f}")
-    console = Console()
+    console = Console(width=150)
     console.print(table)
     census = [sweep.double_rounding_census(f) for f in
               ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")]

@@ -27,16 +27,17 @@ block the format's NaN code (``fmt.nan_code_for(sign of x)``), so the whole bloc
 NaN. No other input produces an infinite or NaN scale.
 
 Elements: ``encode(x / s, fmt, rounding=..., saturate=..., rbits=...)`` where ``x / s`` is the
-exact quotient rounded *once*, whatever the input dtype: the quotient is formed in float64 with
-round-to-odd (an exact remainder decides the last bit), which a later rounding to at most 51
-bits cannot tell apart from the exact value (Boldo & Melquiond, "Emulation of FMA and correctly
-rounded sums: proved algorithms using rounding to odd", IEEE TC 2008).
+exact quotient rounded *once*, whatever the input dtype. For float32 and narrower inputs the
+plain float64 quotient already rounds like the exact one (see :func:`_quotient`); for float64
+input it is formed in float64 with round-to-odd (an exact remainder decides the last bit), which
+a later rounding to at most 51 bits cannot tell apart from the exact value (Boldo & Melquiond,
+"Emulation of FMA and correctly rounded sums: proved algorithms using rounding to odd", IEEE TC
+2008).
 """
 
 from __future__ import annotations
 
 import enum
-import math
 import re
 from dataclasses import dataclass
 from typing import Any

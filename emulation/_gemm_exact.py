@@ -83,15 +83,19 @@ def exact_products_sum(a_codes: torch.Tensor, b_codes: torch.Tensor, fa: Format,
     chunk_bits = min(_CHUNK_BITS, max(1, math.ceil(math.log2(max(k, 2)))))
     chunk = 1 << chunk_bits
     ta, tb = code_table(fa), code_table(fb)
-    va = torch.where(lut(ta.finite, a_codes), lut(ta.value, a_codes), 0.0).to(torch.float64)
-    vb = torch.where(lut(tb.finite, b_codes), lut(tb.value, b_codes), 0.0).to(torch.float64)
-    ea, eb = lut(ta.exponent, a_codes), lut(tb.exponent, b_codes)
+    finite_value = lambda t: torch.where(torch.from_numpy(t.finite), torch.from_numpy(t.value), 0.0).double().numpy()
+    va, vb = lut(finite_value(ta), a_codes), lut(finite_value(tb), b_codes)
     wa, wb = windows(fa, fb, chunk_bits)
+
+    def sliced(values, codes, table, window_list):
+        if len(window_list) == 1:
+            return [values]
+        e = lut(table.exponent, codes)
+        return [torch.where((e >= lo) & (e <= hi), values, 0.0) for lo, hi in window_list]
+
     partials = []
-    for lo_a, hi_a in wa:
-        xa = torch.where((ea >= lo_a) & (ea <= hi_a), va, 0.0)
-        for lo_b, hi_b in wb:
-            xb = torch.where((eb >= lo_b) & (eb <= hi_b), vb, 0.0)
+    for xa in sliced(va, a_codes, ta, wa):
+        for xb in sliced(vb, b_codes, tb, wb):
             for k0 in range(0, k, chunk):
                 partials.append(xa[:, k0:k0 + chunk] @ xb[:, k0:k0 + chunk].t())
     s, lo = partials[0], torch.zeros_like(partials[0])

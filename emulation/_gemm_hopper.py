@@ -152,11 +152,14 @@ class TileKernel:
                 else:
                     bexp, bias = (total.view(torch.int64) >> 52).to(torch.int32), 1023
                 has = bexp > 0  # a zero sum: no nonzero product
-                # floor((bexp - bias) / 6) with a positive numerator, so that // is floor
+                # floor((bexp - bias) / 6): lift the numerator to non-negative values below 2**16,
+                # where x // 6 == (x * 43691) >> 18 (checked for every such x in the tests)
                 lift = -(-(bias + 6 * 200) // _LOG_BASE) * _LOG_BASE
-                eb = (bexp + (lift - bias)) // _LOG_BASE - lift // _LOG_BASE + self.offset + 127
-            eb = torch.where(has, eb, 1).to(torch.int32)
-            cache = self._cache = (s0, s1, eb, bool(has.all()))
+                eb = (((bexp + (lift - bias)) * 43691) >> 18) + (self.offset + 127 - lift // _LOG_BASE)
+            every = bool(has.all())
+            if not every:
+                eb = torch.where(has, eb, 1)
+            cache = self._cache = (s0, s1, eb.to(torch.int32), every)
         return cache[2][step - cache[0]], cache[3]
 
     def _normalised_product_exponents(self, k0: int, k1: int):
@@ -204,12 +207,18 @@ class TileKernel:
     def _step_fast(self, c, c_bits, eb_p, eb_c, step, every_output_has_products):
         frac = self.frac
         eb = torch.maximum(eb_p, eb_c)  # biased E
-        w = ((254 + frac - eb).clamp_(1, 254) << 23).view(torch.float32)  # 2**(frac - E)
+        if every_output_has_products:  # then frac - 126 <= E <= 127: both powers are normal
+            unscale_bits = (eb - frac) << 23  # 2**(E - frac)
+            w = ((254 << 23) - unscale_bits).view(torch.float32)  # 2**(frac - E)
+        else:
+            unscale_bits = (eb - frac).clamp_(min=1) << 23
+            w = ((254 + frac - eb).clamp_(1, 254) << 23).view(torch.float32)
         s = self._truncated_products(step, w)  # integers below 2**20: exact
-        c_term = (c * w).trunc_().add_(0.0)  # + 0.0: an exact zero sum is +0, never -0
-        s.add_(c_term)  # below 2**21: exact
+        # C's term: |C * w| < 2**14; converting to int truncates toward zero, and adding an
+        # integer 0 turns a -0 sum into +0 (an exact zero sum is +0)
+        s.add_((c * w).to(torch.int32))  # below 2**21: exact
         s = (s.view(torch.int32) & self.result_mask).view(torch.float32)
-        out = s * ((eb - frac).clamp_(min=1) << 23).view(torch.float32)  # * 2**(E - frac)
+        out = s * unscale_bits.view(torch.float32)
         if not every_output_has_products:
             # E < frac - 126 happens only with no product and a tiny C (E = e(C)): then the step
             # just truncates C to its leading bits, and 2**(+-(frac - E)) would leave float32

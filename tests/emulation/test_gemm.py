@@ -265,3 +265,10 @@ def test_cuda_gives_the_cpu_bits():
         gpu = matmul(torch.from_numpy(a).cuda(), torch.from_numpy(b).cuda(), torch.from_numpy(c).cuda(),
                      fa="e4m3", fb="e5m2", model=model, **kw).cpu().numpy()
         np.testing.assert_array_equal(gpu.view(np.uint32), cpu.view(np.uint32))
+
+
+def test_the_exponent_division_by_six_is_exact_on_its_whole_domain():
+    """_gemm_hopper finds floor(x / 6) as (x * 43691) >> 18 for its lifted exponents x, which
+    lie in [0, 2**16)."""
+    x = torch.arange(1 << 16, dtype=torch.int32)
+    assert torch.equal((x * 43691) >> 18, x // 6)

@@ -110,10 +110,12 @@ class TileKernel:
         self.fast = (rules.term_rounding is Rounding.TOWARD_ZERO
                      and rules.result_rounding is Rounding.TOWARD_ZERO
                      and rules.truncate_accumulator and rules.accumulator_in_max
-                     and rules.subnormal_accumulator_at_emin)
-        keep = min(rules.term_frac_bits, rules.result_bits - 1)  # C alone keeps this many fraction bits
+                     and rules.subnormal_accumulator_at_emin
+                     and rules.result_bits > rules.term_frac_bits)
         self.result_mask = ~((1 << (24 - rules.result_bits)) - 1)
-        self.alone_mask = ~((1 << (23 - keep)) - 1)
+        # C alone (no product): S = C's significand without its low 23 - frac bits, which has at
+        # most frac + 1 <= result_bits bits, so the result is C with those bits cleared
+        self.alone_mask = ~((1 << (23 - rules.term_frac_bits)) - 1)
         self.a_vals = a.values_kmajor[:, rows]  # (Kp, TI)
         self.b_vals = b.values_kmajor[:, cols]  # (Kp, TJ)
         self.a_w, self.b_w = a.weight[rows], b.weight[cols]
@@ -152,8 +154,8 @@ class TileKernel:
                 else:
                     bexp, bias = (total.view(torch.int64) >> 52).to(torch.int32), 1023
                 has = bexp > 0  # a zero sum: no nonzero product
-                # floor((bexp - bias) / 6): lift the numerator to non-negative values below 2**16,
-                # where x // 6 == (x * 43691) >> 18 (checked for every such x in the tests)
+                # floor((bexp - bias) / 6): lift the numerator to non-negative values below 2**12,
+                # where x // 6 == (x * 43691) >> 18 in int32 (the tests check all x < 2**15)
                 lift = -(-(bias + 6 * 200) // _LOG_BASE) * _LOG_BASE
                 eb = (((bexp + (lift - bias)) * 43691) >> 18) + (self.offset + 127 - lift // _LOG_BASE)
             every = bool(has.all())

@@ -81,8 +81,12 @@ class ScaleRule(enum.Enum):
 
     @classmethod
     def get(cls, rule: "ScaleRule | str") -> "ScaleRule":
+        """The rule for itself, its value string, or another enum member with that value (e.g.
+        ``dmref.recipes.ScaleRule.POW2_DOWN``)."""
         if isinstance(rule, ScaleRule):
             return rule
+        if isinstance(rule, enum.Enum):
+            rule = rule.value
         try:
             return cls(rule)
         except ValueError:
@@ -167,9 +171,12 @@ class Block:
 
     @classmethod
     def get(cls, block: "Block | str | tuple[int, int]") -> "Block":
-        """A :class:`Block` from itself, a shorthand string or a ``(rows, cols)`` tuple."""
+        """A :class:`Block` from itself, a shorthand string, a ``(rows, cols)`` tuple, or an enum
+        member whose value is a shorthand (e.g. ``dmref.recipes.Granularity.TILE_1x128``)."""
         if isinstance(block, Block):
             return block
+        if isinstance(block, enum.Enum):
+            block = block.value
         if isinstance(block, tuple) and len(block) == 2:
             return cls.tile(*block)
         if isinstance(block, str):

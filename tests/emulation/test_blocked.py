@@ -8,6 +8,7 @@ integers, scales exactly (float32 values as rationals, E8M0 as codes).
 
 from __future__ import annotations
 
+import enum
 import math
 import zlib
 from fractions import Fraction
@@ -575,6 +576,8 @@ def test_block_shorthands_parse_to_the_documented_blocks():
     assert Block.get("mx32_col") == Block.mx(32, axis=-2) == Block.tile(32, 1)
     assert Block.tile(1, 128).t() == Block.tile(128, 1)
     assert Block.tensor().scale_shape((3, 4, 5)) == ()
+    assert Block.get(enum.Enum("Granularity", {"TILE": "1x128"}).TILE) == Block.tile(1, 128)
+    assert ScaleRule.get(enum.Enum("Rule", {"TE": "pow2_down"}).TE) is ScaleRule.POW2_DOWN
     assert Block.tile(128, 128).scale_shape((2, 129, 5)) == (2, 2, 1)
 
 

@@ -47,6 +47,10 @@ BWD_CANDIDATES = [  # dkdv: block_m1, block_n1, warps, stages; dq: block_m2, blo
 def _tiles(fwd_c, bwd_c):
     from dmref.kernels.config import BwdTiles, FwdTiles
 
+    if fwd_c is None:
+        fwd_c = FWD_CANDIDATES[0]
+    if bwd_c is None:
+        bwd_c = BWD_CANDIDATES[0]
     fwd = FwdTiles(block_m=fwd_c[0], block_n=fwd_c[1], num_warps=fwd_c[2], num_stages=fwd_c[3])
     bm1, bn1, w1, s1, bm2, bn2, w2, s2 = bwd_c
     bwd = BwdTiles(block_m1=bm1, block_n1=bn1, block_m2=bm2, block_n2=bn2,
@@ -55,10 +59,19 @@ def _tiles(fwd_c, bwd_c):
 
 
 def _recipe(name, fwd_c, bwd_c):
+    """A kernel recipe with these tilings; ``None`` keeps the recipe's defaults."""
     from dmref.kernels.config import RECIPES
 
+    if fwd_c is None and bwd_c is None:
+        return RECIPES[name]
     fwd, bwd = _tiles(fwd_c, bwd_c)
     return RECIPES[name].with_tiles(fwd, bwd)
+
+
+def _describe_tiles(recipe, head_dim):
+    import dataclasses as dc
+
+    return dict(fwd=dc.asdict(recipe.fwd), bwd=dc.asdict(recipe.bwd_tiles(head_dim)))
 
 
 def _flops(b, h, n, d, causal):
@@ -138,10 +151,10 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
     q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     scale = 1 / math.sqrt(d)
     shape = api.Shape.of(q, k, v)
-    res = dict(shape=[b, h, n, d], causal=causal, fwd_tiles=list(fwd_c), bwd_tiles=list(bwd_c))
     fl = _flops(b, h, n, d, causal)
     r_st = _recipe("naive_fp8", fwd_c, bwd_c)
     r_dm = _recipe("delta_matching", fwd_c, bwd_c)
+    res = dict(shape=[b, h, n, d], causal=causal, tiles=_describe_tiles(r_dm, d))
     ms = {}
 
     # --- ours: forward
@@ -295,6 +308,20 @@ def accuracy(out_dir):
         json.dump(res, f, indent=1)
 
 
+def profile_one():
+    """One forward, one stale and one matched backward with the default tilings, for ncu:
+    ncu --clock-control none -k regex:'_fwd_kernel|_bwd_dq_kernel|_bwd_dkdv_kernel' ..."""
+    from dmref.kernels import api
+
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(1, 16, 4096, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    o, _, saved, _ = api.attention_forward(q, k, v, recipe="delta_matching")
+    for name in ("naive_fp8", "delta_matching"):
+        api.attention_backward(saved, o, do, shape=api.Shape.of(q, k, v), causal=False,
+                               scale=1 / math.sqrt(128), recipe=name)
+    torch.cuda.synchronize()
+
+
 def _write(out_dir, results):
     with open(os.path.join(out_dir, "bench_attention.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
@@ -308,12 +335,16 @@ def main(argv=None):
     ap.add_argument("--accuracy", action="store_true", help="also measure errors vs float64")
     ap.add_argument("--workers", type=int, default=8, help="processes compiling ahead")
     ap.add_argument("--warm-only", action="store_true", help="compile every variant, then stop")
+    ap.add_argument("--profile-one", action="store_true",
+                    help="run forward, stale and matched backward once at 1x16x4096x128 (for ncu)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU")
     import triton
 
+    if args.profile_one:
+        return profile_one()
     shapes = SHAPES[:1] if args.quick else SHAPES
     causals = (False,) if args.quick else (False, True)
     meta = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(),
@@ -324,8 +355,8 @@ def main(argv=None):
     t_start = time.time()
     # compile every variant ahead, in parallel
     ds = sorted({s[3] for s in shapes})
-    fwd_cands = FWD_CANDIDATES[:1] if args.no_sweep else FWD_CANDIDATES
-    bwd_cands = BWD_CANDIDATES[:1] if args.no_sweep else BWD_CANDIDATES
+    fwd_cands = [None] if args.no_sweep else FWD_CANDIDATES
+    bwd_cands = [None] if args.no_sweep else BWD_CANDIDATES
     jobs = []
     for d in ds:
         heads = [s[1] for s in shapes if s[3] == d][0]
@@ -343,7 +374,7 @@ def main(argv=None):
         b, h, n, _ = [s for s in shapes if s[3] == d][0]
         for causal in causals:
             if args.no_sweep:
-                best[(d, causal)] = (FWD_CANDIDATES[0], BWD_CANDIDATES[0])
+                best[(d, causal)] = (None, None)  # the recipes' default tilings
                 continue
             bf, bb, table = sweep(d, causal, h, n, b)
             best[(d, causal)] = (bf, bb)

@@ -357,7 +357,7 @@ def backward(
     """
     from .fwd import LOG2E
 
-    t = recipe.bwd
+    t = recipe.bwd_tiles(head_dim)
     dev = do8.rows.device
     qk_scale = scale * LOG2E
     npad = do_t.npad

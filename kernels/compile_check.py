@@ -92,7 +92,7 @@ def recipe_variants(recipe: KernelRecipe, head_dim: int, causal: bool):
     """(name, kernel, constexprs, num_warps, num_stages) of every kernel a training step runs."""
     from . import bwd, fwd, quantize
 
-    f, b = recipe.fwd, recipe.bwd
+    f, b = recipe.fwd, recipe.bwd_tiles(head_dim)
     common = dict(HEAD_DIM=head_dim, QB=QUANT_BLOCK, CAUSAL=causal,
                   P_SCALE=float(2 ** recipe.p_scale_log2), DEBUG=False, INTERPRET=False)
     ds = dict(DS_ROWWISE=recipe.ds_granularity == "rowwise")

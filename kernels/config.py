@@ -43,9 +43,9 @@ class FwdTiles:
     tile) and the granularity of the running max P is quantized against.
     """
 
-    block_m: int = 128  #: queries per program
+    block_m: int = 64  #: queries per program
     block_n: int = 128  #: keys per inner step (divides QUANT_BLOCK)
-    num_warps: int = 8  #: warps per program (Triton launch option)
+    num_warps: int = 4  #: warps per program (Triton launch option)
     num_stages: int = 3  #: software-pipelining depth (Triton launch option)
 
     def __post_init__(self) -> None:
@@ -119,6 +119,9 @@ class KernelRecipe:
     p_scale_log2: int = P_SCALE_LOG2
     fwd: FwdTiles = field(default_factory=FwdTiles)
     bwd: BwdTiles = field(default_factory=BwdTiles)
+    #: backward tiling at head dim 64 (None: ``bwd``); the H200 sweep of 2026-11-29 picked
+    #: 64 x 64 tiles on 4 warps there, and the defaults above at head dim 128
+    bwd_d64: BwdTiles | None = field(default_factory=lambda: BwdTiles(64, 64, 64, 64, 4, 2, 4, 2))
 
     def __post_init__(self) -> None:
         for name in ("qkv_format", "ds_format", "p_format"):
@@ -132,7 +135,13 @@ class KernelRecipe:
             raise ValueError(f"ds_granularity={self.ds_granularity!r} must be 'rowwise' or 'tile'")
 
     def with_tiles(self, fwd: FwdTiles | None = None, bwd: BwdTiles | None = None) -> "KernelRecipe":
-        return dataclasses.replace(self, fwd=fwd or self.fwd, bwd=bwd or self.bwd)
+        """The same recipe with these tilings (a given ``bwd`` applies to every head dim)."""
+        return dataclasses.replace(self, fwd=fwd or self.fwd, bwd=bwd or self.bwd,
+                                   bwd_d64=None if bwd is not None else self.bwd_d64)
+
+    def bwd_tiles(self, head_dim: int) -> BwdTiles:
+        """The backward tiling used at ``head_dim``."""
+        return self.bwd_d64 if (head_dim == 64 and self.bwd_d64 is not None) else self.bwd
 
     def quantization_points(self) -> dict[str, str]:
         """One line per quantization point, in the words the reference uses."""

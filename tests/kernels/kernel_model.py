@@ -177,7 +177,7 @@ def backward(q, k, v, o, lse2, do, *, causal: bool, scale: float, recipe: Kernel
     p_deq = decode(p8, pf) / p_scale
     # dkdv side: dS = P (dP - D), quantized along queries (the dK contraction)
     ds = p * (dp - delta[..., None])
-    t = recipe.bwd
+    t = recipe.bwd_tiles(d)
     ds_codes, ds_inv = _quantize_ds(ds, sf, along=1, block=t.block_m1, other_block=t.block_n1,
                                     granularity=recipe.ds_granularity)
     ds_deq = decode(ds_codes, sf) * ds_inv

@@ -304,8 +304,8 @@ def accuracy(out_dir):
                 row[name] = f"{type(exc).__name__}: {exc}"[:200]
         res.append(row)
         print(json.dumps(row), flush=True)
-    with open(os.path.join(out_dir, "accuracy.json"), "w") as f:
-        json.dump(res, f, indent=1)
+        with open(os.path.join(out_dir, "accuracy.json"), "w") as f:
+            json.dump(res, f, indent=1)
 
 
 def profile_one():

@@ -1,0 +1,47 @@
+"""dmref.kernels imports without triton or a GPU; calling it without a GPU fails clearly."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dmref.kernels.config import RECIPES, BwdTiles, FwdTiles, KernelRecipe, get_recipe
+
+_SCRIPT = """
+import sys
+import torch
+import dmref.kernels as K
+assert "triton" not in sys.modules, "importing dmref.kernels imported triton"
+q = torch.zeros(1, 1, 16, 64, dtype=torch.bfloat16)
+try:
+    K.attention(q, q, q)
+except RuntimeError as exc:
+    print("ERROR:", exc)
+"""
+
+
+def test_import_does_not_load_triton_and_cpu_call_fails_with_a_clear_message():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "ERROR:" in proc.stdout
+    assert "CUDA GPU" in proc.stdout or "needs triton" in proc.stdout
+
+
+def test_recipes_name_their_reference_presets_and_validate_tiles():
+    assert set(RECIPES) == {"delta_matching", "naive_fp8"}
+    assert get_recipe("delta_matching").delta == "matched"
+    assert get_recipe("naive_fp8").delta == "stale"
+    with pytest.raises(ValueError, match="block_n"):
+        FwdTiles(block_n=48)
+    with pytest.raises(ValueError, match="block_m1"):
+        BwdTiles(block_m1=256)
+    with pytest.raises(ValueError, match="do_format"):
+        KernelRecipe(name="x", delta="matched", do_format="float16")
+    points = get_recipe("delta_matching").quantization_points()
+    assert "delta" in points and "P (PV, fwd)" in points

@@ -80,7 +80,7 @@ def matched_rowsum_bound(stats: "tiled.RowsumStats", u: float = U_FP32, chain: i
     Derivation (every step one rounding of unit roundoff u; T_i = sum_j P_ij dP^_ij exactly,
     A_i = sum_j |P_ij dP^_ij|, sigma_i = sum_j P_ij, P and dP^ the working-precision values;
     c = ``chain``, the longest chain of roundings a product passes through in D's sum: n for
-    any summation order (the a-priori statement), block_k + key tiles for dmref.tiled, which
+    any summation order (the a-priori statement); block_k + key tiles for dmref.tiled, which
     sums each tile in torch's order and adds the tiles one by one; default
     ``stats.sum_chain``):
 

@@ -47,6 +47,10 @@ def test_decode_table_matches_emulation_decode_on_every_code(fmt):
     f = emulation.get_format(fmt)
     codes = torch.arange(f.n_codes, dtype=torch.int32).to(torch.uint8 if f.bits <= 8 else torch.int16)
     assert _same_values(tiled._decode(codes, f), emulation.decode(codes, f))
+    if f.bits == 8:  # every pair of codes through the two-codes-per-gather path, odd sizes too
+        pairs = torch.stack(torch.meshgrid(codes, codes, indexing="ij"), -1).reshape(-1)
+        assert _same_values(tiled._decode(pairs, f), emulation.decode(pairs, f))
+        assert _same_values(tiled._decode(pairs[1:], f, 0.25), emulation.decode(pairs[1:], f) * 0.25)
 
 
 @pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])

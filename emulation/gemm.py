@@ -115,7 +115,11 @@ def triton_dot_schedule(block_k: int, max_num_imprecise_acc: int | None = None,
                         chain: bool = True) -> dict:
     """``matmul`` keywords for a Triton K loop over ``block_k`` tiles:
     ``acc = tl.dot(a, b, acc, max_num_imprecise_acc=N)`` (chain) or ``acc += tl.dot(a, b)``.
-    ``None`` is Triton's FP8 default on sm_90 (2**30: never promote)."""
+    ``None`` is Triton's FP8 default on sm_90 (2**30: never promote). Triton refuses
+    ``max_num_imprecise_acc > block_k`` at compile time (seen on the H200 with Triton 3.6)."""
+    if max_num_imprecise_acc is not None and max_num_imprecise_acc > block_k:
+        raise ValueError(f"{max_num_imprecise_acc=} > {block_k=}: Triton rejects this schedule "
+                         "('max_num_imprecise_acc must be <= K')")
     return {"tile_k": block_k, "promote_every": max_num_imprecise_acc, "chain": chain}
 
 

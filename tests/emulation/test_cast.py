@@ -155,30 +155,25 @@ def test_midpoints_and_neighbours_match_scalar_spec(dtype, name, rounding, satur
 
 # ---- hypothesis ------------------------------------------------------------------------------
 
-_float32s = st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True)
-_float64s = st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=True)
+_FLOATS = {
+    np.float32: st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True),
+    np.float64: st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=True),
+}
 
 
-@given(xs=st.lists(_float32s, min_size=1, max_size=64), name=st.sampled_from(list(FORMATS)),
-       rounding=st.sampled_from(list(Rounding)), saturate=st.booleans(), seed=st.integers(0, 2**32 - 1))
-def test_float32_inputs_match_scalar_spec(xs, name, rounding, saturate, seed):
-    x = np.array(xs, dtype=np.float32)
+@pytest.mark.parametrize(("dtype", "width"), [(np.float32, 16), (np.float64, 8)])
+@given(data=st.data(), name=st.sampled_from(list(FORMATS)), rounding=st.sampled_from(list(Rounding)),
+       saturate=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_float_inputs_are_rounded_once_like_the_scalar_spec(dtype, width, data, name, rounding, saturate, seed):
+    """float32 and float64 (rounded from their own bits, never through float32); stochastic
+    rounding with 16 and 8 random bits."""
+    x = np.array(data.draw(st.lists(_FLOATS[dtype], min_size=1, max_size=64)), dtype=dtype)
     rbits = None
     if rounding is Rounding.STOCHASTIC:
-        rbits = np.random.default_rng(seed).integers(0, 1 << 16, x.shape).astype(np.uint16)
+        rbits = np.random.default_rng(seed).integers(0, 1 << width, x.shape)
+        rbits = rbits.astype(np.uint16 if width == 16 else np.uint8)
     ours = encode(x, name, rounding=rounding, saturate=saturate, rbits=rbits)
-    assert np.array_equal(ours.astype(np.int64), _spec(x, name, rounding, saturate, rbits))
-
-
-@given(xs=st.lists(_float64s, min_size=1, max_size=64), name=st.sampled_from(list(FORMATS)),
-       rounding=st.sampled_from(list(Rounding)), saturate=st.booleans(), seed=st.integers(0, 2**32 - 1))
-def test_float64_inputs_are_rounded_once_like_the_scalar_spec(xs, name, rounding, saturate, seed):
-    x = np.array(xs, dtype=np.float64)
-    rbits = None
-    if rounding is Rounding.STOCHASTIC:
-        rbits = np.random.default_rng(seed).integers(0, 1 << 8, x.shape).astype(np.uint8)
-    ours = encode(x, name, rounding=rounding, saturate=saturate, rbits=rbits)
-    assert np.array_equal(ours.astype(np.int64), _spec(x, name, rounding, saturate, rbits, width=8))
+    assert np.array_equal(ours.astype(np.int64), _spec(x, name, rounding, saturate, rbits, width))
 
 
 @given(x=st.fractions(min_value=-1000, max_value=1000, max_denominator=1 << 20))

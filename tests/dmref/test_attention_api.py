@@ -13,11 +13,11 @@ import dmref
 from dmref import reference, tiled
 from dmref.diagnostics import U_FP64, attention_error_bound
 
-_SHAPE = dict(batch=2, heads=4, kv_heads=2, seqlen_q=140, seqlen_k=140, head_dim=32, head_dim_v=32)
+_SHAPE = dict(batch=2, heads=2, kv_heads=1, seqlen_q=140, seqlen_k=140, head_dim=32, head_dim_v=32)
 
 
-@pytest.mark.parametrize("recipe", ["naive_fp8", "delta_matching", "consistent_p", "mxfp8_stale"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("recipe, dtype", [("naive_fp8", torch.float32), ("delta_matching", torch.bfloat16),
+                                           ("consistent_p", torch.float32), ("mxfp8_stale", torch.bfloat16)])
 def test_attention_gradients_are_the_recipes_backward(recipe, dtype):
     q, k, v, dout = (t.to(dtype) for t in make_inputs(_SHAPE, 0, dtype=torch.float32))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -46,7 +46,7 @@ def test_exact_recipe_matches_the_reference_within_float64_bound():
 
 def test_a_small_model_trains_with_emulated_fp8_attention():
     torch.manual_seed(0)
-    vocab, dim, heads, seqlen = 17, 32, 2, 48
+    vocab, dim, heads, seqlen = 17, 32, 2, 32
 
     class Tiny(torch.nn.Module):
         def __init__(self):
@@ -66,7 +66,7 @@ def test_a_small_model_trains_with_emulated_fp8_attention():
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     tokens = torch.randint(0, vocab, (4, seqlen + 1))
     losses = []
-    for _ in range(25):
+    for _ in range(15):
         logits = model(tokens[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
         opt.zero_grad()

@@ -64,6 +64,12 @@ def macs(recipe, b, h, n, d) -> int:
     return b * h * n * n * d * (5 + 2 * sweeps)
 
 
+def is_fp8(recipe) -> bool:
+    """Whether any operand of the recipe is an FP8 quantization point (the requirement is about
+    emulated FP8; the bf16 preset is timed for information)."""
+    return any((p.fmt or "").startswith("float8") for p in get_recipe(recipe).points().values())
+
+
 def inputs(b, h, n, d, seed=0):
     g = torch.Generator().manual_seed(seed)
     return tuple(torch.randn(b, h, n, d, generator=g) for _ in range(4))
@@ -104,11 +110,12 @@ def main(argv=None) -> int:
         s = summary(ts)
         s["ratio_of_medians"] = s["median_s"] / base["median_s"]
         s["ratio_of_mins"] = s["min_s"] / base["min_s"]
+        s["fp8"] = is_fp8(r)
         s["within_requirement"] = s["ratio_of_medians"] <= REQUIREMENT
         results[r] = s
+        verdict = ("met" if s["within_requirement"] else "NOT met") if s["fp8"] else "n/a (no FP8 operand)"
         print(f"{r}: median {s['median_s']:.2f} s = {s['ratio_of_medians']:.2f}x float64 autograd "
-              f"({base['median_s']:.2f} s); requirement <= {REQUIREMENT}x: "
-              f"{'met' if s['within_requirement'] else 'NOT met'}", flush=True)
+              f"({base['median_s']:.2f} s); requirement <= {REQUIREMENT}x: {verdict}", flush=True)
 
     hopper = {}
     if args.hopper_seqlen:
@@ -148,7 +155,7 @@ def main(argv=None) -> int:
     path = out_dir / f"bench_reference_{stamp}_cpu.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"results written to {path}")
-    return 0 if all(s["within_requirement"] for s in results.values()) else 1
+    return 0 if all(s["within_requirement"] for s in results.values() if s["fp8"]) else 1
 
 
 if __name__ == "__main__":

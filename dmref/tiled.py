@@ -156,7 +156,7 @@ def _quantize(x: torch.Tensor, point: QuantPoint, *, contract_dim: int, dtype: t
     ``ScaleRule.FIXED`` (2^-offset for P, else 1).
 
     The result equals ``dequantize_blocked(*quantize_blocked(x, ...))`` of the emulation (tested
-    in tests/dmref/test_tiled.py), computed faster: the scales come from
+    in tests/dmref/test_tiled_reference.py), computed faster: the scales come from
     ``emulation.scales_from_amax``; the quotient x / s, which quantize_blocked forms exactly in
     float64, is formed in float32 where that is exact (a power-of-two s, an input of at most 24
     bits, an 8-bit format: a float32-subnormal quotient rounds to zero either way), else in

@@ -42,6 +42,12 @@ __all__ = [
     "Tiles",
     "get_recipe",
     "MATMULS",
+    "NONE",
+    "STALE",
+    "STALE_FP8_DO",
+    "STALE_UNROUNDED",
+    "MATCHED",
+    "CONSISTENT_P",
 ]
 
 

@@ -21,7 +21,7 @@ from dmref.diagnostics import (
     matched_rowsum_bound,
     psum_error_bound,
 )
-from dmref.recipes import MATCHED, NONE, PRESETS, STALE_UNROUNDED, Granularity, QuantPoint, Recipe, ScaleRule
+from dmref.recipes import MATCHED, PRESETS, STALE_UNROUNDED, Granularity, QuantPoint, Recipe, ScaleRule
 
 #: Delta-Matching with three different quantization schemes: the bound does not depend on them.
 MATCHED_RECIPES = {

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-import numpy as np
 import pytest
 import torch
 from dmref_problems import attention_shapes, make_inputs, masks
@@ -17,7 +16,6 @@ from dmref import emulation, reference, tiled
 from dmref.diagnostics import U_FP32, U_FP64, attention_error_bound
 from dmref.emulation.blocked import dequantize_blocked, quantize_blocked
 from dmref.recipes import (
-    CONSISTENT_P,
     PRESETS,
     Granularity,
     PReference,

@@ -159,9 +159,10 @@ def _quantize(x: torch.Tensor, point: QuantPoint, *, contract_dim: int, dtype: t
     in tests/dmref/test_tiled_reference.py), computed faster: the scales come from
     ``emulation.scales_from_amax``; the quotient x / s, which quantize_blocked forms exactly in
     float64, is formed in float32 where that is exact (a power-of-two s, an input of at most 24
-    bits, an 8-bit format: a float32-subnormal quotient rounds to zero either way), else in
-    float64, which for a float32 x and a float32 s is one correct rounding (an inexact float64
-    quotient is never an FP8 midpoint: x - m s would need more than 53 bits to vanish). Only a
+    bits, an 8-bit format, nearest-even: a float32-subnormal quotient rounds to zero either
+    way), else in float64, which for a float32 x and a float32 s is one correct rounding in
+    every mode (an inexact float64 quotient is never an FP8 value or midpoint: x - m s would
+    need more than 53 bits to vanish). Stochastic rounding is not supported here. Only a
     float64 x with a non-power-of-two scale takes quantize_blocked's own path. The dequantized
     value is decode(code) * s in float32, exact for power-of-two scales.
     """
@@ -169,6 +170,9 @@ def _quantize(x: torch.Tensor, point: QuantPoint, *, contract_dim: int, dtype: t
         return x.to(dtype)
     fmt = emulation.get_format(point.fmt)
     kwargs = dict(rounding=point.rounding, saturate=point.saturate)
+    nearest = emulation.get_rounding(point.rounding) is emulation.Rounding.NEAREST_EVEN
+    if emulation.get_rounding(point.rounding) is emulation.Rounding.STOCHASTIC:
+        raise NotImplementedError("stochastic rounding needs random bits per element; dmref.tiled has no source of them yet")
     if point.scale_rule is ScaleRule.FIXED:  # a power of two: the quotient is exact
         y = x * (1.0 / fixed_scale) if fixed_scale != 1.0 else x
         return _decode(emulation.encode(y, fmt, **kwargs), fmt, fixed_scale).to(dtype)
@@ -192,7 +196,7 @@ def _quantize(x: torch.Tensor, point: QuantPoint, *, contract_dim: int, dtype: t
             amax = amax.unsqueeze(-1).unsqueeze(-3)
     scales = scales_from_amax(amax, fmt, rule)
     s = _decode(scales, _E8M0) if rule.is_e8m0 else scales
-    if pow2 and fmt.bits == 8 and x.dtype != torch.float64:
+    if pow2 and nearest and fmt.bits == 8 and x.dtype != torch.float64:
         y = xb.to(torch.float32) / s
     else:
         y = xb.to(torch.float64) / s.to(torch.float64)

@@ -87,12 +87,15 @@ def operands(draw):
 @settings(max_examples=80)
 @given(x=operands(), fmt=st.sampled_from(["float8_e4m3fn", "float8_e5m2"]),
        rule=st.sampled_from(_RULES), granularity=st.sampled_from(_GRANULARITIES),
-       contract_dim=st.sampled_from([-1, -2]))
-def test_quantize_call_site_equals_quantize_blocked(x, fmt, rule, granularity, contract_dim):
-    point = QuantPoint(fmt, granularity, rule)
+       contract_dim=st.sampled_from([-1, -2]),
+       rounding=st.sampled_from(["nearest_even", "nearest_even", "toward_zero", "toward_positive"]),
+       saturate=st.booleans())
+def test_quantize_call_site_equals_quantize_blocked(x, fmt, rule, granularity, contract_dim, rounding, saturate):
+    point = QuantPoint(fmt, granularity, rule, rounding=rounding, saturate=saturate)
     got = tiled._quantize(x, point, contract_dim=contract_dim, dtype=torch.float32)
     block = tiled._block(granularity, contract_dim)
-    codes, scales = quantize_blocked(x, fmt, block=block, scale_rule=rule.value)
+    codes, scales = quantize_blocked(x, fmt, block=block, scale_rule=rule.value, rounding=rounding,
+                                     saturate=saturate)
     want = dequantize_blocked(codes, scales, fmt, block=block)
     assert _same_values(got, want)
     if granularity in (Granularity.TENSOR, Granularity.ROW) and x.dtype != torch.float64:

@@ -15,6 +15,7 @@ COMMAND_MODULES = (
     "dmref._cli_formats",
     "dmref._cli_demo",
     "dmref._cli_gemm",
+    "dmref._cli_check",
 )
 
 

@@ -16,42 +16,53 @@ by choosing the inputs and c (:func:`prepare`):
    logits, P, O, D and dS are bit for bit those of the unshifted run, in any summation order
    and any accumulation model (assumption A: the implementation is deterministic; checked, see
    :attr:`ProbeResult.invariant`).
-2. *Scales that do not move.* Each c_d is a power of two at most half the smallest block amax
-   of K's other channels in the aligned 16-channel group around d (over every key, head and
-   batch). Any block of K along the head dim of 16 or more aligned channels (1x128, MX-32, a
-   whole row, 128x128, the whole tensor) then keeps its amax and so its scale, under every
-   amax-based rule; c_d itself is a power of two, exactly representable at any power-of-two
-   scale. A block along the keys in a channel of C0 holds only c_d (its amax is c_d): its scale
-   is whatever the rule gives and c_d / s is a power of two or, for the non-power-of-two
-   ``amax`` rule, 448 (E4M3) or 57344 (E5M2) exactly when s is exact. For the per-tensor
-   ``amax`` rule (s = amax / fmt.max, not a power of two), :func:`prepare` sets K's largest
-   element to exactly 7 * 2^e, which makes s = 2^(e - 6) (E4M3) or 2^(e - 13) (E5M2) a power
-   of two: c_d / s is again a power of two. So for all these quantizers K^' = K^ + 1 cᵀ exactly.
+2. *Scales that do not move.* Each c_d is at most half the smallest block amax of K's other
+   channels in the aligned 16-channel group around d (over every key, head and batch): 2^e on
+   the first null channel, 3 * 2^(e-3) (three quarters of the next lower power) on the
+   second, so both have at most two significant bits and their ratio is not a power of two.
+   Any block of K along the head dim of 16 or more aligned channels (1x128, MX-32, a whole row,
+   128x128, the whole tensor) then keeps its amax and so its scale, under every amax-based rule,
+   and c_d (two significant bits) is exact in BF16, E4M3 and E5M2 at any power-of-two scale
+   within 2^6 of it. A block along the keys in a channel of C0 holds only c_d (its amax is
+   c_d), so every such block gets the same scale s: c_d / s is exact under the power-of-two
+   rules and is fmt.max under the ``amax`` rule, whose float32 s = RN32(c_d / fmt.max) makes
+   the dequantized value c_d (1 + eps), |eps| <= 2^-24, the same for every key. For the
+   per-tensor ``amax`` rule (s = amax / fmt.max, not a power of two), :func:`prepare` sets K's
+   largest element to exactly 7 * 2^e, which makes s = 2^(e - 6) (E4M3) or 2^(e - 13) (E5M2) a
+   power of two: c_d / s is again exact. So for all these quantizers K^' = K^ + 1 c^ᵀ, with
+   c^ = c (1 + eps).
 3. *Nothing to subtract.* K is zero in C0, so dQ_id(K) = 0 exactly for d in C0, and
    dQ_id(K') = tau c_d sum_j dS^q_ij, where dS^q is dS as the dQ matmul sees it (after any
-   quantization of dS). The products dS^q_ij c_d are exact (c_d a power of two), so
+   quantization of dS). The products dS^q_ij c_d are exact for FP8 and BF16 dS (at most 8 + 2
+   significant bits), and for float32 dS they round once (counted in u_acc), so
 
        r^_i = dQ_id(K') / (tau c_d)
-       |r^_i - sum_j dS^q_ij| <= gamma_n(u_acc) S_i + (2 u_acc + u_out) |r^_i| / (1 - ...)
+       |r^_i - sum_j dS^q_ij| <= gamma_n(u_acc) S_i + rho |r^_i|,
+       rho = (2 u_acc + u_out + 2^-24) / (1 - 2 u_acc - u_out - 2^-24)
 
    with n the number of keys, u_acc the accumulation unit roundoff (float32: 2^-24; the Hopper
    FP8 model: 2^-13 per 32-product step, see :func:`accumulation_bound`), u_out the unit roundoff
    of the dQ output dtype, and S_i = sum_j |dS^q_ij| (the caller supplies an upper bound; the
    oracle uses twice the exact sum_j P_ij (|dP_ij| + |D_i|)). Two channels with different c_d
-   give two independent readings; their agreement within the bound is checked
-   (:attr:`ProbeResult.consistent`).
+   give two readings; their agreement within the bound is checked
+   (:attr:`ProbeResult.consistent`): a quantizer that rounds c_d (a per-row non-power-of-two
+   scale) rounds 2^e and 3 * 2^(e-3) differently, and the readings part.
 
 What the probe measures is sum_j dS^q_ij: the row sum of dS *as the dQ matmul sees it*. For an
 FP8 implementation that includes the rounding of dS to FP8 (unbiased noise); a stale delta adds
 -delta_i on top. :mod:`dmref.tiled` reports the same quantity as ``RowsumStats.residual_dq``,
 and tests/oracle/test_probe.py checks that the probe recovers it from outside, for every preset.
 
-What breaks the probe (and is detected): an implementation that changes K's quantization when a
-constant is added to a null channel (blocks smaller than 16 aligned channels, a per-row ``amax``
-rule), or that subtracts the key mean before quantizing (SageAttention's smoothing: then c
-never reaches dQ). The invariance check (O, dK, dV and dQ outside C0 bit-identical between the
-two runs) and the two-channel consistency check flag such cases as not valid, rather than
-reporting a wrong number.
+What breaks the probe. (a) A quantizer of K that moves when a constant is added to a null
+channel: blocks of fewer than 16 aligned channels, or a per-row non-power-of-two scale that
+rounds c_d differently per key. The invariance check (O, dK and dV identical in both runs) and the two-channel consistency check flag it (:attr:`ProbeResult.valid` is False)
+rather than report a wrong number; tests/oracle/test_probe.py plants such a quantizer. (b) An
+implementation that transforms K itself in the dQ matmul (e.g. subtracts the key mean there):
+c never reaches dQ and the probe reads zero. Nothing from outside can tell that apart from a
+zero residual; the oracle's error checks on dQ still see such an implementation.
+(c) Non-determinism: the reading is the residual of the shifted run, which is the residual of
+the case when the two runs compute the same dS; an implementation whose dS varies from run to
+run shows it in the invariance check.
 """
 
 from __future__ import annotations
@@ -107,13 +118,13 @@ def null_channels(head_dim: int) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class ProbeSetup:
     """Where the probe acts: ``channels`` (zero in Q and K) and the shift ``c`` (head_dim,)
-    float64, a power of two on each of those channels and zero elsewhere."""
+    float64: 2^e or 3 * 2^(e-3) on those channels, zero elsewhere."""
 
     channels: tuple[int, ...]
     shift: torch.Tensor
 
     def shifted(self, k: torch.Tensor) -> torch.Tensor:
-        """K + 1 cᵀ in k's dtype (exact: k is zero on the channels and c a power of two)."""
+        """K + 1 cᵀ in k's dtype (exact: k is zero on the channels, c has two significant bits)."""
         out = k.detach().clone()
         for d in self.channels:
             out[..., d] = self.shift[d].to(k.dtype)
@@ -164,8 +175,9 @@ def prepare(q: torch.Tensor, k: torch.Tensor, *, channels: tuple[int, ...] | Non
         e = math.floor(math.log2(guard))
         if 2.0**e > guard:  # float log2 rounded up across a power of two
             e -= 1
-        # at most guard / 2; the second channel one binade lower so the two readings differ
-        shift[d] = 2.0 ** (e - 1 - rank)
+        # at most guard / 2; the second channel 3/4 of the next power down, so that a quantizer
+        # that rounds the shift rounds the two channels differently
+        shift[d] = 2.0 ** (e - 1) if rank % 2 == 0 else 3.0 * 2.0 ** (e - 4)
     return q0, k0, ProbeSetup(tuple(channels), shift)
 
 
@@ -187,8 +199,8 @@ class ProbeResult:
     readings: torch.Tensor  #: (..., len(channels)) one reading per null channel
     error_bound: torch.Tensor  #: bound on |r^_i - sum_j dS^q_ij| (needs ``abs_ds_bound``; else NaN)
     consistent: bool  #: every pair of readings agrees within the sum of their bounds
-    invariant: bool  #: O, dK, dV and dQ outside the null channels bit-identical in both runs
-    invariance_detail: str  #: which output changed, if any
+    invariant: bool  #: O, dK and dV bit-identical in both runs (the shift moved no scale)
+    invariance_detail: str  #: which output changed, if any (dQ outside the null channels too)
     zero_before: bool  #: dQ was exactly zero on the null channels in the unshifted run
 
     @property
@@ -227,15 +239,13 @@ def run_probe(fn, q, k, v, dout, setup: ProbeSetup, *, causal: bool = False, sca
     ch = list(setup.channels)
     others = [d for d in range(head_dim) if d not in setup.channels]
 
-    changed = []
+    changed, notes = [], []
     for name, a, b in (("out", base[0], shifted[0]), ("dk", base[2], shifted[2]), ("dv", base[3], shifted[3]),
                        ("dq outside the null channels", base[1][..., others], shifted[1][..., others])):
         if not torch.equal(a, b):
             diff = (a.to(torch.float64) - b.to(torch.float64)).abs().max().item()
-            changed.append(f"{name} (max |change| {diff:.3g})")
-    if changed:
-        # dK on the null channels is tau sum_i dS_ij q_id = 0 in both runs; all of dK is compared
-        pass
+            # dQ alone may differ through a run-to-run summation order (atomics): only a note
+            (notes if name.startswith("dq") else changed).append(f"{name} (max |change| {diff:.3g})")
     zero_before = bool((base[1][..., ch] == 0).all())
 
     c = setup.shift[ch].to(torch.float64)
@@ -243,7 +253,8 @@ def run_probe(fn, q, k, v, dout, setup: ProbeSetup, *, causal: bool = False, sca
     residual = readings.mean(dim=-1)
     n_keys = k.shape[-2]
     u_out = unit_roundoff_of(shifted[1].dtype)
-    rel = (2 * u_acc + u_out) / (1 - 2 * u_acc - u_out)
+    eps = 2 * u_acc + u_out + 2.0**-24  # the scale multiply, the output rounding, c^ = c (1 + eps)
+    rel = eps / (1 - eps)
     if abs_ds_bound is not None:
         per = accumulation_bound(n_keys, u_acc) * abs_ds_bound.to(torch.float64)[..., None] + rel * readings.abs()
         bound = per.amax(dim=-1)
@@ -253,4 +264,4 @@ def run_probe(fn, q, k, v, dout, setup: ProbeSetup, *, causal: bool = False, sca
     else:
         bound = torch.full_like(residual, math.nan)
         consistent = True
-    return ProbeResult(residual, readings, bound, consistent, not changed, "; ".join(changed), zero_before)
+    return ProbeResult(residual, readings, bound, consistent, not changed, "; ".join(changed + notes), zero_before)

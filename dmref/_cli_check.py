@@ -1,0 +1,110 @@
+"""``dmref check package.module:function``: run the oracle on an attention implementation.
+
+Exit status: 0 when every check passed, 1 when a check failed, 2 when the function could not be
+imported or has the wrong signature (the message says which). The table and the progress go to
+the terminal; with ``--json`` stdout holds only the report as JSON (progress on stderr).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+
+EXIT_PASSED, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+           "fp32": "float32", "float32": "float32", "fp64": "float64", "float64": "float64"}
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "check",
+        help="run the oracle on an attention implementation package.module:function",
+        description="Run fn(q, k, v, *, causal, scale[, mask]) -> out forward and backward on the oracle's "
+                    "cases and compare against the float64 reference (dmref.oracle.check). Exit status 0 "
+                    "only when every check passes; 1 when one fails; 2 when fn cannot be imported or "
+                    "called.",
+    )
+    p.add_argument("target", help="package.module:function (the module must be importable; the current "
+                                  "directory is on the path)")
+    p.add_argument("--recipe", default=None, metavar="R",
+                   help="the recipe fn implements (a dmref preset, e.g. naive_fp8, delta_matching@hopper); "
+                        "default: exact attention at the input dtype's bounds")
+    p.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES), help="input dtype (default bf16)")
+    p.add_argument("--cases", default="standard", choices=("quick", "standard", "thorough"),
+                   help="case set (default standard)")
+    p.add_argument("--case", action="append", default=None, metavar="NAME",
+                   help="run only this case of the set (repeatable)")
+    p.add_argument("--device", default="cpu", help="device fn runs on (default cpu)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-probe", action="store_true", help="skip the row-sum probe (one fn call per case)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    p.set_defaults(func=_run)
+
+
+def load_target(spec: str):
+    """The callable named by ``package.module:function`` (``function`` may be dotted:
+    ``module:Class.method``). Raises ValueError with a message naming what is wrong."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"target {spec!r} must look like package.module:function")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise ValueError(f"cannot import module {module_name!r}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - report whatever the user's module raised on import
+        raise ValueError(f"importing module {module_name!r} raised {type(e).__name__}: {e}") from None
+    obj = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"module {module_name!r} has no attribute {attr!r}") from None
+        except Exception as e:  # noqa: BLE001 - e.g. a module __getattr__ rejecting the name
+            raise ValueError(f"{module_name}:{attr}: {type(e).__name__}: {e}") from None
+    if not callable(obj):
+        raise ValueError(f"{module_name}:{attr} is a {type(obj).__name__}, not a function")
+    return obj
+
+
+def _run(args) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    err = Console(stderr=True)
+    try:
+        fn = load_target(args.target)
+        import torch
+
+        from dmref import oracle
+        from dmref.recipes import get_recipe
+
+        oracle.validate_signature(fn)
+        if args.recipe is not None:
+            get_recipe(args.recipe)
+        dtype = getattr(torch, _DTYPES[args.dtype])
+        cases = oracle.make_cases(args.cases, dtype=dtype, seed=args.seed, names=args.case, probe=not args.no_probe)
+    except (ValueError, TypeError) as e:
+        err.print(f"[bold red]dmref check: error:[/bold red] {e}")
+        return EXIT_USAGE
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True) as progress:
+        task = progress.add_task("oracle", total=len(cases))
+
+        def step(name, index, total):
+            progress.update(task, completed=index, description=f"case {name}")
+
+        report = oracle.check(fn, recipe=args.recipe, cases=cases, dtype=dtype, device=args.device,
+                              probe=not args.no_probe, progress=step, target=args.target)
+        progress.update(task, completed=len(cases))
+
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=1))
+    else:
+        Console(width=max(Console().width, 160)).print(report.table())
+    return EXIT_PASSED if report.passed else EXIT_FAILED

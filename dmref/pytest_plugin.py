@@ -1,0 +1,66 @@
+"""pytest plugin of dmref (entry point ``pytest11: dmref``; loaded whenever dmref is installed).
+
+Fixture ``dmref_oracle``: a function ``dmref_oracle(fn, **kwargs)`` that runs
+:func:`dmref.oracle.check` on ``fn`` and fails the test with the oracle's list of failed checks
+(the full table is printed to the captured output). It returns the report.
+
+Marker ``@pytest.mark.dmref_attention(recipe=..., dtype=..., cases=..., device=...)``: defaults
+for ``dmref_oracle`` in that test (keyword arguments of the call win).
+
+Command-line option ``--dmref-cases {quick,standard,thorough}``: the case set when neither the
+marker nor the call names one (default ``quick``, so that a user's suite stays fast).
+
+Three lines in a user's test file::
+
+    from mypkg import my_attention
+    def test_my_attention(dmref_oracle):
+        dmref_oracle(my_attention)
+
+Importing this module imports neither torch nor dmref.oracle; the fixture does, when used.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+MARKER = "dmref_attention"
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("dmref")
+    group.addoption("--dmref-cases", default="quick", choices=("quick", "standard", "thorough"),
+                    help="case set of the dmref_oracle fixture when the test names none (default quick)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        f"{MARKER}(recipe=None, dtype=torch.bfloat16, cases=None, device='cpu'): defaults for the "
+        "dmref_oracle fixture (dmref's attention oracle)",
+    )
+
+
+@pytest.fixture
+def dmref_oracle(request):
+    """``dmref_oracle(fn, **kwargs)``: run dmref's oracle on the attention ``fn(q, k, v, *,
+    causal, scale)`` and fail the test when any check fails; returns the report."""
+    marker = request.node.get_closest_marker(MARKER)
+    defaults = dict(marker.kwargs) if marker is not None else {}
+    defaults.setdefault("cases", request.config.getoption("--dmref-cases"))
+
+    def run(fn, **kwargs):
+        from . import oracle
+
+        options = {**defaults, **kwargs}
+        report = oracle.check(fn, **options)
+        if not report.passed:
+            try:
+                from rich.console import Console
+
+                Console(width=200).print(report.table())
+            except Exception:  # noqa: BLE001 - the table is a courtesy; the assertion below is the result
+                pass
+        report.raise_for_failures()
+        return report
+
+    return run

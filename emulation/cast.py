@@ -313,6 +313,27 @@ _TORCH_NATIVE = {
 }
 
 
+#: 16-bit formats whose torch float32 cast is nearest-even; only the NaN code and the
+#: saturation need handling (proven on all 2**32 float32 inputs by the slow sweep).
+_TORCH_16BIT = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _encode_16bit_native(x: torch.Tensor, fmt: Format, saturate: bool) -> torch.Tensor:
+    """torch's nearest-even cast to bfloat16 / float16, with this library's NaN code
+    (``fmt.nan_code_for(sign)``) and, for ``saturate=True``, a clamp to +-max first (a value
+    between max and the overflow threshold rounds to max either way, so the clamp changes only
+    what would overflow)."""
+    y = x.clamp(-fmt.max, fmt.max) if saturate else x
+    codes = y.to(_TORCH_16BIT[fmt.name]).view(torch.int16)
+    nan = torch.isnan(x)
+    if bool(nan.any()):
+        negative = torch.signbit(x)
+        pos, neg = fmt.nan_code_for(False), fmt.nan_code_for(True)
+        nan_codes = torch.where(negative, neg - (1 << 16), pos).to(torch.int16)  # as int16 bits
+        codes = torch.where(nan, nan_codes, codes)
+    return codes
+
+
 def _rbits_width(rbits) -> int:
     dtype = rbits.dtype
     if dtype in (np.uint8, torch.uint8):
@@ -355,6 +376,8 @@ def encode(x, fmt: Format | str, *, rounding: Rounding | str = Rounding.NEAREST_
     native = _TORCH_NATIVE.get((fmt.name, saturate))
     if native is not None and rounding is Rounding.NEAREST_EVEN and src is _FLOAT32:
         codes = wide.to(native).view(torch.uint8)
+    elif fmt.name in _TORCH_16BIT and rounding is Rounding.NEAREST_EVEN and src is _FLOAT32:
+        codes = _encode_16bit_native(wide, fmt, saturate)
     elif wide.device.type == "cpu" and fmt.bits <= 8 and wide.numel() > 0:
         flat = wide.reshape(-1).numpy()
         rb = None

@@ -15,11 +15,14 @@ e5m2,   saturate=False      torch .to()                     none
 e5m2,   saturate=False      ml_dtypes astype                NaN code: ml 0x7E|s, ours 0x7F|s
 e4m3fnuz, saturate=False    ml_dtypes astype / torch .to()  none
 e5m2fnuz, saturate=False    ml_dtypes astype / torch .to()  none
+bfloat16, saturate=False    ml_dtypes astype                NaN code (ml 0x7FC0|s, ours 0x7FFF|s)
+float16,  saturate=False    numpy astype                    NaN code (payload bits differ)
 ==========================  ==============================  ====================================
 
-"ours" here is the table route of :mod:`dmref.emulation.cast` (built from the integer
-arithmetic), never torch's own cast, so that the comparison with torch also proves that
-``encode`` may dispatch to torch's cast where it does.
+"ours" for the 8-bit formats is the table route of :mod:`dmref.emulation.cast` (built from the
+integer arithmetic), never torch's own cast, so that the comparison with torch also proves that
+``encode`` may dispatch to torch's cast where it does. For bfloat16 and float16 it is the
+torch-cast route with dmref's NaN code, compared with ml_dtypes and numpy.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ COMPARISONS: tuple[tuple[str, bool, str, str], ...] = (
     ("float8_e4m3fnuz", False, "torch", "none"),
     ("float8_e5m2fnuz", False, "ml_dtypes", "none"),
     ("float8_e5m2fnuz", False, "torch", "none"),
+    ("bfloat16", False, "ml_dtypes", "nan_code"),
+    ("float16", False, "numpy", "nan_code"),
 )
 
 
@@ -61,17 +66,32 @@ class SweepResult:
 
 
 def _library_cast(x: np.ndarray, fmt_name: str, library: str) -> np.ndarray:
-    if library == "ml_dtypes":
+    code_type = np.uint8 if get_format(fmt_name).bits == 8 else np.uint16
+    if library in ("ml_dtypes", "numpy"):
+        dtype = np.float16 if library == "numpy" else getattr(ml_dtypes, fmt_name)
         with np.errstate(invalid="ignore", over="ignore"):
-            return x.astype(getattr(ml_dtypes, fmt_name)).view(np.uint8)
+            return x.astype(dtype).view(code_type)
     return torch.from_numpy(x).to(getattr(torch, fmt_name)).view(torch.uint8).numpy()
 
 
-def _documented(allowed: str, x: np.ndarray, ours: np.ndarray, theirs: np.ndarray) -> np.ndarray:
-    """Which of the mismatching inputs fall under the documented disagreement."""
+def _documented(allowed: str, x: np.ndarray, ours: np.ndarray, theirs: np.ndarray,
+                fmt_name: str = "float8_e5m2") -> np.ndarray:
+    """Which of the mismatching inputs fall under the documented disagreement: for "nan_code",
+    a NaN input for which both codes are NaN codes of the input's sign."""
     if allowed == "nan_code":
-        return np.isnan(x) & ((ours ^ theirs) == 1)  # 0x7F|s vs 0x7E|s
+        fmt = get_format(fmt_name)
+        nan_codes = np.array(sorted(fmt.nan_codes))
+        sign = np.signbit(x)
+        return (np.isnan(x) & np.isin(ours, nan_codes) & np.isin(theirs, nan_codes)
+                & (((ours & fmt.sign_bit) != 0) == sign) & (((theirs & fmt.sign_bit) != 0) == sign))
     return np.zeros(x.shape, bool)
+
+
+def _ours(x: np.ndarray, fmt_name: str, saturate: bool) -> np.ndarray:
+    fmt = get_format(fmt_name)
+    if fmt.bits == 8:
+        return cast._encode_lut(x, fmt, Rounding.NEAREST_EVEN, saturate, None, 16)
+    return cast._encode_16bit_native(torch.from_numpy(x), fmt, saturate).numpy().view(np.uint16)
 
 
 def sweep_float32(comparisons=COMPARISONS, *, chunk_bits: int = 24, start: int = 0,
@@ -88,15 +108,14 @@ def sweep_float32(comparisons=COMPARISONS, *, chunk_bits: int = 24, start: int =
             t0 = time.perf_counter()
             key = (r.fmt, r.saturate)
             if key not in ours_cache:
-                ours_cache[key] = cast._encode_lut(x, get_format(r.fmt), Rounding.NEAREST_EVEN,
-                                                   r.saturate, None, 16)
+                ours_cache[key] = _ours(x, r.fmt, r.saturate)
             ours = ours_cache[key]
             theirs = _library_cast(x, r.fmt, r.library)
             diff = ours != theirs
             n_diff = int(diff.sum())
             if n_diff:
                 idx = np.nonzero(diff)[0]
-                bad = idx[~_documented(r.allowed, x[idx], ours[idx], theirs[idx])]
+                bad = idx[~_documented(r.allowed, x[idx], ours[idx], theirs[idx], r.fmt)]
                 r.undocumented += len(bad)
                 r.examples.extend((int(bits[i]), int(ours[i]), int(theirs[i])) for i in bad[:3])
             r.inputs += x.size

@@ -111,7 +111,7 @@ def test_all_16bit_inputs_match_ml_dtypes_and_torch_up_to_documented_differences
             continue
         ours = encode(x, name, saturate=saturate)
         differ = ours != theirs
-        assert not (differ & ~sweep._documented(allowed[0], x, ours, theirs)).any()
+        assert not (differ & ~sweep._documented(allowed[0], x, ours, theirs, name)).any()
 
 
 @pytest.mark.parametrize("src", [np.float16, ml_dtypes.bfloat16])

@@ -416,6 +416,15 @@ def _run_recipe(case: Case, recipe, dtype):
 # ==============================================================================================
 
 
+def _dq_accumulation_u(claimed) -> float:
+    """The probe's accumulation unit roundoff for a claim (see :func:`check`)."""
+    if claimed is None:
+        return _U_FP32
+    fp8 = [p for p in (claimed.ds_dq, claimed.k_dq)
+           if p.quantized and p.fmt.replace("float8_", "").startswith(("e4m3", "e5m2"))]
+    return 2.0**-13 if fp8 else _U_FP32
+
+
 def check(fn, *, recipe=None, cases="standard", dtype: torch.dtype = torch.bfloat16, device="cpu",
           seed: int = 0, probe: bool = True, accumulation_u: float | None = None, progress=None,
           target: str | None = None) -> OracleReport:
@@ -432,7 +441,9 @@ def check(fn, *, recipe=None, cases="standard", dtype: torch.dtype = torch.bfloa
         probe: measure the row-sum residual with :mod:`dmref.probe` (two more fn calls per case
             become one: the probe reuses the main run).
         accumulation_u: unit roundoff of fn's dQ accumulation for the probe's error bound
-            (default: 2^-13 for a recipe with Hopper accumulation, else float32's 2^-24).
+            (default: 2^-13, the Hopper FP8 tensor core's 13 kept fractional bits, when the
+            claimed recipe feeds FP8 dS and K to the dQ matmul, whatever accumulation model it
+            names; else float32's 2^-24).
         progress: called as ``progress(case_name, index, total)`` before each case.
         target: the name shown in the report (default: fn's module and name).
 
@@ -448,8 +459,7 @@ def check(fn, *, recipe=None, cases="standard", dtype: torch.dtype = torch.bfloa
     if claimed is not None:
         spread_recipe = claimed.with_accumulation("exact")
     if accumulation_u is None:
-        hopper = claimed is not None and any(m.startswith("hopper") for m in claimed.accumulation.models())
-        accumulation_u = 2.0**-13 if hopper else _U_FP32
+        accumulation_u = _dq_accumulation_u(claimed)
     if isinstance(cases, str):
         case_list = make_cases(cases, dtype=dtype, seed=seed, probe=probe)
     elif cases and all(isinstance(c, str) for c in cases):

@@ -1,0 +1,174 @@
+"""dmref.oracle.check: known answers pass at their dtype's derived bounds, each planted bug fails
+the check that names it, recipe claims are held to the recipe."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import planted
+import pytest
+import torch
+
+from dmref import oracle
+
+# A subset of the quick set that still has every kind of case the bugs need: the default and a
+# non-default softmax scale, causal and not, a tail length, cross attention.
+_NAMES = ["realistic", "realistic_causal", "peaked_rows", "flat_rows", "tail_lengths", "cross_tail"]
+
+
+def _cases(dtype=torch.bfloat16, names=_NAMES):
+    return oracle.make_cases("quick", dtype=dtype, names=names)
+
+
+def _attention_f64(q, k, v, *, causal, scale, mask=None):
+    """An independent float64 attention through torch.autograd (softmax's own backward)."""
+    s = scale * (q @ k.transpose(-1, -2))
+    if causal:
+        n_q, n_k = s.shape[-2:]
+        keep = torch.ones(n_q, n_k, dtype=torch.bool).tril(n_k - n_q)
+        s = s.masked_fill(~keep, -math.inf)
+    if mask is not None:
+        s = s.masked_fill(~mask, -math.inf)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # fully masked rows: zero
+    return p @ v
+
+
+# ----------------------------------------------------------------------------------------------
+# Known answers
+# ----------------------------------------------------------------------------------------------
+
+
+def test_float64_autograd_attention_passes_at_float64_bounds():
+    report = oracle.check(_attention_f64, cases=oracle.make_cases("quick", dtype=torch.float64), dtype=torch.float64)
+    report.raise_for_failures()
+    # every case ran, the masked one included (the function takes mask)
+    assert not report.skipped
+    assert all(c.probe_valid for c in report.cases)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sdpa_math_passes_at_its_input_dtypes_bounds(dtype):
+    report = oracle.check(oracle.sdpa_math, cases=oracle.make_cases("quick", dtype=dtype), dtype=dtype)
+    report.raise_for_failures()
+    assert not report.skipped
+
+
+def test_flash_style_bf16_implementation_passes():
+    """planted.flash: FlashAttention-2's numerics in float32 with a BF16 output and the stale D
+    from the BF16 output; its BF16-level stale delta is within the BF16 baseline's."""
+    report = oracle.check(planted.flash, cases=_cases())
+    report.raise_for_failures()
+
+
+# ----------------------------------------------------------------------------------------------
+# Planted bugs
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bug", sorted(planted.BUGS))
+def test_planted_bug_fails_the_check_that_names_it(bug):
+    fn, check_name = planted.BUGS[bug]
+    report = oracle.check(fn, cases=_cases())
+    assert not report.passed
+    assert check_name in report.failed_names(), report.summary()
+    # the forward is right in every planted backward bug
+    assert "out" not in report.failed_names()
+
+
+def test_backward_only_bugs_fail_only_where_they_apply():
+    # a causal mask dropped in the backward: only causal cases fail
+    report = oracle.check(planted.flash_bwd_causal, cases=_cases())
+    causal = {c.name for c in _cases() if c.causal}
+    assert report.failed_cases() == causal
+    # the backward's default scale: only the cases with a non-default scale fail
+    report = oracle.check(planted.flash_bwd_scale, cases=_cases())
+    default = {c.name for c in _cases() if math.isclose(c.scale, 1 / math.sqrt(c.q.shape[-1]))}
+    assert report.failed_cases() == {c.name for c in _cases()} - default
+
+
+def test_dk_transpose_fails_only_dk():
+    report = oracle.check(planted.flash_dk_transpose, cases=_cases(names=["realistic", "tail_lengths"]))
+    assert report.failed_names() == {"dk"}
+
+
+def test_stale_delta_shows_as_a_rowsum_residual_and_a_dq_bias_along_kbar():
+    report = oracle.check(planted.flash_stale_delta, cases=_cases(names=["realistic", "tail_lengths"]))
+    assert {"rowsum", "dq"} <= report.failed_names()
+    correct = oracle.check(planted.flash, cases=_cases(names=["realistic", "tail_lengths"]))
+    for bad, good in zip(report.cases, correct.cases):
+        assert bad.rowsum_rms > 2 * good.rowsum_rms
+        # the error of dQ lies along kbar_i, as the stale-delta algebra predicts
+        assert bad.dq_bias_fraction > 1 - 1 / bad_head_dim(bad)
+
+
+def bad_head_dim(case_result) -> int:
+    return int(case_result.shape.split("x")[-1])
+
+
+def test_wrong_quantization_axis_fails_recipe_agreement():
+    report = oracle.check(planted.naive_fp8_wrong_axis, recipe="naive_fp8", cases=_cases(names=["outlier_channels"]))
+    assert {n for n in report.failed_names()} & {"agree_out", "agree_dq", "agree_dk", "agree_dv"}
+    # its errors against exact attention are no larger than the recipe's: only agreement sees it
+    assert not report.failed_names() & {"out", "dq", "dk", "dv"}
+
+
+def test_stale_fp8_recipe_fails_a_delta_matching_claim():
+    report = oracle.check(oracle.emulated("naive_fp8"), recipe="delta_matching",
+                          cases=_cases(names=["realistic", "peaked_rows"]))
+    assert "rowsum" in report.failed_names()
+
+
+def test_other_accumulation_model_of_a_recipe_passes_its_claim():
+    """The Hopper FP8 accumulation model of naive_fp8 makes naive_fp8's rounding errors up to
+    rare FP8 rounding flips: a faithful implementation, agreement passes."""
+    report = oracle.check(oracle.emulated("naive_fp8@hopper"), recipe="naive_fp8",
+                          cases=_cases(names=["realistic_causal"]))
+    report.raise_for_failures()
+
+
+# ----------------------------------------------------------------------------------------------
+# The report and the errors
+# ----------------------------------------------------------------------------------------------
+
+
+def test_masked_cases_are_skipped_for_a_function_without_mask():
+    report = oracle.check(planted.flash, cases=_cases(names=["fully_masked_rows"]))
+    assert [c.name for c in report.skipped] == ["runs"]
+    assert not report.passed  # nothing ran: not a pass
+
+
+def test_nan_output_fails_the_finite_check():
+    def nan_attention(q, k, v, *, causal, scale):
+        return oracle.sdpa_math(q, k, v, causal=causal, scale=scale) * float("nan")
+
+    report = oracle.check(nan_attention, cases=_cases(names=["realistic"]))
+    assert "finite" in report.failed_names()
+
+
+def test_an_exception_of_the_implementation_is_a_failed_run():
+    def broken(q, k, v, *, causal, scale):
+        raise RuntimeError("kernel launch failed")
+
+    report = oracle.check(broken, cases=_cases(names=["realistic"]))
+    (failed,) = report.failed
+    assert failed.name == "runs" and "kernel launch failed" in failed.detail
+
+
+def test_wrong_signature_is_a_type_error_naming_the_expected_call():
+    with pytest.raises(TypeError, match=r"fn\(q, k, v, \*, causal, scale\)"):
+        oracle.check(planted.wrong_signature, cases=_cases(names=["realistic"]))
+
+
+def test_report_round_trips_through_json_and_renders_a_table():
+    report = oracle.check(planted.flash_dk_transpose, cases=_cases(names=["realistic"]))
+    data = json.loads(json.dumps(report.as_dict()))
+    assert data["passed"] is False and "realistic:dk" in data["failed"]
+    assert {c["name"] for c in data["checks"]} >= {"runs", "out", "dq", "dk", "dv", "rowsum"}
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(report.table())
+    assert "FAIL" in console.export_text()
+    with pytest.raises(AssertionError, match="realistic:dk"):
+        report.raise_for_failures()

@@ -215,8 +215,8 @@ _POOL = ThreadPoolExecutor(max_workers=_THREADS) if _THREADS > 1 else None
 
 @functools.lru_cache(maxsize=None)
 def _lut_tables(src_total: int, fmt: Format, rounding: Rounding, saturate: bool, rbits_width: int):
-    """Tables indexed by ``top16 << 1 | sticky`` (deterministic modes), or by ``top16`` (the
-    truncated and the rounded-up code for stochastic rounding, plus the shift table)."""
+    """One table: indexed by ``top16 << 1 | sticky`` (deterministic modes), or by
+    ``top16 << 2 | sticky << 1 | up`` (stochastic: the truncated and the rounded-up code)."""
     src = _FLOAT64 if src_total == 64 else _FLOAT32
     low = src.total - 16
     explicit_mantissa_in_top16 = 16 - 1 - src.exponent_bits
@@ -230,26 +230,24 @@ def _lut_tables(src_total: int, fmt: Format, rounding: Rounding, saturate: bool,
         reps = torch.stack([base, base | 1], dim=1).reshape(-1)
         codes = _encode_arith(reps, src, fmt, rounding, saturate)
         return (codes.to(torch.uint8).numpy(),)
-    # index top16 << 1 | sticky as above; `lo` never rounds up (rbits = 0), `hi` always does
-    # when any discarded bit is set (rbits = all ones, all low bits set); inf and NaN never round
-    reps = torch.stack([base, base | 1], dim=1).reshape(-1)
-    zeros = torch.zeros_like(reps)
-    lo = _encode_arith(reps, src, fmt, rounding, saturate, zeros, rbits_width)
-    all_low = torch.repeat_interleave(base | ((1 << low) - 1), 2)
+    # index top16 << 1 | up: `lo` never rounds up (rbits = 0), `hi` always does when any
+    # discarded bit is set (rbits = all ones, all low bits set). For finite inputs the lower
+    # bits matter only through `up`; inf and NaN never round. A NaN whose top 16 bits look like
+    # inf is caught in the chunk body.
+    zeros = torch.zeros_like(base)
+    lo = _encode_arith(base, src, fmt, rounding, saturate, zeros, rbits_width)
+    all_low = base | ((1 << low) - 1)
     hi = _encode_arith(all_low, src, fmt, rounding, saturate, zeros + (1 << rbits_width) - 1, rbits_width)
     exp_all_ones = (1 << src.exponent_bits) - 1
-    special = ((reps >> src.mantissa_bits) & exp_all_ones) == exp_all_ones
+    special = ((base >> src.mantissa_bits) & exp_all_ones) == exp_all_ones
     hi = torch.where(special, lo, hi)
-    lut2 = torch.stack([lo, hi], dim=1).reshape(-1)  # index: top16 << 2 | sticky << 1 | up
-    # per (sign, exponent) field: how far to shift the significand so that the top
-    # `rbits_width` bits of the discarded part land at the bottom (clamped: all zero beyond)
-    exps = torch.arange(1 << (src.exponent_bits + 1), dtype=torch.int64) & exp_all_ones
+    lut2 = torch.stack([lo, hi], dim=1).reshape(-1)
+    # the chunk body computes the shift arithmetically; it relies on shift >= rbits_width
+    exps = torch.arange(1 << src.exponent_bits, dtype=torch.int64)
     e = torch.clamp(exps - src.bias, min=fmt.emin)
-    e_ulp = torch.clamp(exps, min=1) - src.bias - src.mantissa_bits
-    true_shift = torch.clamp((e - fmt.mantissa_bits) - e_ulp, min=0)
+    true_shift = (e - fmt.mantissa_bits) - (torch.clamp(exps, min=1) - src.bias - src.mantissa_bits)
     assert int(true_shift.min()) >= rbits_width, "stochastic table route needs shift >= rbits width"
-    shift_w = torch.clamp(true_shift - rbits_width, max=src.total - 1)
-    return lut2.to(torch.uint8).numpy(), shift_w.numpy().astype(np.uint64 if src.total == 64 else np.uint32)
+    return (lut2.to(torch.uint8).numpy(),)
 
 
 def _run_chunks(fn, n: int) -> None:
@@ -284,20 +282,41 @@ def _encode_lut(x: np.ndarray, fmt: Format, rounding: Rounding, saturate: bool,
             idx |= (uc & utype((1 << low) - 1)) != 0
             np.take(lut, idx, out=out[s:e])
     else:
-        lut2, shift_tab = tables
-        mb = 52 if wide else 23
-        w = rbits_width
+        (lut2,) = tables
+        src = _FLOAT64 if wide else _FLOAT32
+        mb, w = src.mantissa_bits, rbits_width
+        # How far to shift the significand so that the top w discarded bits land at the bottom,
+        # per biased exponent field E (K = biased exponent of the target's emin; an input with
+        # E = 0 has its lsb at the exponent of E = 1), capped at the width (all shifted out):
+        #   shift = (mb - m - w) + max(E, K) - max(E, 1)
+        k_field = fmt.emin + src.bias
+        assert k_field >= 0 and mb - fmt.mantissa_bits - w >= 1
+        base = utype(mb - fmt.mantissa_bits - w)
+        cap = utype(src.total - 1)
+        exp_mask = utype((1 << src.exponent_bits) - 1)
+
+        nan_codes = np.array([fmt.nan_code_for(False), fmt.nan_code_for(True)], np.uint8)
 
         def body(s, e):
             uc = u[s:e]
-            idx = (uc >> utype(low - 2)) & utype(0x3FFFC)  # top16 << 2
-            idx |= ((uc & utype((1 << low) - 1)) != 0) << utype(1)  # sticky << 1
+            idx = (uc >> utype(low - 1)) & utype(0x1FFFE)  # top16 << 1
+            exp_field = (uc >> utype(mb)) & exp_mask
+            shift = np.maximum(exp_field, utype(k_field))
+            shift += base
+            shift -= np.maximum(exp_field, utype(1))
+            np.minimum(shift, cap, out=shift)
             # significand with its implicit bit; inputs with exponent field 0 have a shift of
-            # at least 31 here, so their (absent) implicit bit is shifted out regardless
+            # at least the cap here, so their (absent) implicit bit is shifted out regardless
             sig = (uc & utype((1 << mb) - 1)) | utype(1 << mb)
-            frac_top = (sig >> np.take(shift_tab, uc >> utype(mb))) & utype((1 << w) - 1)
-            idx |= (frac_top + rbits[s:e]) >> utype(w)  # 1 iff the random bits carry: round up
+            sig >>= shift
+            sig &= utype((1 << w) - 1)
+            sig += rbits[s:e]
+            sig >>= utype(w)  # 1 iff the random bits carry: round up
+            idx |= sig
             np.take(lut2, idx, out=out[s:e])
+            nan = np.isnan(x[s:e])
+            if nan.any():
+                out[s:e][nan] = nan_codes[(uc[nan] >> utype(src.total - 1)).astype(np.intp)]
     _run_chunks(body, x.size)
     return out
 

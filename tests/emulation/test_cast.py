@@ -271,3 +271,14 @@ def test_bad_rounding_and_rbits_are_clear_errors():
 def test_decode_rejects_codes_of_the_wrong_width():
     with pytest.raises(TypeError, match="must be"):
         decode(np.zeros(3, np.int32), "e4m3")
+
+
+@pytest.mark.parametrize("rounding", list(Rounding))
+@pytest.mark.parametrize("name", EIGHT_BIT)
+def test_nan_payloads_below_the_top_16_bits_stay_nan(rounding, name):
+    """A NaN whose top 16 bits read like inf (payload in the low bits only) is still NaN."""
+    bits = np.array([0x7F800001, 0xFF800001, 0x7F80FFFF, 0x7FC00000, 0x7F800000, 0xFF800000], np.uint32)
+    x = bits.view(np.float32)
+    rbits = np.full(x.shape, 0xFFFF, np.uint16) if rounding is Rounding.STOCHASTIC else None
+    ours = encode(x, name, rounding=rounding, rbits=rbits)
+    assert np.array_equal(ours.astype(np.int64), _spec(x, name, rounding, False, rbits))

@@ -112,3 +112,17 @@ def to_bf16(x, INTERPRET: tl.constexpr):
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
         x = (bits - (bits & 0xFFFF)).to(tl.float32, bitcast=True)
     return x.to(tl.bfloat16)
+
+
+@triton.jit
+def dump_fp8(ptrs, x8, mask, DEBUG: tl.constexpr):
+    """Debug store of an FP8 tile that also feeds a register-operand wgmma.
+
+    ``DEBUG == 1``: the float32 values of the codes (exact), decoded back to codes on the host.
+    ``DEBUG == 2``: the codes as bytes (``bitcast`` to uint8): the first version's store, kept
+    for the test that compares the two stores on the GPU (tests/kernels).
+    """
+    if DEBUG == 2:
+        tl.store(ptrs, x8.to(tl.uint8, bitcast=True), mask=mask)
+    else:
+        tl.store(ptrs, x8.to(tl.float32), mask=mask)

@@ -9,9 +9,10 @@ The delta step, per strategy:
 - ``stale``: ``D = rowsum(dO * O)`` from BF16 dO and O, computed by the preprocess (fused into the
   quantization of dO, ``quantize.quantize(..., delta_with=O)``). Then ``dkdv`` and ``dq`` form
   ``dS = P (dP - D)``.
-- ``matched`` (Delta-Matching): ``D_i = sum_j P_ij dP_ij / sum_j P_ij`` from exactly the float32
-  ``P`` and ``dP`` that dS uses. No pre-sweep: the ``dq`` kernel runs *first*, and since it already
-  recomputes S and dP over whole rows it accumulates ``sum_j P dP`` and ``sum_j P`` on the way.
+- ``matched`` (Delta-Matching): ``D_i = sum_j P_ij dP_ij`` from exactly the float32 ``P`` and
+  ``dP`` that dS uses (``dmref.recipes.DeltaKind.MATCHED``). No pre-sweep: the ``dq`` kernel runs
+  *first*, and since it already recomputes S and dP over whole rows it accumulates
+  ``sum_j P dP`` on the way.
   dQ cannot wait for D, so it is formed with the stale D as predictor and corrected at the end:
 
       dS_ij = P_ij (dP_ij - D_i) = P_ij (dP_ij - Dst_i) - (D_i - Dst_i) P_ij
@@ -21,7 +22,13 @@ The delta step, per strategy:
   The correction's factor ``D - Dst`` is small, so kbar's FP8 error is second order. dK needs
   ``sum_i D_i P_ij Q_i`` with every row's final D, which has no such deferred form: ``dkdv`` runs
   second and reads the matched D, forming ``dS = P (dP - D)`` exactly. The cost over stale is the
-  kbar matmul and two row reductions in ``dq``; nothing is swept twice.
+  kbar matmul, its accumulator and one row reduction in ``dq``; nothing is swept twice.
+
+Registers (H200, D = 128, ``python -m dmref.kernels.compile_check``): dQ, kbar, dK and dV are each
+kept as two halves of the head dim, so that the float32 result of one accumulating matmul (the
+promotion temporary) is a quarter of the four accumulators; every FP8 operand of a tile is formed
+before its first accumulating matmul (P, dP and dS are dead by then); each kernel has one loop
+with masks on every tile, and the dkdv kernel loops over GQA heads only when there are several.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import quantize_rows, quantize_tile, to_bf16, to_fp8
+from ._common import dump_fp8, quantize_rows, quantize_tile, to_bf16, to_fp8
 from ._runtime import interpreting
 from .config import QUANT_BLOCK, KernelRecipe
 
@@ -38,65 +45,6 @@ from .config import QUANT_BLOCK, KernelRecipe
 # --------------------------------------------------------------------------------------------
 # dq: one program per BLOCK_M queries of one head, looping over BLOCK_N keys
 # --------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _dq_inner(
-    dq, kbar, pdp, psum, rowsum,
-    q, q_scale, do, do_scale, lse2, d_stale, offs_m,
-    K8, K_SCALE, V8, V_SCALE, KT8, KT_SCALE, lo, hi, N, NPAD,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
-    MASK: tl.constexpr, CAUSAL: tl.constexpr, MATCHED: tl.constexpr, P_SCALE: tl.constexpr,
-    DS_ROWWISE: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    # every pointer points at this program's key/value head: offsets stay int32
-    offs_d = tl.arange(0, HEAD_DIM)
-    for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_rows = offs_n[None, :] * HEAD_DIM + offs_d[:, None]
-        if MASK:
-            k = tl.load(K8 + kv_rows, mask=offs_n[None, :] < N, other=0.0)
-            v = tl.load(V8 + kv_rows, mask=offs_n[None, :] < N, other=0.0)
-            k_scale = tl.load(K_SCALE + offs_n, mask=offs_n < N, other=0.0)
-            v_scale = tl.load(V_SCALE + offs_n, mask=offs_n < N, other=0.0)
-        else:
-            k = tl.load(K8 + kv_rows)
-            v = tl.load(V8 + kv_rows)
-            k_scale = tl.load(K_SCALE + offs_n)
-            v_scale = tl.load(V_SCALE + offs_n)
-        # recompute: in the forward this was S2 = dot(Q8, K8^T) * scales; now P against LSE
-        s = tl.dot(q, k) * (q_scale[:, None] * k_scale[None, :])
-        p = tl.math.exp2(s - lse2[:, None])
-        if MASK:
-            valid = (offs_m[:, None] < N) & (offs_n[None, :] < N)
-            if CAUSAL:
-                valid = valid & (offs_m[:, None] >= offs_n[None, :])
-            p = tl.where(valid, p, 0.0)
-        dp = tl.dot(do, v) * (do_scale[:, None] * v_scale[None, :])
-        if MATCHED:
-            # delta step (matched): the same float32 P and dP that dS uses
-            pdp += tl.sum(p * dp, axis=1)
-            psum += tl.sum(p, axis=1)
-        ds = p * (dp - d_stale[:, None])
-        if DEBUG:
-            rowsum += tl.sum(ds, axis=1)
-        # K transposed copy as a (BLOCK_N, D) tile, tokens contiguous; padding codes are zero
-        kt = tl.load(KT8 + offs_d[None, :] * NPAD + offs_n[:, None])
-        kt_scale = tl.load(KT_SCALE + (start_n // QB) * HEAD_DIM + offs_d)
-        if DS_ROWWISE:
-            # Q-point dS: float32 -> E4M3, one pow2_floor scale per query row and BLOCK_N keys
-            ds8, ds_inv = quantize_rows(ds, False, INTERPRET)
-            dq += tl.dot(ds8, kt) * kt_scale[None, :] * ds_inv[:, None]
-        else:
-            # Q-point dS: float32 -> E4M3, one pow2_floor scale per BLOCK_M x BLOCK_N tile
-            ds8, ds_inv = quantize_tile(ds, False, INTERPRET)
-            dq += tl.dot(ds8, kt) * (kt_scale * ds_inv)[None, :]
-        if MATCHED:
-            # Q-point P (kbar): float32 -> E4M3, scale 2**8 against LSE
-            p8 = to_fp8(p * P_SCALE, False, INTERPRET)
-            kbar += tl.dot(p8, kt) * kt_scale[None, :]
-    return dq, kbar, pdp, psum, rowsum
 
 
 @triton.jit
@@ -131,44 +79,84 @@ def _bwd_dq_kernel(
     do_scale = tl.load(DO_SCALE + bh64 * N + offs_m, mask=in_seq, other=0.0)
     lse2 = tl.load(LSE2 + bh64 * N + offs_m, mask=in_seq, other=0.0)
     d_stale = tl.load(DELTA_STALE + bh64 * N + offs_m, mask=in_seq, other=0.0)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    kbar = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # dQ and kbar in two halves of the head dim each: a matmul's float32 result (the promotion
+    # temporary) is then half as large, which keeps the loop within 255 registers at D = 128
+    DH: tl.constexpr = HEAD_DIM // 2
+    offs_h = tl.arange(0, DH)
+    dq_lo = tl.zeros([BLOCK_M, DH], tl.float32)
+    dq_hi = tl.zeros([BLOCK_M, DH], tl.float32)
+    kbar_lo = tl.zeros([BLOCK_M, DH], tl.float32)
+    kbar_hi = tl.zeros([BLOCK_M, DH], tl.float32)
     pdp = tl.zeros([BLOCK_M], tl.float32)
     psum = tl.zeros([BLOCK_M], tl.float32)
     rowsum = tl.zeros([BLOCK_M], tl.float32)
-    if start_m + BLOCK_M <= N:
-        if CAUSAL:
-            lo_diag = (start_m // BLOCK_N) * BLOCK_N
-        else:
-            lo_diag = (N // BLOCK_N) * BLOCK_N
-        # keys below the diagonal (causal) or in full tiles: no mask
-        dq, kbar, pdp, psum, rowsum = _dq_inner(
-            dq, kbar, pdp, psum, rowsum, q, q_scale, do, do_scale, lse2, d_stale, offs_m,
-            K8, K_SCALE, V8, V_SCALE, KT8, KT_SCALE, 0, lo_diag, N, NPAD,
-            HEAD_DIM, BLOCK_N, QB, False, CAUSAL, MATCHED, P_SCALE, DS_ROWWISE, DEBUG, INTERPRET)
-        if CAUSAL:
-            hi_diag = tl.minimum(start_m + BLOCK_M, N)
-        else:
-            hi_diag = N
-        dq, kbar, pdp, psum, rowsum = _dq_inner(
-            dq, kbar, pdp, psum, rowsum, q, q_scale, do, do_scale, lse2, d_stale, offs_m,
-            K8, K_SCALE, V8, V_SCALE, KT8, KT_SCALE, lo_diag, hi_diag, N, NPAD,
-            HEAD_DIM, BLOCK_N, QB, True, CAUSAL, MATCHED, P_SCALE, DS_ROWWISE, DEBUG, INTERPRET)
+    if CAUSAL:
+        hi = tl.minimum(start_m + BLOCK_M, N)
     else:
-        # the last, partial query block: rows past N must not move the dS tile scales
-        dq, kbar, pdp, psum, rowsum = _dq_inner(
-            dq, kbar, pdp, psum, rowsum, q, q_scale, do, do_scale, lse2, d_stale, offs_m,
-            K8, K_SCALE, V8, V_SCALE, KT8, KT_SCALE, 0, N, N, NPAD,
-            HEAD_DIM, BLOCK_N, QB, True, CAUSAL, MATCHED, P_SCALE, DS_ROWWISE, DEBUG, INTERPRET)
-    if MATCHED:
-        # delta step (matched), normalized by the same P's mass: sum_j dS_ij = 0 up to rounding
-        d_matched = pdp / tl.where(psum > 0, psum, 1.0)  # psum = 0 only on rows past N
-        tl.store(DELTA_MATCHED + bh64 * N + offs_m, d_matched, mask=in_seq)
-        # deferred correction of dQ: dS K = (P (dP - Dst)) K - (D - Dst) (P K)
-        dq -= (d_matched - d_stale)[:, None] * (kbar * (1.0 / P_SCALE))
+        hi = N
+    # One loop with masks on every tile (two compares and a select per element): separate
+    # masked and unmasked loops each kept their own pipelined state live and spilled.
+    for start_n in range(0, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k_in = offs_n < N
+        # K and V row copies as (D, BLOCK_N) tiles: the head dim (the contraction) contiguous
+        kv_rows = offs_n[None, :] * HEAD_DIM + offs_d[:, None]
+        k = tl.load(K8 + kv_rows, mask=k_in[None, :], other=0.0)
+        v = tl.load(V8 + kv_rows, mask=k_in[None, :], other=0.0)
+        k_scale = tl.load(K_SCALE + offs_n, mask=k_in, other=0.0)
+        v_scale = tl.load(V_SCALE + offs_n, mask=k_in, other=0.0)
+        # recompute: in the forward this was S2 = dot(Q8, K8^T) * scales; now P against LSE
+        s = tl.dot(q, k) * (q_scale[:, None] * k_scale[None, :])
+        # rows past N are masked too: they must not move a dS tile scale
+        valid = in_seq[:, None] & k_in[None, :]
+        if CAUSAL:
+            valid = valid & (offs_m[:, None] >= offs_n[None, :])
+        p = tl.where(valid, tl.math.exp2(s - lse2[:, None]), 0.0)
+        dp = tl.dot(do, v) * (do_scale[:, None] * v_scale[None, :])
+        if MATCHED:
+            # delta step (matched): sum_j P dP from the very float32 P and dP that dS uses
+            pdp += tl.sum(p * dp, axis=1)
+        ds = p * (dp - d_stale[:, None])
         if DEBUG:
-            rowsum -= (d_matched - d_stale) * psum
-    tl.store(DQ + bh64 * N * HEAD_DIM + rows, to_bf16(dq * sm_scale, INTERPRET), mask=in_seq[:, None])
+            psum += tl.sum(p, axis=1)
+            rowsum += tl.sum(ds, axis=1)
+        # Every FP8 operand exists before the first matmul below, so the float32 P, dP and dS
+        # tiles are dead while a matmul's float32 result is live (registers).
+        if DS_ROWWISE:
+            # Q-point dS: float32 -> E4M3, one pow2_floor scale per query row and BLOCK_N keys
+            ds8, ds_inv = quantize_rows(ds, False, INTERPRET)
+        else:
+            # Q-point dS: float32 -> E4M3, one pow2_floor scale per BLOCK_M x BLOCK_N tile
+            ds8, ds_inv_t = quantize_tile(ds, False, INTERPRET)
+            ds_inv = tl.full([BLOCK_M], 1.0, tl.float32) * ds_inv_t
+        if MATCHED:
+            # Q-point P (kbar): float32 -> E4M3, scale 2**8 against LSE
+            p8 = to_fp8(p * P_SCALE, False, INTERPRET)
+        # K transposed copy as (BLOCK_N, D/2) tiles: tokens (the contraction) contiguous,
+        # padded to NPAD with zero codes, so no mask
+        kt_lo = offs_h[None, :] * NPAD + offs_n[:, None]
+        kt_hi = kt_lo + DH * NPAD
+        sc_lo = (start_n // QB) * HEAD_DIM + offs_h
+        sc_hi = sc_lo + DH
+        # promotion: one wgmma chain per tile and half head dim, then one float32 add
+        dq_lo += tl.dot(ds8, tl.load(KT8 + kt_lo)) * tl.load(KT_SCALE + sc_lo)[None, :] * ds_inv[:, None]
+        dq_hi += tl.dot(ds8, tl.load(KT8 + kt_hi)) * tl.load(KT_SCALE + sc_hi)[None, :] * ds_inv[:, None]
+        if MATCHED:
+            kbar_lo += tl.dot(p8, tl.load(KT8 + kt_lo)) * tl.load(KT_SCALE + sc_lo)[None, :]
+            kbar_hi += tl.dot(p8, tl.load(KT8 + kt_hi)) * tl.load(KT_SCALE + sc_hi)[None, :]
+    out_lo = offs_m[:, None] * HEAD_DIM + offs_h[None, :]
+    if MATCHED:
+        # delta step (matched): D = sum_j P dP, the reference's DeltaKind.MATCHED
+        tl.store(DELTA_MATCHED + bh64 * N + offs_m, pdp, mask=in_seq)
+        # deferred correction of dQ: dS K = (P (dP - Dst)) K - (D - Dst) (P K)
+        corr = (pdp - d_stale) * (1.0 / P_SCALE)
+        dq_lo -= corr[:, None] * kbar_lo
+        dq_hi -= corr[:, None] * kbar_hi
+        if DEBUG:
+            rowsum -= (pdp - d_stale) * psum
+    tl.store(DQ + bh64 * N * HEAD_DIM + out_lo, to_bf16(dq_lo * sm_scale, INTERPRET), mask=in_seq[:, None])
+    tl.store(DQ + bh64 * N * HEAD_DIM + out_lo + DH, to_bf16(dq_hi * sm_scale, INTERPRET), mask=in_seq[:, None])
     if DEBUG:
         tl.store(DQ_ROWSUM + bh64 * N + offs_m, rowsum, mask=in_seq)
 
@@ -180,54 +168,47 @@ def _bwd_dq_kernel(
 
 
 @triton.jit
-def _dkdv_inner(
-    dk, dv, k, k_scale, v, v_scale, start_n, offs_n,
+def _dkdv_head(
+    dk_lo, dk_hi, dv_lo, dv_hi, k, k_scale, v, v_scale, offs_n, in_seq, bh64, lo,
     Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA,
-    DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE,
-    lo, hi, qk_scale, N, NPAD,
+    DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE, qk_scale, N, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
-    MASK: tl.constexpr, CAUSAL: tl.constexpr, P_SCALE: tl.constexpr,
-    DS_ROWWISE: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
+    CAUSAL: tl.constexpr, P_SCALE: tl.constexpr, DS_ROWWISE: tl.constexpr,
+    DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    # every pointer points at this query head: offsets stay int32
+    """The query tiles of one query head, accumulated into this key block's dK and dV halves."""
+    DH: tl.constexpr = HEAD_DIM // 2
+    offs_h = tl.arange(0, DH)
     offs_d = tl.arange(0, HEAD_DIM)
-    for start_m in range(lo, hi, BLOCK_M):
+    # this query head's base offsets: 64-bit scalars; the tiles use int32 offsets
+    head_rows = bh64 * N * HEAD_DIM
+    head = bh64 * N
+    head_cols = bh64 * HEAD_DIM * NPAD
+    head_col_scale = bh64 * (NPAD // QB) * HEAD_DIM
+    # masks on every tile (two compares and a select per element): one loop body; separate
+    # masked and unmasked loops each kept their own pipelined state live and spilled
+    for start_m in range(lo, N, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
+        q_in = offs_m < N
         # Q and dO row copies as (D, BLOCK_M) tiles: the head dim (the contraction) contiguous
         q_rows = offs_m[None, :] * HEAD_DIM + offs_d[:, None]
-        if MASK:
-            in_seq = offs_m < N
-            q_t = tl.load(Q8 + q_rows, mask=in_seq[None, :], other=0.0)
-            do_t = tl.load(DO8 + q_rows, mask=in_seq[None, :], other=0.0)
-            q_scale = tl.load(Q_SCALE + offs_m, mask=in_seq, other=0.0)
-            do_scale = tl.load(DO_SCALE + offs_m, mask=in_seq, other=0.0)
-            lse2 = tl.load(LSE2 + offs_m, mask=in_seq, other=0.0)
-            delta = tl.load(DELTA + offs_m, mask=in_seq, other=0.0)
-        else:
-            q_t = tl.load(Q8 + q_rows)
-            do_t = tl.load(DO8 + q_rows)
-            q_scale = tl.load(Q_SCALE + offs_m)
-            do_scale = tl.load(DO_SCALE + offs_m)
-            lse2 = tl.load(LSE2 + offs_m)
-            delta = tl.load(DELTA + offs_m)
-        q_scale = q_scale * qk_scale
-        # recompute, transposed: S2^T = dot(K8, Q8^T) * scales, P^T against LSE
+        q_t = tl.load(Q8 + head_rows + q_rows, mask=q_in[None, :], other=0.0)
+        do_t = tl.load(DO8 + head_rows + q_rows, mask=q_in[None, :], other=0.0)
+        q_scale = tl.load(Q_SCALE + head + offs_m, mask=q_in, other=0.0) * qk_scale
+        lse2 = tl.load(LSE2 + head + offs_m, mask=q_in, other=0.0)
+        # recompute, transposed: in the forward this was S2 = dot(Q8, K8^T) * scales, so now
+        # S2^T = dot(K8, Q8^T) * scales and P^T against LSE
         s_t = tl.dot(k, q_t) * (k_scale[:, None] * q_scale[None, :])
-        p_t = tl.math.exp2(s_t - lse2[None, :])
-        if MASK:
-            valid = (offs_m[None, :] < N) & (offs_n[:, None] < N)
-            if CAUSAL:
-                valid = valid & (offs_m[None, :] >= offs_n[:, None])
-            p_t = tl.where(valid, p_t, 0.0)
+        valid = q_in[None, :] & in_seq[:, None]
+        if CAUSAL:
+            valid = valid & (offs_m[None, :] >= offs_n[:, None])
+        p_t = tl.where(valid, tl.math.exp2(s_t - lse2[None, :]), 0.0)
+        do_scale = tl.load(DO_SCALE + head + offs_m, mask=q_in, other=0.0)
+        delta = tl.load(DELTA + head + offs_m, mask=q_in, other=0.0)
         dp_t = tl.dot(v, do_t) * (v_scale[:, None] * do_scale[None, :])
         # Q-point P (dV): float32 -> E4M3, scale 2**8 against LSE
         p8_t = to_fp8(p_t * P_SCALE, False, INTERPRET)
-        # dO transposed copy as a (BLOCK_M, D) tile: tokens (the contraction) contiguous
-        tok_ptrs = offs_d[None, :] * NPAD + offs_m[:, None]
-        tok_scale = (start_m // QB) * HEAD_DIM + offs_d
-        do_tok = tl.load(DOT8 + tok_ptrs)
-        dv += tl.dot(p8_t, do_tok) * tl.load(DOT_SCALE + tok_scale)[None, :]
         # dS = P (dP - D), with D stale or matched as the caller chose
         ds_t = p_t * (dp_t - delta[None, :])
         if DS_ROWWISE:
@@ -235,20 +216,32 @@ def _dkdv_inner(
             ds8_t, ds_inv = quantize_rows(ds_t, False, INTERPRET)
         else:
             # Q-point dS: float32 -> E4M3, one pow2_floor scale per BLOCK_M x BLOCK_N tile
-            ds8_t, ds_inv = quantize_tile(ds_t, False, INTERPRET)
-            ds_inv = tl.full([BLOCK_N], 1.0, tl.float32) * ds_inv
+            ds8_t, ds_inv_t = quantize_tile(ds_t, False, INTERPRET)
+            ds_inv = tl.full([BLOCK_N], 1.0, tl.float32) * ds_inv_t
         if DEBUG:
-            tl.atomic_add(DS_ROWSUM + offs_m, tl.sum(ds_t, axis=0), mask=offs_m < N)
+            tl.atomic_add(DS_ROWSUM + head + offs_m, tl.sum(ds_t, axis=0), mask=q_in)
             dump = offs_m[None, :] * N + offs_n[:, None]
-            dump_mask = (offs_m[None, :] < N) & (offs_n[:, None] < N)
-            tl.store(P_DUMP + dump, p8_t.to(tl.uint8, bitcast=True), mask=dump_mask)
-            tl.store(DS_DUMP + dump, ds8_t.to(tl.uint8, bitcast=True), mask=dump_mask)
+            dump_mask = q_in[None, :] & in_seq[:, None]
+            dump_fp8(P_DUMP + bh64 * N * N + dump, p8_t, dump_mask, DEBUG)
+            dump_fp8(DS_DUMP + bh64 * N * N + dump, ds8_t, dump_mask, DEBUG)
             # dequantization factor of dS[:, j] in this query tile: (B*H, cdiv(N, BLOCK_M), N)
             scale_ptrs = (start_m // BLOCK_M) * N + offs_n
-            tl.store(DS_SCALE + scale_ptrs, ds_inv, mask=offs_n < N)
-        q_tok = tl.load(QT8 + tok_ptrs)
-        dk += tl.dot(ds8_t, q_tok) * tl.load(QT_SCALE + tok_scale)[None, :] * ds_inv[:, None]
-    return dk, dv
+            tl.store(DS_SCALE + bh64 * tl.cdiv(N, BLOCK_M) * N + scale_ptrs, ds_inv, mask=in_seq)
+        # Both FP8 operands exist before the first of the two matmuls below, so the float32
+        # P, dP and dS tiles are dead while a matmul's float32 result is live (registers).
+        # dO and Q transposed copies as (BLOCK_M, D) tiles: tokens (the contraction) contiguous,
+        # padded to NPAD with zero codes, so no mask
+        # promotion: one wgmma chain per tile and half head dim, then one float32 add
+        # (scales applied on the way)
+        tok_lo = offs_h[None, :] * NPAD + offs_m[:, None]
+        tok_hi = tok_lo + DH * NPAD
+        sc_lo = head_col_scale + (start_m // QB) * HEAD_DIM + offs_h
+        sc_hi = sc_lo + DH
+        dv_lo += tl.dot(p8_t, tl.load(DOT8 + head_cols + tok_lo)) * tl.load(DOT_SCALE + sc_lo)[None, :]
+        dv_hi += tl.dot(p8_t, tl.load(DOT8 + head_cols + tok_hi)) * tl.load(DOT_SCALE + sc_hi)[None, :]
+        dk_lo += tl.dot(ds8_t, tl.load(QT8 + head_cols + tok_lo)) * tl.load(QT_SCALE + sc_lo)[None, :] * ds_inv[:, None]
+        dk_hi += tl.dot(ds8_t, tl.load(QT8 + head_cols + tok_hi)) * tl.load(QT_SCALE + sc_hi)[None, :] * ds_inv[:, None]
+    return dk_lo, dk_hi, dv_lo, dv_hi
 
 
 @triton.jit
@@ -258,14 +251,13 @@ def _bwd_dkdv_kernel(
     DK, DV, DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE,
     qk_scale, sm_scale, H, HKV, N, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
-    CAUSAL: tl.constexpr, P_SCALE: tl.constexpr, DS_ROWWISE: tl.constexpr,
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr, P_SCALE: tl.constexpr, DS_ROWWISE: tl.constexpr,
     DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     tl.static_assert(QB % BLOCK_M == 0)
     start_n = tl.program_id(0) * BLOCK_N
     bkv = tl.program_id(1)
     bkv64 = bkv.to(tl.int64)
-    group = H // HKV
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     in_seq = offs_n < N
@@ -276,66 +268,42 @@ def _bwd_dkdv_kernel(
     v = tl.load(V8 + kv_rows + rows, mask=in_seq[:, None], other=0.0)
     k_scale = tl.load(K_SCALE + bkv64 * N + offs_n, mask=in_seq, other=0.0)
     v_scale = tl.load(V_SCALE + bkv64 * N + offs_n, mask=in_seq, other=0.0)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    # dK and dV in two halves of the head dim each: a matmul's float32 result (the promotion
+    # temporary) is then half as large, which keeps the loop within 255 registers at D = 128
+    DH: tl.constexpr = HEAD_DIM // 2
+    offs_h = tl.arange(0, DH)
+    dk_lo = tl.zeros([BLOCK_N, DH], tl.float32)
+    dk_hi = tl.zeros([BLOCK_N, DH], tl.float32)
+    dv_lo = tl.zeros([BLOCK_N, DH], tl.float32)
+    dv_hi = tl.zeros([BLOCK_N, DH], tl.float32)
     if CAUSAL:
-        # query tiles that touch the diagonal [start_n, start_n + BLOCK_N): causal mask; tiles
-        # divide one another, so these are whole query tiles
+        # the first query tile that sees a key of this block (tiles divide one another)
         lo = (start_n // BLOCK_M) * BLOCK_M
-        hi_diag = tl.cdiv(start_n + BLOCK_N, BLOCK_M) * BLOCK_M
     else:
         lo = 0
-        hi_diag = 0
-    n_full = (N // BLOCK_M) * BLOCK_M
-    for g in range(0, group):
-        bh64 = ((bkv // HKV) * H + (bkv % HKV) * group + g).to(tl.int64)
-        # this query head's base pointers (64-bit scalars)
-        q8_h = Q8 + bh64 * N * HEAD_DIM
-        do8_h = DO8 + bh64 * N * HEAD_DIM
-        qt8_h = QT8 + bh64 * HEAD_DIM * NPAD
-        dot8_h = DOT8 + bh64 * HEAD_DIM * NPAD
-        qt_scale_h = QT_SCALE + bh64 * (NPAD // QB) * HEAD_DIM
-        dot_scale_h = DOT_SCALE + bh64 * (NPAD // QB) * HEAD_DIM
-        q_scale_h = Q_SCALE + bh64 * N
-        do_scale_h = DO_SCALE + bh64 * N
-        lse2_h = LSE2 + bh64 * N
-        delta_h = DELTA + bh64 * N
-        rowsum_h = DS_ROWSUM + bh64 * N
-        p_dump_h = P_DUMP + bh64 * N * N
-        ds_dump_h = DS_DUMP + bh64 * N * N
-        ds_scale_h = DS_SCALE + bh64 * tl.cdiv(N, BLOCK_M) * N
-        if start_n + BLOCK_N <= N:
-            if CAUSAL:
-                dk, dv = _dkdv_inner(
-                    dk, dv, k, k_scale, v, v_scale, start_n, offs_n,
-                    q8_h, q_scale_h, qt8_h, qt_scale_h, do8_h, do_scale_h, dot8_h, dot_scale_h,
-                    lse2_h, delta_h, rowsum_h, p_dump_h, ds_dump_h, ds_scale_h,
-                    lo, tl.minimum(hi_diag, N), qk_scale, N, NPAD,
-                    HEAD_DIM, BLOCK_M, BLOCK_N, QB, True, CAUSAL, P_SCALE, DS_ROWWISE, DEBUG, INTERPRET)
-            # full query tiles past the diagonal: no mask
-            dk, dv = _dkdv_inner(
-                dk, dv, k, k_scale, v, v_scale, start_n, offs_n,
-                q8_h, q_scale_h, qt8_h, qt_scale_h, do8_h, do_scale_h, dot8_h, dot_scale_h,
-                lse2_h, delta_h, rowsum_h, p_dump_h, ds_dump_h, ds_scale_h,
-                hi_diag, n_full, qk_scale, N, NPAD,
-                HEAD_DIM, BLOCK_M, BLOCK_N, QB, False, CAUSAL, P_SCALE, DS_ROWWISE, DEBUG, INTERPRET)
-            # the partial query tile at the end
-            dk, dv = _dkdv_inner(
-                dk, dv, k, k_scale, v, v_scale, start_n, offs_n,
-                q8_h, q_scale_h, qt8_h, qt_scale_h, do8_h, do_scale_h, dot8_h, dot_scale_h,
-                lse2_h, delta_h, rowsum_h, p_dump_h, ds_dump_h, ds_scale_h,
-                tl.maximum(n_full, hi_diag), N, qk_scale, N, NPAD,
-                HEAD_DIM, BLOCK_M, BLOCK_N, QB, True, CAUSAL, P_SCALE, DS_ROWWISE, DEBUG, INTERPRET)
-        else:
-            # the last, partial key block: keys past N must not move the dS scales
-            dk, dv = _dkdv_inner(
-                dk, dv, k, k_scale, v, v_scale, start_n, offs_n,
-                q8_h, q_scale_h, qt8_h, qt_scale_h, do8_h, do_scale_h, dot8_h, dot_scale_h,
-                lse2_h, delta_h, rowsum_h, p_dump_h, ds_dump_h, ds_scale_h,
-                lo, N, qk_scale, N, NPAD,
-                HEAD_DIM, BLOCK_M, BLOCK_N, QB, True, CAUSAL, P_SCALE, DS_ROWWISE, DEBUG, INTERPRET)
-    tl.store(DK + kv_rows + rows, to_bf16(dk * sm_scale, INTERPRET), mask=in_seq[:, None])
-    tl.store(DV + kv_rows + rows, to_bf16(dv * (1.0 / P_SCALE), INTERPRET), mask=in_seq[:, None])
+    # first query head of this key/value head; its GROUP heads are consecutive
+    bh0 = ((bkv // HKV) * H + (bkv % HKV) * GROUP).to(tl.int64)
+    if GROUP == 1:
+        # no loop over heads: a run-time head loop keeps its per-head state live across the
+        # tile loop (spills at D = 128, compile_check)
+        dk_lo, dk_hi, dv_lo, dv_hi = _dkdv_head(
+            dk_lo, dk_hi, dv_lo, dv_hi, k, k_scale, v, v_scale, offs_n, in_seq, bh0, lo,
+            Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA,
+            DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE, qk_scale, N, NPAD,
+            HEAD_DIM, BLOCK_M, BLOCK_N, QB, CAUSAL, P_SCALE, DS_ROWWISE, DEBUG, INTERPRET)
+    else:
+        # GQA: dK and dV sum over the GROUP query heads that read this key/value head
+        for g in range(0, GROUP):
+            dk_lo, dk_hi, dv_lo, dv_hi = _dkdv_head(
+                dk_lo, dk_hi, dv_lo, dv_hi, k, k_scale, v, v_scale, offs_n, in_seq, bh0 + g, lo,
+                Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA,
+                DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE, qk_scale, N, NPAD,
+                HEAD_DIM, BLOCK_M, BLOCK_N, QB, CAUSAL, P_SCALE, DS_ROWWISE, DEBUG, INTERPRET)
+    rows_lo = offs_n[:, None] * HEAD_DIM + offs_h[None, :]
+    tl.store(DK + kv_rows + rows_lo, to_bf16(dk_lo * sm_scale, INTERPRET), mask=in_seq[:, None])
+    tl.store(DK + kv_rows + rows_lo + DH, to_bf16(dk_hi * sm_scale, INTERPRET), mask=in_seq[:, None])
+    tl.store(DV + kv_rows + rows_lo, to_bf16(dv_lo * (1.0 / P_SCALE), INTERPRET), mask=in_seq[:, None])
+    tl.store(DV + kv_rows + rows_lo + DH, to_bf16(dv_hi * (1.0 / P_SCALE), INTERPRET), mask=in_seq[:, None])
 
 
 # --------------------------------------------------------------------------------------------
@@ -369,11 +337,13 @@ def backward(
     dummy8 = torch.empty(1, device=dev, dtype=torch.uint8)
     dummy32 = torch.empty(1, device=dev, dtype=torch.float32)
     dbg = {}
+    debug = int(debug)  # 1 (or True): FP8 dumps as float32 values; 2: as bytes (see dump_fp8)
     if debug:
+        dump_dtype = torch.uint8 if debug == 2 else torch.float32
         dbg["dq_ds_rowsum"] = torch.zeros((batch * heads, n), device=dev, dtype=torch.float32)
         dbg["ds_rowsum"] = torch.zeros((batch * heads, n), device=dev, dtype=torch.float32)
-        dbg["p_codes"] = torch.zeros((batch * heads, n, n), device=dev, dtype=torch.uint8)
-        dbg["ds_codes"] = torch.zeros((batch * heads, n, n), device=dev, dtype=torch.uint8)
+        dbg["p_codes"] = torch.zeros((batch * heads, n, n), device=dev, dtype=dump_dtype)
+        dbg["ds_codes"] = torch.zeros((batch * heads, n, n), device=dev, dtype=dump_dtype)
         dbg["ds_scale"] = torch.zeros((batch * heads, triton.cdiv(n, t.block_m1), n),
                                       device=dev, dtype=torch.float32)
     q8, k8, v8 = saved.q, saved.k, saved.v
@@ -399,7 +369,7 @@ def backward(
             dk, dv, dbg.get("ds_rowsum", dummy32), dbg.get("p_codes", dummy8),
             dbg.get("ds_codes", dummy8), dbg.get("ds_scale", dummy32),
             qk_scale, scale, heads, kv_heads, n, npad,
-            BLOCK_M=t.block_m1, BLOCK_N=t.block_n1,
+            BLOCK_M=t.block_m1, BLOCK_N=t.block_n1, GROUP=heads // kv_heads,
             num_warps=t.num_warps_dkdv, num_stages=t.num_stages_dkdv, **common)
 
     order = (run_dq, run_dkdv) if matched else (run_dkdv, run_dq)  # matched: dq makes D first
@@ -407,4 +377,9 @@ def backward(
         if run.__name__[4:] in kernels:
             run()
     dbg["delta"] = delta_matched if matched else delta_stale
+    if debug:
+        from .fwd import fp8_codes
+
+        dbg["p_codes"] = fp8_codes(dbg["p_codes"])
+        dbg["ds_codes"] = fp8_codes(dbg["ds_codes"])
     return dq, dk, dv, dbg

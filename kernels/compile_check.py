@@ -88,7 +88,7 @@ def resource_usage(compiled) -> tuple[int, int, int]:
     return regs, spills, int(compiled.metadata.shared)
 
 
-def recipe_variants(recipe: KernelRecipe, head_dim: int, causal: bool):
+def recipe_variants(recipe: KernelRecipe, head_dim: int, causal: bool, group: int = 1):
     """(name, kernel, constexprs, num_warps, num_stages) of every kernel a training step runs."""
     from . import bwd, fwd, quantize
 
@@ -104,7 +104,8 @@ def recipe_variants(recipe: KernelRecipe, head_dim: int, causal: bool):
     yield ("dq", bwd._bwd_dq_kernel,
            dict(common, **ds, BLOCK_M=b.block_m2, BLOCK_N=b.block_n2, MATCHED=recipe.delta == "matched"),
            b.num_warps_dq, b.num_stages_dq)
-    yield ("dkdv", bwd._bwd_dkdv_kernel, dict(common, **ds, BLOCK_M=b.block_m1, BLOCK_N=b.block_n1),
+    yield ("dkdv", bwd._bwd_dkdv_kernel,
+           dict(common, **ds, BLOCK_M=b.block_m1, BLOCK_N=b.block_n1, GROUP=group),
            b.num_warps_dkdv, b.num_stages_dkdv)
 
 

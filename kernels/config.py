@@ -174,10 +174,10 @@ class KernelRecipe:
 _DELTA_WORDS = {
     "stale": "D = rowsum(float32(dO_bf16) * float32(O_bf16)); dS = P (dP - D) in both kernels",
     "matched": (
-        "D = sum_j P_ij dP_ij / sum_j P_ij with the float32 P and dP of the backward (accumulated "
-        "in the dq kernel, which runs first); dK: dS = P (dP - D) exactly; dQ by deferred "
-        "correction: dQ = tau [sum_tiles deq(Q8(P (dP - D_stale))) K - (D - D_stale) * "
-        "sum_tiles deq(Q8(2**8 P)) K / 2**8]"
+        "D = sum_j P_ij dP_ij with the float32 P and dP of the backward (accumulated in the dq "
+        "kernel, which runs first; dmref's DeltaKind.MATCHED); dK: dS = P (dP - D) exactly; dQ "
+        "by deferred correction: dQ = tau [sum_tiles deq(Q8(P (dP - D_stale))) K - (D - D_stale) "
+        "* sum_tiles deq(Q8(2**8 P)) K / 2**8]"
     ),
 }
 

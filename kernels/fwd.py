@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import to_bf16, to_fp8
+from ._common import dump_fp8, to_bf16, to_fp8
 from ._runtime import interpreting
 from .config import QUANT_BLOCK, FwdTiles, KernelRecipe
 
@@ -67,9 +67,8 @@ def _fwd_inner(
         # Q-point P: float32 -> E4M3, scale 2**8 against the running max, RNE, satfinite
         p8 = to_fp8(p * P_SCALE, False, INTERPRET)
         if DEBUG:
-            dump_ptrs = P_DUMP + offs_m[:, None] * N + offs_n[None, :]
-            tl.store(dump_ptrs, p8.to(tl.uint8, bitcast=True),
-                     mask=(offs_m[:, None] < N) & (offs_n[None, :] < N))
+            dump_fp8(P_DUMP + offs_m[:, None] * N + offs_n[None, :], p8,
+                      (offs_m[:, None] < N) & (offs_n[None, :] < N), DEBUG)
         # V transposed copy as a (BLOCK_N, D) tile: tokens (the contraction) contiguous; the
         # padding up to NPAD holds zero codes, so no mask is needed
         vt = tl.load(VT8 + offs_d[None, :] * NPAD + offs_n[:, None])
@@ -153,8 +152,11 @@ def forward(
     dev = q8.rows.device
     o = torch.empty((batch, heads, n, head_dim), device=dev, dtype=torch.bfloat16)
     lse2 = torch.empty((batch * heads, n), device=dev, dtype=torch.float32)
-    p_dump = (torch.zeros((batch * heads, n, n), device=dev, dtype=torch.uint8) if debug
-              else torch.empty(1, device=dev, dtype=torch.uint8))
+    # debug: 1 (or True) = float32 values of the P codes, 2 = the codes as bytes (see _dump_fp8)
+    debug = int(debug)
+    p_dump = (torch.zeros((batch * heads, n, n), device=dev,
+                          dtype=torch.uint8 if debug == 2 else torch.float32) if debug
+              else torch.empty(1, device=dev, dtype=torch.float32))
     grid = (triton.cdiv(n, tiles.block_m), batch * heads)
     _fwd_kernel[grid](
         q8.rows, q8.row_scale, k8.rows, k8.row_scale, vt.cols, vt.col_scale,
@@ -164,7 +166,20 @@ def forward(
         CAUSAL=causal, P_SCALE=float(2 ** recipe.p_scale_log2), DEBUG=debug,
         INTERPRET=interpreting(), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
-    return o, lse2, (p_dump if debug else None)
+    return o, lse2, (fp8_codes(p_dump) if debug else None)
+
+
+def fp8_codes(dump: torch.Tensor, dtype=torch.float8_e4m3fn) -> torch.Tensor:
+    """uint8 codes of a debug dump: float32 values of FP8 codes (exact, so the cast back is
+    exact: a value that is not an FP8 value would be a kernel bug, and is reported as such), or
+    bytes already."""
+    if dump.dtype == torch.uint8:
+        return dump
+    codes = dump.to(dtype)
+    if not torch.equal(codes.to(torch.float32), dump):
+        raise AssertionError("debug dump holds values that are not FP8 values")
+    # -0.0 survives the cast (code 0x80), as the kernel's own cast writes it
+    return codes.view(torch.uint8)
 
 
 LN2 = math.log(2.0)

@@ -34,13 +34,19 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x - ref).norm() / ref.norm()).item()
 
 
+#: Relative error of the GPU's exp2 (``ex2.approx.f32``, PTX ISA: at most 2 ulp in float32).
+EXP2_APPROX_REL = 2.0**-22
+
+
 def delta_matching_rowsum_bound(p, dp, delta, *, s2_abs=None, dp_abs=None, head_dim: int,
                                 recompute_unit: float) -> torch.Tensor:
-    """Bound on |sum_j dS_ij| for dS = P (dP - D), D = sum_j P dP / sum_j P, in float32.
+    """Bound on |sum_j dS_ij| for dS = P (dP - D), D = fl(sum_j P dP) (DeltaKind.MATCHED), float32.
 
-    With D formed by float32 sums (n = keys) and each dS_ij by two roundings, then summed:
-    sum_j fl(dS_ij) = sum_j P(dP - D)(1 + theta_{n+2}) and sum_j P(dP - D) = -theta_{2n+2} sum_j P dP,
-    so |r_i| <= gamma_{2n+2} sum_j P_ij (|dP_ij - D_i| + |dP_ij|).
+    With sigma = sum_j P_ij: sum_j P(dP - D) = (sum_j P dP - D) + D (1 - sigma), D formed by a
+    float32 sum of n terms and each fl(dS_ij) by two roundings, then summed, so
+    |r_i| <= gamma_{2n+2} sum_j P_ij (|dP_ij - D_i| + |dP_ij|) + |D_i| |1 - sigma_i|.
+    sigma is the kernel's, which differs from the model's ``p`` by the GPU's exp2 error
+    (EXP2_APPROX_REL per element): |1 - sigma_kernel| <= |1 - sigma| + EXP2_APPROX_REL sigma.
 
     When the dq and dkdv kernels may recompute P and dP with different summation orders (the
     interpreter's float32 matmuls; ``recompute_unit`` > 0), each dot over the head dim can differ
@@ -51,7 +57,9 @@ def delta_matching_rowsum_bound(p, dp, delta, *, s2_abs=None, dp_abs=None, head_
     """
     n = p.shape[-1]
     p, dp, delta = p.double(), dp.double(), delta.double()[..., None]
+    sigma = p.sum(-1)
     bound = gamma(2 * n + 2) * (p * ((dp - delta).abs() + dp.abs())).sum(-1)
+    bound = bound + delta[..., 0].abs() * ((1 - sigma).abs() + EXP2_APPROX_REL * sigma)
     if recompute_unit > 0:
         g = 2 * gamma(head_dim, recompute_unit)
         dp_err = g * dp_abs.double()

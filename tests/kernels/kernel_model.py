@@ -170,7 +170,7 @@ def backward(q, k, v, o, lse2, do, *, causal: bool, scale: float, recipe: Kernel
     dp = dp * (dos[:, :, None] * vs[:, None, :])
     # delta step
     d_stale = (o.reshape(b * h, n, d).float() * dof).sum(-1)
-    d_matched = ((p.double() * dp.double()).sum(-1) / p.double().sum(-1)).float()
+    d_matched = (p.double() * dp.double()).sum(-1).float()
     delta = d_matched if recipe.delta == "matched" else d_stale
     p_scale = float(2 ** recipe.p_scale_log2)
     p8 = encode(p * p_scale, pf, saturate=True)

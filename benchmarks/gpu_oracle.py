@@ -1,0 +1,93 @@
+"""The oracle on the GPU targets of docs/oracle.md (an H200, torch >= 2.5, under 3 minutes):
+
+- torch SDPA in BF16 with the flash, cuDNN and math backends (exact attention at BF16 bounds);
+- dmref.kernels.attention with stale delta (``naive_fp8``) and with Delta-Matching
+  (``delta_matching``), each at BF16 bounds and as a claim of its dmref preset; the stale kernel
+  also as a claim of ``delta_matching`` (the probe must see its stale delta from outside).
+
+    python benchmarks/gpu_oracle.py --out DIR [--cases quick|standard] [--skip-kernels]
+
+The reference, the baselines and the emulated recipes run on the CPU in float64 / float32; the
+targets run on the GPU. Writes DIR/gpu_oracle.json and prints the tables. A target that cannot
+run (no backend, no Triton) is recorded as an error and the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _oracle_runs import Target, run  # noqa: E402
+
+# dmref.kernels: head dim 64 or 128, seqlen_q == seqlen_k, no mask
+KERNEL_CASES = ["realistic", "realistic_causal", "outlier_channels", "peaked_rows", "flat_rows", "long_sequence",
+                "tail_lengths", "large_values", "small_values"]
+
+
+def _sdpa(backend_name: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention
+
+    backend = getattr(SDPBackend, backend_name)
+
+    def fn(q, k, v, *, causal=False, scale=None):  # no mask: flash takes none; masked case skipped
+        with sdpa_kernel(backend):
+            return scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+    fn.__name__ = fn.__qualname__ = f"sdpa_{backend_name.lower()}"
+    return fn
+
+
+def _kernel(recipe: str):
+    def fn(q, k, v, *, causal=False, scale=None):
+        from dmref.kernels import attention
+
+        return attention(q, k, v, causal=causal, scale=scale, recipe=recipe)
+
+    fn.__name__ = fn.__qualname__ = f"kernels_{recipe}"
+    return fn
+
+
+def targets(cases: str, skip_kernels: bool) -> list[Target]:
+    from dmref import oracle
+
+    out = [
+        Target("sdpa flash bf16", _sdpa("FLASH_ATTENTION"), cases=cases, device="cuda"),
+        Target("sdpa cudnn bf16", _sdpa("CUDNN_ATTENTION"), cases=cases, device="cuda"),
+        Target("sdpa math bf16 (cuda)", oracle.sdpa_math, cases=cases, device="cuda"),
+    ]
+    if not skip_kernels:
+        kcases = oracle.make_cases(cases, dtype=torch.bfloat16, names=KERNEL_CASES)
+        for r in ("naive_fp8", "delta_matching"):
+            out.append(Target(f"kernels {r}", _kernel(r), cases=kcases, device="cuda",
+                              note="exact attention at BF16 bounds (an FP8 kernel is expected to fail these)"))
+            out.append(Target(f"kernels {r} claims {r}", _kernel(r), recipe=r, cases=kcases, device="cuda",
+                              note="held to the dmref preset it names (dS blocks 1x64 vs the preset's 1x128)"))
+        out.append(Target("kernels naive_fp8 claims delta_matching", _kernel("naive_fp8"), recipe="delta_matching",
+                          cases=kcases, device="cuda", note="the stale kernel held to Delta-Matching"))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="directory for gpu_oracle.json")
+    ap.add_argument("--cases", default="standard", choices=("quick", "standard"))
+    ap.add_argument("--skip-kernels", action="store_true", help="only the SDPA backends")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_oracle.py needs a CUDA device", file=sys.stderr)
+        return 2
+    torch.set_num_threads(max(1, min(16, os.cpu_count() or 1)))
+    os.makedirs(args.out, exist_ok=True)
+    run(targets(args.cases, args.skip_kernels), os.path.join(args.out, "gpu_oracle.json"),
+        title=f"dmref oracle, {torch.cuda.get_device_name()} ({args.cases})", seed=args.seed)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -36,12 +36,20 @@ SHAPES = [(4, 16, 4096, 128), (1, 16, 16384, 128), (4, 32, 4096, 64)]
 FWD_CANDIDATES = [  # block_m, block_n, num_warps, num_stages
     (128, 128, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3),
 ]
-BWD_CANDIDATES = [  # dkdv: block_m1, block_n1, warps, stages; dq: block_m2, block_n2, warps, stages
-    (64, 128, 8, 2, 128, 64, 8, 2),
-    (64, 64, 4, 2, 64, 64, 4, 2),
-    (64, 128, 8, 1, 128, 64, 8, 1),
-    (128, 64, 8, 1, 64, 128, 8, 1),  # dS blocks of 1x128: the reference presets' granularity
-]
+BWD_CANDIDATES = {  # per head dim; dkdv: block_m1, block_n1, warps, stages; dq: block_m2, block_n2, warps, stages
+    128: [
+        (64, 128, 8, 2, 128, 64, 8, 2),  # the default: dS blocks 1x64
+        (32, 128, 8, 3, 128, 32, 8, 2),  # dS blocks 1x32: the reference can reproduce it
+        (64, 128, 8, 2, 128, 64, 8, 3),
+        (32, 128, 8, 2, 128, 64, 8, 2),
+    ],
+    64: [
+        (64, 64, 4, 2, 64, 64, 4, 2),  # the default
+        (32, 128, 8, 2, 128, 32, 8, 2),  # dS blocks 1x32
+        (64, 128, 8, 2, 128, 64, 8, 2),
+        (32, 64, 4, 2, 64, 32, 4, 2),
+    ],
+}
 
 
 def _tiles(fwd_c, bwd_c):
@@ -50,7 +58,7 @@ def _tiles(fwd_c, bwd_c):
     if fwd_c is None:
         fwd_c = FWD_CANDIDATES[0]
     if bwd_c is None:
-        bwd_c = BWD_CANDIDATES[0]
+        bwd_c = BWD_CANDIDATES[128][0]
     fwd = FwdTiles(block_m=fwd_c[0], block_n=fwd_c[1], num_warps=fwd_c[2], num_stages=fwd_c[3])
     bm1, bn1, w1, s1, bm2, bn2, w2, s2 = bwd_c
     bwd = BwdTiles(block_m1=bm1, block_n1=bn1, block_m2=bm2, block_n2=bn2,
@@ -238,7 +246,7 @@ def sweep(d, causal, h, n, b):
     scale = 1 / math.sqrt(d)
     dims = dict(batch=b, heads=h, kv_heads=h, n=n, head_dim=d)
     out = {"fwd": {}, "bwd": {}}
-    base_bwd = BWD_CANDIDATES[0]
+    base_bwd = BWD_CANDIDATES[d][0]
     r0 = _recipe("delta_matching", FWD_CANDIDATES[0], base_bwd)
     o, _, saved, _ = api.attention_forward(q, k, v, causal=causal, scale=scale, recipe=r0)
     for fc in FWD_CANDIDATES:
@@ -249,7 +257,7 @@ def sweep(d, causal, h, n, b):
         except Exception as exc:
             out["fwd"][str(fc)] = f"{type(exc).__name__}: {exc}"[:200]
     do8, d_stale = quantize(do, "float8_e4m3fn", rows=True, cols=True, delta_with=o)
-    for bc in BWD_CANDIDATES:
+    for bc in BWD_CANDIDATES[d]:
         for name in ("delta_matching", "naive_fp8"):
             try:
                 r = _recipe(name, FWD_CANDIDATES[0], bc)
@@ -356,9 +364,9 @@ def main(argv=None):
     # compile every variant ahead, in parallel
     ds = sorted({s[3] for s in shapes})
     fwd_cands = [None] if args.no_sweep else FWD_CANDIDATES
-    bwd_cands = [None] if args.no_sweep else BWD_CANDIDATES
     jobs = []
     for d in ds:
+        bwd_cands = [None] if args.no_sweep else BWD_CANDIDATES[d]
         heads = [s[1] for s in shapes if s[3] == d][0]
         for causal in causals:
             for i, fc in enumerate(fwd_cands):

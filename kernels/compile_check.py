@@ -127,5 +127,7 @@ def check(recipe: str | KernelRecipe = "delta_matching", head_dims=(64, 128), ca
 
 
 if __name__ == "__main__":  # pragma: no cover
-    for u in check():
+    # both recipes: they differ in the dq kernel only (kbar and the matched delta)
+    usage = check("delta_matching") + check("naive_fp8", only=("dq",))
+    for u in usage:
         print(f"{u.kernel:9s} regs {u.registers:4d} spill {u.spill_bytes:6d} B  smem {u.shared_bytes:7d} B  {u.variant}")

@@ -62,9 +62,11 @@ class BwdTiles:
     - ``dq``: one program per ``block_m2`` queries, looping over ``block_n2`` keys.
 
     With the ``rowwise`` dS granularity dS is quantized per ``block_m1`` queries for dK and per
-    ``block_n2`` keys for dQ (the contraction of the tile): tiles of 128 there give the
-    reference's 1x128 granularity; the defaults use 64, which keeps the S-sized tiles at 32
-    float32 registers per thread (tiles of 128 spill at head dim 128).
+    ``block_n2`` keys for dQ (the contraction of the tile): tiles of 128 give the reference
+    presets' 1x128 granularity, tiles of 32 the 1x32 (MX-32 shaped) one; both are expressible in
+    ``dmref.recipes`` (``KernelRecipe.reference_recipe``), 64 is not. Tiles of 128 spill at head
+    dim 128. The defaults (D = 128) are the fastest of the H200 sweep in
+    benchmarks/results/2026-11-29_nvidia-h200_bench_attention_v2.json.
     """
 
     block_m1: int = 64
@@ -169,6 +171,63 @@ class KernelRecipe:
             "K (dS K)": f"{self.qkv_format}, {QUANT_BLOCK} tokens x 1 channel, pow2_floor",
             "delta": _DELTA_WORDS[self.delta],
         }
+
+
+    def reference_recipe(self, head_dim: int, accumulation: str = "hopper"):
+        """The ``dmref.recipes.Recipe`` that reproduces these kernels at ``head_dim``, for the
+        emulated reference ``dmref.tiled``.
+
+        ``accumulation``: ``"hopper"`` for the H200 (one wgmma chain per kernel tile, promoted
+        to float32 between tiles: ``hopper-p<tile>`` where a tile is shorter than the reference's
+        128-wide scale blocks), ``"fp32"`` for Triton's interpreter (float32 matmuls).
+
+        Raises ``ValueError`` where the reference cannot express the kernel: dS blocks other
+        than 1x32 (``Granularity.MX32`` with ``ScaleRule.POW2_DOWN``) or 1x128 (``TILE_1x128``),
+        or a forward key tile other than the reference's 128. What it cannot express at all:
+        the matched dQ (the kernel forms dQ from the stale dS and corrects it with kbar; the
+        reference quantizes P (dP - D) with the final D), so compare matched dQ within recipe
+        noise only.
+        """
+        from dmref.recipes import (MATCHED, STALE, Accumulation, Granularity, PReference,
+                                   PScaling, QuantPoint, Recipe, ScaleRule)
+
+        b = self.bwd_tiles(head_dim)
+        if self.fwd.block_n != QUANT_BLOCK:
+            raise ValueError(f"forward block_n={self.fwd.block_n}: the reference rescales the "
+                             f"running max every {QUANT_BLOCK} keys (Tiles.block_k)")
+        if self.ds_granularity != "rowwise":
+            raise ValueError("ds_granularity='tile': the reference has no per-tile dS scale")
+
+        def ds_point(block: int) -> QuantPoint:
+            gran = {32: Granularity.MX32, QUANT_BLOCK: Granularity.TILE_1x128}.get(block)
+            if gran is None:
+                raise ValueError(f"dS blocks of 1x{block}: dmref.recipes.Granularity has 1x32 "
+                                 "(MX32) and 1x128 only")
+            return QuantPoint(self.ds_format, gran, ScaleRule.POW2_DOWN)
+
+        row = QuantPoint(self.qkv_format, Granularity.ROW, ScaleRule.POW2_DOWN)
+        do_row = QuantPoint(self.do_format, Granularity.ROW, ScaleRule.POW2_DOWN)
+        tok = QuantPoint(self.qkv_format, Granularity.TILE_1x128, ScaleRule.POW2_DOWN)
+        do_tok = QuantPoint(self.do_format, Granularity.TILE_1x128, ScaleRule.POW2_DOWN)
+        p = QuantPoint(self.p_format, Granularity.TENSOR, ScaleRule.FIXED)
+
+        def acc(tile: int) -> str:
+            if accumulation != "hopper":
+                return accumulation
+            return "hopper" if tile >= QUANT_BLOCK else f"hopper-p{tile}"
+
+        return Recipe(
+            name=f"kernels_{self.name}_d{head_dim}",
+            q=row, k=row, v=tok, p=p, o=QuantPoint("bfloat16"),
+            do_dp=do_row, v_dp=row, p_dv=p, do_dv=do_tok,
+            ds_dq=ds_point(b.block_n2), k_dq=tok, ds_dk=ds_point(b.block_m1), q_dk=tok,
+            accumulation=Accumulation(
+                qk=acc(QUANT_BLOCK), pv=acc(QUANT_BLOCK), qk_bwd=acc(QUANT_BLOCK),
+                dp=acc(QUANT_BLOCK), dv=acc(b.block_m1), dq=acc(b.block_n2), dk=acc(b.block_m1)),
+            p_fwd=PScaling(PReference.RUNNING_MAX, self.p_scale_log2),
+            p_bwd=PScaling(PReference.LSE, self.p_scale_log2),
+            delta=MATCHED if self.delta == "matched" else STALE,
+        )
 
 
 _DELTA_WORDS = {

@@ -86,8 +86,12 @@ def _scores(q8, qs, k8, ks, scale: float, fmt: str, dot) -> torch.Tensor:
     return s * (q_scale[:, :, None] * ks[:, None, :])
 
 
-def forward(q, k, v, *, causal: bool, scale: float, recipe: KernelRecipe, dot=exact_dot):
-    """O (B, H, N, D) float32, LSE2 (B*H, N) and the P codes (B*H, N, N) of the forward kernel."""
+def forward(q, k, v, *, causal: bool, scale: float, recipe: KernelRecipe, dot=exact_dot,
+            p_codes_in: torch.Tensor | None = None):
+    """O (B, H, N, D) float32, LSE2 (B*H, N) and the P codes (B*H, N, N) of the forward kernel.
+
+    ``p_codes_in``: P codes to multiply into V instead of the model's own (e.g. a kernel's debug
+    dump), everything else unchanged: O recomputed from them."""
     b, h, n, d = q.shape
     fmt = recipe.qkv_format
     q8, qs = rows(q.reshape(b * h, n, d).float(), fmt)
@@ -111,6 +115,8 @@ def forward(q, k, v, *, causal: bool, scale: float, recipe: KernelRecipe, dot=ex
         l_ = l_ * alpha + p.sum(-1)
         # Q-point P: float32 -> E4M3, scale 2**8 against the running max, RNE, satfinite
         p8 = encode(p * p_scale, recipe.p_format, saturate=True)
+        if p_codes_in is not None:
+            p8 = p_codes_in[:, :, sl].to(p8.device)
         p_codes[:, :, sl] = p8
         vt = decode(vt8[:, :, sl], fmt).transpose(1, 2)  # (BH, tile, D)
         v_scale = vts[:, start // QUANT_BLOCK, :]

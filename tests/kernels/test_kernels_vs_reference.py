@@ -1,0 +1,205 @@
+"""Differential tests: dmref.kernels against the emulated reference ``dmref.tiled`` on the recipe
+the kernels declare (``KernelRecipe.reference_recipe``).
+
+The reference reproduces the kernels' forward (P against the running max of 128-key tiles), the
+matched and stale delta, dV and dK, and the stale dQ: on the H200 with the Hopper wgmma model and
+the kernels' promotion points (``hopper``, ``hopper-p32``), in Triton's interpreter with float32
+matmuls. What it cannot express is the matched dQ (the kernels' deferred kbar correction), which
+is compared within the recipe's own noise only. The kernel tilings here use dS blocks of 1x32
+(``Granularity.MX32`` with power-of-two scales); 1x64 blocks have no reference granularity.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from dmref.kernels.config import RECIPES, BwdTiles, FwdTiles
+
+from kernel_bounds import (
+    CODE_AGREEMENT,
+    EXP2_APPROX_REL,
+    RECIPE_NOISE_FRACTION,
+    U32,
+    gamma,
+    rel_err,
+)
+
+#: E4M3 has 3 mantissa bits: two neighbouring codes differ by at most 2**-3 relative.
+E4M3_ULP_REL = 2.0**-3
+#: BF16 outputs: rounding to 8 significant bits, 2**-8 relative at most.
+BF16_REL = 2.0**-8
+
+
+def code_flip_rel_bound(n_fp8_operands: int) -> float:
+    """Normwise relative difference two implementations of one recipe may show when they agree
+    on all but a fraction 1 - CODE_AGREEMENT of the FP8 codes of each operand quantized from
+    float32 data they computed separately (P, dS): each differing code moves its element by one
+    E4M3 step, randomly signed, so the difference of a product is at most
+    E4M3_ULP_REL * sqrt(1 - CODE_AGREEMENT) of it per such operand; plus the BF16 rounding of
+    the output."""
+    return n_fp8_operands * E4M3_ULP_REL * math.sqrt(1 - CODE_AGREEMENT) + BF16_REL
+
+
+@dataclass(frozen=True)
+class RefCase:
+    batch: int
+    heads: int
+    kv_heads: int
+    n: int
+    head_dim: int
+    causal: bool
+    recipe: str
+
+    def recipe_obj(self):
+        import dataclasses
+
+        fwd = FwdTiles(64, 128, 4, 2)
+        if self.head_dim == 128:
+            bwd = BwdTiles(32, 128, 128, 32, 8, 2, 8, 2)
+        else:
+            bwd = BwdTiles(32, 64, 64, 32, 4, 2, 4, 2)
+        return dataclasses.replace(RECIPES[self.recipe], fwd=fwd, bwd=bwd, bwd_d64=None)
+
+    def __str__(self):
+        return (f"{self.recipe}-{'causal' if self.causal else 'full'}-b{self.batch}h{self.heads}"
+                f"kv{self.kv_heads}n{self.n}d{self.head_dim}")
+
+
+CASES = {
+    "interpreter": [
+        RefCase(1, 2, 1, 203, 64, True, "naive_fp8"),
+        RefCase(1, 2, 2, 150, 64, False, "delta_matching"),
+    ],
+    "gpu": [
+        RefCase(2, 4, 2, 1000, 128, False, "naive_fp8"),
+        RefCase(2, 4, 2, 1000, 128, True, "delta_matching"),
+        RefCase(1, 4, 4, 777, 64, True, "naive_fp8"),
+        RefCase(1, 4, 1, 777, 64, False, "delta_matching"),
+    ],
+}
+
+
+def _params():
+    out = []
+    for backend, cases in CASES.items():
+        for c in cases:
+            marks = [pytest.mark.gpu] if backend == "gpu" else []
+            out.append(pytest.param(backend, c, id=f"{backend}-{c}", marks=marks))
+    return out
+
+
+def _inputs(case: RefCase, device: str, seed: int = 0):
+    """Normal values with every 16th channel of q and k three times larger (outliers)."""
+    g = torch.Generator().manual_seed(seed)
+    b, h, hkv, n, d = case.batch, case.heads, case.kv_heads, case.n, case.head_dim
+    outlier = torch.ones(d)
+    outlier[::16] = 3.0
+    q = torch.randn(b, h, n, d, generator=g) * outlier
+    k = torch.randn(b, hkv, n, d, generator=g) * outlier
+    v = torch.randn(b, hkv, n, d, generator=g)
+    do = torch.randn(b, h, n, d, generator=g)
+    return [t.to(torch.bfloat16).to(device) for t in (q, k, v, do)]
+
+
+_RUNS: dict = {}
+
+
+def _run(backend: str, case: RefCase) -> dict:
+    if (backend, case) in _RUNS:
+        return _RUNS[(backend, case)]
+    import os
+
+    if backend == "interpreter":
+        pytest.importorskip("triton")
+        if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            pytest.skip("this process compiles for the GPU; the interpreter variant runs on the CPU")
+    from dmref import tiled
+    from dmref.kernels import api
+
+    device = "cuda" if backend == "gpu" else "cpu"
+    q, k, v, do = _inputs(case, device)
+    kr = case.recipe_obj()
+    rr = kr.reference_recipe(case.head_dim, "hopper" if backend == "gpu" else "fp32")
+    scale = 1.0 / math.sqrt(case.head_dim)
+    o, _lse, saved, _ = api.attention_forward(q, k, v, causal=case.causal, scale=scale, recipe=kr)
+    dq, dk, dv, dbg = api.attention_backward(saved, o, do, shape=api.Shape.of(q, k, v),
+                                             causal=case.causal, scale=scale, recipe=kr)
+    qf, kf, vf, dof = (t.float() for t in (q, k, v, do))
+    fwd, bwd = tiled.attention(qf, kf, vf, dof, recipe=rr, causal=case.causal, scale=scale,
+                               diagnostics=True)
+    ex = tiled.attention(q.double(), k.double(), v.double(), do.double(), recipe="exact",
+                         causal=case.causal, scale=scale)
+    out = dict(kernel=dict(o=o.float(), lse2=saved.lse2.view_as(fwd.stats.lse2), dq=dq.float(),
+                           dk=dk.float(), dv=dv.float(),
+                           delta=dbg["delta"].view_as(bwd.rowsum.delta)),
+               ref=dict(o=fwd.out, lse2=fwd.stats.lse2, dq=bwd.dq, dk=bwd.dk, dv=bwd.dv,
+                        delta=bwd.rowsum.delta, abs_pdp=bwd.rowsum.abs_pdp),
+               exact=dict(o=ex[0].out, dq=ex[1].dq, dk=ex[1].dk, dv=ex[1].dv), do=do.float(),
+               qk=(q, k))
+    _RUNS[(backend, case)] = out
+    return out
+
+
+#: FP8 operands quantized from float32 data each side computes itself, per output
+#: (P for O and dV; P then dS for dK and the stale dQ).
+_FP8_FROM_FLOAT32 = {"o": 1, "dv": 1, "dk": 2, "dq": 2}
+
+
+@pytest.mark.parametrize("backend,case", _params())
+def test_outputs_and_gradients_equal_reference_up_to_code_flips(backend, case):
+    r = _run(backend, case)
+    kern, ref, exact = r["kernel"], r["ref"], r["exact"]
+    for name, n_ops in _FP8_FROM_FLOAT32.items():
+        diff = rel_err(kern[name], ref[name])
+        if name == "dq" and case.recipe == "delta_matching":
+            # the reference quantizes P (dP - D); the kernel P (dP - D_stale), then corrects
+            # with kbar: other codes, so the two differ by the dS quantization noise (3.5% of
+            # dQ in the interpreter case); the kernel's deferred form must be as accurate as
+            # the reference's against float64 attention, up to a quarter of that error
+            ref_error = rel_err(ref[name], exact[name])
+            kern_error = rel_err(kern[name], exact[name])
+            assert kern_error <= (1 + RECIPE_NOISE_FRACTION) * ref_error, (kern_error, ref_error)
+            continue
+        tol = code_flip_rel_bound(n_ops) if backend == "gpu" else BF16_REL
+        assert diff <= tol, f"{name}: kernel vs reference {diff:.3e} > {tol:.3e}"
+
+
+@pytest.mark.parametrize("backend,case", _params())
+def test_lse_and_delta_equal_reference(backend, case):
+    r = _run(backend, case)
+    kern, ref = r["kernel"], r["ref"]
+    n = case.n
+    # LSE2 = m + log2(l): the same running max of the same logits (the Hopper model reproduces
+    # the wgmma bit for bit), l a float32 sum of n exp2 values in another order with exp2's
+    # error (log2(1 + e) <= 2e), and the final rounding. In the interpreter the logits are float32
+    # dots over the head dim in two orders: |dx| <= 2 gamma_D sum_d |q_d k_d| c, which moves m
+    # and every exponent by as much (bounded with the BF16 inputs, which the E4M3 codes do not
+    # exceed by more than a factor (1 + 2**-4)**2).
+    lse2 = ref["lse2"].double()
+    finite = torch.isfinite(lse2)
+    lse_tol = 2 * (gamma(n) + EXP2_APPROX_REL) + 2 * U32 * lse2[finite].abs().max().item()
+    if backend == "interpreter":
+        q, k = (t.double().abs() for t in r["qk"])
+        k = k.repeat_interleave(case.heads // case.kv_heads, dim=1)
+        c = math.log2(math.e) / math.sqrt(case.head_dim)
+        lse_tol += 2 * 2 * gamma(case.head_dim) * c * (1 + 2.0**-4) ** 2 * \
+            (q @ k.transpose(-1, -2)).max().item()
+    assert (kern["lse2"].double() - lse2)[finite].abs().max().item() <= lse_tol
+    # D, per row. Stale: sum_d dO O with each side's own BF16 O, a float32 dot over d:
+    #   |D_k - D_r| <= |dO| |O_k - O_r| + gamma_D sum_d |dO O|  (both sides round).
+    # Matched: sum_j P dP of the same dP codes and a P that differs by exp2's error and by the
+    # two LSEs: |D_k - D_r| <= (2 gamma_n + EXP2_APPROX_REL + ln2 |lse2_k - lse2_r|) sum_j |P dP|.
+    if case.recipe == "naive_fp8":
+        do, o_k, o_r = (x.double().flatten(0, 1) for x in (r["do"], kern["o"], ref["o"]))
+        d_tol = do.norm(dim=-1) * (o_k - o_r).norm(dim=-1) + \
+            2 * gamma(case.head_dim) * (do * o_r).abs().sum(-1)
+        d_tol = d_tol.view_as(ref["delta"])
+    else:
+        dlse = (kern["lse2"].double() - lse2).abs().where(finite, torch.zeros_like(lse2))
+        d_tol = (2 * gamma(n) + EXP2_APPROX_REL + math.log(2) * dlse) * ref["abs_pdp"].double()
+    excess = ((kern["delta"].double() - ref["delta"].double()).abs() - d_tol).max().item()
+    assert excess <= 0, f"delta differs from the reference's beyond its bound by {excess:.3e}"

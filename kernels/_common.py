@@ -90,17 +90,21 @@ def exp2_int(k):
 
 @triton.jit
 def quantize_tile(x, IS_E5M2: tl.constexpr, INTERPRET: tl.constexpr):
-    """One pow2_floor scale for the whole 2-D tile: returns (codes, dequantization factor)."""
+    """One pow2_floor scale for the whole 2-D tile: returns (codes, dequantization factor,
+    the scaled float32 tile the cast received)."""
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
     k = pow2_floor_exponent(amax, IS_E5M2)
-    return to_fp8(x * exp2_int(k), IS_E5M2, INTERPRET), exp2_int(-k)
+    scaled = x * exp2_int(k)
+    return to_fp8(scaled, IS_E5M2, INTERPRET), exp2_int(-k), scaled
 
 
 @triton.jit
 def quantize_rows(x, IS_E5M2: tl.constexpr, INTERPRET: tl.constexpr):
-    """One pow2_floor scale per row of the 2-D tile: returns (codes, dequantization factors)."""
+    """One pow2_floor scale per row of the 2-D tile: returns (codes, dequantization factors,
+    the scaled float32 tile the cast received)."""
     k = pow2_floor_exponent(tl.max(tl.abs(x), axis=1), IS_E5M2)
-    return to_fp8(x * exp2_int(k)[:, None], IS_E5M2, INTERPRET), exp2_int(-k)
+    scaled = x * exp2_int(k)[:, None]
+    return to_fp8(scaled, IS_E5M2, INTERPRET), exp2_int(-k), scaled
 
 
 @triton.jit
@@ -115,14 +119,20 @@ def to_bf16(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def dump_fp8(ptrs, x8, mask, DEBUG: tl.constexpr):
-    """Debug store of an FP8 tile that also feeds a register-operand wgmma.
+def dump_fp8(ptrs, x, x8, mask, DEBUG: tl.constexpr):
+    """Debug store of a tile quantized to FP8: ``x`` is the float32 value the cast received
+    (scale included), ``x8`` the FP8 tile it gave (which also feeds a register-operand wgmma).
 
-    ``DEBUG == 1``: the float32 values of the codes (exact), decoded back to codes on the host.
-    ``DEBUG == 2``: the codes as bytes (``bitcast`` to uint8): the first version's store, kept
-    for the test that compares the two stores on the GPU (tests/kernels).
+    ``DEBUG == 1``: ``x``; the host casts it with the model's RNE satfinite cast
+    (``fwd.fp8_codes``). The hardware cast is ``cvt.rn.satfinite`` (checked against the model on
+    its own in tests/kernels), and the test that recomputes O from the dumped codes checks that
+    the matmul consumed exactly these. ``DEBUG == 2``: the codes ``x8`` as bytes (bitcast): the
+    first version's store, which on the H200 does not show the codes the matmul consumed;
+    kept for the test that documents it. (Storing ``x8.to(float32)`` instead is no way around:
+    the compiler moves the layout conversion of the store before the widening, onto the 8-bit
+    tile, and the values came back with NaNs on the H200, 2026-11-29.)
     """
     if DEBUG == 2:
         tl.store(ptrs, x8.to(tl.uint8, bitcast=True), mask=mask)
     else:
-        tl.store(ptrs, x8.to(tl.float32), mask=mask)
+        tl.store(ptrs, x, mask=mask)

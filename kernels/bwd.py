@@ -17,9 +17,10 @@ The delta step, per strategy:
 
       dS_ij = P_ij (dP_ij - D_i) = P_ij (dP_ij - Dst_i) - (D_i - Dst_i) P_ij
       dQ_i  = tau [ sum_j Q8(P (dP - Dst))_ij K_j  -  (D_i - Dst_i) * kbar_i ],
-      kbar_i = sum_j Q8(2**8 P_ij) K_j / 2**8         (one more FP8 matmul, same K tile)
+      kbar_i = sum_j Q8(2**4 P_ij) K_j / 2**4         (one more FP8 matmul, same K tile)
 
-  The correction's factor ``D - Dst`` is small, so kbar's FP8 error is second order. dK needs
+  The correction's factor ``D - Dst`` is small, so kbar's errors are second order: its FP8 P
+  (scale 2**4), its float16 wgmma chain per tile and its float16 accumulator across tiles. dK needs
   ``sum_i D_i P_ij Q_i`` with every row's final D, which has no such deferred form: ``dkdv`` runs
   second and reads the matched D, forming ``dS = P (dP - D)`` exactly. The cost over stale is the
   kbar matmul, its accumulator and one row reduction in ``dq``; nothing is swept twice.
@@ -39,7 +40,10 @@ import triton.language as tl
 
 from ._common import dump_fp8, quantize_rows, quantize_tile, to_bf16, to_fp8
 from ._runtime import interpreting
-from .config import QUANT_BLOCK, KernelRecipe
+from .config import KBAR_P_SCALE_LOG2, QUANT_BLOCK, KernelRecipe
+
+#: P's scale at the kbar quantization point (see config.KBAR_P_SCALE_LOG2).
+KBAR_P_SCALE = tl.constexpr(float(2**KBAR_P_SCALE_LOG2))
 
 
 # --------------------------------------------------------------------------------------------
@@ -85,8 +89,9 @@ def _bwd_dq_kernel(
     offs_h = tl.arange(0, DH)
     dq_lo = tl.zeros([BLOCK_M, DH], tl.float32)
     dq_hi = tl.zeros([BLOCK_M, DH], tl.float32)
-    kbar_lo = tl.zeros([BLOCK_M, DH], tl.float32)
-    kbar_hi = tl.zeros([BLOCK_M, DH], tl.float32)
+    # kbar is second order (it is multiplied by D - D_stale): float16, in units of K (below)
+    kbar_lo = tl.zeros([BLOCK_M, DH], tl.float16)
+    kbar_hi = tl.zeros([BLOCK_M, DH], tl.float16)
     pdp = tl.zeros([BLOCK_M], tl.float32)
     psum = tl.zeros([BLOCK_M], tl.float32)
     rowsum = tl.zeros([BLOCK_M], tl.float32)
@@ -125,14 +130,15 @@ def _bwd_dq_kernel(
         # tiles are dead while a matmul's float32 result is live (registers).
         if DS_ROWWISE:
             # Q-point dS: float32 -> E4M3, one pow2_floor scale per query row and BLOCK_N keys
-            ds8, ds_inv = quantize_rows(ds, False, INTERPRET)
+            ds8, ds_inv, _ = quantize_rows(ds, False, INTERPRET)
         else:
             # Q-point dS: float32 -> E4M3, one pow2_floor scale per BLOCK_M x BLOCK_N tile
-            ds8, ds_inv_t = quantize_tile(ds, False, INTERPRET)
+            ds8, ds_inv_t, _ = quantize_tile(ds, False, INTERPRET)
             ds_inv = tl.full([BLOCK_M], 1.0, tl.float32) * ds_inv_t
         if MATCHED:
-            # Q-point P (kbar): float32 -> E4M3, scale 2**8 against LSE
-            p8 = to_fp8(p * P_SCALE, False, INTERPRET)
+            # Q-point P (kbar): float32 -> E4M3, scale KBAR_P_SCALE against LSE: with codes of
+            # P <= 2**4 and of K <= 448 a float16 wgmma chain cannot overflow, as sum_j P <= 1
+            p8 = to_fp8(p * KBAR_P_SCALE, False, INTERPRET)
         # K transposed copy as (BLOCK_N, D/2) tiles: tokens (the contraction) contiguous,
         # padded to NPAD with zero codes, so no mask
         kt_lo = offs_h[None, :] * NPAD + offs_n[:, None]
@@ -143,16 +149,20 @@ def _bwd_dq_kernel(
         dq_lo += tl.dot(ds8, tl.load(KT8 + kt_lo)) * tl.load(KT_SCALE + sc_lo)[None, :] * ds_inv[:, None]
         dq_hi += tl.dot(ds8, tl.load(KT8 + kt_hi)) * tl.load(KT_SCALE + sc_hi)[None, :] * ds_inv[:, None]
         if MATCHED:
-            kbar_lo += tl.dot(p8, tl.load(KT8 + kt_lo)) * tl.load(KT_SCALE + sc_lo)[None, :]
-            kbar_hi += tl.dot(p8, tl.load(KT8 + kt_hi)) * tl.load(KT_SCALE + sc_hi)[None, :]
+            # kbar: float16 wgmma chain per tile, scaled to units of K in float32, added and
+            # rounded to float16 (its 32 registers instead of 64 keep the loop from spilling)
+            kb_lo = tl.dot(p8, tl.load(KT8 + kt_lo), out_dtype=tl.float16).to(tl.float32)
+            kb_hi = tl.dot(p8, tl.load(KT8 + kt_hi), out_dtype=tl.float16).to(tl.float32)
+            kbar_lo = (kbar_lo.to(tl.float32) + kb_lo * (tl.load(KT_SCALE + sc_lo) * (1.0 / KBAR_P_SCALE))[None, :]).to(tl.float16)
+            kbar_hi = (kbar_hi.to(tl.float32) + kb_hi * (tl.load(KT_SCALE + sc_hi) * (1.0 / KBAR_P_SCALE))[None, :]).to(tl.float16)
     out_lo = offs_m[:, None] * HEAD_DIM + offs_h[None, :]
     if MATCHED:
         # delta step (matched): D = sum_j P dP, the reference's DeltaKind.MATCHED
         tl.store(DELTA_MATCHED + bh64 * N + offs_m, pdp, mask=in_seq)
         # deferred correction of dQ: dS K = (P (dP - Dst)) K - (D - Dst) (P K)
-        corr = (pdp - d_stale) * (1.0 / P_SCALE)
-        dq_lo -= corr[:, None] * kbar_lo
-        dq_hi -= corr[:, None] * kbar_hi
+        corr = pdp - d_stale
+        dq_lo -= corr[:, None] * kbar_lo.to(tl.float32)
+        dq_hi -= corr[:, None] * kbar_hi.to(tl.float32)
         if DEBUG:
             rowsum -= (pdp - d_stale) * psum
     tl.store(DQ + bh64 * N * HEAD_DIM + out_lo, to_bf16(dq_lo * sm_scale, INTERPRET), mask=in_seq[:, None])
@@ -213,17 +223,17 @@ def _dkdv_head(
         ds_t = p_t * (dp_t - delta[None, :])
         if DS_ROWWISE:
             # Q-point dS: float32 -> E4M3, one pow2_floor scale per key and BLOCK_M queries
-            ds8_t, ds_inv = quantize_rows(ds_t, False, INTERPRET)
+            ds8_t, ds_inv, ds_scaled = quantize_rows(ds_t, False, INTERPRET)
         else:
             # Q-point dS: float32 -> E4M3, one pow2_floor scale per BLOCK_M x BLOCK_N tile
-            ds8_t, ds_inv_t = quantize_tile(ds_t, False, INTERPRET)
+            ds8_t, ds_inv_t, ds_scaled = quantize_tile(ds_t, False, INTERPRET)
             ds_inv = tl.full([BLOCK_N], 1.0, tl.float32) * ds_inv_t
         if DEBUG:
             tl.atomic_add(DS_ROWSUM + head + offs_m, tl.sum(ds_t, axis=0), mask=q_in)
             dump = offs_m[None, :] * N + offs_n[:, None]
             dump_mask = q_in[None, :] & in_seq[:, None]
-            dump_fp8(P_DUMP + bh64 * N * N + dump, p8_t, dump_mask, DEBUG)
-            dump_fp8(DS_DUMP + bh64 * N * N + dump, ds8_t, dump_mask, DEBUG)
+            dump_fp8(P_DUMP + bh64 * N * N + dump, p_t * P_SCALE, p8_t, dump_mask, DEBUG)
+            dump_fp8(DS_DUMP + bh64 * N * N + dump, ds_scaled, ds8_t, dump_mask, DEBUG)
             # dequantization factor of dS[:, j] in this query tile: (B*H, cdiv(N, BLOCK_M), N)
             scale_ptrs = (start_m // BLOCK_M) * N + offs_n
             tl.store(DS_SCALE + bh64 * tl.cdiv(N, BLOCK_M) * N + scale_ptrs, ds_inv, mask=in_seq)

@@ -32,6 +32,11 @@ QUANT_BLOCK = 128
 #: P <= 1 against the running max (forward) or against LSE (backward), so 256 * P <= 256 < 448.
 P_SCALE_LOG2 = 8
 
+#: log2 of P's scale at the kbar quantization point (matched dQ's deferred correction). With
+#: P <= 1 against LSE, codes of P <= 2**4 and of K <= 448, a tile's float16 wgmma chain stays
+#: below 2**4 * 448 * (1 + 2**-4) < 65504 (float16's max) for any input.
+KBAR_P_SCALE_LOG2 = 4
+
 DeltaStrategy = Literal["stale", "matched"]
 
 
@@ -236,7 +241,8 @@ _DELTA_WORDS = {
         "D = sum_j P_ij dP_ij with the float32 P and dP of the backward (accumulated in the dq "
         "kernel, which runs first; dmref's DeltaKind.MATCHED); dK: dS = P (dP - D) exactly; dQ "
         "by deferred correction: dQ = tau [sum_tiles deq(Q8(P (dP - D_stale))) K - (D - D_stale) "
-        "* sum_tiles deq(Q8(2**8 P)) K / 2**8]"
+        "* kbar], kbar = sum_tiles fl16(kbar + fl16chain(Q8(2**4 P) K8) * k_scale / 2**4) (float16 "
+        "wgmma chain per tile, float16 accumulator in units of K)"
     ),
 }
 

@@ -65,10 +65,11 @@ def _fwd_inner(
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         # Q-point P: float32 -> E4M3, scale 2**8 against the running max, RNE, satfinite
-        p8 = to_fp8(p * P_SCALE, False, INTERPRET)
+        p_scaled = p * P_SCALE
+        p8 = to_fp8(p_scaled, False, INTERPRET)
         if DEBUG:
-            dump_fp8(P_DUMP + offs_m[:, None] * N + offs_n[None, :], p8,
-                      (offs_m[:, None] < N) & (offs_n[None, :] < N), DEBUG)
+            dump_fp8(P_DUMP + offs_m[:, None] * N + offs_n[None, :], p_scaled, p8,
+                     (offs_m[:, None] < N) & (offs_n[None, :] < N), DEBUG)
         # V transposed copy as a (BLOCK_N, D) tile: tokens (the contraction) contiguous; the
         # padding up to NPAD holds zero codes, so no mask is needed
         vt = tl.load(VT8 + offs_d[None, :] * NPAD + offs_n[:, None])
@@ -169,17 +170,15 @@ def forward(
     return o, lse2, (fp8_codes(p_dump) if debug else None)
 
 
-def fp8_codes(dump: torch.Tensor, dtype=torch.float8_e4m3fn) -> torch.Tensor:
-    """uint8 codes of a debug dump: float32 values of FP8 codes (exact, so the cast back is
-    exact: a value that is not an FP8 value would be a kernel bug, and is reported as such), or
-    bytes already."""
+def fp8_codes(dump: torch.Tensor, fmt: str = "float8_e4m3fn") -> torch.Tensor:
+    """uint8 codes of a debug dump (``_common.dump_fp8``): bytes already (``debug=2``), or the
+    float32 values the kernel's cast received, cast here with RNE satfinite (``dmref.emulation``,
+    the model's cast; ``cvt.rn.satfinite`` computes the same)."""
     if dump.dtype == torch.uint8:
         return dump
-    codes = dump.to(dtype)
-    if not torch.equal(codes.to(torch.float32), dump):
-        raise AssertionError("debug dump holds values that are not FP8 values")
-    # -0.0 survives the cast (code 0x80), as the kernel's own cast writes it
-    return codes.view(torch.uint8)
+    from dmref.emulation import encode
+
+    return encode(dump, fmt, saturate=True)
 
 
 LN2 = math.log(2.0)

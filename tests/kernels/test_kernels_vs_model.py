@@ -370,3 +370,29 @@ def test_hopper_dot_model_equals_triton_fp8_dot_at_kernel_tile_shapes(m, num_war
     _dot[(1,)](a, b, c, M=m, N=128, K=128, num_warps=num_warps)
     ref = model.hopper_dot(a.float(), b.float().T)
     assert torch.equal(c.view(torch.int32), ref.view(torch.int32))
+
+
+@pytest.mark.parametrize("backend", ["interpreter", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_kernel_fp8_cast_equals_model_cast_at_every_rounding_boundary(backend):
+    """``_common.to_fp8`` (``cvt.rn.satfinite`` on the GPU) is the model's RNE satfinite cast
+    (``dmref.emulation.encode``) on every E4M3 value, every midpoint between neighbours (ties to
+    even), the float32 numbers either side of each midpoint, and past the largest finite value:
+    the debug dumps hold the float32 values the cast received and are cast on the host."""
+    _check_backend(backend)
+    import triton
+    from kernel_probes import cast_to_e4m3
+
+    from dmref.emulation import decode, encode
+    from dmref.kernels._runtime import interpreting
+
+    values = decode(torch.arange(0, 0x7F, dtype=torch.uint8), "e4m3").double()  # +0 ... 448
+    mids = (values[:-1] + values[1:]) / 2
+    x = torch.cat([values, mids, torch.tensor([464.0, 480.0, 1e4])]).float()
+    x = torch.cat([x, torch.nextafter(x, torch.tensor(0.0)), torch.nextafter(x, torch.tensor(1e30))])
+    x = torch.cat([x, -x])
+    device = "cuda" if backend == "gpu" else "cpu"
+    xd = x.to(device)
+    y = torch.empty(x.shape, dtype=torch.uint8, device=device)
+    cast_to_e4m3[(triton.cdiv(x.numel(), 256),)](xd, y, x.numel(), BLOCK=256, INTERPRET=interpreting())
+    want = encode(x, "e4m3", saturate=True)
+    assert torch.equal(y.cpu(), want), f"{(y.cpu() != want).sum().item()} of {x.numel()} codes differ"

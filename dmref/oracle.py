@@ -286,7 +286,7 @@ def _name(fn) -> str:
     return f"{module}:{qual}" if module else qual
 
 
-def _call(fn, case: Case, k, device, takes_mask: bool):
+def _call(fn, case: Case, k, device):
     q_, k_, v_ = (t.detach().clone().to(device).requires_grad_(True) for t in (case.q, k, case.v))
     kwargs = dict(causal=case.causal, scale=case.scale)
     if case.mask is not None:
@@ -490,7 +490,7 @@ def _check_case(fn, case, base, claimed, spread_recipe, dtype, device, takes_mas
         add("runs", None, detail="fn takes no mask argument")
         return checks
     try:
-        got = _call(fn, case, case.k, device, takes_mask)
+        got = _call(fn, case, case.k, device)
     except NotImplementedError as e:
         add("runs", None, detail=f"fn raised NotImplementedError: {e}")
         return checks

@@ -246,17 +246,17 @@ def run_probe(fn, q, k, v, dout, setup: ProbeSetup, *, causal: bool = False, sca
             diff = (a.to(torch.float64) - b.to(torch.float64)).abs().max().item()
             # dQ alone may differ through a run-to-run summation order (atomics): only a note
             (notes if name.startswith("dq") else changed).append(f"{name} (max |change| {diff:.3g})")
-    zero_before = bool((base[1][..., ch] == 0).all())
+    zero_before = bool((base[1][..., ch] == 0).all())  # on fn's device; a bool either way
 
     c = setup.shift[ch].to(torch.float64)
-    readings = shifted[1][..., ch].to(torch.float64) / (tau * c)
+    readings = shifted[1][..., ch].detach().to("cpu", torch.float64) / (tau * c)
     residual = readings.mean(dim=-1)
     n_keys = k.shape[-2]
     u_out = unit_roundoff_of(shifted[1].dtype)
     eps = 2 * u_acc + u_out + 2.0**-24  # the scale multiply, the output rounding, c^ = c (1 + eps)
     rel = eps / (1 - eps)
     if abs_ds_bound is not None:
-        per = accumulation_bound(n_keys, u_acc) * abs_ds_bound.to(torch.float64)[..., None] + rel * readings.abs()
+        per = accumulation_bound(n_keys, u_acc) * abs_ds_bound.to("cpu", torch.float64)[..., None] + rel * readings.abs()
         bound = per.amax(dim=-1)
         spread = (readings[..., :, None] - readings[..., None, :]).abs()
         allowed = per[..., :, None] + per[..., None, :]

@@ -45,7 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 LABELS = {
-    "exact": "exact float32 attention",
+    "exact": "float32 attention (torch SDPA; diagnostics: dmref's fp32 preset)",
     "bf16": "BF16 (FlashAttention-2 numerics)",
     "naive_fp8": "naive FP8 (1x128 E4M3, stale delta from BF16 O)",
     "cudnn_fp8": "stale-delta FP8 (cuDNN-style: per-tensor E4M3/E5M2, FP8 delta)",
@@ -220,7 +220,8 @@ def attention_diagnostics(model: GPT, x, y, recipe: str) -> dict:
         cap = blk.attn.capture
         blk.attn.capture = None
         q, k, v, do = (cap[n].float().cpu() for n in ("q", "k", "v", "dout"))
-        diag_recipe = "exact" if recipe == "exact" else recipe
+        # exact: float32 SDPA trains; its diagnostics are those of float32 attention (fp32 preset)
+        diag_recipe = "fp32" if recipe == "exact" else recipe
         report, rows = diagnostics.evaluate(q, k, v, do, diag_recipe, causal=True)
         active = rows.abs_pdp > 0
         signed = (rows.residual[active] / rows.abs_pdp[active]).mean().item()

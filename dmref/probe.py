@@ -198,6 +198,7 @@ class ProbeResult:
     residual: torch.Tensor  #: r^_i: the mean of the per-channel readings
     readings: torch.Tensor  #: (..., len(channels)) one reading per null channel
     error_bound: torch.Tensor  #: bound on |r^_i - sum_j dS^q_ij| (needs ``abs_ds_bound``; else NaN)
+    spread: torch.Tensor  #: max - min of the readings: the probe's noise, measured
     consistent: bool  #: every pair of readings agrees within the sum of their bounds
     invariant: bool  #: O, dK and dV bit-identical in both runs (the shift moved no scale)
     invariance_detail: str  #: which output changed, if any (dQ outside the null channels too)
@@ -264,4 +265,6 @@ def run_probe(fn, q, k, v, dout, setup: ProbeSetup, *, causal: bool = False, sca
     else:
         bound = torch.full_like(residual, math.nan)
         consistent = True
-    return ProbeResult(residual, readings, bound, consistent, not changed, "; ".join(changed + notes), zero_before)
+    spread_rows = readings.amax(dim=-1) - readings.amin(dim=-1)
+    return ProbeResult(residual, readings, bound, spread_rows, consistent, not changed, "; ".join(changed + notes),
+                       zero_before)

@@ -251,7 +251,7 @@ def test_inputs_are_rejected_with_a_message_naming_the_problem():
 
 def test_kernel_schedules_map_to_matmul_keywords():
     assert triton_dot_schedule(128) == {"tile_k": 128, "promote_every": None, "chain": True}
-    assert triton_dot_schedule(64, 128, chain=False) == {"tile_k": 64, "promote_every": 128, "chain": False}
+    assert triton_dot_schedule(128, 64, chain=False) == {"tile_k": 128, "promote_every": 64, "chain": False}
     assert cublas_schedule(True) == {"promote_every": None}
     assert cublas_schedule(False) == {"promote_every": 128}
 

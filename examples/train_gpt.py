@@ -4,7 +4,8 @@ attention recipes, and compare BF16, naive FP8, stale-delta FP8 and Delta-Matchi
     python examples/train_gpt.py                       # CPU, ~3-5 minutes on 2 cores
     python examples/train_gpt.py --steps 100 --recipes bf16 delta_matching   # quicker
     python examples/train_gpt.py --device cuda --kernels --d-model 512 --heads 8 --layers 8 \\
-        --context 1024 --steps 2000 --out examples/results_gpu               # GPU variant
+        --context 1024 --steps 2000 --batch 32 --eval-every 500 --diag-heads 1 \\
+        --recipes exact bf16 naive_fp8 delta_matching --out examples/results_gpu    # GPU variant
 
 Everything but attention is float32 (embeddings, linear layers, LayerNorm, AdamW); attention is
 ``dmref.attention(q, k, v, causal=True, recipe=R)``, whose forward and backward follow recipe R
@@ -69,6 +70,7 @@ class Config:
     eval_every: int = 25
     eval_batches: int = 8
     corpus_bytes: int = 4_000_000
+    diag_heads: int = 0  #: heads per layer the diagnostics look at (0: all; they run on the CPU)
     seed: int = 0
     device: str = "cpu"
     kernels: bool = False
@@ -206,7 +208,7 @@ def make_attend(recipe: str, cfg: Config):
 # ----------------------------------------------------------------------------------------------
 
 
-def attention_diagnostics(model: GPT, x, y, recipe: str) -> dict:
+def attention_diagnostics(model: GPT, x, y, recipe: str, heads: int = 0) -> dict:
     """Per layer, dmref.diagnostics.evaluate on the q, k, v and dO of one training batch."""
     from dmref import diagnostics
 
@@ -220,6 +222,8 @@ def attention_diagnostics(model: GPT, x, y, recipe: str) -> dict:
         cap = blk.attn.capture
         blk.attn.capture = None
         q, k, v, do = (cap[n].float().cpu() for n in ("q", "k", "v", "dout"))
+        if heads:
+            q, k, v, do = (t[:, :heads] for t in (q, k, v, do))
         # exact: float32 SDPA trains; its diagnostics are those of float32 attention (fp32 preset)
         diag_recipe = "fp32" if recipe == "exact" else recipe
         report, rows = diagnostics.evaluate(q, k, v, do, diag_recipe, causal=True)
@@ -283,7 +287,8 @@ def train_one(recipe: str, cfg: Config, train_data, val_batches, diag_batch, pro
             model.set_attend(exact)
             curve["val_loss_exact_attention"].append(evaluate_loss(model, vb))
             model.set_attend(attend)
-            curve["diagnostics"].append(attention_diagnostics(model, *(t.to(device) for t in diag_batch), recipe))
+            curve["diagnostics"].append(attention_diagnostics(model, *(t.to(device) for t in diag_batch), recipe,
+                                                              cfg.diag_heads))
         if step == cfg.steps:
             break
         x, y = next(stream)

@@ -104,7 +104,7 @@ def test_attention_on_cuda_is_as_accurate_as_on_the_cpu():
     exact = (exact[0], *exact[2:])
     errors = {}
     for device in ("cpu", "cuda"):
-        leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
+        leaves = [t.detach().to(device).requires_grad_() for t in (q, k, v)]
         out = dmref.attention(*leaves, causal=True, recipe="delta_matching")
         out.backward(dout.to(device))
         got = [out.detach().cpu()] + [t.grad.cpu() for t in leaves]

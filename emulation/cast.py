@@ -291,6 +291,7 @@ def _encode_lut(x: np.ndarray, fmt: Format, rounding: Rounding, saturate: bool,
         #   shift = (mb - m - w) + max(E, K) - max(E, 1)
         k_field = fmt.emin + src.bias
         assert k_field >= 0 and mb - fmt.mantissa_bits - w >= 1
+        assert k_field == 0 or mb - fmt.mantissa_bits - w + k_field - 1 >= src.total - 1
         base = utype(mb - fmt.mantissa_bits - w)
         cap = utype(src.total - 1)
         exp_mask = utype((1 << src.exponent_bits) - 1)
@@ -303,7 +304,10 @@ def _encode_lut(x: np.ndarray, fmt: Format, rounding: Rounding, saturate: bool,
             exp_field = (uc >> utype(mb)) & exp_mask
             shift = np.maximum(exp_field, utype(k_field))
             shift += base
-            shift -= np.maximum(exp_field, utype(1))
+            if k_field >= 1:  # max(E, 1) = E but for E = 0, whose shift is past the cap anyway
+                shift -= exp_field
+            else:
+                shift -= np.maximum(exp_field, utype(1))
             np.minimum(shift, cap, out=shift)
             # significand with its implicit bit; inputs with exponent field 0 have a shift of
             # at least the cap here, so their (absent) implicit bit is shifted out regardless
@@ -314,8 +318,10 @@ def _encode_lut(x: np.ndarray, fmt: Format, rounding: Rounding, saturate: bool,
             sig >>= utype(w)  # 1 iff the random bits carry: round up
             idx |= sig
             np.take(lut2, idx, out=out[s:e])
-            nan = np.isnan(x[s:e])
-            if nan.any():
+            special = np.flatnonzero(exp_field == exp_mask)  # inf or NaN: NaN stays NaN
+            if special.size:
+                us = uc[special]
+                nan = special[(us & utype((1 << mb) - 1)) != 0]
                 out[s:e][nan] = nan_codes[(uc[nan] >> utype(src.total - 1)).astype(np.intp)]
     _run_chunks(body, x.size)
     return out

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from . import emulation
 from .emulation.blocked import Block, dequantize_blocked, quantize_blocked, scales_from_amax
 from .emulation.blocked import ScaleRule as BlockScaleRule
+from .reference import _expand_kv, _reduce_kv
 from .recipes import DeltaKind, Granularity, Normalizer, PReference, QuantPoint, Recipe, ScaleRule, get_recipe
 from .reference import AttentionShape, check_attention_inputs, keep_mask, mask_window
 
@@ -332,17 +333,6 @@ def _problem(q, k, v, recipe, causal, scale, mask, dout=None) -> _Problem:
                     "P = 1 would saturate"
                 )
     return _Problem(shape, recipe, bool(causal), mask, dtype, c)
-
-
-def _expand_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
-    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
-
-
-def _reduce_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
-    if groups == 1:
-        return t
-    b, h, n, d = t.shape
-    return t.view(b, h // groups, groups, n, d).sum(dim=2)
 
 
 def _logits(pb: _Problem, q_hat, k_hat, i0: int, j0: int, j1: int, model: str) -> torch.Tensor:

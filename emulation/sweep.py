@@ -80,9 +80,9 @@ def _documented(allowed: str, x: np.ndarray, ours: np.ndarray, theirs: np.ndarra
     a NaN input for which both codes are NaN codes of the input's sign."""
     if allowed == "nan_code":
         fmt = get_format(fmt_name)
-        nan_codes = np.array(sorted(fmt.nan_codes))
         sign = np.signbit(x)
-        return (np.isnan(x) & np.isin(ours, nan_codes) & np.isin(theirs, nan_codes)
+        ours_v, theirs_v = cast.decode(ours, fmt), cast.decode(theirs, fmt)
+        return (np.isnan(x) & np.isnan(ours_v) & np.isnan(theirs_v)
                 & (((ours & fmt.sign_bit) != 0) == sign) & (((theirs & fmt.sign_bit) != 0) == sign))
     return np.zeros(x.shape, bool)
 

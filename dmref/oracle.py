@@ -39,7 +39,7 @@ can explain never counts, and ill-conditioned elements are judged by their own f
   dS as the dQ matmul sees it, the same quantity the probe reads), plus the probe's own noise
   as measured by the spread of its two readings (``noise`` = rms_i |r^_a,i - r^_b,i| / A_i)::
 
-      no recipe:  rms_i |r^_i| / A_i <= 2 rms_i |r^base_i| / A_i + noise
+      no recipe:  rms_i |r^_i| / A_i <= 2 rms_i |r^base_i| / A_i + noise + gamma_{2n+d+4}(2^-24)
       recipe R:   rms_i |r^_i| / A_i <= rms_R (1 + 3 sigma_rel) + noise
 
   where sigma_rel is the relative sampling error of an rms over that many rows, from R's own
@@ -585,7 +585,13 @@ def _check_case(fn, case, base, claimed, spread_recipe, dtype, device, takes_mas
         cr.probe_note = "; ".join(notes)
         base_rms = _rms(rel_base)
         if claimed is None:
-            bound = BASELINE_FACTOR * base_rms + noise
+            # plus the float32 floor every correct float32-accumulating implementation may reach
+            # (as the error checks count only the excess over the rigorous float32 bound): per
+            # row, relative to A_i, |1 - sigma_i| + gamma_c sigma_i + 2 gamma_2 with D summed
+            # over at most n keys of P V and d channels of dO O: below gamma_{2n + d + 4}
+            n_keys, head_dim = case.k.shape[-2], case.q.shape[-1]
+            fp32_floor = diagnostics.gamma(2 * n_keys + head_dim + 4, _U_FP32)
+            bound = BASELINE_FACTOR * base_rms + noise + fp32_floor
         else:
             bound = base_rms * (1 + ROWSUM_SAMPLING_SIGMAS * _rms_sampling_rel_std(rel_base)) + noise
         value = cr.rowsum_rms

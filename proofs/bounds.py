@@ -151,6 +151,19 @@ def normalized_matched_residual_bound(A, n, sigma, model: FloatModel = FP32):
 # ----------------------------------------------------------------------------------------------
 # FP32: Lemma 5 (the forward's LSE) and Lemma 4 (row mass and l1 error of the recomputed P)
 # ----------------------------------------------------------------------------------------------
+
+def _normalizer_phi(n, model: "FloatModel"):
+    """(n, log n, phi_L): phi_L of Lemma 5, the bound on |log| of the computed normalizer's
+    relative error, ``max(log((1 + g)(n**u (1 + e) + n h)), -log((1 - g)(n**-u (1 - e) - n h)))``
+    with ``g = gamma_{n-1}``, ``e``/``h`` the relative/absolute exp error."""
+    n = np.maximum(np.asarray(n, dtype=np.float64), 1.0)
+    u, e, h = model.u, model.exp_rel_err, model.exp_abs_err
+    g = gamma(n - 1, u)
+    log_n = np.log(n)
+    up = np.log((1.0 + g) * (np.exp(u * log_n) * (1.0 + e) + n * h))
+    down = -np.log((1.0 - g) * (np.exp(-u * log_n) * (1.0 - e) - n * h))
+    return n, log_n, np.maximum(up, down)
+
 def lse_error_bound(n, m_abs, model: FloatModel = FP32):
     """Lemma 5: |L - LSE(S)| for the two-pass FP32 log-sum-exp of n finite logits with maximum m:
     ``L = fl(m + fl_log(fl(sum_j fl_exp(fl(S_j - m)))))``, any summation order.
@@ -159,13 +172,8 @@ def lse_error_bound(n, m_abs, model: FloatModel = FP32):
     ``g = gamma_{n-1}``, ``e``/``h`` the relative/absolute exp error; then
     ``|lambda| <= (phi_L + e (log n + phi_L))(1 + u) + u (|m| + log n)``.
     """
-    n = np.maximum(np.asarray(n, dtype=np.float64), 1.0)
+    n, log_n, phi_l = _normalizer_phi(n, model)
     u, e, h = model.u, model.exp_rel_err, model.exp_abs_err
-    g = gamma(n - 1, u)
-    log_n = np.log(n)
-    up = np.log((1.0 + g) * (np.exp(u * log_n) * (1.0 + e) + n * h))
-    down = -np.log((1.0 - g) * (np.exp(-u * log_n) * (1.0 - e) - n * h))
-    phi_l = np.maximum(up, down)
     lam = (phi_l + e * (log_n + phi_l)) * (1.0 + u) + u * (np.asarray(m_abs) + log_n)
     return lam * EVALUATION_SLACK
 
@@ -189,13 +197,8 @@ def softmax_l1_error_bound(n, m_abs, model: FloatModel = FP64):
     """``sum_j |P_j - softmax(S)_j|`` for ``P = fl(fl_exp(fl(S - m)) / fl(sum_j ...))`` (the
     two-pass softmax of torch): ``exp(phi_L + u log n) / ((1 - e)(1 - u)) - 1 + 2 n (h + eta)``,
     with phi_L of Lemma 5 (the relative error of the computed normalizer)."""
-    n = np.maximum(np.asarray(n, dtype=np.float64), 1.0)
+    n, log_n, phi_l = _normalizer_phi(n, model)
     u, e, h = model.u, model.exp_rel_err, model.exp_abs_err
-    g = gamma(n - 1, u)
-    log_n = np.log(n)
-    up = np.log((1.0 + g) * (np.exp(u * log_n) * (1.0 + e) + n * h))
-    down = -np.log((1.0 - g) * (np.exp(-u * log_n) * (1.0 - e) - n * h))
-    phi_l = np.maximum(up, down)
     out = np.exp(phi_l + u * log_n) / ((1.0 - e) * (1.0 - u)) - 1.0 + 2.0 * n * (h + model.eta)
     del m_abs  # the normalized softmax does not depend on the size of the logits
     return out * EVALUATION_SLACK

@@ -302,3 +302,17 @@ def hopper_dot(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, 
             cacc = torch.trunc(s / ulp_s) * ulp_s
         acc[..., rs, :] = cacc
     return acc.float()
+
+
+def outlier_inputs(case, device: str, seed: int = 0):
+    """BF16 q, k, v, dO for a test case (batch, heads, kv_heads, n, head_dim): normal values with
+    every 16th channel of q and k three times larger (outlier channels)."""
+    g = torch.Generator().manual_seed(seed)
+    b, h, hkv, n, d = case.batch, case.heads, case.kv_heads, case.n, case.head_dim
+    outlier = torch.ones(d)
+    outlier[::16] = 3.0  # every 16th channel 3x larger, as outlier channels in real activations
+    q = torch.randn(b, h, n, d, generator=g) * outlier
+    k = torch.randn(b, hkv, n, d, generator=g) * outlier
+    v = torch.randn(b, hkv, n, d, generator=g)
+    do = torch.randn(b, h, n, d, generator=g)
+    return [t.to(torch.bfloat16).to(device) for t in (q, k, v, do)]

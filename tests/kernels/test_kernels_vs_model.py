@@ -16,6 +16,7 @@ import torch
 from dmref.kernels.config import RECIPES, BwdTiles, FwdTiles, KernelRecipe
 
 import kernel_model as model
+from kernel_model import outlier_inputs
 from kernel_bounds import (
     CODE_AGREEMENT,
     RECIPE_NOISE_FRACTION,
@@ -81,19 +82,6 @@ CASES = {
 }
 
 
-def _inputs(case: Case, device: str, seed: int = 0):
-    """Realistic-ish inputs: normal values with a few large-magnitude channels (outliers)."""
-    g = torch.Generator().manual_seed(seed)
-    b, h, hkv, n, d = case.batch, case.heads, case.kv_heads, case.n, case.head_dim
-    outlier = torch.ones(d)
-    outlier[::16] = 3.0  # every 16th channel 3x larger, as outlier channels in real activations
-    q = torch.randn(b, h, n, d, generator=g) * outlier
-    k = torch.randn(b, hkv, n, d, generator=g) * outlier
-    v = torch.randn(b, hkv, n, d, generator=g)
-    do = torch.randn(b, h, n, d, generator=g)
-    return [t.to(torch.bfloat16).to(device) for t in (q, k, v, do)]
-
-
 _RUNS: dict = {}
 
 
@@ -105,7 +93,7 @@ def run_case(backend: str, case: Case) -> dict:
     from dmref.kernels import api
 
     device = "cuda" if backend == "gpu" else "cpu"
-    q, k, v, do = _inputs(case, device)
+    q, k, v, do = outlier_inputs(case, device)
     recipe = case.recipe_obj()
     scale = 1.0 / math.sqrt(case.head_dim)
     o, lse, saved, fdbg = api.attention_forward(q, k, v, causal=case.causal, scale=scale,
@@ -182,7 +170,7 @@ def test_quantize_kernel_codes_and_scales_equal_model(backend, fmt, n, head_dim)
 
     device = "cuda" if backend == "gpu" else "cpu"
     case = Case(1, 2, 2, n, head_dim, False, "naive_fp8")
-    x, _, _, o = _inputs(case, device)
+    x, _, _, o = outlier_inputs(case, device)
     got, delta = quantize(x, fmt, rows=True, cols=True, delta_with=o)
     xf = x.reshape(2, n, head_dim).float()
     rows, row_inv = model.rows(xf, fmt)
@@ -238,7 +226,7 @@ def test_output_recomputed_from_dumped_p_codes_equals_kernel_output(backend, cas
     _check_backend(backend)
     r = run_case(backend, case)
     kern = r["kernel"]
-    q, k, v, _ = _inputs(case, kern["o"].device)
+    q, k, v, _ = outlier_inputs(case, kern["o"].device)
     dot = model.hopper_dot if backend == "gpu" else model.exact_dot
     o_dump, _, _ = model.forward(q, k, v, causal=case.causal, scale=1.0 / math.sqrt(case.head_dim),
                                  recipe=case.recipe_obj(), dot=dot, p_codes_in=kern["p_fwd"])
@@ -262,7 +250,7 @@ def test_fp8_byte_dump_equals_value_dump(causal):
     from dmref.kernels import api
 
     case = Case(2, 4, 2, 1000, 128, causal, "delta_matching")
-    q, k, v, do = _inputs(case, "cuda")
+    q, k, v, do = outlier_inputs(case, "cuda")
     recipe = case.recipe_obj()
     scale = 1.0 / math.sqrt(case.head_dim)
     agree = {}
@@ -339,7 +327,7 @@ def test_autograd_function_gives_the_backward_kernels_gradients(backend, recipe)
 
     device = "cuda" if backend == "gpu" else "cpu"
     case = Case(1, 4, 2, 150, 64, True, recipe)
-    q, k, v, do = _inputs(case, device, seed=1)
+    q, k, v, do = outlier_inputs(case, device, seed=1)
     q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
     o = attention(q, k, v, causal=True, recipe=recipe)
     o.backward(do)

@@ -27,6 +27,7 @@ from kernel_bounds import (
     gamma,
     rel_err,
 )
+from kernel_model import outlier_inputs
 
 #: E4M3 has 3 mantissa bits: two neighbouring codes differ by at most 2**-3 relative.
 E4M3_ULP_REL = 2.0**-3
@@ -92,19 +93,6 @@ def _params():
     return out
 
 
-def _inputs(case: RefCase, device: str, seed: int = 0):
-    """Normal values with every 16th channel of q and k three times larger (outliers)."""
-    g = torch.Generator().manual_seed(seed)
-    b, h, hkv, n, d = case.batch, case.heads, case.kv_heads, case.n, case.head_dim
-    outlier = torch.ones(d)
-    outlier[::16] = 3.0
-    q = torch.randn(b, h, n, d, generator=g) * outlier
-    k = torch.randn(b, hkv, n, d, generator=g) * outlier
-    v = torch.randn(b, hkv, n, d, generator=g)
-    do = torch.randn(b, h, n, d, generator=g)
-    return [t.to(torch.bfloat16).to(device) for t in (q, k, v, do)]
-
-
 _RUNS: dict = {}
 
 
@@ -121,7 +109,7 @@ def _run(backend: str, case: RefCase) -> dict:
     from dmref.kernels import api
 
     device = "cuda" if backend == "gpu" else "cpu"
-    q, k, v, do = _inputs(case, device)
+    q, k, v, do = outlier_inputs(case, device)
     kr = case.recipe_obj()
     rr = kr.reference_recipe(case.head_dim, "hopper" if backend == "gpu" else "fp32")
     scale = 1.0 / math.sqrt(case.head_dim)

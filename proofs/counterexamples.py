@@ -170,9 +170,15 @@ def counterexample_a2(seed: int = 0, n_q: int = 3, n_k: int = 4, d: int = 8,
 def counterexample_a3(seed: int = 0, n_q: int = 3, n_k: int = 4, d: int = 8,
                       mask=None) -> BackwardCase:
     """A3 dropped: P is FP8-quantized after normalization (the "P-collapse" of an unquantized
-    normalizer), the same P in D and dS, D not divided by the mass. r_i = D_i (1 - sum_j P_ij)."""
-    base = exact_backward(*random_problem(seed, n_q, n_k, d), mask=mask)
-    p_q, _ = quantize_blocked_exact(base.p, "e4m3", n_k, "pow2_ceil")
+    normalizer), the same P in D and dS, D not divided by the mass. r_i = D_i (1 - sum_j P_ij).
+    The problem is that of the first seed from ``seed`` on whose quantized rows do not all sum to
+    exactly 1 (a few draws in a hundred happen to, and would not drop A3)."""
+    for s in range(seed, seed + 1000):
+        base = exact_backward(*random_problem(s, n_q, n_k, d), mask=mask)
+        p_q, _ = quantize_blocked_exact(base.p, "e4m3", n_k, "pow2_ceil")
+        masses = [sum((x for x, m in zip(pr, mr) if m), Fraction(0)) for pr, mr in zip(p_q, base.mask)]
+        if any(mass != 1 for mass, mr in zip(masses, base.mask) if any(mr)):
+            break
     return _case_from(
         base, "A3", "P quantized after normalization: rows no longer sum to 1", p_ds=p_q,
         predicted_fn=lambda c: [dl * (1 - sum((x for x, m in zip(pr, mr) if m), Fraction(0)))

@@ -9,6 +9,17 @@ Causal cases have ``seqlen_q == seqlen_k``: there the top-left alignment of
 ``torch.nn.functional.scaled_dot_product_attention`` and the bottom-right alignment of
 FlashAttention >= 2.1 (and :mod:`dmref.reference`) agree. Rows with no key left (only through an
 explicit mask) are run only when the implementation takes a ``mask`` argument.
+
+Two cases leave the plain multi-head, unmasked problem:
+
+- ``gqa``: grouped-query attention. k and v (and so dK, dV) have ``kv_heads`` heads, q and dO
+  ``4 * kv_heads``; query head h reads key/value head ``h // 4`` (``repeat_interleave``, SDPA's
+  ``enable_gqa``). At least two key/value heads, so that a wrong grouping (``repeat`` instead of
+  ``repeat_interleave``) is a different problem.
+- ``additive_mask``: a floating mask, added to the scaled scores (SDPA's float ``attn_mask``): an
+  ALiBi-like bias -slope_h |i - j| per head with some -inf entries and every 9th query row all
+  -inf (fully masked through an additive mask). The mask is rounded to the input dtype like the
+  inputs, so the reference sees exactly the mask fn gets.
 """
 
 from __future__ import annotations
@@ -26,7 +37,9 @@ __all__ = ["CASE_SETS", "Case", "make_cases"]
 @dataclass
 class Case:
     """One attention problem. Tensors are ``(batch, heads, seqlen, head_dim)`` in the input
-    dtype; ``mask`` is boolean (True = attend) or None."""
+    dtype, k and v with ``kv_heads`` heads (a divisor of q's heads: GQA). ``mask`` is None,
+    boolean (True = attend) or floating in the input dtype (additive: added to the scaled
+    scores, -inf removes a position), broadcastable to (batch, heads, seqlen_q, seqlen_k)."""
 
     name: str
     description: str
@@ -41,11 +54,18 @@ class Case:
     tags: tuple[str, ...] = field(default_factory=tuple)
 
     @property
+    def kv_heads(self) -> int:
+        return self.k.shape[1]
+
+    @property
     def shape(self) -> str:
+        """``batch x heads x seqlen x head_dim``; ``heads/kv_heads`` under GQA, ``seqlen_q x
+        seqlen_k`` when they differ (e.g. ``1x8/2x128x64``)."""
         b, h, nq, d = self.q.shape
         nk = self.k.shape[-2]
         n = f"{nq}" if nq == nk else f"{nq}x{nk}"
-        return f"{b}x{h}x{n}x{d}"
+        heads = f"{h}" if h == self.kv_heads else f"{h}/{self.kv_heads}"
+        return f"{b}x{heads}x{n}x{d}"
 
     def to(self, device) -> "Case":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
@@ -89,6 +109,37 @@ def _gaussian(g, b, h, nq, nk, d):
     return _randn(g, b, h, nq, d), _randn(g, b, h, nk, d), _randn(g, b, h, nk, d), _token_scaled_dout(g, b, h, nq, d, 1.0)
 
 
+def _gqa(g, b, h, hkv, n, d):
+    """Gaussian q (h heads), k, v (hkv heads) with four outlier channels (x3 in Q and K, x8 in V,
+    as dmref.demo), the query heads of a group sharing a mean direction (|mu| about half a
+    token's norm); dO per-token scaled."""
+    groups = h // hkv
+    chan = torch.ones(d, dtype=torch.float64)
+    outliers = torch.randperm(d, generator=g)[:4]
+    qk_scale, v_scale = chan.clone(), chan.clone()
+    qk_scale[outliers], v_scale[outliers] = 3.0, 8.0
+    mu = _randn(g, b, hkv, 1, d)
+    mu = 0.5 * math.sqrt(d) * mu / mu.norm(dim=-1, keepdim=True)
+    q = _randn(g, b, h, n, d) * qk_scale + mu.repeat_interleave(groups, dim=1)
+    k = _randn(g, b, hkv, n, d) * qk_scale
+    v = _randn(g, b, hkv, n, d) * v_scale
+    return q, k, v, _token_scaled_dout(g, b, h, n, d, 1.0)
+
+
+def _additive_mask(g, h, nq, nk) -> torch.Tensor:
+    """(1, h, nq, nk) float64: ALiBi-like -slope_h |i - j| with slope_h = 2^-(4 + h) (one
+    power-of-two slope per head), a random 10% of the positions -inf, and every 9th query row
+    all -inf (row 0 included)."""
+    i = torch.arange(nq, dtype=torch.float64)[:, None]
+    j = torch.arange(nk, dtype=torch.float64)[None, :]
+    slopes = 2.0 ** -(4.0 + torch.arange(h, dtype=torch.float64))
+    bias = -slopes[:, None, None] * (i - j).abs()
+    drop = torch.rand(h, nq, nk, generator=g, dtype=torch.float64) < 0.1
+    bias = bias.masked_fill(drop, -math.inf)
+    bias[:, ::9, :] = -math.inf
+    return bias[None]
+
+
 @dataclass(frozen=True)
 class _Spec:
     name: str
@@ -102,7 +153,9 @@ class _Spec:
     make: str  # generator name
     scale_factor: float = 1.0  # scale = scale_factor / sqrt(head_dim)
     magnitude: tuple[float, float, float, float] = (1.0, 1.0, 1.0, 1.0)  # q, k, v, dout multipliers
-    masked_rows: bool = False
+    masked_rows: bool = False  # boolean mask, every 7th row fully masked
+    additive_mask: bool = False  # floating mask (see _additive_mask)
+    kv_heads: int | None = None  # None: as many as query heads
     tags: tuple[str, ...] = ()
 
 
@@ -111,6 +164,7 @@ def _specs(size: str) -> list[_Spec]:
     long_n = {"quick": 512, "standard": 1024, "thorough": 4096}[size]
     h = {"quick": 1, "standard": 2, "thorough": 4}[size]
     d = 64
+    kv = max(2, h)  # GQA: at least two key/value heads, so that the grouping matters
     return [
         _Spec("realistic", "outlier channels x3/x8, sink key, peaked rows (dmref.demo)", 1, h, n, n, d, False, "realistic",
               tags=("realistic",)),
@@ -133,6 +187,11 @@ def _specs(size: str) -> list[_Spec]:
               tags=("adversarial", "causal")),
         _Spec("fully_masked_rows", "boolean mask with every 7th query row fully masked (needs fn(..., mask=))", 1, h, n, n,
               d, False, "gaussian", masked_rows=True, tags=("adversarial", "mask")),
+        _Spec("gqa", f"GQA: {4 * kv} query heads on {kv} key/value heads, outlier channels, causal", 1, 4 * kv, n, n,
+              d, True, "gqa", kv_heads=kv, tags=("realistic", "causal", "gqa")),
+        _Spec("additive_mask", "float mask: ALiBi-like bias per head, 10% -inf, every 9th row all -inf (needs "
+              "fn(..., mask=))", 1, h, n, n, d, False, "gaussian", additive_mask=True,
+              tags=("adversarial", "mask", "additive")),
     ]
 
 
@@ -163,6 +222,8 @@ def make_cases(size: str = "standard", *, dtype: torch.dtype = torch.bfloat16, s
             q, k, v, dout = _realistic(g, s.batch, s.heads, s.seqlen_q, d, seed=seed * 1000 + i)
         elif s.make == "outliers":
             q, k, v, dout = _outliers(g, s.batch, s.heads, s.seqlen_q, d)
+        elif s.make == "gqa":
+            q, k, v, dout = _gqa(g, s.batch, s.heads, s.kv_heads, s.seqlen_q, d)
         else:
             q, k, v, dout = _gaussian(g, s.batch, s.heads, s.seqlen_q, s.seqlen_k, d)
         q, k, v, dout = (t * m for t, m in zip((q, k, v, dout), s.magnitude))
@@ -172,6 +233,8 @@ def make_cases(size: str = "standard", *, dtype: torch.dtype = torch.bfloat16, s
             keep = torch.rand(s.seqlen_q, s.seqlen_k, generator=g) < 0.7
             keep[::7] = False
             mask = keep[None, None]
+        if s.additive_mask:
+            mask = _additive_mask(g, s.heads, s.seqlen_q, s.seqlen_k).to(dtype)  # on the dtype's grid, as q, k, v
         setup = None
         if probe and d >= _probe.GROUP:
             q, k, setup = _probe.prepare(q, k)

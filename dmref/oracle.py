@@ -1,13 +1,26 @@
 """The oracle: is *your* attention implementation right?
 
 ``dmref.oracle.check(fn, recipe=None, cases="standard", dtype=torch.bfloat16)`` runs
-``fn(q, k, v, *, causal, scale) -> out`` (any differentiable torch attention; an optional
-``mask`` argument, boolean with True = attend, enables the masked cases) forward and, through
-autograd, backward on the problems of :func:`dmref._oracle_cases.make_cases` (realistic inputs,
-outlier channels, peaked and flat rows, a long sequence, tail lengths, extreme magnitudes,
-fully masked rows), and compares against the float64 reference. It returns a
+``fn(q, k, v, *, causal, scale) -> out`` (any differentiable torch attention) forward and,
+through autograd, backward on the problems of :func:`dmref._oracle_cases.make_cases` (realistic
+inputs, outlier channels, peaked and flat rows, a long sequence, tail lengths, extreme
+magnitudes, GQA, fully masked rows, an additive mask), and compares against the float64
+reference. It returns a
 :class:`OracleReport`: every check passed or failed with its bound, the error statistics and
 the implementation's row-sum residual measured by the black-box probe (:mod:`dmref.probe`).
+
+What fn is given (SDPA's conventions):
+
+- q, dO ``(batch, heads, seqlen_q, head_dim)``; k, v ``(batch, kv_heads, seqlen_k, head_dim)``
+  with ``heads % kv_heads == 0`` (the ``gqa`` case has kv_heads < heads): query head h reads
+  key/value head ``h // (heads // kv_heads)``, as ``repeat_interleave`` and SDPA's
+  ``enable_gqa``; k.grad and v.grad have kv_heads heads.
+- ``mask`` (only if fn has a parameter of that name; without one the masked cases are skipped)
+  is boolean (True = attend; ``fully_masked_rows``) or floating in the input dtype, added to the
+  scaled scores with -inf removing a position (``additive_mask``: SDPA's float ``attn_mask``).
+  Both have rows with no key left: their output and every gradient must be exactly zero.
+- An implementation that cannot do a case (no GQA, no float mask, ...) raises
+  ``NotImplementedError``: the case is recorded as skipped, not failed.
 
 Errors are componentwise, each element against its own magnitude from the exact problem (the
 condition-number-like factor of that element)::
@@ -86,6 +99,7 @@ __all__ = [
     "baseline_recipe",
     "check",
     "emulated",
+    "gqa_kwargs",
     "make_cases",
     "sdpa",
     "sdpa_math",
@@ -368,15 +382,19 @@ def _exact(case: Case) -> _Exact:
     s = reference._scores(q, k, shape, case.causal, mask)
     lse_safe = torch.where(lse == -math.inf, torch.full_like(lse, math.inf), lse)[..., None]
     p = torch.exp(s - lse_safe)
-    dp = do @ v.transpose(-1, -2)
+    # GQA: every query head against its key/value head; dK's and dV's magnitudes summed over
+    # the query heads of a group, as the gradients are
+    g = shape.groups
+    kx, vx = reference._expand_kv(k, g), reference._expand_kv(v, g)
+    dp = do @ vx.transpose(-1, -2)
     delta = (do * out).sum(-1, keepdim=True)
     w = p * (dp.abs() + delta.abs())
     tau = shape.scale
     mags = {
-        "out": p @ v.abs(),
-        "dq": tau * (w @ k.abs()),
-        "dk": tau * (w.transpose(-1, -2) @ q.abs()),
-        "dv": p.transpose(-1, -2) @ do.abs(),
+        "out": p @ vx.abs(),
+        "dq": tau * (w @ kx.abs()),
+        "dk": reference._reduce_kv(tau * (w.transpose(-1, -2) @ q.abs()), g),
+        "dv": reference._reduce_kv(p.transpose(-1, -2) @ do.abs(), g),
     }
     bounds = diagnostics.attention_error_bound(q, k, v, do, u=_U_FP32, causal=case.causal, scale=case.scale,
                                                mask=mask, n_tiles=k.shape[-2])
@@ -458,7 +476,10 @@ def check(fn, *, recipe=None, cases="standard", dtype: torch.dtype = torch.bfloa
     """Run the oracle on ``fn(q, k, v, *, causal, scale[, mask]) -> out``.
 
     Args:
-        fn: a differentiable attention; tensors ``(batch, heads, seqlen, head_dim)``.
+        fn: a differentiable attention; tensors ``(batch, heads, seqlen, head_dim)``, k and v
+            possibly with fewer heads (GQA); ``mask``, if fn takes it, boolean (True = attend) or
+            floating (additive, in the input dtype). fn raises ``NotImplementedError`` for a
+            case it cannot do (the case is skipped). See the module docstring.
         recipe: a :class:`dmref.recipes.Recipe` or preset name the implementation claims to
             implement (``"naive_fp8@hopper"`` ...), or None: exact attention at ``dtype``'s bounds.
         cases: a case-set name (``"quick"``, ``"standard"``, ``"thorough"``), a list of case
@@ -608,25 +629,36 @@ def _check_case(fn, case, base, claimed, spread_recipe, dtype, device, takes_mas
 # ==============================================================================================
 
 
+def gqa_kwargs(q, k) -> dict:
+    """``{"enable_gqa": True}`` when k has fewer heads than q (SDPA, torch >= 2.5, needs it to
+    read key/value head h // (H // Hkv) for query head h), else ``{}`` (older torch then works
+    on everything but GQA)."""
+    return {"enable_gqa": True} if q.shape[-3] != k.shape[-3] else {}
+
+
 def sdpa_math(q, k, v, *, causal=False, scale=None, mask=None):
-    """torch's scaled_dot_product_attention, math backend."""
+    """torch's scaled_dot_product_attention, math backend. ``mask``: boolean (True = attend) or
+    floating (added to the scaled scores); k, v may have fewer heads than q (GQA)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention
 
     with sdpa_kernel(SDPBackend.MATH):
-        return scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+        return scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                            **gqa_kwargs(q, k))
 
 
 def sdpa(q, k, v, *, causal=False, scale=None, mask=None):
-    """torch's scaled_dot_product_attention, whatever backend torch picks."""
+    """torch's scaled_dot_product_attention, whatever backend torch picks (mask and GQA as
+    :func:`sdpa_math`)."""
     from torch.nn.functional import scaled_dot_product_attention
 
-    return scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    return scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, **gqa_kwargs(q, k))
 
 
 def emulated(recipe):
     """``dmref.attention`` with ``recipe`` as an oracle target (``fn(q, k, v, *, causal, scale,
-    mask)``); also reachable as ``dmref.oracle:emulated_<preset>`` from the command line."""
+    mask)``; GQA and boolean or additive masks as :func:`dmref.attention`); also reachable as
+    ``dmref.oracle:emulated_<preset>`` from the command line."""
     from .api import attention
 
     def fn(q, k, v, *, causal=False, scale=None, mask=None):

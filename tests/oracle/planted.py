@@ -6,7 +6,9 @@ subprocess the same way).
 ``flash(q, k, v, *, causal, scale)``: forward and backward written out in float32 from inputs of
 any dtype, O rounded to the input dtype and saved rounded (as FlashAttention-2 saves it), D from
 that rounded O (a BF16-level stale delta, as in FlashAttention-2), gradients returned in the
-input dtype. Bugs (``flash_<bug>``):
+input dtype. k, v may have fewer heads than q (GQA: ``repeat_interleave`` in, the group's sum
+out). ``flash_masked`` is the same with a ``mask`` argument (boolean, True = attend, or additive,
+added to the scaled scores). Bugs (``flash_<bug>``):
 
 - ``stale_delta``: D from an E4M3 copy of O (one power-of-two scale per row), as cuDNN's FP8
   backward forms it, in an otherwise BF16-accurate implementation;
@@ -14,6 +16,11 @@ input dtype. Bugs (``flash_<bug>``):
   forward's scale;
 - ``bwd_causal``: the backward drops the causal mask;
 - ``dk_transpose``: dK = scale dS Q instead of scale dSᵀ Q;
+- ``kv_grouping``: dK and dV summed over the query heads of the wrong group (the grouping of
+  ``repeat``, head h -> h % Hkv, instead of ``repeat_interleave``'s h // (H / Hkv)), forward right;
+- ``mask_bwd`` (takes ``mask``): the backward recomputes P without the additive mask;
+- ``mask_scaled`` (takes ``mask``): the additive mask is added before the softmax scale,
+  scale (Q Kᵀ + M) instead of scale Q Kᵀ + M, in the forward and the backward;
 
 and ``naive_fp8_wrong_axis``: dmref's emulated ``naive_fp8`` except that K is quantized for
 Q Kᵀ in 1x128 blocks along the sequence instead of along the head dim.
@@ -45,31 +52,64 @@ def _e4m3_rows(x: torch.Tensor) -> torch.Tensor:
     return dequantize_blocked(codes, scales, E4M3, block=Block.rows()).to(x.dtype)
 
 
+def _expand(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """k or v for every query head: head h reads key/value head h // groups."""
+    return t.repeat_interleave(groups, dim=1)
+
+
+def _group_sum(t: torch.Tensor, groups: int, bug) -> torch.Tensor:
+    """dK or dV: the sum over the query heads that read one key/value head."""
+    b, h, n, d = t.shape
+    if bug == "kv_grouping":  # the grouping of repeat(): head h -> kv head h % Hkv
+        return t.view(b, groups, h // groups, n, d).sum(dim=1)
+    return t.view(b, h // groups, groups, n, d).sum(dim=2)
+
+
+def _scores(q32, k32, mask, causal, scale, bug, backward):
+    """Scaled scores with the causal mask and the boolean or additive mask applied."""
+    qk = q32 @ k32.transpose(-1, -2)
+    additive = mask is not None and mask.dtype != torch.bool
+    if additive and bug == "mask_scaled":
+        s = scale * (qk + mask.float())
+    elif additive and not (bug == "mask_bwd" and backward):
+        s = scale * qk + mask.float()
+    else:
+        s = scale * qk
+    if mask is not None and mask.dtype == torch.bool:
+        s = s.masked_fill(~mask, float("-inf"))
+    if causal:
+        s = _causal_fill(s)
+    return s
+
+
+def _probabilities(s, lse):
+    """exp(S - lse); fully masked rows (lse = -inf) zero."""
+    return torch.exp(s - torch.where(lse == float("-inf"), float("inf"), lse))
+
+
 class _Flash(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, bug):
-        q32, k32, v32 = (t.float() for t in (q, k, v))
-        s = scale * (q32 @ k32.transpose(-1, -2))
-        if causal:
-            s = _causal_fill(s)
+    def forward(ctx, q, k, v, mask, causal, scale, bug):
+        groups = q.shape[1] // k.shape[1]
+        q32, k32, v32 = q.float(), _expand(k.float(), groups), _expand(v.float(), groups)
+        s = _scores(q32, k32, mask, causal, scale, bug, backward=False)
         lse = torch.logsumexp(s, dim=-1, keepdim=True)
-        out = (torch.exp(s - lse) @ v32).to(q.dtype)  # O rounded to the input dtype, saved so
-        ctx.save_for_backward(q, k, v, out, lse)
+        out = (_probabilities(s, lse) @ v32).to(q.dtype)  # O rounded to the input dtype, saved so
+        ctx.save_for_backward(q, k, v, out, lse, mask)
         ctx.causal, ctx.scale, ctx.bug = causal, scale, bug
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, mask = ctx.saved_tensors
         bug = ctx.bug
-        q32, k32, v32, o32, do32 = (t.float() for t in (q, k, v, out, dout))
+        groups = q.shape[1] // k.shape[1]
+        q32, o32, do32 = (t.float() for t in (q, out, dout))
+        k32, v32 = _expand(k.float(), groups), _expand(v.float(), groups)
         scale = 1.0 / math.sqrt(q.shape[-1]) if bug == "bwd_scale" else ctx.scale
         causal = ctx.causal and bug != "bwd_causal"
         # in the forward P = exp(S - lse), so now
-        s = scale * (q32 @ k32.transpose(-1, -2))
-        if causal:
-            s = _causal_fill(s)
-        p = torch.exp(s - lse)
+        p = _probabilities(_scores(q32, k32, mask, causal, scale, bug, backward=True), lse)
         dv = p.transpose(-1, -2) @ do32
         dp = do32 @ v32.transpose(-1, -2)
         o_delta = _e4m3_rows(o32) if bug == "stale_delta" else o32
@@ -77,23 +117,34 @@ class _Flash(torch.autograd.Function):
         ds = p * (dp - delta)
         dq = scale * (ds @ k32)
         dk = scale * (ds @ q32) if bug == "dk_transpose" else scale * (ds.transpose(-1, -2) @ q32)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        dk, dv = _group_sum(dk, groups, bug), _group_sum(dv, groups, bug)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def _make(bug):
-    def fn(q, k, v, *, causal=False, scale=None):
-        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-        return _Flash.apply(q, k, v, causal, scale, bug)
+def _make(bug, *, takes_mask=False):
+    if takes_mask:
+        def fn(q, k, v, *, causal=False, scale=None, mask=None):
+            scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+            return _Flash.apply(q, k, v, mask, causal, scale, bug)
+    else:
+        def fn(q, k, v, *, causal=False, scale=None):
+            scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+            return _Flash.apply(q, k, v, None, causal, scale, bug)
 
-    fn.__name__ = fn.__qualname__ = "flash" if bug is None else f"flash_{bug}"
+    name = "flash" + ("_masked" if takes_mask and bug is None else "") + (f"_{bug}" if bug else "")
+    fn.__name__ = fn.__qualname__ = name
     return fn
 
 
 flash = _make(None)
+flash_masked = _make(None, takes_mask=True)
 flash_stale_delta = _make("stale_delta")
 flash_bwd_scale = _make("bwd_scale")
 flash_bwd_causal = _make("bwd_causal")
 flash_dk_transpose = _make("dk_transpose")
+flash_kv_grouping = _make("kv_grouping")
+flash_mask_bwd = _make("mask_bwd", takes_mask=True)
+flash_mask_scaled = _make("mask_scaled", takes_mask=True)
 
 #: the planted bug -> (implementation, the check that must fail)
 BUGS = {
@@ -101,6 +152,14 @@ BUGS = {
     "bwd_scale": (flash_bwd_scale, "dq"),
     "bwd_causal": (flash_bwd_causal, "dq"),
     "dk_transpose": (flash_dk_transpose, "dk"),
+}
+
+#: bugs that only a case of their own can show: bug -> (implementation, case, the checks that
+#: must fail, the checks that must pass)
+CASE_BUGS = {
+    "kv_grouping": (flash_kv_grouping, "gqa", {"dk", "dv"}, {"out", "dq", "rowsum"}),
+    "mask_bwd": (flash_mask_bwd, "additive_mask", {"dq", "dk", "dv"}, {"out"}),
+    "mask_scaled": (flash_mask_scaled, "additive_mask", {"out"}, set()),
 }
 
 _NAIVE_NO_K = replace(recipes.get_recipe("naive_fp8"), name="naive_fp8_k_prequantized", k=recipes.NONE)

@@ -34,6 +34,14 @@ def test_check_fails_a_planted_bug_with_exit_status_1_and_a_table_naming_it():
     assert "FAIL" in res.stdout and "realistic:dk" in res.stdout.replace("\n", "")
 
 
+def test_check_runs_the_gqa_and_additive_mask_cases_of_a_ready_made_target():
+    res = _dmref("dmref.oracle:sdpa_math", "--cases", "quick", "--case", "gqa", "--case", "additive_mask")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr
+    table = res.stdout
+    assert "gqa" in table and "additive_mask" in table
+    assert "1x8/2x128x64" in table  # heads/kv_heads: 8 query heads on 2 key/value heads
+
+
 def test_check_holds_a_recipe_claim():
     res = _dmref("dmref.oracle:emulated_naive_fp8", "--recipe", "delta_matching", "--cases", "quick", "--case",
                  "peaked_rows", "--json")

@@ -22,14 +22,22 @@ def _cases(dtype=torch.bfloat16, names=_NAMES):
 
 
 def _attention_f64(q, k, v, *, causal, scale, mask=None):
-    """An independent float64 attention through torch.autograd (softmax's own backward)."""
+    """An independent float64 attention through torch.autograd (softmax's own backward); GQA by
+    repeat_interleave (autograd sums dK, dV over each group); boolean or additive masks."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     s = scale * (q @ k.transpose(-1, -2))
     if causal:
         n_q, n_k = s.shape[-2:]
         keep = torch.ones(n_q, n_k, dtype=torch.bool).tril(n_k - n_q)
         s = s.masked_fill(~keep, -math.inf)
-    if mask is not None:
+    if mask is not None and mask.dtype == torch.bool:
         s = s.masked_fill(~mask, -math.inf)
+    elif mask is not None:
+        # -inf through masked_fill, whose backward is zero there: fully masked rows (softmax
+        # NaN) then get zero gradients, where s + mask would let softmax's NaN through
+        finite = torch.isfinite(mask)
+        s = (s + torch.where(finite, mask, 0.0)).masked_fill(~finite, -math.inf)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # fully masked rows: zero
     return p @ v
 
@@ -42,9 +50,16 @@ def _attention_f64(q, k, v, *, causal, scale, mask=None):
 def test_float64_autograd_attention_passes_at_float64_bounds():
     report = oracle.check(_attention_f64, cases=oracle.make_cases("quick", dtype=torch.float64), dtype=torch.float64)
     report.raise_for_failures()
-    # every case ran, the masked one included (the function takes mask)
+    # every case ran, the masked ones, GQA and the additive mask included (the function takes mask)
     assert not report.skipped
+    assert {"gqa", "additive_mask", "fully_masked_rows"} <= {c.name for c in report.cases}
     assert all(c.probe_valid for c in report.cases)
+
+
+def test_flash_style_implementation_passes_gqa_and_both_kinds_of_mask():
+    report = oracle.check(planted.flash_masked, cases=_cases(names=["gqa", "additive_mask", "fully_masked_rows"]))
+    report.raise_for_failures()
+    assert not report.skipped
 
 
 def test_flash_style_bf16_implementation_passes():
@@ -67,6 +82,51 @@ def test_planted_bug_fails_the_check_that_names_it(bug):
     assert check_name in report.failed_names(), report.summary()
     # the forward is right in every planted backward bug
     assert "out" not in report.failed_names()
+
+
+@pytest.mark.parametrize("bug", sorted(planted.CASE_BUGS))
+def test_case_specific_bug_fails_the_checks_that_name_it(bug):
+    """A wrong kv-head grouping in dK/dV fails dk and dv of the gqa case; an additive mask
+    dropped in the backward fails the gradients, one added before the softmax scale the output."""
+    fn, case, must_fail, must_pass = planted.CASE_BUGS[bug]
+    report = oracle.check(fn, cases=_cases(names=[case]))
+    assert must_fail <= report.failed_names(), report.summary()
+    assert not must_pass & report.failed_names(), report.summary()
+    # the same implementation without the bug passes that case (flash_masked takes the mask)
+    oracle.check(planted.flash_masked, cases=_cases(names=[case])).raise_for_failures()
+
+
+def test_new_cases_are_gqa_and_an_additive_mask_on_the_input_grid():
+    gqa, additive = _cases(names=["gqa", "additive_mask"])
+    assert gqa.kv_heads >= 2 and gqa.q.shape[1] == 4 * gqa.kv_heads and gqa.causal
+    assert gqa.shape == f"1x{4 * gqa.kv_heads}/{gqa.kv_heads}x128x64"
+    m = additive.mask
+    assert m.dtype == additive.q.dtype  # rounded like the inputs: fn and the reference see one mask
+    finite = torch.isfinite(m)
+    assert bool((m[finite] <= 0).all()) and bool((m[finite] < 0).any())  # a bias, not only -inf
+    assert bool((~finite).any(dim=-1).any()) and bool((~finite).all(dim=-1).any())  # some -inf; rows all -inf
+
+
+def test_naive_softmax_fails_fully_masked_rows_of_an_additive_mask():
+    """softmax over a row of -inf is NaN: the additive mask exercises the zero-row path too."""
+    def naive(q, k, v, *, causal, scale, mask=None):
+        s = scale * (q.float() @ k.float().transpose(-1, -2)) + mask.float()
+        return (torch.softmax(s, dim=-1) @ v.float()).to(q.dtype)
+
+    report = oracle.check(naive, cases=_cases(names=["additive_mask"]))
+    assert "finite" in report.failed_names()
+
+
+def test_a_case_the_implementation_cannot_do_is_skipped_not_failed():
+    def mha_only(q, k, v, *, causal, scale):
+        if q.shape[1] != k.shape[1]:
+            raise NotImplementedError("no GQA")
+        return oracle.sdpa_math(q, k, v, causal=causal, scale=scale)
+
+    report = oracle.check(mha_only, cases=_cases(names=["gqa", "realistic"]))
+    assert report.passed
+    assert [(c.case, c.name) for c in report.skipped] == [("gqa", "runs")]
+    assert "no GQA" in report.skipped[0].detail
 
 
 def test_backward_only_bugs_fail_only_where_they_apply():

@@ -81,16 +81,26 @@ def test_shifts_have_two_significant_bits_and_a_ratio_that_is_not_a_power_of_two
 # ----------------------------------------------------------------------------------------------
 
 
+def _causal_scores(s: torch.Tensor, causal: bool) -> torch.Tensor:
+    if not causal:
+        return s
+    keep = torch.ones(s.shape[-2:], dtype=torch.bool).tril(s.shape[-1] - s.shape[-2])
+    return s.masked_fill(~keep, -math.inf)
+
+
 class _PlantedDelta(torch.autograd.Function):
-    """Exact attention in float64 whose backward uses D_i + delta_i (outputs in the input dtype)."""
+    """Exact attention in float64 whose backward uses D_i + delta_i (outputs in the input dtype);
+    GQA: query head h reads key/value head h // groups, dK and dV summed over each group."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, delta):
-        q64, k64, v64 = (t.double() for t in (q, k, v))
-        p = torch.softmax(scale * q64 @ k64.transpose(-1, -2), dim=-1)
+    def forward(ctx, q, k, v, scale, causal, delta):
+        groups = q.shape[1] // k.shape[1]
+        q64 = q.double()
+        k64, v64 = (t.double().repeat_interleave(groups, dim=1) for t in (k, v))
+        p = torch.softmax(_causal_scores(scale * q64 @ k64.transpose(-1, -2), causal), dim=-1)
         out = p @ v64
         ctx.save_for_backward(q64, k64, v64, p, out, delta)
-        ctx.scale, ctx.dtype = scale, q.dtype
+        ctx.scale, ctx.dtype, ctx.groups = scale, q.dtype, groups
         return out.to(q.dtype)
 
     @staticmethod
@@ -101,23 +111,30 @@ class _PlantedDelta(torch.autograd.Function):
         d = (do * out).sum(-1, keepdim=True) + delta[..., None]
         ds = p * (dp - d)
         dq, dk, dv = ctx.scale * ds @ k, ctx.scale * ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ do
-        return dq.to(ctx.dtype), dk.to(ctx.dtype), dv.to(ctx.dtype), None, None
+        b, h, n, dim = dk.shape
+        dk, dv = (t.view(b, h // ctx.groups, ctx.groups, n, -1).sum(dim=2) for t in (dk, dv))
+        return dq.to(ctx.dtype), dk.to(ctx.dtype), dv.to(ctx.dtype), None, None, None
 
 
+@pytest.mark.parametrize("name", ["realistic", "gqa"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_probe_recovers_a_planted_delta_to_the_output_precision(dtype):
-    case = oracle.make_cases("quick", dtype=dtype, names=["realistic"])[0]
+def test_probe_recovers_a_planted_delta_to_the_output_precision(dtype, name):
+    """Also under GQA (the gqa case: 8 query heads on 2 key/value heads, causal): the null
+    channels are zero in every query and key/value head, the shift reaches every query head's dQ
+    through its group's keys, and each query head's delta is read back separately."""
+    case = oracle.make_cases("quick", dtype=dtype, names=[name])[0]
     g = torch.Generator().manual_seed(7)
     ex = oracle._exact(case)
     delta = torch.randn(ex.abs_pdp.shape, generator=g, dtype=torch.float64) * ex.abs_pdp * 0.1
 
     def fn(q, k, v, *, causal, scale):
-        return _PlantedDelta.apply(q, k, v, scale, delta)
+        return _PlantedDelta.apply(q, k, v, scale, causal, delta)
 
     s_bound = 2 * (ex.abs_ds + delta.abs())
-    pr = probe.run_probe(fn, case.q, case.k, case.v, case.dout, case.probe, scale=case.scale,
+    pr = probe.run_probe(fn, case.q, case.k, case.v, case.dout, case.probe, causal=case.causal, scale=case.scale,
                          abs_ds_bound=s_bound, u_acc=U64)
     assert pr.valid
+    assert pr.residual.shape == case.q.shape[:-1]  # one reading per query head and row
     # the implementation's own residual: sum_j P_ij (dP_ij - D_i) = -delta_i sigma_i up to float64
     # rounding of n + d + 4 chained operations on terms bounded by s_bound
     own = probe.accumulation_bound(2 * case.k.shape[-2] + case.q.shape[-1] + 4, U64) * s_bound
@@ -136,7 +153,10 @@ _PRESETS = ["bf16", "naive_fp8", "cudnn_fp8", "mxfp8_stale", "delta_matching", "
 
 @pytest.fixture(scope="module")
 def probe_cases():
-    return oracle.make_cases("quick", dtype=torch.float32, names=["realistic_causal", "tail_lengths"])
+    # GQA: the probe's channels are null in every key/value head; the additive mask (with fully
+    # masked rows) reaches fn, the probe's second run and dmref.tiled alike
+    return oracle.make_cases("quick", dtype=torch.float32, names=["realistic_causal", "tail_lengths", "gqa",
+                                                                  "additive_mask"])
 
 
 @pytest.mark.parametrize("recipe", _PRESETS)
@@ -144,10 +164,10 @@ def test_probe_reads_the_emulated_recipes_residual_from_outside(recipe, probe_ca
     for case in probe_cases:
         ex = oracle._exact(case)
         pr = probe.run_probe(oracle.emulated(recipe), case.q, case.k, case.v, case.dout, case.probe,
-                             causal=case.causal, scale=case.scale, abs_ds_bound=2 * ex.abs_ds)
+                             causal=case.causal, scale=case.scale, mask=case.mask, abs_ds_bound=2 * ex.abs_ds)
         assert pr.valid, pr.invariance_detail
         _, bwd = tiled.attention(case.q, case.probe.shifted(case.k), case.v, case.dout, recipe=recipe,
-                                 causal=case.causal, scale=case.scale, diagnostics=True)
+                                 causal=case.causal, scale=case.scale, mask=case.mask, diagnostics=True)
         inside = bwd.rowsum.residual_dq
         assert bool(((pr.residual - inside).abs() <= pr.error_bound).all())
 
@@ -161,14 +181,14 @@ def test_probe_recovers_the_known_stale_delta_of_an_fp8_recipe(probe_cases):
     for case in probe_cases:
         k1 = case.probe.shifted(case.k)
         _, b_stale = tiled.attention(case.q, k1, case.v, case.dout, recipe=stale, causal=case.causal,
-                                     scale=case.scale, diagnostics=True)
+                                     scale=case.scale, mask=case.mask, diagnostics=True)
         _, b_matched = tiled.attention(case.q, k1, case.v, case.dout, recipe=matched, causal=case.causal,
-                                       scale=case.scale, diagnostics=True)
+                                       scale=case.scale, mask=case.mask, diagnostics=True)
         rs_m = b_matched.rowsum
         delta = b_stale.rowsum.delta - rs_m.delta  # the planted-by-the-recipe stale delta
         ex = oracle._exact(case)
         pr = probe.run_probe(oracle.emulated(stale), case.q, case.k, case.v, case.dout, case.probe,
-                             causal=case.causal, scale=case.scale, abs_ds_bound=2 * ex.abs_ds)
+                             causal=case.causal, scale=case.scale, mask=case.mask, abs_ds_bound=2 * ex.abs_ds)
         assert pr.valid
         active = rs_m.abs_pdp > 0
         # the delta is real: far above the matched bound on most rows

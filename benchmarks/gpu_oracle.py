@@ -1,6 +1,8 @@
 """The oracle on the GPU targets of docs/oracle.md (an H200, torch >= 2.5, under 3 minutes):
 
-- torch SDPA in BF16 with the flash, cuDNN and math backends (exact attention at BF16 bounds);
+- torch SDPA in BF16 with the flash, cuDNN and math backends (exact attention at BF16 bounds;
+  ``enable_gqa`` on the gqa case, which a backend without a GQA kernel skips; the masked cases
+  only for math, the others take no mask);
 - dmref.kernels.attention with stale delta (``naive_fp8``) and with Delta-Matching
   (``delta_matching``), each at BF16 bounds and as a claim of its dmref preset; the stale kernel
   also as a claim of ``delta_matching`` (the probe must see its stale delta from outside).
@@ -23,20 +25,34 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _oracle_runs import Target, run  # noqa: E402
 
-# dmref.kernels: head dim 64 or 128, seqlen_q == seqlen_k, no mask
+# dmref.kernels: head dim 64 or 128, seqlen_q == seqlen_k, GQA, no mask
 KERNEL_CASES = ["realistic", "realistic_causal", "outlier_channels", "peaked_rows", "flat_rows", "long_sequence",
-                "tail_lengths", "large_values", "small_values"]
+                "tail_lengths", "large_values", "small_values", "gqa"]
+
+
+#: torch's messages when the selected SDPA backend has no kernel for the inputs (older, newer)
+_NO_KERNEL = ("No available kernel", "No viable backend")
 
 
 def _sdpa(backend_name: str):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention
 
+    from dmref import oracle
+
     backend = getattr(SDPBackend, backend_name)
 
-    def fn(q, k, v, *, causal=False, scale=None):  # no mask: flash takes none; masked case skipped
-        with sdpa_kernel(backend):
-            return scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    def fn(q, k, v, *, causal=False, scale=None):  # no mask: flash takes none; masked cases skipped
+        gqa = oracle.gqa_kwargs(q, k)  # enable_gqa when k, v have fewer heads (the gqa case)
+        try:
+            with sdpa_kernel(backend):
+                return scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, **gqa)
+        except RuntimeError as e:
+            # a backend without a GQA kernel cannot do the case: a skip, not a numerical failure;
+            # any other error stays a failed run
+            if gqa and any(m in str(e) for m in _NO_KERNEL):
+                raise NotImplementedError(f"{backend_name} has no GQA kernel here: {e}") from e
+            raise
 
     fn.__name__ = fn.__qualname__ = f"sdpa_{backend_name.lower()}"
     return fn

@@ -48,6 +48,13 @@ by choosing the inputs and c (:func:`prepare`):
    (:attr:`ProbeResult.consistent`): a quantizer that rounds c_d (a per-row non-power-of-two
    scale) rounds 2^e and 3 * 2^(e-3) differently, and the readings part.
 
+GQA and masks. With k of fewer heads than q (query head h reads key/value head h // groups)
+the argument holds per query head: :func:`prepare` zeroes the null channels in every query and
+every key/value head and guards c by the amax over all of them, so the shifted keys reach every
+query head of a group, and each query head's dQ gives its own row sums (readings are
+``(batch, heads, seqlen_q)``, like dQ). A mask, boolean or additive, is passed to both runs
+unchanged; it moves no logit between them, and fully masked rows read zero.
+
 What the probe measures is sum_j dS^q_ij: the row sum of dS *as the dQ matmul sees it*. For an
 FP8 implementation that includes the rounding of dS to FP8 (unbiased noise); a stale delta adds
 -delta_i on top. :mod:`dmref.tiled` reports the same quantity as ``RowsumStats.residual_dq``,
@@ -227,7 +234,8 @@ def run_probe(fn, q, k, v, dout, setup: ProbeSetup, *, causal: bool = False, sca
     does). ``abs_ds_bound``: an upper bound on S_i = sum_j |dS^q_ij| per row, for the error
     bound. ``u_acc``: the accumulation unit roundoff of the implementation's dQ matmul.
     ``fn(q, k, v, *, causal, scale[, mask])`` returns the attention output; the backward is
-    taken through autograd with ``dout``.
+    taken through autograd with ``dout``. k and v may have fewer heads than q (GQA); ``mask``
+    (boolean or additive) is passed to fn in both runs.
     """
     kwargs = dict(causal=causal, scale=scale)
     if mask is not None:

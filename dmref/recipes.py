@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 
 __all__ = [
     "Accumulation",
+    "DeferredDq",
     "DeltaKind",
     "DeltaStrategy",
     "Granularity",
@@ -58,6 +59,7 @@ class Granularity(enum.Enum):
     TENSOR = "tensor"  #: one scale for the whole operand, across batch and heads (cuDNN per-tensor)
     ROW = "row"  #: one scale per row, over the whole contraction
     TILE_1x128 = "1x128"  #: one scale per row and 128 consecutive contraction elements (DeepSeek-V3 activations)
+    TILE_1x64 = "1x64"  #: one scale per row and 64 consecutive contraction elements (dmref.kernels' dS at 64-wide tiles)
     BLOCK_128x128 = "128x128"  #: one scale per 128 rows x 128 contraction elements; transpose-invariant
     MX32 = "mx32"  #: one scale per row and 32 consecutive contraction elements (OCP MX v1.0)
 
@@ -66,6 +68,7 @@ class Granularity(enum.Enum):
         """(rows, contraction) extent of one scale block; None for whole-tensor or whole-row."""
         return {
             Granularity.TILE_1x128: (1, 128),
+            Granularity.TILE_1x64: (1, 64),
             Granularity.BLOCK_128x128: (128, 128),
             Granularity.MX32: (1, 32),
         }.get(self)
@@ -165,18 +168,64 @@ class DeltaKind(enum.Enum):
 
 
 @dataclass(frozen=True)
+class DeferredDq:
+    """A matched delta without a pre-sweep (dmref.kernels' Delta-Matching). The one sweep that
+    accumulates D_i = sum_j P_ij dP^_ij cannot wait for it, so dQ is formed with a stale D as
+    predictor and corrected once the row is complete; dK still uses the final D::
+
+        dQ_i   = scale [ sum_j Q(P_ij (dP^_ij - Dst_i)) K^_j  -  (D_i - Dst_i) u kbar_i ]
+        kbar_i = fl_acc( kbar_i + fl_tile( sum_{j in tile} Q_kbar(P_ij) K^_j / u ) )   per key tile
+
+    The rounding of ``Q(P (dP^ - Dst))`` is that of ``ds_dq``; only the row sums of dS change
+    (see proofs/delta_matching.md, "Deferred dQ"). ``u`` is the power-of-two scale of each
+    channel's K amax under ``k_dq``'s format and rule: kbar is a convex combination of keys, so
+    in units of u its magnitude stays below the format's max and a float16 accumulator cannot
+    overflow, whatever K's magnitude.
+
+    ``predictor``: the stale strategy giving Dst. ``p``: P's point in kbar (P enters it as
+    P * 2^p_offset_log2). ``tile``: keys per kbar matmul; each tile's float32 sum is rounded to
+    ``tile_result`` (a model of the kernels' float16 wgmma chain: its internal roundings are
+    not modelled, and they are multiplied by D - Dst). ``accumulator``: kbar's running sum,
+    rounded after every tile.
+    """
+
+    predictor: "DeltaStrategy"
+    p: QuantPoint
+    p_offset_log2: int
+    tile: int
+    tile_result: QuantPoint
+    accumulator: QuantPoint
+
+    def __post_init__(self):
+        if self.predictor.kind is not DeltaKind.STALE:
+            raise ValueError(f"DeferredDq.predictor must be a STALE delta, got {self.predictor.kind}")
+        if not isinstance(self.tile, int) or self.tile <= 0 or 128 % self.tile:
+            raise ValueError(f"DeferredDq.tile={self.tile!r} must divide the reference's 128-key tiles")
+        if self.p.quantized and self.p.scale_rule.is_dynamic:
+            raise ValueError("DeferredDq.p: kbar's P is formed tile by tile against LSE; use ScaleRule.FIXED")
+
+
+@dataclass(frozen=True)
 class DeltaStrategy:
     """A delta strategy. ``do`` and ``o`` say how dO and the saved O are rounded as they enter a
-    STALE delta (the other kinds take their operands from the dP matmul and ignore them)."""
+    STALE delta (the other kinds take their operands from the dP matmul and ignore them).
+    ``deferred_dq`` (MATCHED only): dQ by deferred correction, see :class:`DeferredDq`."""
 
     kind: DeltaKind
     do: QuantPoint = NONE
     o: QuantPoint = NONE
+    deferred_dq: DeferredDq | None = None
+
+    def __post_init__(self):
+        if self.deferred_dq is not None and self.kind is not DeltaKind.MATCHED:
+            raise ValueError(f"deferred_dq needs a MATCHED delta, got {self.kind}")
 
     @property
     def name(self) -> str:
         if self.kind is DeltaKind.STALE:
             return "stale_fp8_do" if (self.do.fmt or "").startswith(("float8", "e4m3", "e5m2")) else "stale"
+        if self.deferred_dq is not None:
+            return "matched_deferred"
         return self.kind.value
 
 

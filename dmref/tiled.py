@@ -45,7 +45,8 @@ from . import emulation
 from .emulation.blocked import Block, dequantize_blocked, quantize_blocked, scales_from_amax
 from .emulation.blocked import ScaleRule as BlockScaleRule
 from .reference import _expand_kv, _reduce_kv
-from .recipes import DeltaKind, Granularity, Normalizer, PReference, QuantPoint, Recipe, ScaleRule, get_recipe
+from .recipes import (DeltaKind, DeltaStrategy, Granularity, Normalizer, PReference, QuantPoint, Recipe, ScaleRule,
+                      get_recipe)
 from .reference import AttentionShape, check_attention_inputs, keep_mask, mask_window
 
 __all__ = ["BackwardResult", "ForwardResult", "RowsumStats", "SoftmaxStats", "attention", "backward", "forward"]
@@ -450,24 +451,24 @@ def forward(q, k, v, *, recipe="exact", causal: bool = False, scale=None, mask=N
 # ==============================================================================================
 
 
-def _delta(pb: _Problem, kind: DeltaKind, dout, fwd: ForwardResult, do_dp, sweep) -> torch.Tensor:
+def _delta(pb: _Problem, strategy: DeltaStrategy, dout, fwd: ForwardResult, do_dp, sweep) -> torch.Tensor:
     """D_i, the row constant of dS = P ∘ (dP^ - D). Its own step, before the backward sweep.
 
     In exact arithmetic sum_j P_ij = 1 and sum_j P_ij dP_ij = dO_i . O_i = D_i, so every row
     of dS sums to zero. With rounding, sum_j dS_ij = sum_j P_ij dP^_ij - D_i sum_j P_ij, so a
     delta is only as good as its agreement with sum_j P_ij dP^_ij *as the sweep computes it*.
     """
-    r = pb.recipe
+    kind = strategy.kind
     if kind is DeltaKind.STALE:
         # Stale (FlashAttention-2/3 preprocess; cuDNN per-tensor with FP8 dO and O):
         #     D_i = sum_d dO'_id O'_id,  dO' = Q_delta.do(dO),  O' = Q_delta.o(O_saved)
         # Its O was made by the forward's P~ and V^ (other scales, other grids, BF16 rounding),
         # and its dO' is not the dP matmul's dO^: D_i = sum_j P_ij dP^_ij + delta_i, and row i
         # of dS sums to -delta_i.
-        # Q-point dO (delta): input -> recipe.delta.do (BF16; cuDNN: E5M2 per tensor)
-        do_d = _quantize(dout, r.delta.do, contract_dim=-1, dtype=pb.dtype)
-        # Q-point O (delta): saved O -> recipe.delta.o (cuDNN: E4M3 per tensor)
-        o_d = _quantize(fwd.out, r.delta.o, contract_dim=-1, dtype=pb.dtype)
+        # Q-point dO (delta): input -> strategy.do (BF16; cuDNN: E5M2 per tensor)
+        do_d = _quantize(dout, strategy.do, contract_dim=-1, dtype=pb.dtype)
+        # Q-point O (delta): saved O -> strategy.o (cuDNN: E4M3 per tensor)
+        o_d = _quantize(fwd.out, strategy.o, contract_dim=-1, dtype=pb.dtype)
         return (do_d * o_d).sum(dim=-1)
     if kind is DeltaKind.MATCHED:
         # Delta-Matching:
@@ -518,6 +519,23 @@ class BackwardResult:
     rowsum: RowsumStats | None = None
 
 
+def _channel_unit(k: torch.Tensor, point: QuantPoint, *, dtype: torch.dtype) -> torch.Tensor:
+    """(B, Hkv, 1, D): u, the largest of each channel's scales under ``point`` with K blocked
+    along the keys (as ``k_dq`` quantizes it; a block whose amax is 0 has scale 1): K / u stays
+    within the format's range. 1 where the point has no power-of-two scale blocks."""
+    ones = torch.ones(*k.shape[:2], 1, k.shape[-1], dtype=dtype, device=k.device)
+    if not point.quantized or point.scale_rule not in _POW2_RULES or point.granularity is Granularity.TENSOR:
+        return ones
+    fmt = emulation.get_format(point.fmt)
+    rule = BlockScaleRule(point.scale_rule.value)
+    xb, _ = _blocked_view(k.to(torch.float32), _block(point.granularity, contract_dim=-2))
+    scales = scales_from_amax(_abs_amax(xb, dim=(-3, -1), keepdim=True), fmt, rule)
+    s = _decode(scales, _E8M0) if rule.is_e8m0 else scales  # (..., key blocks, 1, channel blocks, 1)
+    unit = s.amax(dim=-4)  # over the key blocks: (..., 1, channel blocks, 1)
+    return unit.expand(*unit.shape[:-2], unit.shape[-2], xb.shape[-1]).reshape(*k.shape[:2], 1, -1)[
+        ..., : k.shape[-1]].to(dtype)
+
+
 def _global_amax_points(r: Recipe) -> dict[str, bool]:
     """Backward points whose dynamic scale blocks span several key tiles (they need an amax
     pre-sweep): TENSOR for P (dV) and both dS; ROW for the dS of dQ (a row spans all keys)."""
@@ -548,7 +566,8 @@ def backward(q, k, v, fwd: ForwardResult, dout, *, recipe="exact", causal: bool 
     # Q-point dO (dV = Pᵀ dO): input -> recipe.do_dv, blocks along the queries
     do_dv = _quantize(dout, r.do_dv, contract_dim=-2, dtype=wd)
     # Q-point K (dQ = dS K): input -> recipe.k_dq, blocks along the keys
-    k_dq = _expand_kv(_quantize(k, r.k_dq, contract_dim=-2, dtype=wd), g)
+    k_dq_kv = _quantize(k, r.k_dq, contract_dim=-2, dtype=wd)
+    k_dq = _expand_kv(k_dq_kv, g)
     # Q-point Q (dK = dSᵀ Q): input -> recipe.q_dk, blocks along the queries
     q_dk = _quantize(q, r.q_dk, contract_dim=-2, dtype=wd)
 
@@ -582,12 +601,26 @@ def backward(q, k, v, fwd: ForwardResult, dout, *, recipe="exact", causal: bool 
             yield i0, j0, j1, p, dp
 
     # ---- the delta step ----------------------------------------------------------------------
-    delta = _delta(pb, kind, dout, fwd, do_dp, sweep)[..., None]
+    delta = _delta(pb, r.delta, dout, fwd, do_dp, sweep)[..., None]
+    deferred = r.delta.deferred_dq
+    if deferred is not None:
+        # Deferred dQ (dmref.kernels): dQ from the stale predictor Dst, corrected by
+        # -(D - Dst) u kbar after the sweep (recipes.DeferredDq). The emulation computes D
+        # first; the kernel accumulates it in the same sweep, which changes no number.
+        d_pred = _delta(pb, deferred.predictor, dout, fwd, do_dp, sweep)[..., None]
+        # u: the power-of-two scale of each channel's K amax (over the keys), as k_dq rounds it
+        unit = _channel_unit(k, r.k_dq, dtype=wd)
+        k_kbar = _expand_kv(k_dq_kv / unit, g)
+        kbar = torch.zeros(sh.batch, sh.heads, sh.seqlen_q, sh.head_dim, dtype=wd, device=q.device)
+        p_scale_kbar = 2.0 ** -deferred.p_offset_log2
 
     # ---- amax pre-sweep for scale blocks that span key tiles (current scaling stands in for
     # ---- the delayed scaling of a real kernel) --------------------------------------------------
     amax = {name: None for name in ("p_dv", "ds_dq", "ds_dk")}
     spans = _global_amax_points(r)
+    if deferred is not None and spans["ds_dq"]:
+        raise NotImplementedError("deferred dQ with a dS_dq scale block spanning key tiles (TENSOR or ROW): "
+                                  "no kernel does this; use a tile granularity")
     if any(spans.values()):
         lead = (sh.batch, sh.heads, sh.seqlen_q, 1)
         amax = {n: (torch.zeros((), dtype=wd, device=q.device) if spans[n] else None) for n in amax}
@@ -625,11 +658,27 @@ def backward(q, k, v, fwd: ForwardResult, dout, *, recipe="exact", causal: bool 
             p64 = p.to(torch.float64)
             abs_pdp[..., i0:] += (p64 * dp.to(torch.float64)).abs().sum(dim=-1)
             psum[..., i0:] += p64.sum(dim=-1)
+        if deferred is not None:
+            # dQ's dS with the stale predictor: P ∘ (dP^ - Dst) (corrected after the sweep)
+            ds_for_dq = p * (dp - d_pred[..., i0:, :])
         ds = dp.sub_(delta[..., i0:, :]).mul_(p)  # dS = P ∘ (dP^ - D); dP^ is not needed again
+        if deferred is None:
+            ds_for_dq = ds
         # Q-point dS (dQ = dS K): fp32 -> recipe.ds_dq, blocks along the keys
-        ds_dq = _quantize(ds, r.ds_dq, contract_dim=-1, dtype=wd,
+        ds_dq = _quantize(ds_for_dq, r.ds_dq, contract_dim=-1, dtype=wd,
                           amax=a_rows if a_rows is not None else amax["ds_dq"])
         dq[..., i0:, :] += _matmul(ds_dq, k_dq[..., j0:j1, :], acc_model.dq, wd, (r.ds_dq, r.k_dq))
+        if deferred is not None:
+            # Q-point P (kbar): fp32 P * 2^offset -> deferred.p (the kernels: E4M3, 2^4, against LSE)
+            p_kb = _quantize(p, deferred.p, contract_dim=-1, dtype=wd, fixed_scale=p_scale_kbar)
+            for t0 in range(0, j1 - j0, deferred.tile):
+                t1 = min(t0 + deferred.tile, j1 - j0)
+                part = _matmul(p_kb[..., t0:t1], k_kbar[..., j0 + t0:j0 + t1, :], "fp32", wd)
+                # Q-point kbar tile: its float32 sum -> deferred.tile_result (float16 wgmma chain)
+                part = _quantize(part, deferred.tile_result, contract_dim=-1, dtype=wd)
+                # Q-point kbar accumulator: kbar + tile -> deferred.accumulator (float16), per tile
+                kbar[..., i0:, :] = _quantize(kbar[..., i0:, :] + part, deferred.accumulator, contract_dim=-1,
+                                              dtype=wd)
         # Q-point dS (dK = dSᵀ Q): fp32 -> recipe.ds_dk, blocks along the queries
         ds_dk = _quantize(ds, r.ds_dk, contract_dim=-2, dtype=wd, amax=amax["ds_dk"])
         dk[..., j0:j1, :] += _matmul(ds_dk.transpose(-1, -2), q_dk[..., i0:, :], acc_model.dk, wd,
@@ -637,8 +686,14 @@ def backward(q, k, v, fwd: ForwardResult, dout, *, recipe="exact", causal: bool 
         if diagnostics:  # r_i from the very dS tile above, in float64
             res[..., i0:] += ds.to(torch.float64).sum(dim=-1)
             res_dq[..., i0:] += ds_dq.to(torch.float64).sum(dim=-1)
+            if deferred is not None:  # the correction's share: -(D - Dst) sum_j Q_kbar(P_ij)
+                res_dq[..., i0:] -= ((delta - d_pred)[..., i0:, 0].to(torch.float64)
+                                     * p_kb.to(torch.float64).sum(dim=-1))
             res_dk[..., i0:] += ds_dk.to(torch.float64).sum(dim=-1)
 
+    if deferred is not None:
+        # the deferred correction: dQ_i -= (D_i - Dst_i) u kbar_i
+        dq = dq - (delta - d_pred) * (kbar * _expand_kv(unit, g))
     dq = dq * sh.scale
     dk = _reduce_kv(dk * sh.scale, g)
     dv = _reduce_kv(dv, g)

@@ -187,14 +187,12 @@ class KernelRecipe:
         128-wide scale blocks), ``"fp32"`` for Triton's interpreter (float32 matmuls).
 
         Raises ``ValueError`` where the reference cannot express the kernel: dS blocks other
-        than 1x32 (``Granularity.MX32`` with ``ScaleRule.POW2_DOWN``) or 1x128 (``TILE_1x128``),
-        or a forward key tile other than the reference's 128. What it cannot express at all:
-        the matched dQ (the kernel forms dQ from the stale dS and corrects it with kbar; the
-        reference quantizes P (dP - D) with the final D), so compare matched dQ within recipe
-        noise only.
+        than 1x32 (``Granularity.MX32`` with ``ScaleRule.POW2_DOWN``), 1x64 (``TILE_1x64``) or
+        1x128 (``TILE_1x128``), or a forward key tile other than the reference's 128. The
+        matched dQ is the reference's ``DeferredDq`` (kbar's float16 wgmma chain modelled as a
+        float32 tile sum rounded once to float16).
         """
-        from dmref.recipes import (MATCHED, STALE, Accumulation, Granularity, PReference,
-                                   PScaling, QuantPoint, Recipe, ScaleRule)
+        from dmref.recipes import Accumulation, Granularity, PReference, PScaling, QuantPoint, Recipe, ScaleRule
 
         b = self.bwd_tiles(head_dim)
         if self.fwd.block_n != QUANT_BLOCK:
@@ -204,10 +202,10 @@ class KernelRecipe:
             raise ValueError("ds_granularity='tile': the reference has no per-tile dS scale")
 
         def ds_point(block: int) -> QuantPoint:
-            gran = {32: Granularity.MX32, QUANT_BLOCK: Granularity.TILE_1x128}.get(block)
+            gran = {32: Granularity.MX32, 64: Granularity.TILE_1x64, QUANT_BLOCK: Granularity.TILE_1x128}.get(block)
             if gran is None:
                 raise ValueError(f"dS blocks of 1x{block}: dmref.recipes.Granularity has 1x32 "
-                                 "(MX32) and 1x128 only")
+                                 "(MX32), 1x64 and 1x128 only")
             return QuantPoint(self.ds_format, gran, ScaleRule.POW2_DOWN)
 
         row = QuantPoint(self.qkv_format, Granularity.ROW, ScaleRule.POW2_DOWN)
@@ -231,8 +229,19 @@ class KernelRecipe:
                 dp=acc(QUANT_BLOCK), dv=acc(b.block_m1), dq=acc(b.block_n2), dk=acc(b.block_m1)),
             p_fwd=PScaling(PReference.RUNNING_MAX, self.p_scale_log2),
             p_bwd=PScaling(PReference.LSE, self.p_scale_log2),
-            delta=MATCHED if self.delta == "matched" else STALE,
+            delta=self._reference_delta(b),
         )
+
+    def _reference_delta(self, b: BwdTiles):
+        """The reference's delta strategy: STALE, or MATCHED with the dq kernel's deferred dQ."""
+        from dmref.recipes import STALE, DeferredDq, DeltaKind, DeltaStrategy, QuantPoint
+
+        if self.delta == "stale":
+            return STALE
+        fp16 = QuantPoint("float16", saturate=False)  # Triton's float32 -> float16: RNE, overflow to inf
+        deferred = DeferredDq(predictor=STALE, p=QuantPoint(self.p_format), p_offset_log2=KBAR_P_SCALE_LOG2,
+                              tile=b.block_n2, tile_result=fp16, accumulator=fp16)
+        return DeltaStrategy(DeltaKind.MATCHED, deferred_dq=deferred)
 
 
 _DELTA_WORDS = {
@@ -241,8 +250,9 @@ _DELTA_WORDS = {
         "D = sum_j P_ij dP_ij with the float32 P and dP of the backward (accumulated in the dq "
         "kernel, which runs first; dmref's DeltaKind.MATCHED); dK: dS = P (dP - D) exactly; dQ "
         "by deferred correction: dQ = tau [sum_tiles deq(Q8(P (dP - D_stale))) K - (D - D_stale) "
-        "* kbar], kbar = sum_tiles fl16(kbar + fl16chain(Q8(2**4 P) K8) * k_scale / 2**4) (float16 "
-        "wgmma chain per tile, float16 accumulator in units of K)"
+        "* u kbar], kbar = sum_tiles fl16(kbar + fl16chain(Q8(2**4 P) K8) * k_scale / (2**4 u)) (float16 "
+        "wgmma chain per tile, float16 accumulator in units u = each channel's largest K block scale; "
+        "dmref.recipes.DeferredDq)"
     ),
 }
 

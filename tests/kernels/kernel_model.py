@@ -225,7 +225,8 @@ def backward(q, k, v, o, lse2, do, *, causal: bool, scale: float, recipe: Kernel
 def kbar(p: torch.Tensor, k: torch.Tensor, heads: int, recipe: KernelRecipe, block_n: int):
     """kbar_i = sum_j deq(Q8(2**4 P_ij)) K_j / 2**4 as the dq kernel forms it: per key tile a
     float16 chain over the K codes (modelled as the exact sum rounded to float16), scaled to
-    units of K in float32, added to a float16 accumulator. (BH, N, D) float32."""
+    units u of each channel's largest K scale in float32, added to a float16 accumulator, times u
+    at the end. (BH, N, D) float32."""
     from dmref.kernels.config import KBAR_P_SCALE_LOG2
 
     fmt, pf = recipe.qkv_format, recipe.p_format
@@ -234,13 +235,14 @@ def kbar(p: torch.Tensor, k: torch.Tensor, heads: int, recipe: KernelRecipe, blo
     kt_codes, kt_inv = cols(_flat(k, heads), fmt)  # (BH, D, NPAD), (BH, NPAD / 128, D)
     kt = decode(kt_codes, fmt).double().transpose(1, 2)  # (BH, NPAD, D) codes' values
     n = p.shape[-1]
+    unit = kt_inv.amax(dim=1)[:, None, :]  # (BH, 1, D): each channel's largest block scale
     acc = torch.zeros(p.shape[0], p.shape[1], kt.shape[-1], dtype=torch.float16, device=p.device)
     for j0 in range(0, n, block_n):
         j1 = min(j0 + block_n, n)
         part = (p8[:, :, j0:j1] @ kt[:, j0:j1]).to(torch.float16).float()
-        scale = kt_inv[:, j0 // QUANT_BLOCK, :][:, None, :] * (1.0 / kbar_scale)
+        scale = kt_inv[:, j0 // QUANT_BLOCK, :][:, None, :] / unit * (1.0 / kbar_scale)
         acc = (acc.float() + part * scale).to(torch.float16)
-    return acc.float()
+    return acc.float() * unit
 
 
 def exact_attention(q, k, v, do, *, causal: bool, scale: float):

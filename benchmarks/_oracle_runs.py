@@ -54,7 +54,7 @@ def run(targets: list[Target], out_path: str, *, title: str, seed: int = 0) -> l
     rows, reports = [], []
     for t in targets:
         t0 = time.perf_counter()
-        console.print(f"[bold]{t.label}[/bold] ({t.recipe or 'exact'}, {t.dtype}, {t.device}) ...")
+        console.print(f"[bold]{t.label}[/bold] ({getattr(t.recipe, 'name', t.recipe) or 'exact'}, {t.dtype}, {t.device}) ...")
         try:
             report = oracle.check(t.fn, recipe=t.recipe, cases=t.cases, dtype=t.dtype, device=t.device, seed=seed,
                                   target=t.label, **t.kwargs)

@@ -4,8 +4,10 @@
   ``enable_gqa`` on the gqa case, which a backend without a GQA kernel skips; the masked cases
   only for math, the others take no mask);
 - dmref.kernels.attention with stale delta (``naive_fp8``) and with Delta-Matching
-  (``delta_matching``), each at BF16 bounds and as a claim of its dmref preset; the stale kernel
-  also as a claim of ``delta_matching`` (the probe must see its stale delta from outside).
+  (``delta_matching``), each at BF16 bounds, as a claim of the recipe it declares
+  (``KernelRecipe.reference_recipe`` under the Hopper model) and of the dmref preset it is named
+  after; the stale kernel also as a claim of the matched kernel's recipe (the probe must see its
+  stale delta from outside).
 
     python benchmarks/gpu_oracle.py --out DIR [--cases quick|standard] [--skip-kernels]
 
@@ -78,13 +80,21 @@ def targets(cases: str, skip_kernels: bool) -> list[Target]:
     ]
     if not skip_kernels:
         kcases = oracle.make_cases(cases, dtype=torch.bfloat16, names=KERNEL_CASES)
+        from dmref.kernels.config import RECIPES
+
+        head_dim = kcases[0].q.shape[-1]
+        declared = {r: RECIPES[r].reference_recipe(head_dim, "hopper") for r in RECIPES}
         for r in ("naive_fp8", "delta_matching"):
             out.append(Target(f"kernels {r}", _kernel(r), cases=kcases, device="cuda",
                               note="exact attention at BF16 bounds (an FP8 kernel is expected to fail these)"))
-            out.append(Target(f"kernels {r} claims {r}", _kernel(r), recipe=r, cases=kcases, device="cuda",
+            out.append(Target(f"kernels {r} claims its declared recipe", _kernel(r), recipe=declared[r],
+                              cases=kcases, device="cuda",
+                              note=f"held to KernelRecipe.reference_recipe: {declared[r].name}@hopper"))
+            out.append(Target(f"kernels {r} claims preset {r}", _kernel(r), recipe=r, cases=kcases, device="cuda",
                               note="held to the dmref preset it names (dS blocks 1x64 vs the preset's 1x128)"))
-        out.append(Target("kernels naive_fp8 claims delta_matching", _kernel("naive_fp8"), recipe="delta_matching",
-                          cases=kcases, device="cuda", note="the stale kernel held to Delta-Matching"))
+        out.append(Target("kernels naive_fp8 claims delta_matching", _kernel("naive_fp8"),
+                          recipe=declared["delta_matching"], cases=kcases, device="cuda",
+                          note="the stale kernel held to the matched kernel's declared recipe"))
     return out
 
 

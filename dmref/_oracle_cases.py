@@ -208,6 +208,8 @@ def make_cases(size: str = "standard", *, dtype: torch.dtype = torch.bfloat16, s
     if size not in CASE_SETS:
         raise ValueError(f"unknown case set {size!r}; known: {', '.join(CASE_SETS)}")
     specs = _specs(size)
+    # each case is seeded by its place in the full list, so a case picked by name sees the same inputs
+    position = {s.name: i for i, s in enumerate(specs)}
     if names is not None:
         by_name = {s.name: s for s in specs}
         unknown = [n for n in names if n not in by_name]
@@ -215,7 +217,8 @@ def make_cases(size: str = "standard", *, dtype: torch.dtype = torch.bfloat16, s
             raise ValueError(f"unknown case names {unknown}; known: {', '.join(by_name)}")
         specs = [by_name[n] for n in names]
     cases = []
-    for i, s in enumerate(specs):
+    for s in specs:
+        i = position[s.name]
         d = head_dim or s.head_dim
         g = torch.Generator().manual_seed(seed * 1000 + i)
         if s.make == "realistic":

@@ -57,7 +57,7 @@ KBAR_P_SCALE = tl.constexpr(float(2**KBAR_P_SCALE_LOG2))
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q8, Q_SCALE, K8, K_SCALE, V8, V_SCALE, KT8, KT_SCALE, K_UNIT,
+    Q8, Q_SCALE, K8, K_SCALE, V8, V_SCALE, KT8, KT_SCALE, KBAR_SCALE, K_UNIT,
     DO8, DO_SCALE, LSE2, DELTA_STALE, DELTA_MATCHED,
     DQ, DQ_ROWSUM,
     qk_scale, sm_scale, H, GROUP, N, NPAD,
@@ -97,12 +97,8 @@ def _bwd_dq_kernel(
     # channel's largest K scale (K_UNIT), so |kbar / u| <= 448 can never overflow float16
     kbar_lo = tl.zeros([BLOCK_M, DH], tl.float16)
     kbar_hi = tl.zeros([BLOCK_M, DH], tl.float16)
-    if MATCHED:
-        unit_lo = tl.load(K_UNIT + kv * HEAD_DIM + offs_h)
-        unit_hi = tl.load(K_UNIT + kv * HEAD_DIM + DH + offs_h)
-        # powers of two: exact in round-to-nearest division
-        kb_scale_lo = tl.math.div_rn(tl.full([DH], 1.0 / KBAR_P_SCALE, tl.float32), unit_lo)
-        kb_scale_hi = tl.math.div_rn(tl.full([DH], 1.0 / KBAR_P_SCALE, tl.float32), unit_hi)
+    # KBAR_SCALE = KT_SCALE / (KBAR_P_SCALE u), laid out like KT_SCALE (powers of two: exact)
+    KBAR_SCALE += kv * (NPAD // QB) * HEAD_DIM
     pdp = tl.zeros([BLOCK_M], tl.float32)
     psum = tl.zeros([BLOCK_M], tl.float32)
     rowsum = tl.zeros([BLOCK_M], tl.float32)
@@ -164,14 +160,16 @@ def _bwd_dq_kernel(
             # rounded to float16 (its 32 registers instead of 64 keep the loop from spilling)
             kb_lo = tl.dot(p8, tl.load(KT8 + kt_lo), out_dtype=tl.float16).to(tl.float32)
             kb_hi = tl.dot(p8, tl.load(KT8 + kt_hi), out_dtype=tl.float16).to(tl.float32)
-            kbar_lo = (kbar_lo.to(tl.float32) + kb_lo * (tl.load(KT_SCALE + sc_lo) * kb_scale_lo)[None, :]).to(tl.float16)
-            kbar_hi = (kbar_hi.to(tl.float32) + kb_hi * (tl.load(KT_SCALE + sc_hi) * kb_scale_hi)[None, :]).to(tl.float16)
+            kbar_lo = (kbar_lo.to(tl.float32) + kb_lo * tl.load(KBAR_SCALE + sc_lo)[None, :]).to(tl.float16)
+            kbar_hi = (kbar_hi.to(tl.float32) + kb_hi * tl.load(KBAR_SCALE + sc_hi)[None, :]).to(tl.float16)
     out_lo = offs_m[:, None] * HEAD_DIM + offs_h[None, :]
     if MATCHED:
         # delta step (matched): D = sum_j P dP, the reference's DeltaKind.MATCHED
         tl.store(DELTA_MATCHED + bh64 * N + offs_m, pdp, mask=in_seq)
         # deferred correction of dQ: dS K = (P (dP - Dst)) K - (D - Dst) (P K)
         corr = pdp - d_stale
+        unit_lo = tl.load(K_UNIT + kv * HEAD_DIM + offs_h)
+        unit_hi = tl.load(K_UNIT + kv * HEAD_DIM + DH + offs_h)
         dq_lo -= corr[:, None] * (kbar_lo.to(tl.float32) * unit_lo[None, :])
         dq_hi -= corr[:, None] * (kbar_hi.to(tl.float32) * unit_hi[None, :])
         if DEBUG:
@@ -357,7 +355,14 @@ def backward(
     delta_matched = torch.empty_like(delta_stale) if matched else delta_stale
     # kbar's unit per key/value head and channel: the largest of the channel's K block scales
     # (a reduction over the (B*Hkv, NPAD/128, D) scales, not over K)
-    k_unit = saved.k.col_scale.amax(dim=1).contiguous() if matched else torch.empty(1, device=dev)
+    # and kbar's per-tile factor KT_SCALE / (KBAR_P_SCALE u) (powers of two: exact), precomputed
+    # so that neither is held in registers across the dq loop
+    if matched:
+        k_unit = saved.k.col_scale.amax(dim=1, keepdim=True)
+        kbar_scale = (saved.k.col_scale / (k_unit * float(2**KBAR_P_SCALE_LOG2))).contiguous()
+        k_unit = k_unit.contiguous()
+    else:
+        k_unit = kbar_scale = torch.empty(1, device=dev)
     dummy8 = torch.empty(1, device=dev, dtype=torch.uint8)
     dummy32 = torch.empty(1, device=dev, dtype=torch.float32)
     dbg = {}
@@ -378,7 +383,7 @@ def backward(
     def run_dq():
         _bwd_dq_kernel[(triton.cdiv(n, t.block_m2), batch * heads)](
             q8.rows, q8.row_scale, k8.rows, k8.row_scale, v8.rows, v8.row_scale,
-            k8.cols, k8.col_scale, k_unit, do8.rows, do8.row_scale, saved.lse2, delta_stale,
+            k8.cols, k8.col_scale, kbar_scale, k_unit, do8.rows, do8.row_scale, saved.lse2, delta_stale,
             delta_matched if matched else dummy32,
             dq, dbg.get("dq_ds_rowsum", dummy32),
             qk_scale, scale, heads, heads // kv_heads, n, npad,

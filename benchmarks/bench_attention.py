@@ -33,21 +33,24 @@ import torch.nn.functional as F
 SHAPES = [(4, 16, 4096, 128), (1, 16, 16384, 128), (4, 32, 4096, 64)]
 
 # Candidate tilings, tried on the first shape of each head dim (the winner is used for the rest).
-FWD_CANDIDATES = [  # block_m, block_n, num_warps, num_stages (block_n = 128: the reference's tile)
-    (64, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 8, 4), (64, 128, 4, 4), (64, 128, 4, 2),
+FWD_CANDIDATES = [  # block_m, block_n, num_warps, num_stages[, tma[, split_pv]] (block_n = 128: the reference's tile)
+    (64, 128, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3, True), (64, 128, 4, 3, True, True),
+    (128, 128, 8, 3, True), (64, 128, 4, 2, True), (64, 128, 4, 4, True),
 ]
-BWD_CANDIDATES = {  # per head dim; dkdv: block_m1, block_n1, warps, stages; dq: block_m2, block_n2, warps, stages
+BWD_CANDIDATES = {  # per head dim; dkdv: block_m1, block_n1, warps, stages; dq: block_m2, block_n2, warps, stages[, tma]
     128: [
         (64, 128, 8, 2, 128, 64, 8, 2),  # the default: dS blocks 1x64
-        (32, 128, 8, 3, 128, 32, 8, 2),  # dS blocks 1x32: the reference can reproduce it
-        (64, 128, 8, 2, 128, 64, 8, 3),
-        (32, 128, 8, 2, 128, 64, 8, 2),
+        (64, 128, 8, 2, 128, 64, 8, 2, True),  # the same through TMA descriptors
+        (64, 128, 8, 3, 128, 64, 8, 3, True),
+        (32, 128, 8, 2, 128, 64, 8, 2, True),
+        (64, 128, 8, 2, 128, 128, 8, 2, True),
     ],
     64: [
         (64, 64, 4, 2, 64, 64, 4, 2),  # the default
-        (32, 128, 8, 2, 128, 32, 8, 2),  # dS blocks 1x32
-        (64, 128, 8, 2, 128, 64, 8, 2),
-        (32, 64, 4, 2, 64, 32, 4, 2),
+        (64, 64, 4, 2, 64, 64, 4, 2, True),
+        (64, 64, 4, 3, 64, 64, 4, 3, True),
+        (64, 128, 8, 2, 128, 64, 8, 2, True),
+        (64, 128, 4, 2, 128, 64, 8, 2, True),
     ],
 }
 
@@ -59,10 +62,10 @@ def _tiles(fwd_c, bwd_c):
         fwd_c = FWD_CANDIDATES[0]
     if bwd_c is None:
         bwd_c = BWD_CANDIDATES[128][0]
-    fwd = FwdTiles(block_m=fwd_c[0], block_n=fwd_c[1], num_warps=fwd_c[2], num_stages=fwd_c[3])
-    bm1, bn1, w1, s1, bm2, bn2, w2, s2 = bwd_c
+    fwd = FwdTiles(*fwd_c)
+    bm1, bn1, w1, s1, bm2, bn2, w2, s2, *tma = bwd_c
     bwd = BwdTiles(block_m1=bm1, block_n1=bn1, block_m2=bm2, block_n2=bn2,
-                   num_warps_dkdv=w1, num_stages_dkdv=s1, num_warps_dq=w2, num_stages_dq=s2)
+                   num_warps_dkdv=w1, num_stages_dkdv=s1, num_warps_dq=w2, num_stages_dq=s2, tma=bool(tma and tma[0]))
     return fwd, bwd
 
 

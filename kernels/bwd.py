@@ -63,7 +63,7 @@ def _bwd_dq_kernel(
     qk_scale, sm_scale, H, GROUP, N, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
     CAUSAL: tl.constexpr, MATCHED: tl.constexpr, P_SCALE: tl.constexpr,
-    DS_ROWWISE: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
+    DS_ROWWISE: tl.constexpr, TMA: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     tl.static_assert(QB % BLOCK_N == 0)
     start_m = tl.program_id(0) * BLOCK_M
@@ -71,11 +71,14 @@ def _bwd_dq_kernel(
     bh64 = bh.to(tl.int64)
     kv = ((bh // H) * (H // GROUP) + (bh % H) // GROUP).to(tl.int64)
     # per-head base pointers (64-bit scalars); the tiles use int32 offsets from them
-    K8 += kv * N * HEAD_DIM
-    V8 += kv * N * HEAD_DIM
+    # with TMA, K8, V8 and KT8 are descriptors of the (B*Hkv, N, D) and (B*Hkv, D, NPAD) copies
+    kv32 = kv.to(tl.int32)
+    if not TMA:
+        K8 += kv * N * HEAD_DIM
+        V8 += kv * N * HEAD_DIM
+        KT8 += kv * HEAD_DIM * NPAD
     K_SCALE += kv * N
     V_SCALE += kv * N
-    KT8 += kv * HEAD_DIM * NPAD
     KT_SCALE += kv * (NPAD // QB) * HEAD_DIM
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -113,9 +116,13 @@ def _bwd_dq_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k_in = offs_n < N
         # K and V row copies as (D, BLOCK_N) tiles: the head dim (the contraction) contiguous
-        kv_rows = offs_n[None, :] * HEAD_DIM + offs_d[:, None]
-        k = tl.load(K8 + kv_rows, mask=k_in[None, :], other=0.0)
-        v = tl.load(V8 + kv_rows, mask=k_in[None, :], other=0.0)
+        if TMA:  # rows past N read as zeros (the descriptor's bounds)
+            k = tl.trans(K8.load([kv32, start_n, 0]).reshape(BLOCK_N, HEAD_DIM))
+            v = tl.trans(V8.load([kv32, start_n, 0]).reshape(BLOCK_N, HEAD_DIM))
+        else:
+            kv_rows = offs_n[None, :] * HEAD_DIM + offs_d[:, None]
+            k = tl.load(K8 + kv_rows, mask=k_in[None, :], other=0.0)
+            v = tl.load(V8 + kv_rows, mask=k_in[None, :], other=0.0)
         k_scale = tl.load(K_SCALE + offs_n, mask=k_in, other=0.0)
         v_scale = tl.load(V_SCALE + offs_n, mask=k_in, other=0.0)
         # recompute: in the forward this was S2 = dot(Q8, K8^T) * scales; now P against LSE
@@ -152,14 +159,20 @@ def _bwd_dq_kernel(
         kt_hi = kt_lo + DH * NPAD
         sc_lo = (start_n // QB) * HEAD_DIM + offs_h
         sc_hi = sc_lo + DH
+        if TMA:
+            kt_tile_lo = tl.trans(KT8.load([kv32, 0, start_n]).reshape(DH, BLOCK_N))
+            kt_tile_hi = tl.trans(KT8.load([kv32, DH, start_n]).reshape(DH, BLOCK_N))
+        else:
+            kt_tile_lo = tl.load(KT8 + kt_lo)
+            kt_tile_hi = tl.load(KT8 + kt_hi)
         # promotion: one wgmma chain per tile and half head dim, then one float32 add
-        dq_lo += tl.dot(ds8, tl.load(KT8 + kt_lo)) * tl.load(KT_SCALE + sc_lo)[None, :] * ds_inv[:, None]
-        dq_hi += tl.dot(ds8, tl.load(KT8 + kt_hi)) * tl.load(KT_SCALE + sc_hi)[None, :] * ds_inv[:, None]
+        dq_lo += tl.dot(ds8, kt_tile_lo) * tl.load(KT_SCALE + sc_lo)[None, :] * ds_inv[:, None]
+        dq_hi += tl.dot(ds8, kt_tile_hi) * tl.load(KT_SCALE + sc_hi)[None, :] * ds_inv[:, None]
         if MATCHED:
             # kbar: float16 wgmma chain per tile, scaled to units u in float32, added and
             # rounded to float16 (its 32 registers instead of 64 keep the loop from spilling)
-            kb_lo = tl.dot(p8, tl.load(KT8 + kt_lo), out_dtype=tl.float16).to(tl.float32)
-            kb_hi = tl.dot(p8, tl.load(KT8 + kt_hi), out_dtype=tl.float16).to(tl.float32)
+            kb_lo = tl.dot(p8, kt_tile_lo, out_dtype=tl.float16).to(tl.float32)
+            kb_hi = tl.dot(p8, kt_tile_hi, out_dtype=tl.float16).to(tl.float32)
             kbar_lo = (kbar_lo.to(tl.float32) + kb_lo * tl.load(KBAR_SCALE + sc_lo)[None, :]).to(tl.float16)
             kbar_hi = (kbar_hi.to(tl.float32) + kb_hi * tl.load(KBAR_SCALE + sc_hi)[None, :]).to(tl.float16)
     out_lo = offs_m[:, None] * HEAD_DIM + offs_h[None, :]
@@ -193,9 +206,11 @@ def _dkdv_head(
     DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE, qk_scale, N, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
     CAUSAL: tl.constexpr, P_SCALE: tl.constexpr, DS_ROWWISE: tl.constexpr,
-    DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
+    TMA: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """The query tiles of one query head, accumulated into this key block's dK and dV halves."""
+    """The query tiles of one query head, accumulated into this key block's dK and dV halves.
+    With TMA, Q8, DO8 (rows, (B*H, N, D)) and QT8, DOT8 (cols, (B*H, D, NPAD)) are tensor
+    descriptors."""
     DH: tl.constexpr = HEAD_DIM // 2
     offs_h = tl.arange(0, DH)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -203,6 +218,7 @@ def _dkdv_head(
     head_rows = bh64 * N * HEAD_DIM
     head = bh64 * N
     head_cols = bh64 * HEAD_DIM * NPAD
+    bh32 = bh64.to(tl.int32)  # the head's index into the descriptors (TMA)
     head_col_scale = bh64 * (NPAD // QB) * HEAD_DIM
     # masks on every tile (two compares and a select per element): one loop body; separate
     # masked and unmasked loops each kept their own pipelined state live and spilled
@@ -211,9 +227,13 @@ def _dkdv_head(
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q_in = offs_m < N
         # Q and dO row copies as (D, BLOCK_M) tiles: the head dim (the contraction) contiguous
-        q_rows = offs_m[None, :] * HEAD_DIM + offs_d[:, None]
-        q_t = tl.load(Q8 + head_rows + q_rows, mask=q_in[None, :], other=0.0)
-        do_t = tl.load(DO8 + head_rows + q_rows, mask=q_in[None, :], other=0.0)
+        if TMA:  # rows past N read as zeros (the descriptor's bounds)
+            q_t = tl.trans(Q8.load([bh32, start_m, 0]).reshape(BLOCK_M, HEAD_DIM))
+            do_t = tl.trans(DO8.load([bh32, start_m, 0]).reshape(BLOCK_M, HEAD_DIM))
+        else:
+            q_rows = offs_m[None, :] * HEAD_DIM + offs_d[:, None]
+            q_t = tl.load(Q8 + head_rows + q_rows, mask=q_in[None, :], other=0.0)
+            do_t = tl.load(DO8 + head_rows + q_rows, mask=q_in[None, :], other=0.0)
         q_scale = tl.load(Q_SCALE + head + offs_m, mask=q_in, other=0.0) * qk_scale
         lse2 = tl.load(LSE2 + head + offs_m, mask=q_in, other=0.0)
         # recompute, transposed: in the forward this was S2 = dot(Q8, K8^T) * scales, so now
@@ -256,10 +276,20 @@ def _dkdv_head(
         tok_hi = tok_lo + DH * NPAD
         sc_lo = head_col_scale + (start_m // QB) * HEAD_DIM + offs_h
         sc_hi = sc_lo + DH
-        dv_lo += tl.dot(p8_t, tl.load(DOT8 + head_cols + tok_lo)) * tl.load(DOT_SCALE + sc_lo)[None, :]
-        dv_hi += tl.dot(p8_t, tl.load(DOT8 + head_cols + tok_hi)) * tl.load(DOT_SCALE + sc_hi)[None, :]
-        dk_lo += tl.dot(ds8_t, tl.load(QT8 + head_cols + tok_lo)) * tl.load(QT_SCALE + sc_lo)[None, :] * ds_inv[:, None]
-        dk_hi += tl.dot(ds8_t, tl.load(QT8 + head_cols + tok_hi)) * tl.load(QT_SCALE + sc_hi)[None, :] * ds_inv[:, None]
+        if TMA:
+            dot_lo = tl.trans(DOT8.load([bh32, 0, start_m]).reshape(DH, BLOCK_M))
+            dot_hi = tl.trans(DOT8.load([bh32, DH, start_m]).reshape(DH, BLOCK_M))
+            qt_lo = tl.trans(QT8.load([bh32, 0, start_m]).reshape(DH, BLOCK_M))
+            qt_hi = tl.trans(QT8.load([bh32, DH, start_m]).reshape(DH, BLOCK_M))
+        else:
+            dot_lo = tl.load(DOT8 + head_cols + tok_lo)
+            dot_hi = tl.load(DOT8 + head_cols + tok_hi)
+            qt_lo = tl.load(QT8 + head_cols + tok_lo)
+            qt_hi = tl.load(QT8 + head_cols + tok_hi)
+        dv_lo += tl.dot(p8_t, dot_lo) * tl.load(DOT_SCALE + sc_lo)[None, :]
+        dv_hi += tl.dot(p8_t, dot_hi) * tl.load(DOT_SCALE + sc_hi)[None, :]
+        dk_lo += tl.dot(ds8_t, qt_lo) * tl.load(QT_SCALE + sc_lo)[None, :] * ds_inv[:, None]
+        dk_hi += tl.dot(ds8_t, qt_hi) * tl.load(QT_SCALE + sc_hi)[None, :] * ds_inv[:, None]
     return dk_lo, dk_hi, dv_lo, dv_hi
 
 
@@ -271,7 +301,7 @@ def _bwd_dkdv_kernel(
     qk_scale, sm_scale, H, HKV, N, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, P_SCALE: tl.constexpr, DS_ROWWISE: tl.constexpr,
-    DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
+    TMA: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     tl.static_assert(QB % BLOCK_M == 0)
     start_n = tl.program_id(0) * BLOCK_N
@@ -309,7 +339,7 @@ def _bwd_dkdv_kernel(
             dk_lo, dk_hi, dv_lo, dv_hi, k, k_scale, v, v_scale, offs_n, in_seq, bh0, lo,
             Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA,
             DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE, qk_scale, N, NPAD,
-            HEAD_DIM, BLOCK_M, BLOCK_N, QB, CAUSAL, P_SCALE, DS_ROWWISE, DEBUG, INTERPRET)
+            HEAD_DIM, BLOCK_M, BLOCK_N, QB, CAUSAL, P_SCALE, DS_ROWWISE, TMA, DEBUG, INTERPRET)
     else:
         # GQA: dK and dV sum over the GROUP query heads that read this key/value head
         for g in range(0, GROUP):
@@ -317,7 +347,7 @@ def _bwd_dkdv_kernel(
                 dk_lo, dk_hi, dv_lo, dv_hi, k, k_scale, v, v_scale, offs_n, in_seq, bh0 + g, lo,
                 Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA,
                 DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE, qk_scale, N, NPAD,
-                HEAD_DIM, BLOCK_M, BLOCK_N, QB, CAUSAL, P_SCALE, DS_ROWWISE, DEBUG, INTERPRET)
+                HEAD_DIM, BLOCK_M, BLOCK_N, QB, CAUSAL, P_SCALE, DS_ROWWISE, TMA, DEBUG, INTERPRET)
     rows_lo = offs_n[:, None] * HEAD_DIM + offs_h[None, :]
     tl.store(DK + kv_rows + rows_lo, to_bf16(dk_lo * sm_scale, INTERPRET), mask=in_seq[:, None])
     tl.store(DK + kv_rows + rows_lo + DH, to_bf16(dk_hi * sm_scale, INTERPRET), mask=in_seq[:, None])
@@ -378,12 +408,26 @@ def backward(
     q8, k8, v8 = saved.q, saved.k, saved.v
     common = dict(HEAD_DIM=head_dim, QB=QUANT_BLOCK, CAUSAL=causal,
                   P_SCALE=float(2 ** recipe.p_scale_log2), DS_ROWWISE=recipe.ds_granularity == "rowwise",
-                  DEBUG=debug, INTERPRET=interpreting())
+                  TMA=t.tma, DEBUG=debug, INTERPRET=interpreting())
+    dh = head_dim // 2
+    if t.tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor as TD
+
+        # dq: K, V rows per block_n2 keys, K cols per half head dim; dkdv: Q, dO rows per
+        # block_m1 queries, Q, dO cols per half head dim
+        dq_ops = (TD.from_tensor(k8.rows, [1, t.block_n2, head_dim]),
+                  TD.from_tensor(v8.rows, [1, t.block_n2, head_dim]),
+                  TD.from_tensor(k8.cols, [1, dh, t.block_n2]))
+        dkdv_ops = (TD.from_tensor(q8.rows, [1, t.block_m1, head_dim]), TD.from_tensor(q8.cols, [1, dh, t.block_m1]),
+                    TD.from_tensor(do8.rows, [1, t.block_m1, head_dim]), TD.from_tensor(do_t.cols, [1, dh, t.block_m1]))
+    else:
+        dq_ops = (k8.rows, v8.rows, k8.cols)
+        dkdv_ops = (q8.rows, q8.cols, do8.rows, do_t.cols)
 
     def run_dq():
         _bwd_dq_kernel[(triton.cdiv(n, t.block_m2), batch * heads)](
-            q8.rows, q8.row_scale, k8.rows, k8.row_scale, v8.rows, v8.row_scale,
-            k8.cols, k8.col_scale, kbar_scale, k_unit, do8.rows, do8.row_scale, saved.lse2, delta_stale,
+            q8.rows, q8.row_scale, dq_ops[0], k8.row_scale, dq_ops[1], v8.row_scale,
+            dq_ops[2], k8.col_scale, kbar_scale, k_unit, do8.rows, do8.row_scale, saved.lse2, delta_stale,
             delta_matched if matched else dummy32,
             dq, dbg.get("dq_ds_rowsum", dummy32),
             qk_scale, scale, heads, heads // kv_heads, n, npad,
@@ -392,8 +436,8 @@ def backward(
 
     def run_dkdv():
         _bwd_dkdv_kernel[(triton.cdiv(n, t.block_n1), batch * kv_heads)](
-            q8.rows, q8.row_scale, q8.cols, q8.col_scale, k8.rows, k8.row_scale,
-            v8.rows, v8.row_scale, do8.rows, do8.row_scale, do_t.cols, do_t.col_scale,
+            dkdv_ops[0], q8.row_scale, dkdv_ops[1], q8.col_scale, k8.rows, k8.row_scale,
+            v8.rows, v8.row_scale, dkdv_ops[2], do8.row_scale, dkdv_ops[3], do_t.col_scale,
             saved.lse2, delta_matched,
             dk, dv, dbg.get("ds_rowsum", dummy32), dbg.get("p_codes", dummy8),
             dbg.get("ds_codes", dummy8), dbg.get("ds_scale", dummy32),

@@ -45,8 +45,10 @@ def _pointer_type(name: str, do_format: str) -> str:
 
 
 def compile_sm90(kernel, constexprs: dict, *, num_warps: int, num_stages: int,
-                 do_format: str = "float8_e4m3fn"):
-    """``triton.compile`` one variant of a jitted kernel for sm_90 (no GPU needed)."""
+                 do_format: str = "float8_e4m3fn", descriptors: dict | None = None):
+    """``triton.compile`` one variant of a jitted kernel for sm_90 (no GPU needed).
+    ``descriptors``: argument name -> block shape of the arguments passed as TMA tensor
+    descriptors (FP8, of the format the pointer would have)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -58,6 +60,9 @@ def compile_sm90(kernel, constexprs: dict, *, num_warps: int, num_stages: int,
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
+        elif descriptors and name in descriptors:
+            elem = _pointer_type(name, do_format)[1:]
+            sig[name] = f"tensordesc<{elem}[" + ", ".join(str(b) for b in descriptors[name]) + "]>"
         elif name[0].isupper() and name not in _INT_ARGS:
             sig[name] = _pointer_type(name, do_format)
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -99,14 +104,31 @@ def recipe_variants(recipe: KernelRecipe, head_dim: int, causal: bool, group: in
     yield ("quantize", quantize._quantize_kernel,
            dict(HEAD_DIM=head_dim, BLOCK_T=QUANT_BLOCK, EMIT_ROWS=True, EMIT_COLS=True,
                 WITH_DELTA=True, IS_E5M2=False, INTERPRET=False), 8, 3)
-    yield ("fwd", fwd._fwd_kernel, dict(common, BLOCK_M=f.block_m, BLOCK_N=f.block_n),
+    yield ("fwd", fwd._fwd_kernel, dict(common, BLOCK_M=f.block_m, BLOCK_N=f.block_n, TMA=f.tma, SPLIT_PV=f.split_pv),
            f.num_warps, f.num_stages)
+    bt = dict(TMA=b.tma)
     yield ("dq", bwd._bwd_dq_kernel,
-           dict(common, **ds, BLOCK_M=b.block_m2, BLOCK_N=b.block_n2, MATCHED=recipe.delta == "matched"),
+           dict(common, **ds, **bt, BLOCK_M=b.block_m2, BLOCK_N=b.block_n2, MATCHED=recipe.delta == "matched"),
            b.num_warps_dq, b.num_stages_dq)
     yield ("dkdv", bwd._bwd_dkdv_kernel,
-           dict(common, **ds, BLOCK_M=b.block_m1, BLOCK_N=b.block_n1, GROUP=group),
+           dict(common, **ds, **bt, BLOCK_M=b.block_m1, BLOCK_N=b.block_n1, GROUP=group),
            b.num_warps_dkdv, b.num_stages_dkdv)
+
+
+def _descriptor_blocks(name: str, consts: dict, head_dim: int) -> dict | None:
+    """Block shapes of the arguments a TMA variant takes as tensor descriptors."""
+    if not consts.get("TMA"):
+        return None
+    d, dh = head_dim, head_dim // 2
+    if name == "fwd":
+        return {"K8": [1, consts["BLOCK_N"], d], "VT8": [1, dh if consts["SPLIT_PV"] else d, consts["BLOCK_N"]]}
+    if name == "dq":
+        bn = consts["BLOCK_N"]
+        return {"K8": [1, bn, d], "V8": [1, bn, d], "KT8": [1, dh, bn]}
+    if name == "dkdv":
+        bm = consts["BLOCK_M"]
+        return {"Q8": [1, bm, d], "DO8": [1, bm, d], "QT8": [1, dh, bm], "DOT8": [1, dh, bm]}
+    return None
 
 
 def check(recipe: str | KernelRecipe = "delta_matching", head_dims=(64, 128), causal=(False, True),
@@ -119,7 +141,7 @@ def check(recipe: str | KernelRecipe = "delta_matching", head_dims=(64, 128), ca
                 if only is not None and name not in only:
                     continue
                 ck = compile_sm90(kernel, consts, num_warps=warps, num_stages=stages,
-                                  do_format=r.do_format)
+                                  do_format=r.do_format, descriptors=_descriptor_blocks(name, consts, d))
                 regs, spills, shared = resource_usage(ck)
                 out.append(Usage(name, regs, spills, shared,
                                  f"{r.name} d={d} causal={c} warps={warps} stages={stages}"))

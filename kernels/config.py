@@ -52,6 +52,10 @@ class FwdTiles:
     block_n: int = 128  #: keys per inner step (divides QUANT_BLOCK)
     num_warps: int = 4  #: warps per program (Triton launch option)
     num_stages: int = 3  #: software-pipelining depth (Triton launch option)
+    #: load K and V tiles through TMA tensor descriptors instead of per-element pointers
+    tma: bool = False
+    #: form the PV product in two halves of the head dim (a half-size promotion temporary)
+    split_pv: bool = False
 
     def __post_init__(self) -> None:
         _check_tile("block_m", self.block_m)
@@ -68,8 +72,8 @@ class BwdTiles:
 
     With the ``rowwise`` dS granularity dS is quantized per ``block_m1`` queries for dK and per
     ``block_n2`` keys for dQ (the contraction of the tile): tiles of 128 give the reference
-    presets' 1x128 granularity, tiles of 32 the 1x32 (MX-32 shaped) one; both are expressible in
-    ``dmref.recipes`` (``KernelRecipe.reference_recipe``), 64 is not. Tiles of 128 spill at head
+    presets' 1x128 granularity, tiles of 64 and 32 the 1x64 and 1x32 ones; all are expressible in
+    ``dmref.recipes`` (``KernelRecipe.reference_recipe``). Tiles of 128 spill at head
     dim 128. The defaults (D = 128) are the fastest of the H200 sweep in
     benchmarks/results/2026-11-29_nvidia-h200_bench_attention_v2.json.
     """
@@ -82,6 +86,8 @@ class BwdTiles:
     num_stages_dkdv: int = 2
     num_warps_dq: int = 8
     num_stages_dq: int = 2
+    #: load the FP8 operand tiles of both loops through TMA tensor descriptors
+    tma: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m1", "block_n1", "block_m2", "block_n2"):

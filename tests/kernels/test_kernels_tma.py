@@ -1,0 +1,61 @@
+"""The TMA variants (``FwdTiles.tma``, ``FwdTiles.split_pv``, ``BwdTiles.tma``) load the same
+tiles through tensor descriptors instead of per-element pointers, and form the same products:
+their outputs and gradients equal the pointer variants' bit for bit (tails, GQA, causal)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from dmref.kernels.config import RECIPES, FwdTiles
+
+from kernel_model import outlier_inputs
+
+
+class _Case:
+    def __init__(self, batch, heads, kv_heads, n, head_dim):
+        self.batch, self.heads, self.kv_heads, self.n, self.head_dim = batch, heads, kv_heads, n, head_dim
+
+
+_CASES = [
+    pytest.param("interpreter", _Case(1, 4, 2, 130, 64), id="interpreter-gqa-n130-d64"),
+    pytest.param("gpu", _Case(2, 4, 2, 1000, 128), id="gpu-gqa-n1000-d128", marks=pytest.mark.gpu),
+    pytest.param("gpu", _Case(1, 4, 4, 777, 64), id="gpu-n777-d64", marks=pytest.mark.gpu),
+]
+
+
+def _variant(recipe, head_dim, *, tma: bool, split_pv: bool = False):
+    fwd = dataclasses.replace(recipe.fwd, tma=tma, split_pv=split_pv)
+    bwd = dataclasses.replace(recipe.bwd_tiles(head_dim), tma=tma)
+    return recipe.with_tiles(fwd=fwd, bwd=bwd)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("recipe", ["delta_matching", "naive_fp8"])
+@pytest.mark.parametrize("backend,case", _CASES)
+def test_tma_variants_equal_pointer_variants_bit_for_bit(backend, case, recipe, causal):
+    if backend == "interpreter" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("this process compiles for the GPU; the interpreter variant runs on the CPU")
+    from dmref.kernels import api
+
+    device = "cuda" if backend == "gpu" else "cpu"
+    q, k, v, do = outlier_inputs(case, device, seed=5)
+    base = RECIPES[recipe]
+    runs = []
+    for tma, split in ((False, False), (True, False), (True, True)):
+        r = _variant(base, case.head_dim, tma=tma, split_pv=split)
+        o, lse, saved, _ = api.attention_forward(q, k, v, causal=causal, recipe=r)
+        grads = api.attention_backward(saved, o, do, shape=api.Shape.of(q, k, v), causal=causal,
+                                       scale=case.head_dim**-0.5, recipe=r)[:3]
+        runs.append((o, lse, *grads))
+    for other in runs[1:]:
+        for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), runs[0], other):
+            assert torch.equal(a, b), name
+
+
+def test_tma_flags_are_part_of_the_tiling():
+    t = FwdTiles(tma=True, split_pv=True)
+    assert t.tma and t.split_pv and not FwdTiles().tma

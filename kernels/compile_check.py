@@ -104,8 +104,7 @@ def recipe_variants(recipe: KernelRecipe, head_dim: int, causal: bool, group: in
     yield ("quantize", quantize._quantize_kernel,
            dict(HEAD_DIM=head_dim, BLOCK_T=QUANT_BLOCK, EMIT_ROWS=True, EMIT_COLS=True,
                 WITH_DELTA=True, IS_E5M2=False, INTERPRET=False), 8, 3)
-    yield ("fwd", fwd._fwd_kernel, dict(common, BLOCK_M=f.block_m, BLOCK_N=f.block_n, TMA=f.tma, SPLIT_PV=f.split_pv,
-                                     PIPE=f.pipelined),
+    yield ("fwd", fwd._fwd_kernel, dict(common, BLOCK_M=f.block_m, BLOCK_N=f.block_n, TMA=f.tma, SPLIT_PV=f.split_pv),
            f.num_warps, f.num_stages)
     bt = dict(TMA=b.tma)
     yield ("dq", bwd._bwd_dq_kernel,

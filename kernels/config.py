@@ -56,8 +56,6 @@ class FwdTiles:
     tma: bool = False
     #: form the PV product in two halves of the head dim (a half-size promotion temporary)
     split_pv: bool = False
-    #: issue the next key tile's QK^T before this tile's softmax (unmasked tiles)
-    pipelined: bool = False
 
     def __post_init__(self) -> None:
         _check_tile("block_m", self.block_m)

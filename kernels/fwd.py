@@ -29,118 +29,79 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _fwd_logits(q, q_scale, K8, K_SCALE, kv, start_n, N,
-                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, TMA: tl.constexpr):
-    """S2 = dot(Q8, K8^T) * scales of one key tile (base 2; masking is the caller's)."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    # K row copy as a (D, BLOCK_N) tile: the head dim (the contraction) is contiguous
-    if TMA:
-        # rows past N read as zeros (the descriptor's bounds); their logits are masked later
-        k = tl.trans(K8.load([kv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM))
-    elif MASK:
-        k = tl.load(K8 + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=offs_n[None, :] < N, other=0.0)
-    else:
-        k = tl.load(K8 + offs_n[None, :] * HEAD_DIM + offs_d[:, None])
-    if MASK:
-        k_scale = tl.load(K_SCALE + offs_n, mask=offs_n < N, other=0.0)
-    else:
-        k_scale = tl.load(K_SCALE + offs_n)
-    return tl.dot(q, k) * (q_scale[:, None] * k_scale[None, :])
-
-
-@triton.jit
-def _fwd_update(
-    acc, acc_hi, l_i, m_i, s, offs_m, start_n,
-    VT8, VT_SCALE, kv, N, NPAD, P_DUMP,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
-    MASK: tl.constexpr, CAUSAL: tl.constexpr, P_SCALE: tl.constexpr,
-    TMA: tl.constexpr, SPLIT_PV: tl.constexpr,
-    DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    """Online softmax and P V of one key tile, given its logits ``s``."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    DH: tl.constexpr = HEAD_DIM // 2
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    if MASK:
-        valid = offs_n[None, :] < N
-        if CAUSAL:
-            valid = valid & (offs_m[:, None] >= offs_n[None, :])
-        s = tl.where(valid, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    if MASK:
-        # a row with every key masked so far keeps m = -inf; subtract 0 there instead
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_sub = m_new
-    p = tl.math.exp2(s - m_sub[:, None])
-    alpha = tl.math.exp2(m_i - m_sub)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    # Q-point P: float32 -> E4M3, scale 2**8 against the running max, RNE, satfinite
-    p_scaled = p * P_SCALE
-    p8 = to_fp8(p_scaled, False, INTERPRET)
-    if DEBUG:
-        dump_fp8(P_DUMP + offs_m[:, None] * N + offs_n[None, :], p_scaled, p8,
-                 (offs_m[:, None] < N) & (offs_n[None, :] < N), DEBUG)
-    # V transposed copy as a (BLOCK_N, D) tile: tokens (the contraction) contiguous; the
-    # padding up to NPAD holds zero codes, so no mask is needed
-    if SPLIT_PV:
-        # two halves of the head dim: the promotion temporary is half a tile
-        offs_h = tl.arange(0, DH)
-        if TMA:
-            vt_lo = tl.trans(VT8.load([kv, 0, start_n]).reshape(DH, BLOCK_N))
-            vt_hi = tl.trans(VT8.load([kv, DH, start_n]).reshape(DH, BLOCK_N))
-        else:
-            vt_lo = tl.load(VT8 + offs_h[None, :] * NPAD + offs_n[:, None])
-            vt_hi = tl.load(VT8 + (offs_h[None, :] + DH) * NPAD + offs_n[:, None])
-        vs_lo = tl.load(VT_SCALE + (start_n // QB) * HEAD_DIM + offs_h)
-        vs_hi = tl.load(VT_SCALE + (start_n // QB) * HEAD_DIM + DH + offs_h)
-        acc = acc * alpha[:, None] + tl.dot(p8, vt_lo) * vs_lo[None, :]
-        acc_hi = acc_hi * alpha[:, None] + tl.dot(p8, vt_hi) * vs_hi[None, :]
-    else:
-        if TMA:
-            vt = tl.trans(VT8.load([kv, 0, start_n]).reshape(HEAD_DIM, BLOCK_N))
-        else:
-            vt = tl.load(VT8 + offs_d[None, :] * NPAD + offs_n[:, None])
-        v_scale = tl.load(VT_SCALE + (start_n // QB) * HEAD_DIM + offs_d)
-        # promotion: the wgmma chain covers one tile, then one float32 add
-        acc = acc * alpha[:, None] + tl.dot(p8, vt) * v_scale[None, :]
-    return acc, acc_hi, l_i, m_new
-
-
-@triton.jit
 def _fwd_inner(
     acc, acc_hi, l_i, m_i, q, q_scale, offs_m,
     K8, K_SCALE, VT8, VT_SCALE, kv, lo, hi, N, NPAD, P_DUMP,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, P_SCALE: tl.constexpr,
-    TMA: tl.constexpr, SPLIT_PV: tl.constexpr, PIPE: tl.constexpr,
+    TMA: tl.constexpr, SPLIT_PV: tl.constexpr,
     DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     # K_SCALE, VT_SCALE and P_DUMP point at this program's head: offsets stay int32. With TMA,
     # K8 and VT8 are tensor descriptors of the (B*Hkv, N, D) and (B*Hkv, D, NPAD) copies and
     # ``kv`` selects the head; else they point at this head too.
-    if PIPE and not MASK:
-        # the next tile's QK^T is issued before this tile's softmax, so that the tensor cores
-        # work while the softmax runs (FA3's intra-warpgroup overlap); the last iteration
-        # recomputes the last tile's logits and drops them
-        if lo < hi:
-            s = _fwd_logits(q, q_scale, K8, K_SCALE, kv, lo, N, HEAD_DIM, BLOCK_N, MASK, TMA)
-            for start_n in range(lo, hi, BLOCK_N):
-                start_n = tl.multiple_of(start_n, BLOCK_N)
-                nxt = tl.multiple_of(tl.minimum(start_n + BLOCK_N, hi - BLOCK_N), BLOCK_N)
-                s_next = _fwd_logits(q, q_scale, K8, K_SCALE, kv, nxt, N, HEAD_DIM, BLOCK_N, MASK, TMA)
-                acc, acc_hi, l_i, m_i = _fwd_update(
-                    acc, acc_hi, l_i, m_i, s, offs_m, start_n, VT8, VT_SCALE, kv, N, NPAD, P_DUMP,
-                    HEAD_DIM, BLOCK_N, QB, MASK, CAUSAL, P_SCALE, TMA, SPLIT_PV, DEBUG, INTERPRET)
-                s = s_next
-    else:
-        for start_n in range(lo, hi, BLOCK_N):
-            start_n = tl.multiple_of(start_n, BLOCK_N)
-            s = _fwd_logits(q, q_scale, K8, K_SCALE, kv, start_n, N, HEAD_DIM, BLOCK_N, MASK, TMA)
-            acc, acc_hi, l_i, m_i = _fwd_update(
-                acc, acc_hi, l_i, m_i, s, offs_m, start_n, VT8, VT_SCALE, kv, N, NPAD, P_DUMP,
-                HEAD_DIM, BLOCK_N, QB, MASK, CAUSAL, P_SCALE, TMA, SPLIT_PV, DEBUG, INTERPRET)
+    offs_d = tl.arange(0, HEAD_DIM)
+    DH: tl.constexpr = HEAD_DIM // 2
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        # K row copy as a (D, BLOCK_N) tile: the head dim (the contraction) is contiguous
+        if TMA:
+            # rows past N read as zeros (the descriptor's bounds); their logits are masked below
+            k = tl.trans(K8.load([kv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM))
+        elif MASK:
+            k = tl.load(K8 + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=offs_n[None, :] < N, other=0.0)
+        else:
+            k = tl.load(K8 + offs_n[None, :] * HEAD_DIM + offs_d[:, None])
+        if MASK:
+            k_scale = tl.load(K_SCALE + offs_n, mask=offs_n < N, other=0.0)
+        else:
+            k_scale = tl.load(K_SCALE + offs_n)
+        s = tl.dot(q, k) * (q_scale[:, None] * k_scale[None, :])
+        if MASK:
+            valid = offs_n[None, :] < N
+            if CAUSAL:
+                valid = valid & (offs_m[:, None] >= offs_n[None, :])
+            s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        if MASK:
+            # a row with every key masked so far keeps m = -inf; subtract 0 there instead
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_sub = m_new
+        p = tl.math.exp2(s - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        # Q-point P: float32 -> E4M3, scale 2**8 against the running max, RNE, satfinite
+        p_scaled = p * P_SCALE
+        p8 = to_fp8(p_scaled, False, INTERPRET)
+        if DEBUG:
+            dump_fp8(P_DUMP + offs_m[:, None] * N + offs_n[None, :], p_scaled, p8,
+                     (offs_m[:, None] < N) & (offs_n[None, :] < N), DEBUG)
+        # V transposed copy as a (BLOCK_N, D) tile: tokens (the contraction) contiguous; the
+        # padding up to NPAD holds zero codes, so no mask is needed
+        if SPLIT_PV:
+            # two halves of the head dim: the promotion temporary is half a tile
+            offs_h = tl.arange(0, DH)
+            if TMA:
+                vt_lo = tl.trans(VT8.load([kv, 0, start_n]).reshape(DH, BLOCK_N))
+                vt_hi = tl.trans(VT8.load([kv, DH, start_n]).reshape(DH, BLOCK_N))
+            else:
+                vt_lo = tl.load(VT8 + offs_h[None, :] * NPAD + offs_n[:, None])
+                vt_hi = tl.load(VT8 + (offs_h[None, :] + DH) * NPAD + offs_n[:, None])
+            vs_lo = tl.load(VT_SCALE + (start_n // QB) * HEAD_DIM + offs_h)
+            vs_hi = tl.load(VT_SCALE + (start_n // QB) * HEAD_DIM + DH + offs_h)
+            acc = acc * alpha[:, None] + tl.dot(p8, vt_lo) * vs_lo[None, :]
+            acc_hi = acc_hi * alpha[:, None] + tl.dot(p8, vt_hi) * vs_hi[None, :]
+        else:
+            if TMA:
+                vt = tl.trans(VT8.load([kv, 0, start_n]).reshape(HEAD_DIM, BLOCK_N))
+            else:
+                vt = tl.load(VT8 + offs_d[None, :] * NPAD + offs_n[:, None])
+            v_scale = tl.load(VT_SCALE + (start_n // QB) * HEAD_DIM + offs_d)
+            # promotion: the wgmma chain covers one tile, then one float32 add
+            acc = acc * alpha[:, None] + tl.dot(p8, vt) * v_scale[None, :]
+        m_i = m_new
     return acc, acc_hi, l_i, m_i
 
 
@@ -151,7 +112,7 @@ def _fwd_kernel(
     qk_scale, H, GROUP, N, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QB: tl.constexpr, CAUSAL: tl.constexpr, P_SCALE: tl.constexpr,
-    TMA: tl.constexpr, SPLIT_PV: tl.constexpr, PIPE: tl.constexpr,
+    TMA: tl.constexpr, SPLIT_PV: tl.constexpr,
     DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     tl.static_assert(QB % BLOCK_N == 0)
@@ -192,18 +153,18 @@ def _fwd_kernel(
         lo_diag = (start_m // BLOCK_N) * BLOCK_N
         acc, acc_hi, l_i, m_i = _fwd_inner(acc, acc_hi, l_i, m_i, q, q_scale, offs_m, K8, K_SCALE, VT8, VT_SCALE, kv32,
                                    0, lo_diag, N, NPAD, P_DUMP,
-                                   HEAD_DIM, BLOCK_N, QB, False, True, P_SCALE, TMA, SPLIT_PV, PIPE, DEBUG, INTERPRET)
+                                   HEAD_DIM, BLOCK_N, QB, False, True, P_SCALE, TMA, SPLIT_PV, DEBUG, INTERPRET)
         acc, acc_hi, l_i, m_i = _fwd_inner(acc, acc_hi, l_i, m_i, q, q_scale, offs_m, K8, K_SCALE, VT8, VT_SCALE, kv32,
                                    lo_diag, tl.minimum(start_m + BLOCK_M, N), N, NPAD, P_DUMP,
-                                   HEAD_DIM, BLOCK_N, QB, True, True, P_SCALE, TMA, SPLIT_PV, PIPE, DEBUG, INTERPRET)
+                                   HEAD_DIM, BLOCK_N, QB, True, True, P_SCALE, TMA, SPLIT_PV, DEBUG, INTERPRET)
     else:
         n_full = (N // BLOCK_N) * BLOCK_N
         acc, acc_hi, l_i, m_i = _fwd_inner(acc, acc_hi, l_i, m_i, q, q_scale, offs_m, K8, K_SCALE, VT8, VT_SCALE, kv32,
                                    0, n_full, N, NPAD, P_DUMP,
-                                   HEAD_DIM, BLOCK_N, QB, False, False, P_SCALE, TMA, SPLIT_PV, PIPE, DEBUG, INTERPRET)
+                                   HEAD_DIM, BLOCK_N, QB, False, False, P_SCALE, TMA, SPLIT_PV, DEBUG, INTERPRET)
         acc, acc_hi, l_i, m_i = _fwd_inner(acc, acc_hi, l_i, m_i, q, q_scale, offs_m, K8, K_SCALE, VT8, VT_SCALE, kv32,
                                    n_full, N, N, NPAD, P_DUMP,
-                                   HEAD_DIM, BLOCK_N, QB, True, False, P_SCALE, TMA, SPLIT_PV, PIPE, DEBUG, INTERPRET)
+                                   HEAD_DIM, BLOCK_N, QB, True, False, P_SCALE, TMA, SPLIT_PV, DEBUG, INTERPRET)
     if SPLIT_PV:
         DH: tl.constexpr = HEAD_DIM // 2
         offs_h = tl.arange(0, DH)
@@ -250,8 +211,7 @@ def forward(
         o, lse2, p_dump,
         scale * LOG2E, heads, heads // kv_heads, n, vt.npad,
         HEAD_DIM=head_dim, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, QB=QUANT_BLOCK,
-        CAUSAL=causal, P_SCALE=float(2 ** recipe.p_scale_log2), TMA=tiles.tma, SPLIT_PV=tiles.split_pv,
-        PIPE=tiles.pipelined, DEBUG=debug,
+        CAUSAL=causal, P_SCALE=float(2 ** recipe.p_scale_log2), TMA=tiles.tma, SPLIT_PV=tiles.split_pv, DEBUG=debug,
         INTERPRET=interpreting(), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return o, lse2, (fp8_codes(p_dump) if debug else None)

@@ -1,0 +1,64 @@
+"""Where the compiled kernels wait for their tensor cores (sm_90a PTX, no GPU needed).
+
+    python benchmarks/ptx_wgmma_schedule.py [--head-dim 128] [--recipe delta_matching]
+
+Compiles the forward, dq and dkdv kernels with Triton's own compiler (``dmref.kernels.
+compile_check``) and prints, per kernel, the order of the loop's wgmma issues (``MMA``), commits
+(``C``), waits (``W<n>``: ``wgmma.wait_group n``), ``ex2.approx`` (``E``) and FP8 conversions
+(``F8``), runs compressed (``MMAx4`` = four in a row); ``|`` marks a basic-block label. A
+``W0`` right after every ``C`` means each matmul completes before anything else runs in that
+warpgroup: no overlap of tensor cores with the softmax inside a CTA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+
+def schedule(compiled) -> str:
+    seq = []
+    for line in compiled.asm["ptx"].splitlines():
+        text = line.strip()
+        if text.startswith("wgmma.mma_async"):
+            seq.append("MMA")
+        elif text.startswith("wgmma.commit_group"):
+            seq.append("C")
+        elif text.startswith("wgmma.wait_group"):
+            n = re.findall(r"wait_group\.sync\.aligned\s+(\d+)", text)
+            seq.append("W" + (n[0] if n else "?"))
+        elif "ex2.approx" in text:
+            seq.append("E")
+        elif "cvt.rn.satfinite.e4m3x2" in text or "cvt.rn.satfinite.e5m2x2" in text:
+            seq.append("F8")
+        elif text.startswith("$L__BB"):
+            seq.append("|")
+    runs: list[list] = []
+    for x in seq:
+        if runs and runs[-1][0] == x:
+            runs[-1][1] += 1
+        else:
+            runs.append([x, 1])
+    return " ".join(f"{x}x{n}" if n > 1 else x for x, n in runs)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--recipe", default="delta_matching")
+    args = ap.parse_args()
+    from dmref.kernels import compile_check as cc
+    from dmref.kernels.config import get_recipe
+
+    r = get_recipe(args.recipe)
+    for name, kernel, consts, warps, stages in cc.recipe_variants(r, args.head_dim, False):
+        if name == "quantize":
+            continue
+        ck = cc.compile_sm90(kernel, consts, num_warps=warps, num_stages=stages, do_format=r.do_format,
+                             descriptors=cc._descriptor_blocks(name, consts, args.head_dim))
+        print(f"{name:5s} {schedule(ck)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

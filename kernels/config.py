@@ -52,8 +52,9 @@ class FwdTiles:
     block_n: int = 128  #: keys per inner step (divides QUANT_BLOCK)
     num_warps: int = 4  #: warps per program (Triton launch option)
     num_stages: int = 3  #: software-pipelining depth (Triton launch option)
-    #: load K and V tiles through TMA tensor descriptors instead of per-element pointers
-    tma: bool = False
+    #: load K and V tiles through TMA tensor descriptors instead of per-element pointers (the
+    #: H200 tiling run of 2026-11-29 measured +0.1% to +5% on all six benchmark shapes)
+    tma: bool = True
     #: form the PV product in two halves of the head dim (a half-size promotion temporary)
     split_pv: bool = False
 

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from dmref.kernels.config import RECIPES, FwdTiles
+from dmref.kernels.config import RECIPES
 
 from kernel_model import outlier_inputs
 
@@ -55,7 +55,3 @@ def test_tma_variants_equal_pointer_variants_bit_for_bit(backend, case, recipe, 
         for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), runs[0], other):
             assert torch.equal(a, b), name
 
-
-def test_tma_flags_are_part_of_the_tiling():
-    t = FwdTiles(tma=True, split_pv=True)
-    assert t.tma and t.split_pv and not FwdTiles().tma

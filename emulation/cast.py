@@ -12,9 +12,12 @@ Three routes compute the same function; the tests prove them equal:
   bit always lie inside the top 16 bits; asserted in ``_lut_tables``). So a 2**17-entry table
   built *by* ``_encode_arith`` gives the code with one gather; stochastic rounding adds a second
   table and the random-bit comparison. Runs in cache-sized chunks on two threads.
-- torch's own cast, for float32 -> e4m3fn with ``saturate=True`` and float32 -> e5m2 with
-  ``saturate=False`` under nearest-even: the exhaustive 2**32 test (tests/emulation/
-  test_exhaustive.py) proves it code-for-code identical to the specification.
+- torch's own cast, for float32 -> e4m3fn / e5m2 under nearest-even, where this torch on this
+  device computes the specification: checked at first use on every code value, midpoint and
+  neighbour, the overflow region and the specials (``_torch_native_is_spec``). With torch 2.13
+  on the CPU that is e4m3fn with ``saturate=True`` and e5m2 with ``saturate=False``, and the
+  exhaustive 2**32 test (tests/emulation/test_exhaustive.py) proves them code-for-code identical
+  to the specification; torch 2.11 maps e4m3fn overflow to NaN, so it serves ``saturate=False``.
 
 Special values follow the specification: see :mod:`dmref.emulation.spec`. In short: NaN in gives
 ``fmt.nan_code_for(sign)`` (0x7F|sign for e4m3fn and e5m2, 0x80 for the FNUZ formats, 0xFF for
@@ -30,6 +33,7 @@ f of one quantum of the result, is truncated to its top w bits; the magnitude is
 from __future__ import annotations
 
 import functools
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -331,11 +335,49 @@ def _encode_lut(x: np.ndarray, fmt: Format, rounding: Rounding, saturate: bool,
 # Public API
 # ----------------------------------------------------------------------------------------------
 
-#: (format, saturate) pairs where torch's own float32 cast is the specification (nearest-even)
-_TORCH_NATIVE = {
-    ("float8_e4m3fn", True): torch.float8_e4m3fn,
-    ("float8_e5m2", False): torch.float8_e5m2,
-}
+#: 8-bit formats torch can cast float32 to itself. Whether that cast is the specification
+#: (nearest-even) for a saturation setting depends on the torch version and device: torch 2.13's
+#: CPU cast to e4m3fn saturates (proven on all 2**32 float32 inputs by the slow sweep), torch
+#: 2.11's maps overflow past 464 to NaN (found on the H200, 2026-11-29). So the native route is
+#: taken only where :func:`_torch_native_is_spec` finds it equal to the specification.
+_TORCH_NATIVE = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+
+def _probe_inputs(fmt: Format) -> torch.Tensor:
+    """float32 inputs where casts disagree if they disagree anywhere in practice: every finite
+    value of ``fmt``, every midpoint between neighbours, the float32 numbers either side of each,
+    the overflow region up to the float32 max and infinity, float32 subnormals, zeros and NaNs,
+    both signs."""
+    values = decode(torch.arange(1 << fmt.bits, dtype=torch.int32).to(torch.uint8), fmt).double()
+    values = values[torch.isfinite(values) & (values >= 0)].unique()
+    mids = (values[:-1] + values[1:]) / 2
+    top = values.max().item()
+    ulp_top = (values[-1] - values[-2]).item()
+    over = torch.tensor([top + ulp_top / 2, top + ulp_top, 2 * top, 1e4, 3e38, float("inf")], dtype=torch.float64)
+    tiny = torch.tensor([1e-45, 1e-40, 1e-38], dtype=torch.float64)
+    x = torch.cat([values, mids, over, tiny]).to(torch.float32)
+    x = torch.cat([x, torch.nextafter(x, torch.zeros_like(x)), torch.nextafter(x, torch.full_like(x, math.inf))])
+    return torch.cat([x, -x, torch.tensor([math.nan, -math.nan])])
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_native_is_spec(fmt_name: str, saturate: bool, device_type: str) -> bool:
+    """Whether torch's own float32 -> ``fmt`` cast on ``device_type`` gives the specification's
+    codes (nearest-even, this saturation) on every :func:`_probe_inputs` input (checked once per
+    process, format, setting and device type)."""
+    fmt = get_format(fmt_name)
+    x = _probe_inputs(fmt)
+    want = _encode_arith(_bits(x, _FLOAT32), _FLOAT32, fmt, Rounding.NEAREST_EVEN, saturate).to(torch.uint8)
+    try:
+        got = _native_cast(x.to(device_type), fmt_name).cpu()
+    except (RuntimeError, TypeError):  # no such cast on this device or torch
+        return False
+    return torch.equal(got, want)
+
+
+def _native_cast(x: torch.Tensor, fmt_name: str) -> torch.Tensor:
+    """torch's own float32 -> 8-bit cast, as codes."""
+    return x.to(_TORCH_NATIVE[fmt_name]).view(torch.uint8)
 
 
 #: 16-bit formats whose torch float32 cast is nearest-even; only the NaN code and the
@@ -398,9 +440,10 @@ def encode(x, fmt: Format | str, *, rounding: Rounding | str = Rounding.NEAREST_
     w = 16 if rbits is None else _rbits_width(rbits)
     wide, src = _widen(t)
 
-    native = _TORCH_NATIVE.get((fmt.name, saturate))
-    if native is not None and rounding is Rounding.NEAREST_EVEN and src is _FLOAT32:
-        codes = wide.to(native).view(torch.uint8)
+    native = _TORCH_NATIVE.get(fmt.name)
+    if (native is not None and rounding is Rounding.NEAREST_EVEN and src is _FLOAT32
+            and _torch_native_is_spec(fmt.name, saturate, wide.device.type)):
+        codes = _native_cast(wide, fmt.name)
     elif fmt.name in _TORCH_16BIT and rounding is Rounding.NEAREST_EVEN and src is _FLOAT32:
         codes = _encode_16bit_native(wide, fmt, saturate)
     elif wide.device.type == "cpu" and fmt.bits <= 8 and wide.numel() > 0:

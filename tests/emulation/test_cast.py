@@ -282,3 +282,38 @@ def test_nan_payloads_below_the_top_16_bits_stay_nan(rounding, name):
     rbits = np.full(x.shape, 0xFFFF, np.uint16) if rounding is Rounding.STOCHASTIC else None
     ours = encode(x, name, rounding=rounding, rbits=rbits)
     assert np.array_equal(ours.astype(np.int64), _spec(x, name, rounding, False, rbits))
+
+
+def _torch_2_11_cast(x, fmt_name):
+    """torch 2.11's float32 -> e4m3fn cast as observed on the H200 (2026-11-29): nearest-even,
+    but |x| past the overflow threshold (> 464, and 464 + anything) to NaN, not to 448."""
+    codes = x.to(cast._TORCH_NATIVE[fmt_name]).view(torch.uint8)
+    if fmt_name == "float8_e4m3fn":
+        over = (x.abs() > 464) & ~torch.isnan(x)
+        codes = torch.where(over, (codes & 0x80) | 0x7F, codes)
+    return codes
+
+
+def test_native_cast_is_used_only_where_this_torch_computes_the_specification(monkeypatch):
+    """A torch whose e4m3fn cast maps overflow to NaN (2.11) must not serve saturate=True:
+    the probe falls back to the table/arithmetic route, and serves saturate=False instead."""
+    monkeypatch.setattr(cast, "_native_cast", _torch_2_11_cast)
+    cast._torch_native_is_spec.cache_clear()
+    try:
+        assert not cast._torch_native_is_spec("float8_e4m3fn", True, "cpu")
+        assert cast._torch_native_is_spec("float8_e4m3fn", False, "cpu")
+        x = torch.tensor([448.0, 464.0, 464.00003, 480.0, 1e4, math.inf, -1e4])
+        sat = encode(x, "e4m3", saturate=True)
+        assert sat.tolist() == [0x7E, 0x7E, 0x7E, 0x7E, 0x7E, 0x7E, 0xFE]
+        assert encode(x, "e4m3", saturate=False).tolist() == [0x7E, 0x7E, 0x7F, 0x7F, 0x7F, 0x7F, 0xFF]
+    finally:
+        cast._torch_native_is_spec.cache_clear()
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("saturate", [False, True])
+def test_native_route_when_taken_equals_the_arithmetic_route_on_the_probe_inputs(name, saturate):
+    fmt = get_format(name)
+    x = cast._probe_inputs(fmt)
+    arith = cast._encode_arith(cast._bits(x, cast._FLOAT32), cast._FLOAT32, fmt, Rounding.NEAREST_EVEN, saturate)
+    assert torch.equal(encode(x, fmt, saturate=saturate), arith.to(torch.uint8))

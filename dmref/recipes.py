@@ -177,9 +177,9 @@ class DeferredDq:
         kbar_i = fl_acc( kbar_i + fl_tile( sum_{j in tile} Q_kbar(P_ij) K^_j / u ) )   per key tile
 
     The rounding of ``Q(P (dP^ - Dst))`` is that of ``ds_dq``; only the row sums of dS change
-    (see proofs/delta_matching.md, "Deferred dQ"). ``u`` is the power-of-two scale of each
-    channel's K amax under ``k_dq``'s format and rule: kbar is a convex combination of keys, so
-    in units of u its magnitude stays below the format's max and a float16 accumulator cannot
+    (see proofs/delta_matching.md, "Deferred dQ"). ``u`` is the largest of the key/value head's
+    K scales under ``k_dq``'s format, rule and blocks: kbar is a convex combination of keys, so in
+    units of u its magnitude stays below the format's max and a float16 accumulator cannot
     overflow, whatever K's magnitude.
 
     ``predictor``: the stale strategy giving Dst. ``p``: P's point in kbar (P enters it as

@@ -519,21 +519,19 @@ class BackwardResult:
     rowsum: RowsumStats | None = None
 
 
-def _channel_unit(k: torch.Tensor, point: QuantPoint, *, dtype: torch.dtype) -> torch.Tensor:
-    """(B, Hkv, 1, D): u, the largest of each channel's scales under ``point`` with K blocked
-    along the keys (as ``k_dq`` quantizes it; a block whose amax is 0 has scale 1): K / u stays
-    within the format's range. 1 where the point has no power-of-two scale blocks."""
-    ones = torch.ones(*k.shape[:2], 1, k.shape[-1], dtype=dtype, device=k.device)
+def _head_unit(k: torch.Tensor, point: QuantPoint, *, dtype: torch.dtype) -> torch.Tensor:
+    """(B, Hkv, 1, 1): u, the largest of a key/value head's scales under ``point`` with K
+    blocked along the keys (as ``k_dq`` quantizes it; a block whose amax is 0 has scale 1): K / u
+    stays within the format's range. 1 where the point has no power-of-two scale blocks."""
+    ones = torch.ones(*k.shape[:2], 1, 1, dtype=dtype, device=k.device)
     if not point.quantized or point.scale_rule not in _POW2_RULES or point.granularity is Granularity.TENSOR:
         return ones
     fmt = emulation.get_format(point.fmt)
     rule = BlockScaleRule(point.scale_rule.value)
     xb, _ = _blocked_view(k.to(torch.float32), _block(point.granularity, contract_dim=-2))
     scales = scales_from_amax(_abs_amax(xb, dim=(-3, -1), keepdim=True), fmt, rule)
-    s = _decode(scales, _E8M0) if rule.is_e8m0 else scales  # (..., key blocks, 1, channel blocks, 1)
-    unit = s.amax(dim=-4)  # over the key blocks: (..., 1, channel blocks, 1)
-    return unit.expand(*unit.shape[:-2], unit.shape[-2], xb.shape[-1]).reshape(*k.shape[:2], 1, -1)[
-        ..., : k.shape[-1]].to(dtype)
+    s = _decode(scales, _E8M0) if rule.is_e8m0 else scales  # (B, Hkv, key blocks, 1, channel blocks, 1)
+    return s.amax(dim=(-4, -3, -2, -1)).reshape(*k.shape[:2], 1, 1).to(dtype)
 
 
 def _global_amax_points(r: Recipe) -> dict[str, bool]:
@@ -608,8 +606,8 @@ def backward(q, k, v, fwd: ForwardResult, dout, *, recipe="exact", causal: bool 
         # -(D - Dst) u kbar after the sweep (recipes.DeferredDq). The emulation computes D
         # first; the kernel accumulates it in the same sweep, which changes no number.
         d_pred = _delta(pb, deferred.predictor, dout, fwd, do_dp, sweep)[..., None]
-        # u: the power-of-two scale of each channel's K amax (over the keys), as k_dq rounds it
-        unit = _channel_unit(k, r.k_dq, dtype=wd)
+        # u: the head's largest K scale, as k_dq rounds K (kbar / u cannot overflow float16)
+        unit = _head_unit(k, r.k_dq, dtype=wd)
         k_kbar = _expand_kv(k_dq_kv / unit, g)
         kbar = torch.zeros(sh.batch, sh.heads, sh.seqlen_q, sh.head_dim, dtype=wd, device=q.device)
         p_scale_kbar = 2.0 ** -deferred.p_offset_log2

@@ -19,7 +19,7 @@ The delta step, per strategy:
       dQ_i  = tau [ sum_j Q8(P (dP - Dst))_ij K_j  -  (D_i - Dst_i) * kbar_i ],
       kbar_i = sum_j Q8(2**4 P_ij) K_j / 2**4         (one more FP8 matmul, same K tile)
 
-  kbar is kept in units u of each channel's largest K block scale (a convex combination of keys
+  kbar is kept in units u of the head's largest K block scale (a convex combination of keys
   stays below 448 u), so its float16 accumulator cannot overflow however large K is; the
   reference models all of it (``dmref.recipes.DeferredDq``).
 
@@ -57,7 +57,7 @@ KBAR_P_SCALE = tl.constexpr(float(2**KBAR_P_SCALE_LOG2))
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q8, Q_SCALE, K8, K_SCALE, V8, V_SCALE, KT8, KT_SCALE, KBAR_SCALE, K_UNIT,
+    Q8, Q_SCALE, K8, K_SCALE, V8, V_SCALE, KT8, KT_SCALE, K_UNIT,
     DO8, DO_SCALE, LSE2, DELTA_STALE, DELTA_MATCHED,
     DQ, DQ_ROWSUM,
     qk_scale, sm_scale, H, GROUP, N, NPAD,
@@ -96,12 +96,13 @@ def _bwd_dq_kernel(
     offs_h = tl.arange(0, DH)
     dq_lo = tl.zeros([BLOCK_M, DH], tl.float32)
     dq_hi = tl.zeros([BLOCK_M, DH], tl.float32)
-    # kbar is second order (it is multiplied by D - D_stale): float16, in units u of each
-    # channel's largest K scale (K_UNIT), so |kbar / u| <= 448 can never overflow float16
+    # kbar is second order (it is multiplied by D - D_stale): float16, in units u of the
+    # largest K scale of this head (K_UNIT), so |kbar / u| <= 448 can never overflow float16
     kbar_lo = tl.zeros([BLOCK_M, DH], tl.float16)
     kbar_hi = tl.zeros([BLOCK_M, DH], tl.float16)
-    # KBAR_SCALE = KT_SCALE / (KBAR_P_SCALE u), laid out like KT_SCALE (powers of two: exact)
-    KBAR_SCALE += kv * (NPAD // QB) * HEAD_DIM
+    if MATCHED:
+        unit = tl.load(K_UNIT + kv)
+        kb_c = tl.math.div_rn(1.0 / KBAR_P_SCALE, unit)  # powers of two: exact
     pdp = tl.zeros([BLOCK_M], tl.float32)
     psum = tl.zeros([BLOCK_M], tl.float32)
     rowsum = tl.zeros([BLOCK_M], tl.float32)
@@ -173,18 +174,16 @@ def _bwd_dq_kernel(
             # rounded to float16 (its 32 registers instead of 64 keep the loop from spilling)
             kb_lo = tl.dot(p8, kt_tile_lo, out_dtype=tl.float16).to(tl.float32)
             kb_hi = tl.dot(p8, kt_tile_hi, out_dtype=tl.float16).to(tl.float32)
-            kbar_lo = (kbar_lo.to(tl.float32) + kb_lo * tl.load(KBAR_SCALE + sc_lo)[None, :]).to(tl.float16)
-            kbar_hi = (kbar_hi.to(tl.float32) + kb_hi * tl.load(KBAR_SCALE + sc_hi)[None, :]).to(tl.float16)
+            kbar_lo = (kbar_lo.to(tl.float32) + kb_lo * (tl.load(KT_SCALE + sc_lo) * kb_c)[None, :]).to(tl.float16)
+            kbar_hi = (kbar_hi.to(tl.float32) + kb_hi * (tl.load(KT_SCALE + sc_hi) * kb_c)[None, :]).to(tl.float16)
     out_lo = offs_m[:, None] * HEAD_DIM + offs_h[None, :]
     if MATCHED:
         # delta step (matched): D = sum_j P dP, the reference's DeltaKind.MATCHED
         tl.store(DELTA_MATCHED + bh64 * N + offs_m, pdp, mask=in_seq)
         # deferred correction of dQ: dS K = (P (dP - Dst)) K - (D - Dst) (P K)
         corr = pdp - d_stale
-        unit_lo = tl.load(K_UNIT + kv * HEAD_DIM + offs_h)
-        unit_hi = tl.load(K_UNIT + kv * HEAD_DIM + DH + offs_h)
-        dq_lo -= corr[:, None] * (kbar_lo.to(tl.float32) * unit_lo[None, :])
-        dq_hi -= corr[:, None] * (kbar_hi.to(tl.float32) * unit_hi[None, :])
+        dq_lo -= corr[:, None] * (kbar_lo.to(tl.float32) * unit)
+        dq_hi -= corr[:, None] * (kbar_hi.to(tl.float32) * unit)
         if DEBUG:
             rowsum -= (pdp - d_stale) * psum
     tl.store(DQ + bh64 * N * HEAD_DIM + out_lo, to_bf16(dq_lo * sm_scale, INTERPRET), mask=in_seq[:, None])
@@ -383,16 +382,10 @@ def backward(
     dv = torch.empty_like(dk)
     matched = recipe.delta == "matched"
     delta_matched = torch.empty_like(delta_stale) if matched else delta_stale
-    # kbar's unit per key/value head and channel: the largest of the channel's K block scales
-    # (a reduction over the (B*Hkv, NPAD/128, D) scales, not over K)
-    # and kbar's per-tile factor KT_SCALE / (KBAR_P_SCALE u) (powers of two: exact), precomputed
-    # so that neither is held in registers across the dq loop
-    if matched:
-        k_unit = saved.k.col_scale.amax(dim=1, keepdim=True)
-        kbar_scale = (saved.k.col_scale / (k_unit * float(2**KBAR_P_SCALE_LOG2))).contiguous()
-        k_unit = k_unit.contiguous()
-    else:
-        k_unit = kbar_scale = torch.empty(1, device=dev)
+    # kbar's unit per key/value head: the largest of its K block scales (a reduction over the
+    # (B*Hkv, NPAD/128, D) scales, not over K); one scalar per program, as a per-channel vector
+    # held across the dq loop spilled (and a precomputed per-tile factor cost a load per tile)
+    k_unit = saved.k.col_scale.amax(dim=(1, 2)).contiguous() if matched else torch.empty(1, device=dev)
     dummy8 = torch.empty(1, device=dev, dtype=torch.uint8)
     dummy32 = torch.empty(1, device=dev, dtype=torch.float32)
     dbg = {}
@@ -427,7 +420,7 @@ def backward(
     def run_dq():
         _bwd_dq_kernel[(triton.cdiv(n, t.block_m2), batch * heads)](
             q8.rows, q8.row_scale, dq_ops[0], k8.row_scale, dq_ops[1], v8.row_scale,
-            dq_ops[2], k8.col_scale, kbar_scale, k_unit, do8.rows, do8.row_scale, saved.lse2, delta_stale,
+            dq_ops[2], k8.col_scale, k_unit, do8.rows, do8.row_scale, saved.lse2, delta_stale,
             delta_matched if matched else dummy32,
             dq, dbg.get("dq_ds_rowsum", dummy32),
             qk_scale, scale, heads, heads // kv_heads, n, npad,

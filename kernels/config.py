@@ -258,7 +258,7 @@ _DELTA_WORDS = {
         "kernel, which runs first; dmref's DeltaKind.MATCHED); dK: dS = P (dP - D) exactly; dQ "
         "by deferred correction: dQ = tau [sum_tiles deq(Q8(P (dP - D_stale))) K - (D - D_stale) "
         "* u kbar], kbar = sum_tiles fl16(kbar + fl16chain(Q8(2**4 P) K8) * k_scale / (2**4 u)) (float16 "
-        "wgmma chain per tile, float16 accumulator in units u = each channel's largest K block scale; "
+        "wgmma chain per tile, float16 accumulator in units u = the head's largest K block scale; "
         "dmref.recipes.DeferredDq)"
     ),
 }

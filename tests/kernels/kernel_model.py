@@ -225,7 +225,7 @@ def backward(q, k, v, o, lse2, do, *, causal: bool, scale: float, recipe: Kernel
 def kbar(p: torch.Tensor, k: torch.Tensor, heads: int, recipe: KernelRecipe, block_n: int):
     """kbar_i = sum_j deq(Q8(2**4 P_ij)) K_j / 2**4 as the dq kernel forms it: per key tile a
     float16 chain over the K codes (modelled as the exact sum rounded to float16), scaled to
-    units u of each channel's largest K scale in float32, added to a float16 accumulator, times u
+    units u of the head's largest K scale in float32, added to a float16 accumulator, times u
     at the end. (BH, N, D) float32."""
     from dmref.kernels.config import KBAR_P_SCALE_LOG2
 
@@ -235,7 +235,7 @@ def kbar(p: torch.Tensor, k: torch.Tensor, heads: int, recipe: KernelRecipe, blo
     kt_codes, kt_inv = cols(_flat(k, heads), fmt)  # (BH, D, NPAD), (BH, NPAD / 128, D)
     kt = decode(kt_codes, fmt).double().transpose(1, 2)  # (BH, NPAD, D) codes' values
     n = p.shape[-1]
-    unit = kt_inv.amax(dim=1)[:, None, :]  # (BH, 1, D): each channel's largest block scale
+    unit = kt_inv.amax(dim=(1, 2))[:, None, None]  # (BH, 1, 1): the head's largest block scale
     acc = torch.zeros(p.shape[0], p.shape[1], kt.shape[-1], dtype=torch.float16, device=p.device)
     for j0 in range(0, n, block_n):
         j1 = min(j0 + block_n, n)

@@ -218,10 +218,17 @@ def block_scaled_tensors(fmt="float8_e4m3fn", *, block="1x32", scale_rule="pow2_
 
 
 def attention_problems(*, dtype: torch.dtype = torch.bfloat16, max_seqlen: int = 48, head_dims=(16, 32, 64),
-                       max_heads: int = 2, causal: bool | None = None, probe: bool = True):
+                       max_heads: int = 2, causal: bool | None = None, probe: bool = True,
+                       gqa: bool = False, masks: bool = False):
     """Strategy: a :class:`dmref.oracle.Case` with random sizes (length 1 and tails included;
     causal cases have seqlen_q == seqlen_k), Gaussian inputs at a random magnitude and softmax
-    scale, inputs rounded to ``dtype`` and made probe-ready (head_dim >= 16)."""
+    scale, inputs rounded to ``dtype`` and made probe-ready (head_dim >= 16).
+
+    ``gqa=True`` also draws key/value heads that a multiple of them of query heads share (k, v
+    have ``heads // group`` heads); ``masks=True`` also draws a boolean or an additive mask
+    (finite ALiBi-like biases and -inf, rounded to ``dtype``) with fully masked rows, for an
+    ``fn`` that takes ``mask=``; a drawn causal problem then carries its causality in the mask
+    (``causal=False``), as SDPA takes one or the other."""
     st = _st()
     from ._oracle_cases import Case
     from . import probe as _probe
@@ -232,21 +239,40 @@ def attention_problems(*, dtype: torch.dtype = torch.bfloat16, max_seqlen: int =
         nq = draw(st.one_of(st.just(1), st.integers(1, max_seqlen)))
         nk = nq if is_causal else draw(st.one_of(st.just(1), st.integers(1, max_seqlen)))
         d = draw(st.sampled_from(list(head_dims)))
-        h = draw(st.integers(1, max_heads))
+        hkv = draw(st.integers(1, max_heads))
+        group = draw(st.sampled_from([1, 2, 4])) if gqa else 1
+        h = hkv * group
         seed = draw(st.integers(0, 2**31 - 1))
         log2_scale = draw(st.integers(-4, 3))
         log2_mag = draw(st.integers(-6, 6))
         g = torch.Generator().manual_seed(seed)
         randn = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
-        q, k, v = randn(1, h, nq, d), randn(1, h, nk, d), randn(1, h, nk, d) * 2.0**log2_mag
+        q, k, v = randn(1, h, nq, d), randn(1, hkv, nk, d), randn(1, hkv, nk, d) * 2.0**log2_mag
         dout = randn(1, h, nq, d) * 2.0**log2_mag
         q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
+        mask = None
+        kind = draw(st.sampled_from(["none", "bool", "additive"])) if masks else "none"
+        if kind != "none":
+            keep = torch.rand(1, h, nq, nk, generator=g) < 0.7
+            keep[..., :: max(2, nq // 3), :] = False  # fully masked rows
+            if is_causal:  # SDPA takes a mask or is_causal, not both: the mask carries causality
+                keep &= torch.ones(nq, nk, dtype=torch.bool).tril()
+                is_causal = False
+            if kind == "bool":
+                mask = keep
+            else:
+                dist = (torch.arange(nq)[:, None] - torch.arange(nk)[None, :]).abs().to(torch.float64)
+                slopes = 2.0 ** -(torch.arange(h, dtype=torch.float64) + 3)
+                bias = -(slopes[:, None, None] * dist)[None]
+                mask = torch.where(keep, bias, torch.full_like(bias, -math.inf)).to(dtype)
         setup = None
         if probe and d >= _probe.GROUP:
             q, k, setup = _probe.prepare(q, k)
         scale = 2.0**log2_scale / math.sqrt(d)
-        name = f"drawn_{'causal_' if is_causal else ''}{nq}x{nk}x{d}"
+        heads = f"{h}/{hkv}h" if hkv != h else f"{h}h"
+        name = f"drawn_{'causal_' if is_causal else ''}{heads}_{nq}x{nk}x{d}" + (f"_{kind}_mask" if mask is not None else "")
+        tags = ("drawn",) + (("gqa",) if hkv != h else ()) + (("mask",) if mask is not None else ())
         return Case(name, "drawn by dmref.testing.attention_problems", q, k, v, dout, is_causal, scale,
-                    None, setup, ("drawn",))
+                    mask, setup, tags)
 
     return draw()

@@ -44,6 +44,15 @@ def test_attention_problems_are_oracle_cases_that_sdpa_passes(case):
     report.raise_for_failures()
 
 
+@given(case=testing.attention_problems(dtype=torch.float32, max_seqlen=24, gqa=True, masks=True))
+@settings(max_examples=10)
+def test_gqa_and_masked_attention_problems_are_oracle_cases_that_sdpa_passes(case):
+    """SDPA math (GQA through enable_gqa; bool or additive masks with fully masked rows)."""
+    report = oracle.check(oracle.sdpa_math, cases=[case], dtype=torch.float32)
+    report.raise_for_failures()
+    assert case.q.shape[1] % case.k.shape[1] == 0 and not (case.causal and case.mask is not None)
+
+
 def test_assert_codes_equal_tells_nan_and_signed_zero_apart():
     a = torch.tensor([0.0, float("nan"), 1.0])
     testing.assert_codes_equal(a, a.clone(), E4M3)  # NaN == NaN as codes

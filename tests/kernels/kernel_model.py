@@ -14,6 +14,8 @@ Shapes: q ``(B, H, N, D)``, k and v ``(B, HKV, N, D)``; internal tensors are ``(
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import math
 
 import torch
@@ -318,3 +320,29 @@ def outlier_inputs(case, device: str, seed: int = 0):
     v = torch.randn(b, hkv, n, d, generator=g)
     do = torch.randn(b, h, n, d, generator=g)
     return [t.to(torch.bfloat16).to(device) for t in (q, k, v, do)]
+
+
+@dataclass(frozen=True)
+class ProblemShape:
+    """The sizes :func:`outlier_inputs` reads."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    n: int
+    head_dim: int
+
+
+def require_backend(backend: str) -> str:
+    """Skip unless this process runs ``backend`` ("gpu": compiled kernels, "interpreter":
+    Triton's interpreter); return the torch device of its tensors."""
+    import os
+
+    import pytest
+
+    if backend == "interpreter":
+        pytest.importorskip("triton")
+        if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            pytest.skip("this process compiles for the GPU; the interpreter variant runs on the CPU")
+        return "cpu"
+    return "cuda"

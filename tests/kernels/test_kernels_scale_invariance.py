@@ -9,36 +9,26 @@ bit. e = 17 puts |K| far beyond float16's 65504: the matched dQ's kbar (a float1
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from kernel_model import outlier_inputs
+from kernel_model import ProblemShape, outlier_inputs, require_backend
 
 E = 17  # |K| * 2^17 > 65504 for |K| > 0.5: beyond float16's range
 
-
-class _Case:
-    def __init__(self, batch, heads, kv_heads, n, head_dim):
-        self.batch, self.heads, self.kv_heads, self.n, self.head_dim = batch, heads, kv_heads, n, head_dim
-
-
 _CASES = [
-    pytest.param("interpreter", _Case(1, 2, 1, 130, 64), True, id="interpreter-gqa-n130-d64-causal"),
-    pytest.param("gpu", _Case(1, 4, 2, 1000, 128), False, id="gpu-gqa-n1000-d128", marks=pytest.mark.gpu),
-    pytest.param("gpu", _Case(1, 4, 4, 777, 64), True, id="gpu-n777-d64-causal", marks=pytest.mark.gpu),
+    pytest.param("interpreter", ProblemShape(1, 2, 1, 130, 64), True, id="interpreter-gqa-n130-d64-causal"),
+    pytest.param("gpu", ProblemShape(1, 4, 2, 1000, 128), False, id="gpu-gqa-n1000-d128", marks=pytest.mark.gpu),
+    pytest.param("gpu", ProblemShape(1, 4, 4, 777, 64), True, id="gpu-n777-d64-causal", marks=pytest.mark.gpu),
 ]
 
 
 @pytest.mark.parametrize("recipe", ["delta_matching", "naive_fp8"])
 @pytest.mark.parametrize("backend,case,causal", _CASES)
 def test_pow2_rescaling_of_q_and_k_is_exact(backend, case, causal, recipe):
-    if backend == "interpreter" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        pytest.skip("this process compiles for the GPU; the interpreter variant runs on the CPU")
+    device = require_backend(backend)
     from dmref.kernels import api
 
-    device = "cuda" if backend == "gpu" else "cpu"
     q, k, v, do = outlier_inputs(case, device, seed=3)
     q2, k2 = q * 2.0**-E, k * 2.0**E  # exact in BF16 (no under/overflow at these magnitudes)
     assert torch.equal(q2 * 2.0**E, q) and torch.equal(k2 * 2.0**-E, k)

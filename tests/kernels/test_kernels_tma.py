@@ -5,25 +5,18 @@ their outputs and gradients equal the pointer variants' bit for bit (tails, GQA,
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
 
 from dmref.kernels.config import RECIPES
 
-from kernel_model import outlier_inputs
-
-
-class _Case:
-    def __init__(self, batch, heads, kv_heads, n, head_dim):
-        self.batch, self.heads, self.kv_heads, self.n, self.head_dim = batch, heads, kv_heads, n, head_dim
-
+from kernel_model import ProblemShape, outlier_inputs, require_backend
 
 _CASES = [
-    pytest.param("interpreter", _Case(1, 4, 2, 130, 64), id="interpreter-gqa-n130-d64"),
-    pytest.param("gpu", _Case(2, 4, 2, 1000, 128), id="gpu-gqa-n1000-d128", marks=pytest.mark.gpu),
-    pytest.param("gpu", _Case(1, 4, 4, 777, 64), id="gpu-n777-d64", marks=pytest.mark.gpu),
+    pytest.param("interpreter", ProblemShape(1, 4, 2, 130, 64), id="interpreter-gqa-n130-d64"),
+    pytest.param("gpu", ProblemShape(2, 4, 2, 1000, 128), id="gpu-gqa-n1000-d128", marks=pytest.mark.gpu),
+    pytest.param("gpu", ProblemShape(1, 4, 4, 777, 64), id="gpu-n777-d64", marks=pytest.mark.gpu),
 ]
 
 
@@ -37,11 +30,9 @@ def _variant(recipe, head_dim, *, tma: bool, split_pv: bool = False):
 @pytest.mark.parametrize("recipe", ["delta_matching", "naive_fp8"])
 @pytest.mark.parametrize("backend,case", _CASES)
 def test_tma_variants_equal_pointer_variants_bit_for_bit(backend, case, recipe, causal):
-    if backend == "interpreter" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        pytest.skip("this process compiles for the GPU; the interpreter variant runs on the CPU")
+    device = require_backend(backend)
     from dmref.kernels import api
 
-    device = "cuda" if backend == "gpu" else "cpu"
     q, k, v, do = outlier_inputs(case, device, seed=5)
     base = RECIPES[recipe]
     runs = []

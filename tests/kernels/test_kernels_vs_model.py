@@ -126,12 +126,7 @@ def _cases(which: str | None = None):
 
 
 def _check_backend(backend: str) -> None:
-    import os
-
-    if backend == "interpreter":
-        pytest.importorskip("triton")
-        if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-            pytest.skip("this process compiles for the GPU; the interpreter variant runs on the CPU")
+    model.require_backend(backend)
 
 
 def _code_report(kc: torch.Tensor, mc: torch.Tensor, valid: torch.Tensor) -> str:

@@ -34,23 +34,19 @@ SHAPES = [(4, 16, 4096, 128), (1, 16, 16384, 128), (4, 32, 4096, 64)]
 
 # Candidate tilings, tried on the first shape of each head dim (the winner is used for the rest).
 FWD_CANDIDATES = [  # block_m, block_n, num_warps, num_stages[, tma[, split_pv]] (block_n = 128: the reference's tile)
-    (64, 128, 4, 3, True), (64, 128, 4, 3, False), (128, 128, 8, 3), (64, 128, 4, 3, True, True),
-    (128, 128, 8, 3, True), (64, 128, 4, 2, True), (64, 128, 4, 4, True),
+    (64, 128, 4, 3, True), (64, 128, 4, 3, False),
 ]
-BWD_CANDIDATES = {  # per head dim; dkdv: block_m1, block_n1, warps, stages; dq: block_m2, block_n2, warps, stages[, tma]
+# per head dim; dkdv: block_m1, block_n1, warps, stages; dq: block_m2, block_n2, warps, stages[, tma[, split_head]]
+BWD_CANDIDATES = {
     128: [
-        (64, 128, 8, 2, 128, 64, 8, 2),  # the default: dS blocks 1x64
-        (64, 128, 8, 2, 128, 64, 8, 2, True),  # the same through TMA descriptors
-        (64, 128, 8, 3, 128, 64, 8, 3, True),
-        (32, 128, 8, 2, 128, 64, 8, 2, True),
-        (64, 128, 8, 2, 128, 128, 8, 2, True),
+        (64, 128, 8, 2, 128, 64, 8, 2),  # the default: dS blocks 1x64, accumulators in halves
+        (64, 128, 8, 2, 128, 64, 8, 2, False, False),  # whole accumulators
+        (64, 128, 8, 2, 128, 64, 8, 2, True, False),  # whole, through TMA descriptors
     ],
     64: [
         (64, 64, 4, 2, 64, 64, 4, 2),  # the default
-        (64, 64, 4, 2, 64, 64, 4, 2, True),
-        (64, 64, 4, 3, 64, 64, 4, 3, True),
-        (64, 128, 8, 2, 128, 64, 8, 2, True),
-        (64, 128, 4, 2, 128, 64, 8, 2, True),
+        (64, 64, 4, 2, 64, 64, 4, 2, False, False),
+        (64, 64, 4, 2, 64, 64, 4, 2, True, False),
     ],
 }
 
@@ -63,9 +59,10 @@ def _tiles(fwd_c, bwd_c):
     if bwd_c is None:
         bwd_c = BWD_CANDIDATES[128][0]
     fwd = FwdTiles(*fwd_c)
-    bm1, bn1, w1, s1, bm2, bn2, w2, s2, *tma = bwd_c
-    bwd = BwdTiles(block_m1=bm1, block_n1=bn1, block_m2=bm2, block_n2=bn2,
-                   num_warps_dkdv=w1, num_stages_dkdv=s1, num_warps_dq=w2, num_stages_dq=s2, tma=bool(tma and tma[0]))
+    bm1, bn1, w1, s1, bm2, bn2, w2, s2, *flags = bwd_c
+    tma, split_head = (list(flags) + [False, True][len(flags):])[:2]
+    bwd = BwdTiles(block_m1=bm1, block_n1=bn1, block_m2=bm2, block_n2=bn2, num_warps_dkdv=w1, num_stages_dkdv=s1,
+                   num_warps_dq=w2, num_stages_dq=s2, tma=bool(tma), split_head=bool(split_head))
     return fwd, bwd
 
 

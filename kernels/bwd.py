@@ -63,7 +63,8 @@ def _bwd_dq_kernel(
     qk_scale, sm_scale, H, GROUP, N, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
     CAUSAL: tl.constexpr, MATCHED: tl.constexpr, P_SCALE: tl.constexpr,
-    DS_ROWWISE: tl.constexpr, TMA: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
+    DS_ROWWISE: tl.constexpr, TMA: tl.constexpr, SPLIT: tl.constexpr,
+    DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     tl.static_assert(QB % BLOCK_N == 0)
     start_m = tl.program_id(0) * BLOCK_M
@@ -92,7 +93,7 @@ def _bwd_dq_kernel(
     d_stale = tl.load(DELTA_STALE + bh64 * N + offs_m, mask=in_seq, other=0.0)
     # dQ and kbar in two halves of the head dim each: a matmul's float32 result (the promotion
     # temporary) is then half as large, which keeps the loop within 255 registers at D = 128
-    DH: tl.constexpr = HEAD_DIM // 2
+    DH: tl.constexpr = HEAD_DIM // 2 if SPLIT else HEAD_DIM
     offs_h = tl.arange(0, DH)
     dq_lo = tl.zeros([BLOCK_M, DH], tl.float32)
     dq_hi = tl.zeros([BLOCK_M, DH], tl.float32)
@@ -162,20 +163,25 @@ def _bwd_dq_kernel(
         sc_hi = sc_lo + DH
         if TMA:
             kt_tile_lo = tl.trans(KT8.load([kv32, 0, start_n]).reshape(DH, BLOCK_N))
-            kt_tile_hi = tl.trans(KT8.load([kv32, DH, start_n]).reshape(DH, BLOCK_N))
+            if SPLIT:
+                kt_tile_hi = tl.trans(KT8.load([kv32, DH, start_n]).reshape(DH, BLOCK_N))
         else:
             kt_tile_lo = tl.load(KT8 + kt_lo)
-            kt_tile_hi = tl.load(KT8 + kt_hi)
+            if SPLIT:
+                kt_tile_hi = tl.load(KT8 + kt_hi)
         # promotion: one wgmma chain per tile and half head dim, then one float32 add
         dq_lo += tl.dot(ds8, kt_tile_lo) * tl.load(KT_SCALE + sc_lo)[None, :] * ds_inv[:, None]
-        dq_hi += tl.dot(ds8, kt_tile_hi) * tl.load(KT_SCALE + sc_hi)[None, :] * ds_inv[:, None]
+        if SPLIT:
+            dq_hi += tl.dot(ds8, kt_tile_hi) * tl.load(KT_SCALE + sc_hi)[None, :] * ds_inv[:, None]
         if MATCHED:
             # kbar: float16 wgmma chain per tile, scaled to units u in float32, added and
             # rounded to float16 (its 32 registers instead of 64 keep the loop from spilling)
             kb_lo = tl.dot(p8, kt_tile_lo, out_dtype=tl.float16).to(tl.float32)
-            kb_hi = tl.dot(p8, kt_tile_hi, out_dtype=tl.float16).to(tl.float32)
+            if SPLIT:
+                kb_hi = tl.dot(p8, kt_tile_hi, out_dtype=tl.float16).to(tl.float32)
             kbar_lo = (kbar_lo.to(tl.float32) + kb_lo * (tl.load(KT_SCALE + sc_lo) * kb_c)[None, :]).to(tl.float16)
-            kbar_hi = (kbar_hi.to(tl.float32) + kb_hi * (tl.load(KT_SCALE + sc_hi) * kb_c)[None, :]).to(tl.float16)
+            if SPLIT:
+                kbar_hi = (kbar_hi.to(tl.float32) + kb_hi * (tl.load(KT_SCALE + sc_hi) * kb_c)[None, :]).to(tl.float16)
     out_lo = offs_m[:, None] * HEAD_DIM + offs_h[None, :]
     if MATCHED:
         # delta step (matched): D = sum_j P dP, the reference's DeltaKind.MATCHED
@@ -183,11 +189,13 @@ def _bwd_dq_kernel(
         # deferred correction of dQ: dS K = (P (dP - Dst)) K - (D - Dst) (P K)
         corr = pdp - d_stale
         dq_lo -= corr[:, None] * (kbar_lo.to(tl.float32) * unit)
-        dq_hi -= corr[:, None] * (kbar_hi.to(tl.float32) * unit)
+        if SPLIT:
+            dq_hi -= corr[:, None] * (kbar_hi.to(tl.float32) * unit)
         if DEBUG:
             rowsum -= (pdp - d_stale) * psum
     tl.store(DQ + bh64 * N * HEAD_DIM + out_lo, to_bf16(dq_lo * sm_scale, INTERPRET), mask=in_seq[:, None])
-    tl.store(DQ + bh64 * N * HEAD_DIM + out_lo + DH, to_bf16(dq_hi * sm_scale, INTERPRET), mask=in_seq[:, None])
+    if SPLIT:
+        tl.store(DQ + bh64 * N * HEAD_DIM + out_lo + DH, to_bf16(dq_hi * sm_scale, INTERPRET), mask=in_seq[:, None])
     if DEBUG:
         tl.store(DQ_ROWSUM + bh64 * N + offs_m, rowsum, mask=in_seq)
 
@@ -205,12 +213,13 @@ def _dkdv_head(
     DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE, qk_scale, N, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
     CAUSAL: tl.constexpr, P_SCALE: tl.constexpr, DS_ROWWISE: tl.constexpr,
-    TMA: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
+    TMA: tl.constexpr, SPLIT: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """The query tiles of one query head, accumulated into this key block's dK and dV halves.
+    """The query tiles of one query head, accumulated into this key block's dK and dV (halves
+    of the head dim with SPLIT).
     With TMA, Q8, DO8 (rows, (B*H, N, D)) and QT8, DOT8 (cols, (B*H, D, NPAD)) are tensor
     descriptors."""
-    DH: tl.constexpr = HEAD_DIM // 2
+    DH: tl.constexpr = HEAD_DIM // 2 if SPLIT else HEAD_DIM
     offs_h = tl.arange(0, DH)
     offs_d = tl.arange(0, HEAD_DIM)
     # this query head's base offsets: 64-bit scalars; the tiles use int32 offsets
@@ -277,18 +286,24 @@ def _dkdv_head(
         sc_hi = sc_lo + DH
         if TMA:
             dot_lo = tl.trans(DOT8.load([bh32, 0, start_m]).reshape(DH, BLOCK_M))
-            dot_hi = tl.trans(DOT8.load([bh32, DH, start_m]).reshape(DH, BLOCK_M))
+            if SPLIT:
+                dot_hi = tl.trans(DOT8.load([bh32, DH, start_m]).reshape(DH, BLOCK_M))
             qt_lo = tl.trans(QT8.load([bh32, 0, start_m]).reshape(DH, BLOCK_M))
-            qt_hi = tl.trans(QT8.load([bh32, DH, start_m]).reshape(DH, BLOCK_M))
+            if SPLIT:
+                qt_hi = tl.trans(QT8.load([bh32, DH, start_m]).reshape(DH, BLOCK_M))
         else:
             dot_lo = tl.load(DOT8 + head_cols + tok_lo)
-            dot_hi = tl.load(DOT8 + head_cols + tok_hi)
+            if SPLIT:
+                dot_hi = tl.load(DOT8 + head_cols + tok_hi)
             qt_lo = tl.load(QT8 + head_cols + tok_lo)
-            qt_hi = tl.load(QT8 + head_cols + tok_hi)
+            if SPLIT:
+                qt_hi = tl.load(QT8 + head_cols + tok_hi)
         dv_lo += tl.dot(p8_t, dot_lo) * tl.load(DOT_SCALE + sc_lo)[None, :]
-        dv_hi += tl.dot(p8_t, dot_hi) * tl.load(DOT_SCALE + sc_hi)[None, :]
+        if SPLIT:
+            dv_hi += tl.dot(p8_t, dot_hi) * tl.load(DOT_SCALE + sc_hi)[None, :]
         dk_lo += tl.dot(ds8_t, qt_lo) * tl.load(QT_SCALE + sc_lo)[None, :] * ds_inv[:, None]
-        dk_hi += tl.dot(ds8_t, qt_hi) * tl.load(QT_SCALE + sc_hi)[None, :] * ds_inv[:, None]
+        if SPLIT:
+            dk_hi += tl.dot(ds8_t, qt_hi) * tl.load(QT_SCALE + sc_hi)[None, :] * ds_inv[:, None]
     return dk_lo, dk_hi, dv_lo, dv_hi
 
 
@@ -300,7 +315,7 @@ def _bwd_dkdv_kernel(
     qk_scale, sm_scale, H, HKV, N, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, P_SCALE: tl.constexpr, DS_ROWWISE: tl.constexpr,
-    TMA: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
+    TMA: tl.constexpr, SPLIT: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     tl.static_assert(QB % BLOCK_M == 0)
     start_n = tl.program_id(0) * BLOCK_N
@@ -318,7 +333,7 @@ def _bwd_dkdv_kernel(
     v_scale = tl.load(V_SCALE + bkv64 * N + offs_n, mask=in_seq, other=0.0)
     # dK and dV in two halves of the head dim each: a matmul's float32 result (the promotion
     # temporary) is then half as large, which keeps the loop within 255 registers at D = 128
-    DH: tl.constexpr = HEAD_DIM // 2
+    DH: tl.constexpr = HEAD_DIM // 2 if SPLIT else HEAD_DIM
     offs_h = tl.arange(0, DH)
     dk_lo = tl.zeros([BLOCK_N, DH], tl.float32)
     dk_hi = tl.zeros([BLOCK_N, DH], tl.float32)
@@ -338,7 +353,7 @@ def _bwd_dkdv_kernel(
             dk_lo, dk_hi, dv_lo, dv_hi, k, k_scale, v, v_scale, offs_n, in_seq, bh0, lo,
             Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA,
             DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE, qk_scale, N, NPAD,
-            HEAD_DIM, BLOCK_M, BLOCK_N, QB, CAUSAL, P_SCALE, DS_ROWWISE, TMA, DEBUG, INTERPRET)
+            HEAD_DIM, BLOCK_M, BLOCK_N, QB, CAUSAL, P_SCALE, DS_ROWWISE, TMA, SPLIT, DEBUG, INTERPRET)
     else:
         # GQA: dK and dV sum over the GROUP query heads that read this key/value head
         for g in range(0, GROUP):
@@ -346,12 +361,14 @@ def _bwd_dkdv_kernel(
                 dk_lo, dk_hi, dv_lo, dv_hi, k, k_scale, v, v_scale, offs_n, in_seq, bh0 + g, lo,
                 Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA,
                 DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE, qk_scale, N, NPAD,
-                HEAD_DIM, BLOCK_M, BLOCK_N, QB, CAUSAL, P_SCALE, DS_ROWWISE, TMA, DEBUG, INTERPRET)
+                HEAD_DIM, BLOCK_M, BLOCK_N, QB, CAUSAL, P_SCALE, DS_ROWWISE, TMA, SPLIT, DEBUG, INTERPRET)
     rows_lo = offs_n[:, None] * HEAD_DIM + offs_h[None, :]
     tl.store(DK + kv_rows + rows_lo, to_bf16(dk_lo * sm_scale, INTERPRET), mask=in_seq[:, None])
-    tl.store(DK + kv_rows + rows_lo + DH, to_bf16(dk_hi * sm_scale, INTERPRET), mask=in_seq[:, None])
+    if SPLIT:
+        tl.store(DK + kv_rows + rows_lo + DH, to_bf16(dk_hi * sm_scale, INTERPRET), mask=in_seq[:, None])
     tl.store(DV + kv_rows + rows_lo, to_bf16(dv_lo * (1.0 / P_SCALE), INTERPRET), mask=in_seq[:, None])
-    tl.store(DV + kv_rows + rows_lo + DH, to_bf16(dv_hi * (1.0 / P_SCALE), INTERPRET), mask=in_seq[:, None])
+    if SPLIT:
+        tl.store(DV + kv_rows + rows_lo + DH, to_bf16(dv_hi * (1.0 / P_SCALE), INTERPRET), mask=in_seq[:, None])
 
 
 # --------------------------------------------------------------------------------------------
@@ -401,8 +418,8 @@ def backward(
     q8, k8, v8 = saved.q, saved.k, saved.v
     common = dict(HEAD_DIM=head_dim, QB=QUANT_BLOCK, CAUSAL=causal,
                   P_SCALE=float(2 ** recipe.p_scale_log2), DS_ROWWISE=recipe.ds_granularity == "rowwise",
-                  TMA=t.tma, DEBUG=debug, INTERPRET=interpreting())
-    dh = head_dim // 2
+                  TMA=t.tma, SPLIT=t.split_head, DEBUG=debug, INTERPRET=interpreting())
+    dh = head_dim // 2 if t.split_head else head_dim
     if t.tma:
         from triton.tools.tensor_descriptor import TensorDescriptor as TD
 

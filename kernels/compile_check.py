@@ -106,7 +106,7 @@ def recipe_variants(recipe: KernelRecipe, head_dim: int, causal: bool, group: in
                 WITH_DELTA=True, IS_E5M2=False, INTERPRET=False), 8, 3)
     yield ("fwd", fwd._fwd_kernel, dict(common, BLOCK_M=f.block_m, BLOCK_N=f.block_n, TMA=f.tma, SPLIT_PV=f.split_pv),
            f.num_warps, f.num_stages)
-    bt = dict(TMA=b.tma)
+    bt = dict(TMA=b.tma, SPLIT=b.split_head)
     yield ("dq", bwd._bwd_dq_kernel,
            dict(common, **ds, **bt, BLOCK_M=b.block_m2, BLOCK_N=b.block_n2, MATCHED=recipe.delta == "matched"),
            b.num_warps_dq, b.num_stages_dq)
@@ -122,6 +122,8 @@ def _descriptor_blocks(name: str, consts: dict, head_dim: int) -> dict | None:
     d, dh = head_dim, head_dim // 2
     if name == "fwd":
         return {"K8": [1, consts["BLOCK_N"], d], "VT8": [1, dh if consts["SPLIT_PV"] else d, consts["BLOCK_N"]]}
+    if name in ("dq", "dkdv") and not consts["SPLIT"]:
+        dh = d
     if name == "dq":
         bn = consts["BLOCK_N"]
         return {"K8": [1, bn, d], "V8": [1, bn, d], "KT8": [1, dh, bn]}

@@ -89,6 +89,8 @@ class BwdTiles:
     num_stages_dq: int = 2
     #: load the FP8 operand tiles of both loops through TMA tensor descriptors
     tma: bool = False
+    #: keep dQ, kbar, dK and dV as two halves of the head dim (a half-size promotion temporary)
+    split_head: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_m1", "block_n1", "block_m2", "block_n2"):

@@ -1,6 +1,8 @@
-"""The TMA variants (``FwdTiles.tma``, ``FwdTiles.split_pv``, ``BwdTiles.tma``) load the same
-tiles through tensor descriptors instead of per-element pointers, and form the same products:
-their outputs and gradients equal the pointer variants' bit for bit (tails, GQA, causal)."""
+"""The load and layout variants of the kernels (``FwdTiles.tma``, ``FwdTiles.split_pv``,
+``BwdTiles.tma``, ``BwdTiles.split_head``) load the same tiles (through TMA tensor descriptors
+instead of per-element pointers) and form the same products (in halves of the head dim or
+whole): their outputs and gradients equal the pointer variants' bit for bit (tails, GQA,
+causal)."""
 
 from __future__ import annotations
 
@@ -20,24 +22,25 @@ _CASES = [
 ]
 
 
-def _variant(recipe, head_dim, *, tma: bool, split_pv: bool = False):
+def _variant(recipe, head_dim, *, tma: bool, split_pv: bool = False, split_head: bool = True):
     fwd = dataclasses.replace(recipe.fwd, tma=tma, split_pv=split_pv)
-    bwd = dataclasses.replace(recipe.bwd_tiles(head_dim), tma=tma)
+    bwd = dataclasses.replace(recipe.bwd_tiles(head_dim), tma=tma, split_head=split_head)
     return recipe.with_tiles(fwd=fwd, bwd=bwd)
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("recipe", ["delta_matching", "naive_fp8"])
 @pytest.mark.parametrize("backend,case", _CASES)
-def test_tma_variants_equal_pointer_variants_bit_for_bit(backend, case, recipe, causal):
+def test_load_and_layout_variants_equal_the_pointer_variant_bit_for_bit(backend, case, recipe, causal):
     device = require_backend(backend)
     from dmref.kernels import api
 
     q, k, v, do = outlier_inputs(case, device, seed=5)
     base = RECIPES[recipe]
     runs = []
-    for tma, split in ((False, False), (True, False), (True, True)):
-        r = _variant(base, case.head_dim, tma=tma, split_pv=split)
+    for tma, split, halves in ((False, False, True), (True, False, True), (True, True, True), (False, False, False),
+                               (True, False, False)):
+        r = _variant(base, case.head_dim, tma=tma, split_pv=split, split_head=halves)
         o, lse, saved, _ = api.attention_forward(q, k, v, causal=causal, recipe=r)
         grads = api.attention_backward(saved, o, do, shape=api.Shape.of(q, k, v), causal=causal,
                                        scale=case.head_dim**-0.5, recipe=r)[:3]

@@ -39,13 +39,13 @@ FWD_CANDIDATES = [  # block_m, block_n, num_warps, num_stages[, tma[, split_pv]]
 # per head dim; dkdv: block_m1, block_n1, warps, stages; dq: block_m2, block_n2, warps, stages[, tma[, split_head]]
 BWD_CANDIDATES = {
     128: [
-        (64, 128, 8, 2, 128, 64, 8, 2),  # the default: dS blocks 1x64, accumulators in halves
+        (64, 128, 8, 2, 128, 64, 8, 2, True, False),  # the default: dS blocks 1x64, TMA, whole accumulators
         (64, 128, 8, 2, 128, 64, 8, 2, False, False),  # whole accumulators
-        (64, 128, 8, 2, 128, 64, 8, 2, True, False),  # whole, through TMA descriptors
+        (64, 128, 8, 2, 128, 64, 8, 2, False, True),  # pointer loads, accumulators in halves
     ],
     64: [
-        (64, 64, 4, 2, 64, 64, 4, 2),  # the default
-        (64, 64, 4, 2, 64, 64, 4, 2, False, False),
+        (64, 64, 4, 2, 64, 64, 4, 2, False, False),  # the default: pointer loads, whole accumulators
+        (64, 64, 4, 2, 64, 64, 4, 2, False, True),  # accumulators in halves
         (64, 64, 4, 2, 64, 64, 4, 2, True, False),
     ],
 }

@@ -29,11 +29,13 @@ The delta step, per strategy:
   second and reads the matched D, forming ``dS = P (dP - D)`` exactly. The cost over stale is the
   kbar matmul, its accumulator and one row reduction in ``dq``; nothing is swept twice.
 
-Registers (H200, D = 128, ``python -m dmref.kernels.compile_check``): dQ, kbar, dK and dV are each
-kept as two halves of the head dim, so that the float32 result of one accumulating matmul (the
-promotion temporary) is a quarter of the four accumulators; every FP8 operand of a tile is formed
-before its first accumulating matmul (P, dP and dS are dead by then); each kernel has one loop
-with masks on every tile, and the dkdv kernel loops over GQA heads only when there are several.
+Registers (H200, D = 128, ``python -m dmref.kernels.compile_check``): with ``BwdTiles.split_head``
+dQ, kbar, dK and dV are each kept as two halves of the head dim, so that the float32 result of one
+accumulating matmul (the promotion temporary) is a quarter of the four accumulators; with TMA
+loads (``BwdTiles.tma``) whole accumulators fit as well and are faster (the default); every FP8
+operand of a tile is formed before its first accumulating matmul (P, dP and dS are dead by then);
+each kernel has one loop with masks on every tile, and the dkdv kernel loops over GQA heads only
+when there are several.
 """
 
 from __future__ import annotations

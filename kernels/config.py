@@ -75,8 +75,9 @@ class BwdTiles:
     ``block_n2`` keys for dQ (the contraction of the tile): tiles of 128 give the reference
     presets' 1x128 granularity, tiles of 64 and 32 the 1x64 and 1x32 ones; all are expressible in
     ``dmref.recipes`` (``KernelRecipe.reference_recipe``). Tiles of 128 spill at head
-    dim 128. The defaults (D = 128) are the fastest of the H200 sweep in
-    benchmarks/results/2026-11-29_nvidia-h200_bench_attention_v2.json.
+    dim 128. The defaults (D = 128) are the fastest of the H200 sweeps in
+    benchmarks/results/2026-11-29_nvidia-h200_bench_attention_v2.json (tiles) and ``..._v7_whole_
+    accumulators.json`` (TMA loads, whole accumulators).
     """
 
     block_m1: int = 64
@@ -88,9 +89,10 @@ class BwdTiles:
     num_warps_dq: int = 8
     num_stages_dq: int = 2
     #: load the FP8 operand tiles of both loops through TMA tensor descriptors
-    tma: bool = False
-    #: keep dQ, kbar, dK and dV as two halves of the head dim (a half-size promotion temporary)
-    split_head: bool = True
+    tma: bool = True
+    #: keep dQ, kbar, dK and dV as two halves of the head dim (a half-size promotion temporary);
+    #: whole accumulators were faster on the H200 at both head dims (bench_attention_v7)
+    split_head: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m1", "block_n1", "block_m2", "block_n2"):
@@ -135,9 +137,10 @@ class KernelRecipe:
     p_scale_log2: int = P_SCALE_LOG2
     fwd: FwdTiles = field(default_factory=FwdTiles)
     bwd: BwdTiles = field(default_factory=BwdTiles)
-    #: backward tiling at head dim 64 (None: ``bwd``); the H200 sweep of 2026-11-29 picked
-    #: 64 x 64 tiles on 4 warps there, and the defaults above at head dim 128
-    bwd_d64: BwdTiles | None = field(default_factory=lambda: BwdTiles(64, 64, 64, 64, 4, 2, 4, 2))
+    #: backward tiling at head dim 64 (None: ``bwd``); the H200 sweeps of 2026-11-29 picked
+    #: 64 x 64 tiles on 4 warps there, pointer loads, whole accumulators, and the defaults above
+    #: at head dim 128
+    bwd_d64: BwdTiles | None = field(default_factory=lambda: BwdTiles(64, 64, 64, 64, 4, 2, 4, 2, tma=False))
 
     def __post_init__(self) -> None:
         for name in ("qkv_format", "ds_format", "p_format"):

@@ -40,13 +40,12 @@ FWD_CANDIDATES = [  # block_m, block_n, num_warps, num_stages[, tma[, split_pv]]
 BWD_CANDIDATES = {
     128: [
         (64, 128, 8, 2, 128, 64, 8, 2, True, False),  # the default: dS blocks 1x64, TMA, whole accumulators
-        (64, 128, 8, 2, 128, 64, 8, 2, False, False),  # whole accumulators
-        (64, 128, 8, 2, 128, 64, 8, 2, False, True),  # pointer loads, accumulators in halves
+        (64, 128, 8, 2, 128, 64, 8, 3, True, False),  # dq: 3 stages
     ],
     64: [
         (64, 64, 4, 2, 64, 64, 4, 2, False, False),  # the default: pointer loads, whole accumulators
-        (64, 64, 4, 2, 64, 64, 4, 2, False, True),  # accumulators in halves
-        (64, 64, 4, 2, 64, 64, 4, 2, True, False),
+        (64, 64, 4, 2, 128, 64, 8, 2, False, False),  # dq: 128 queries on 8 warps
+        (64, 64, 4, 2, 64, 64, 4, 3, False, False),  # dq: 3 stages
     ],
 }
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 SHAPES = [(4, 16, 4096, 128), (1, 16, 16384, 128), (4, 32, 4096, 64)]
 
 # Candidate tilings, tried on the first shape of each head dim (the winner is used for the rest).
-FWD_CANDIDATES = [  # block_m, block_n, num_warps, num_stages[, tma[, split_pv]] (block_n = 128: the reference's tile)
+FWD_CANDIDATES = [  # block_m, block_n, num_warps, num_stages[, tma] (block_n = 128: the reference's tile)
     (64, 128, 4, 3, True), (64, 128, 4, 3, False),
 ]
 # per head dim; dkdv: block_m1, block_n1, warps, stages; dq: block_m2, block_n2, warps, stages[, tma[, split_head]]

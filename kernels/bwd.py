@@ -93,8 +93,9 @@ def _bwd_dq_kernel(
     do_scale = tl.load(DO_SCALE + bh64 * N + offs_m, mask=in_seq, other=0.0)
     lse2 = tl.load(LSE2 + bh64 * N + offs_m, mask=in_seq, other=0.0)
     d_stale = tl.load(DELTA_STALE + bh64 * N + offs_m, mask=in_seq, other=0.0)
-    # dQ and kbar in two halves of the head dim each: a matmul's float32 result (the promotion
-    # temporary) is then half as large, which keeps the loop within 255 registers at D = 128
+    # dQ and kbar whole, or with SPLIT in two halves of the head dim each (a matmul's float32
+    # result, the promotion temporary, is then half as large: BwdTiles.split_head); without
+    # SPLIT the *_hi halves are unused
     DH: tl.constexpr = HEAD_DIM // 2 if SPLIT else HEAD_DIM
     offs_h = tl.arange(0, DH)
     dq_lo = tl.zeros([BLOCK_M, DH], tl.float32)
@@ -333,8 +334,8 @@ def _bwd_dkdv_kernel(
     v = tl.load(V8 + kv_rows + rows, mask=in_seq[:, None], other=0.0)
     k_scale = tl.load(K_SCALE + bkv64 * N + offs_n, mask=in_seq, other=0.0)
     v_scale = tl.load(V_SCALE + bkv64 * N + offs_n, mask=in_seq, other=0.0)
-    # dK and dV in two halves of the head dim each: a matmul's float32 result (the promotion
-    # temporary) is then half as large, which keeps the loop within 255 registers at D = 128
+    # dK and dV whole, or with SPLIT in two halves of the head dim each (as dq's); without SPLIT
+    # the *_hi halves are unused
     DH: tl.constexpr = HEAD_DIM // 2 if SPLIT else HEAD_DIM
     offs_h = tl.arange(0, DH)
     dk_lo = tl.zeros([BLOCK_N, DH], tl.float32)
@@ -421,7 +422,7 @@ def backward(
     common = dict(HEAD_DIM=head_dim, QB=QUANT_BLOCK, CAUSAL=causal,
                   P_SCALE=float(2 ** recipe.p_scale_log2), DS_ROWWISE=recipe.ds_granularity == "rowwise",
                   TMA=t.tma, SPLIT=t.split_head, DEBUG=debug, INTERPRET=interpreting())
-    dh = head_dim // 2 if t.split_head else head_dim
+    dh = t.accumulator_width(head_dim)
     if t.tma:
         from triton.tools.tensor_descriptor import TensorDescriptor as TD
 

@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 
-from .config import QUANT_BLOCK, KernelRecipe, get_recipe
+from .config import QUANT_BLOCK, BwdTiles, KernelRecipe, get_recipe
 
 _INT_ARGS = ("H", "HKV", "GROUP", "N", "NPAD")
 _FP8 = {"float8_e4m3fn": "*fp8e4nv", "float8_e5m2": "*fp8e5"}
@@ -104,7 +104,7 @@ def recipe_variants(recipe: KernelRecipe, head_dim: int, causal: bool, group: in
     yield ("quantize", quantize._quantize_kernel,
            dict(HEAD_DIM=head_dim, BLOCK_T=QUANT_BLOCK, EMIT_ROWS=True, EMIT_COLS=True,
                 WITH_DELTA=True, IS_E5M2=False, INTERPRET=False), 8, 3)
-    yield ("fwd", fwd._fwd_kernel, dict(common, BLOCK_M=f.block_m, BLOCK_N=f.block_n, TMA=f.tma, SPLIT_PV=f.split_pv),
+    yield ("fwd", fwd._fwd_kernel, dict(common, BLOCK_M=f.block_m, BLOCK_N=f.block_n, TMA=f.tma),
            f.num_warps, f.num_stages)
     bt = dict(TMA=b.tma, SPLIT=b.split_head)
     yield ("dq", bwd._bwd_dq_kernel,
@@ -119,11 +119,10 @@ def _descriptor_blocks(name: str, consts: dict, head_dim: int) -> dict | None:
     """Block shapes of the arguments a TMA variant takes as tensor descriptors."""
     if not consts.get("TMA"):
         return None
-    d, dh = head_dim, head_dim // 2
+    d = head_dim
     if name == "fwd":
-        return {"K8": [1, consts["BLOCK_N"], d], "VT8": [1, dh if consts["SPLIT_PV"] else d, consts["BLOCK_N"]]}
-    if name in ("dq", "dkdv") and not consts["SPLIT"]:
-        dh = d
+        return {"K8": [1, consts["BLOCK_N"], d], "VT8": [1, d, consts["BLOCK_N"]]}
+    dh = BwdTiles(split_head=consts["SPLIT"]).accumulator_width(d)
     if name == "dq":
         bn = consts["BLOCK_N"]
         return {"K8": [1, bn, d], "V8": [1, bn, d], "KT8": [1, dh, bn]}

@@ -55,8 +55,6 @@ class FwdTiles:
     #: load K and V tiles through TMA tensor descriptors instead of per-element pointers (the
     #: H200 tiling run of 2026-11-29 measured +0.1% to +5% on all six benchmark shapes)
     tma: bool = True
-    #: form the PV product in two halves of the head dim (a half-size promotion temporary)
-    split_pv: bool = False
 
     def __post_init__(self) -> None:
         _check_tile("block_m", self.block_m)
@@ -97,6 +95,11 @@ class BwdTiles:
     def __post_init__(self) -> None:
         for name in ("block_m1", "block_n1", "block_m2", "block_n2"):
             _check_tile(name, getattr(self, name))
+
+    def accumulator_width(self, head_dim: int) -> int:
+        """Head-dim columns of each backward accumulator (and of the K, Q, dO column tiles
+        multiplied into it): half the head dim with ``split_head``, else all of it."""
+        return head_dim // 2 if self.split_head else head_dim
 
 
 def _check_tile(name: str, value: int) -> None:

@@ -30,18 +30,16 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _fwd_inner(
-    acc, acc_hi, l_i, m_i, q, q_scale, offs_m,
+    acc, l_i, m_i, q, q_scale, offs_m,
     K8, K_SCALE, VT8, VT_SCALE, kv, lo, hi, N, NPAD, P_DUMP,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, P_SCALE: tl.constexpr,
-    TMA: tl.constexpr, SPLIT_PV: tl.constexpr,
-    DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
+    TMA: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     # K_SCALE, VT_SCALE and P_DUMP point at this program's head: offsets stay int32. With TMA,
     # K8 and VT8 are tensor descriptors of the (B*Hkv, N, D) and (B*Hkv, D, NPAD) copies and
     # ``kv`` selects the head; else they point at this head too.
     offs_d = tl.arange(0, HEAD_DIM)
-    DH: tl.constexpr = HEAD_DIM // 2
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -80,29 +78,15 @@ def _fwd_inner(
                      (offs_m[:, None] < N) & (offs_n[None, :] < N), DEBUG)
         # V transposed copy as a (BLOCK_N, D) tile: tokens (the contraction) contiguous; the
         # padding up to NPAD holds zero codes, so no mask is needed
-        if SPLIT_PV:
-            # two halves of the head dim: the promotion temporary is half a tile
-            offs_h = tl.arange(0, DH)
-            if TMA:
-                vt_lo = tl.trans(VT8.load([kv, 0, start_n]).reshape(DH, BLOCK_N))
-                vt_hi = tl.trans(VT8.load([kv, DH, start_n]).reshape(DH, BLOCK_N))
-            else:
-                vt_lo = tl.load(VT8 + offs_h[None, :] * NPAD + offs_n[:, None])
-                vt_hi = tl.load(VT8 + (offs_h[None, :] + DH) * NPAD + offs_n[:, None])
-            vs_lo = tl.load(VT_SCALE + (start_n // QB) * HEAD_DIM + offs_h)
-            vs_hi = tl.load(VT_SCALE + (start_n // QB) * HEAD_DIM + DH + offs_h)
-            acc = acc * alpha[:, None] + tl.dot(p8, vt_lo) * vs_lo[None, :]
-            acc_hi = acc_hi * alpha[:, None] + tl.dot(p8, vt_hi) * vs_hi[None, :]
+        if TMA:
+            vt = tl.trans(VT8.load([kv, 0, start_n]).reshape(HEAD_DIM, BLOCK_N))
         else:
-            if TMA:
-                vt = tl.trans(VT8.load([kv, 0, start_n]).reshape(HEAD_DIM, BLOCK_N))
-            else:
-                vt = tl.load(VT8 + offs_d[None, :] * NPAD + offs_n[:, None])
-            v_scale = tl.load(VT_SCALE + (start_n // QB) * HEAD_DIM + offs_d)
-            # promotion: the wgmma chain covers one tile, then one float32 add
-            acc = acc * alpha[:, None] + tl.dot(p8, vt) * v_scale[None, :]
+            vt = tl.load(VT8 + offs_d[None, :] * NPAD + offs_n[:, None])
+        v_scale = tl.load(VT_SCALE + (start_n // QB) * HEAD_DIM + offs_d)
+        # promotion: the wgmma chain covers one tile, then one float32 add
+        acc = acc * alpha[:, None] + tl.dot(p8, vt) * v_scale[None, :]
         m_i = m_new
-    return acc, acc_hi, l_i, m_i
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -112,8 +96,7 @@ def _fwd_kernel(
     qk_scale, H, GROUP, N, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QB: tl.constexpr, CAUSAL: tl.constexpr, P_SCALE: tl.constexpr,
-    TMA: tl.constexpr, SPLIT_PV: tl.constexpr,
-    DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
+    TMA: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     tl.static_assert(QB % BLOCK_N == 0)
     start_m = tl.program_id(0) * BLOCK_M
@@ -141,40 +124,28 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     kv32 = kv.to(tl.int32)
-    if SPLIT_PV:
-        acc = tl.zeros([BLOCK_M, HEAD_DIM // 2], tl.float32)
-        acc_hi = tl.zeros([BLOCK_M, HEAD_DIM // 2], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        acc_hi = tl.zeros([1, 1], tl.float32)  # unused
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     if CAUSAL:
         # key tiles wholly below the diagonal for every row: no mask; the rest up to the
         # diagonal: causal mask (tiles divide one another, so the split is tile-aligned)
         lo_diag = (start_m // BLOCK_N) * BLOCK_N
-        acc, acc_hi, l_i, m_i = _fwd_inner(acc, acc_hi, l_i, m_i, q, q_scale, offs_m, K8, K_SCALE, VT8, VT_SCALE, kv32,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q_scale, offs_m, K8, K_SCALE, VT8, VT_SCALE, kv32,
                                    0, lo_diag, N, NPAD, P_DUMP,
-                                   HEAD_DIM, BLOCK_N, QB, False, True, P_SCALE, TMA, SPLIT_PV, DEBUG, INTERPRET)
-        acc, acc_hi, l_i, m_i = _fwd_inner(acc, acc_hi, l_i, m_i, q, q_scale, offs_m, K8, K_SCALE, VT8, VT_SCALE, kv32,
+                                   HEAD_DIM, BLOCK_N, QB, False, True, P_SCALE, TMA, DEBUG, INTERPRET)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q_scale, offs_m, K8, K_SCALE, VT8, VT_SCALE, kv32,
                                    lo_diag, tl.minimum(start_m + BLOCK_M, N), N, NPAD, P_DUMP,
-                                   HEAD_DIM, BLOCK_N, QB, True, True, P_SCALE, TMA, SPLIT_PV, DEBUG, INTERPRET)
+                                   HEAD_DIM, BLOCK_N, QB, True, True, P_SCALE, TMA, DEBUG, INTERPRET)
     else:
         n_full = (N // BLOCK_N) * BLOCK_N
-        acc, acc_hi, l_i, m_i = _fwd_inner(acc, acc_hi, l_i, m_i, q, q_scale, offs_m, K8, K_SCALE, VT8, VT_SCALE, kv32,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q_scale, offs_m, K8, K_SCALE, VT8, VT_SCALE, kv32,
                                    0, n_full, N, NPAD, P_DUMP,
-                                   HEAD_DIM, BLOCK_N, QB, False, False, P_SCALE, TMA, SPLIT_PV, DEBUG, INTERPRET)
-        acc, acc_hi, l_i, m_i = _fwd_inner(acc, acc_hi, l_i, m_i, q, q_scale, offs_m, K8, K_SCALE, VT8, VT_SCALE, kv32,
+                                   HEAD_DIM, BLOCK_N, QB, False, False, P_SCALE, TMA, DEBUG, INTERPRET)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q_scale, offs_m, K8, K_SCALE, VT8, VT_SCALE, kv32,
                                    n_full, N, N, NPAD, P_DUMP,
-                                   HEAD_DIM, BLOCK_N, QB, True, False, P_SCALE, TMA, SPLIT_PV, DEBUG, INTERPRET)
-    if SPLIT_PV:
-        DH: tl.constexpr = HEAD_DIM // 2
-        offs_h = tl.arange(0, DH)
-        o_ptrs = O + offs_m[:, None] * HEAD_DIM + offs_h[None, :]
-        tl.store(o_ptrs, to_bf16(acc / (l_i * P_SCALE)[:, None], INTERPRET), mask=in_seq[:, None])
-        tl.store(o_ptrs + DH, to_bf16(acc_hi / (l_i * P_SCALE)[:, None], INTERPRET), mask=in_seq[:, None])
-    else:
-        o = acc / (l_i * P_SCALE)[:, None]
-        tl.store(O + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
-                 to_bf16(o, INTERPRET), mask=in_seq[:, None])
+                                   HEAD_DIM, BLOCK_N, QB, True, False, P_SCALE, TMA, DEBUG, INTERPRET)
+    o = acc / (l_i * P_SCALE)[:, None]
+    tl.store(O + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
+             to_bf16(o, INTERPRET), mask=in_seq[:, None])
     tl.store(LSE2 + offs_m, m_i + tl.math.log2(l_i), mask=in_seq)
 
 
@@ -203,15 +174,14 @@ def forward(
     if tiles.tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        dv = head_dim // 2 if tiles.split_pv else head_dim
         k_rows = TensorDescriptor.from_tensor(k8.rows, [1, tiles.block_n, head_dim])
-        v_cols = TensorDescriptor.from_tensor(vt.cols, [1, dv, tiles.block_n])
+        v_cols = TensorDescriptor.from_tensor(vt.cols, [1, head_dim, tiles.block_n])
     _fwd_kernel[grid](
         q8.rows, q8.row_scale, k_rows, k8.row_scale, v_cols, vt.col_scale,
         o, lse2, p_dump,
         scale * LOG2E, heads, heads // kv_heads, n, vt.npad,
         HEAD_DIM=head_dim, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, QB=QUANT_BLOCK,
-        CAUSAL=causal, P_SCALE=float(2 ** recipe.p_scale_log2), TMA=tiles.tma, SPLIT_PV=tiles.split_pv, DEBUG=debug,
+        CAUSAL=causal, P_SCALE=float(2 ** recipe.p_scale_log2), TMA=tiles.tma, DEBUG=debug,
         INTERPRET=interpreting(), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return o, lse2, (fp8_codes(p_dump) if debug else None)

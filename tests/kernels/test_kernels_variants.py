@@ -1,8 +1,7 @@
-"""The load and layout variants of the kernels (``FwdTiles.tma``, ``FwdTiles.split_pv``,
-``BwdTiles.tma``, ``BwdTiles.split_head``) load the same tiles (through TMA tensor descriptors
-instead of per-element pointers) and form the same products (in halves of the head dim or
-whole): their outputs and gradients equal the pointer variants' bit for bit (tails, GQA,
-causal)."""
+"""The load and layout variants of the kernels (``FwdTiles.tma``, ``BwdTiles.tma``,
+``BwdTiles.split_head``) load the same tiles (through TMA tensor descriptors instead of
+per-element pointers) and form the same products (in halves of the head dim or whole): their
+outputs and gradients equal the pointer variants' bit for bit (tails, GQA, causal)."""
 
 from __future__ import annotations
 
@@ -22,8 +21,8 @@ _CASES = [
 ]
 
 
-def _variant(recipe, head_dim, *, tma: bool, split_pv: bool = False, split_head: bool = True):
-    fwd = dataclasses.replace(recipe.fwd, tma=tma, split_pv=split_pv)
+def _variant(recipe, head_dim, *, tma: bool, split_head: bool):
+    fwd = dataclasses.replace(recipe.fwd, tma=tma)
     bwd = dataclasses.replace(recipe.bwd_tiles(head_dim), tma=tma, split_head=split_head)
     return recipe.with_tiles(fwd=fwd, bwd=bwd)
 
@@ -38,9 +37,8 @@ def test_load_and_layout_variants_equal_the_pointer_variant_bit_for_bit(backend,
     q, k, v, do = outlier_inputs(case, device, seed=5)
     base = RECIPES[recipe]
     runs = []
-    for tma, split, halves in ((False, False, True), (True, False, True), (True, True, True), (False, False, False),
-                               (True, False, False)):
-        r = _variant(base, case.head_dim, tma=tma, split_pv=split, split_head=halves)
+    for tma, halves in ((False, True), (True, True), (False, False), (True, False)):
+        r = _variant(base, case.head_dim, tma=tma, split_head=halves)
         o, lse, saved, _ = api.attention_forward(q, k, v, causal=causal, recipe=r)
         grads = api.attention_backward(saved, o, do, shape=api.Shape.of(q, k, v), causal=causal,
                                        scale=case.head_dim**-0.5, recipe=r)[:3]

@@ -270,7 +270,9 @@ def attention_problems(*, dtype: torch.dtype = torch.bfloat16, max_seqlen: int =
             q, k, setup = _probe.prepare(q, k)
         scale = 2.0**log2_scale / math.sqrt(d)
         heads = f"{h}/{hkv}h" if hkv != h else f"{h}h"
-        name = f"drawn_{'causal_' if is_causal else ''}{heads}_{nq}x{nk}x{d}" + (f"_{kind}_mask" if mask is not None else "")
+        name = f"drawn_{'causal_' if is_causal else ''}{heads}_{nq}x{nk}x{d}"
+        if mask is not None:
+            name += f"_{kind}_mask"
         tags = ("drawn",) + (("gqa",) if hkv != h else ()) + (("mask",) if mask is not None else ())
         return Case(name, "drawn by dmref.testing.attention_problems", q, k, v, dout, is_causal, scale,
                     mask, setup, tags)

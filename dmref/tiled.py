@@ -147,6 +147,13 @@ def group_amax(x: torch.Tensor, point: QuantPoint, *, contract_dim: int) -> torc
 _POW2_RULES = (ScaleRule.POW2_DOWN, ScaleRule.POW2_UP, ScaleRule.MX_OCP, ScaleRule.MX_NVIDIA)
 
 
+def _scale_values(amax: torch.Tensor, fmt, rule: BlockScaleRule) -> torch.Tensor:
+    """The scales s of blocks with these amaxes (``emulation.scales_from_amax``), as float32
+    values (E8M0 scales decoded)."""
+    scales = scales_from_amax(amax, fmt, rule)
+    return _decode(scales, _E8M0) if rule.is_e8m0 else scales
+
+
 def _quantize(x: torch.Tensor, point: QuantPoint, *, contract_dim: int, dtype: torch.dtype,
               fixed_scale: float = 1.0, amax: torch.Tensor | None = None) -> torch.Tensor:
     """s * Q(x / s): the operand the matmul sees, in ``dtype``. Every cast of dmref.tiled
@@ -196,8 +203,7 @@ def _quantize(x: torch.Tensor, point: QuantPoint, *, contract_dim: int, dtype: t
             amax = _abs_amax(xb, dim=(-3, -1), keepdim=True)
         elif point.granularity is Granularity.ROW:  # (..., R, 1) or (..., 1, C) -> blocked layout
             amax = amax.unsqueeze(-1).unsqueeze(-3)
-    scales = scales_from_amax(amax, fmt, rule)
-    s = _decode(scales, _E8M0) if rule.is_e8m0 else scales
+    s = _scale_values(amax, fmt, rule)
     if pow2 and nearest and fmt.bits == 8 and x.dtype != torch.float64:
         y = xb.to(torch.float32) / s
     else:
@@ -529,8 +535,8 @@ def _head_unit(k: torch.Tensor, point: QuantPoint, *, dtype: torch.dtype) -> tor
     fmt = emulation.get_format(point.fmt)
     rule = BlockScaleRule(point.scale_rule.value)
     xb, _ = _blocked_view(k.to(torch.float32), _block(point.granularity, contract_dim=-2))
-    scales = scales_from_amax(_abs_amax(xb, dim=(-3, -1), keepdim=True), fmt, rule)
-    s = _decode(scales, _E8M0) if rule.is_e8m0 else scales  # (B, Hkv, key blocks, 1, channel blocks, 1)
+    # (B, Hkv, key blocks, 1, channel blocks, 1)
+    s = _scale_values(_abs_amax(xb, dim=(-3, -1), keepdim=True), fmt, rule)
     return s.amax(dim=(-4, -3, -2, -1)).reshape(*k.shape[:2], 1, 1).to(dtype)
 
 

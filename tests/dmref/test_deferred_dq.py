@@ -21,14 +21,13 @@ from hypothesis import strategies as st
 
 from dmref import reference, tiled
 from dmref.diagnostics import U_FP32, gamma
-from dmref.recipes import (MATCHED, NONE, PRESETS, STALE, STALE_UNROUNDED, DeferredDq, DeltaKind, DeltaStrategy,
-                           QuantPoint)
+from dmref.kernels.config import RECIPES  # dataclasses only: no triton import
+from dmref.recipes import MATCHED, NONE, PRESETS, STALE_UNROUNDED, DeltaKind, DeltaStrategy
 
-_FP16 = QuantPoint("float16", saturate=False)
-#: the kernels' kbar: E4M3 P * 2^4, 64-key tiles, float16 tile results and accumulator
-KERNEL_LIKE = DeferredDq(predictor=STALE, p=QuantPoint("float8_e4m3fn"), p_offset_log2=4, tile=64,
-                         tile_result=_FP16, accumulator=_FP16)
-_DEFERRED = DeltaStrategy(DeltaKind.MATCHED, deferred_dq=KERNEL_LIKE)
+#: the recipe the kernels declare at head dim 64 (float32 accumulation)
+KERNEL_RECIPE = RECIPES["delta_matching"].reference_recipe(64, "fp32")
+#: its kbar: E4M3 P * 2^4, 64-key tiles, float16 tile results and accumulator
+KERNEL_LIKE = KERNEL_RECIPE.delta.deferred_dq
 
 
 def _deferred(recipe, deferred=KERNEL_LIKE):
@@ -83,15 +82,12 @@ def test_unquantized_deferred_dq_is_the_matched_dq_up_to_float32_rounding(shape,
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_pow2_rescaling_of_q_and_k_commutes_with_deferred_dq_beyond_float16_range(causal):
-    from dmref.kernels.config import RECIPES
-
     shape = dict(batch=1, heads=2, kv_heads=1, seqlen_q=200, seqlen_k=200, head_dim=64, head_dim_v=64)
     q, k, v, dout = make_inputs(shape, 7, dtype=torch.float32)
     e = 17  # |K| 2^17 > 65504 = float16's max for |K| > 0.5
-    recipe = RECIPES["delta_matching"].reference_recipe(64, "fp32")
-    assert recipe.delta.deferred_dq is not None
-    _, b = tiled.attention(q, k, v, dout, recipe=recipe, causal=causal)
-    _, b2 = tiled.attention(q * 2.0**-e, k * 2.0**e, v, dout, recipe=recipe, causal=causal)
+    assert KERNEL_RECIPE.delta.deferred_dq is not None
+    _, b = tiled.attention(q, k, v, dout, recipe=KERNEL_RECIPE, causal=causal)
+    _, b2 = tiled.attention(q * 2.0**-e, k * 2.0**e, v, dout, recipe=KERNEL_RECIPE, causal=causal)
     assert bool(torch.isfinite(b2.dq).all())
     assert torch.equal(b2.dq, b.dq * 2.0**e)
     assert torch.equal(b2.dk, b.dk * 2.0**-e) and torch.equal(b2.dv, b.dv)
@@ -104,4 +100,4 @@ def test_deferred_dq_refuses_what_it_cannot_mean():
         replace(KERNEL_LIKE, tile=48)
     with pytest.raises(ValueError, match="MATCHED"):
         DeltaStrategy(DeltaKind.STALE, deferred_dq=KERNEL_LIKE)
-    assert _DEFERRED.name == "matched_deferred"
+    assert KERNEL_RECIPE.delta.name == "matched_deferred"

@@ -14,9 +14,8 @@ Shapes: q ``(B, H, N, D)``, k and v ``(B, HKV, N, D)``; internal tensors are ``(
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -331,6 +330,32 @@ class ProblemShape:
     kv_heads: int
     n: int
     head_dim: int
+
+
+@dataclass(frozen=True)
+class Case(ProblemShape):
+    """A differential-test case: sizes, causal or not, and the recipe (by name) with its shipped
+    tilings or ``tiles`` = (FwdTiles, BwdTiles, ds_granularity) replacing them."""
+
+    causal: bool = False
+    recipe: str = "delta_matching"
+    tiles: tuple | None = None
+
+    def recipe_obj(self) -> KernelRecipe:
+        from dmref.kernels.config import RECIPES
+
+        r = RECIPES[self.recipe]
+        if self.tiles is not None:
+            import dataclasses
+
+            fwd, bwd, gran = self.tiles
+            r = dataclasses.replace(r, fwd=fwd, bwd=bwd, bwd_d64=None, ds_granularity=gran)
+        return r
+
+    def __str__(self) -> str:
+        t = "" if self.tiles is None else "-smalltiles"
+        return (f"{self.recipe}-{'causal' if self.causal else 'full'}-b{self.batch}h{self.heads}"
+                f"kv{self.kv_heads}n{self.n}d{self.head_dim}{t}")
 
 
 def require_backend(backend: str) -> str:

@@ -8,15 +8,14 @@ FP8 casts are made exact by the kernels' own rounding helper, so codes are compa
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
 
-from dmref.kernels.config import RECIPES, BwdTiles, FwdTiles, KernelRecipe
+from dmref.kernels.config import BwdTiles, FwdTiles
 
 import kernel_model as model
-from kernel_model import outlier_inputs
+from kernel_model import Case, outlier_inputs
 from kernel_bounds import (
     CODE_AGREEMENT,
     RECIPE_NOISE_FRACTION,
@@ -26,33 +25,6 @@ from kernel_bounds import (
     gamma,
     rel_err,
 )
-
-
-@dataclass(frozen=True)
-class Case:
-    batch: int
-    heads: int
-    kv_heads: int
-    n: int
-    head_dim: int
-    causal: bool
-    recipe: str
-    #: optional (FwdTiles, BwdTiles, ds_granularity) replacing the recipe's
-    tiles: tuple | None = None
-
-    def recipe_obj(self) -> KernelRecipe:
-        r = RECIPES[self.recipe]
-        if self.tiles is not None:
-            fwd, bwd, gran = self.tiles
-            import dataclasses
-
-            r = dataclasses.replace(r, fwd=fwd, bwd=bwd, bwd_d64=None, ds_granularity=gran)
-        return r
-
-    def __str__(self) -> str:
-        t = "" if self.tiles is None else "-smalltiles"
-        return (f"{self.recipe}-{'causal' if self.causal else 'full'}-b{self.batch}h{self.heads}"
-                f"kv{self.kv_heads}n{self.n}d{self.head_dim}{t}")
 
 
 _SMALL_TILES = (FwdTiles(64, 32, 4, 1), BwdTiles(32, 64, 64, 32, 4, 1, 4, 1), "tile")
@@ -125,10 +97,6 @@ def _cases(which: str | None = None):
     return params
 
 
-def _check_backend(backend: str) -> None:
-    model.require_backend(backend)
-
-
 def _code_report(kc: torch.Tensor, mc: torch.Tensor, valid: torch.Tensor) -> str:
     """Where and how far kernel and model codes differ (for a failure message)."""
     from dmref.emulation import decode
@@ -160,7 +128,7 @@ def _valid(case: Case, device) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
 @pytest.mark.parametrize("n,head_dim", [(203, 64), (130, 128)])
 def test_quantize_kernel_codes_and_scales_equal_model(backend, fmt, n, head_dim):
-    _check_backend(backend)
+    model.require_backend(backend)
     from dmref.kernels.quantize import quantize
 
     device = "cuda" if backend == "gpu" else "cpu"
@@ -182,7 +150,7 @@ def test_quantize_kernel_codes_and_scales_equal_model(backend, fmt, n, head_dim)
 
 
 def _check_codes(backend, case, names):
-    _check_backend(backend)
+    model.require_backend(backend)
     r = run_case(backend, case)
     kern, mod = r["kernel"], r["model"]
     valid = _valid(case, kern["o"].device).expand_as(mod["p_fwd"])
@@ -218,7 +186,7 @@ def test_output_recomputed_from_dumped_p_codes_equals_kernel_output(backend, cas
     rounding of O and the wgmma truncation of P V. (On the H200 the first version's byte dump
     agreed with the model on 51% of the codes while O agreed with the model: this test tells a
     wrong dump from a wrong P.)"""
-    _check_backend(backend)
+    model.require_backend(backend)
     r = run_case(backend, case)
     kern = r["kernel"]
     q, k, v, _ = outlier_inputs(case, kern["o"].device)
@@ -264,7 +232,7 @@ def test_fp8_byte_dump_equals_value_dump(causal):
 
 @pytest.mark.parametrize("backend,case", _cases())
 def test_outputs_and_gradients_match_model_within_recipe_noise(backend, case):
-    _check_backend(backend)
+    model.require_backend(backend)
     r = run_case(backend, case)
     kern, mod, exact = r["kernel"], r["model"], r["exact"]
     for name in ("o", "dq", "dk", "dv"):
@@ -286,7 +254,7 @@ def test_outputs_and_gradients_match_model_within_recipe_noise(backend, case):
 
 @pytest.mark.parametrize("backend,case", _cases("delta_matching"))
 def test_matched_delta_ds_rowsums_within_delta_matching_bound(backend, case):
-    _check_backend(backend)
+    model.require_backend(backend)
     r = run_case(backend, case)
     kern, mod = r["kernel"], r["model"]
     bound = delta_matching_rowsum_bound(
@@ -299,7 +267,7 @@ def test_matched_delta_ds_rowsums_within_delta_matching_bound(backend, case):
 
 @pytest.mark.parametrize("backend,case", _cases("naive_fp8"))
 def test_stale_delta_ds_rowsums_visibly_outside_delta_matching_bound(backend, case):
-    _check_backend(backend)
+    model.require_backend(backend)
     r = run_case(backend, case)
     kern, mod = r["kernel"], r["model"]
     bound = delta_matching_rowsum_bound(
@@ -317,7 +285,7 @@ def test_stale_delta_ds_rowsums_visibly_outside_delta_matching_bound(backend, ca
 @pytest.mark.parametrize("backend", ["interpreter", pytest.param("gpu", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("recipe", ["delta_matching", "naive_fp8"])
 def test_autograd_function_gives_the_backward_kernels_gradients(backend, recipe):
-    _check_backend(backend)
+    model.require_backend(backend)
     from dmref.kernels import api, attention
 
     device = "cuda" if backend == "gpu" else "cpu"
@@ -373,7 +341,7 @@ def test_kernel_fp8_cast_equals_model_cast_at_every_rounding_boundary(backend):
     (The 14 of 1536 differences of the H200 run of 2026-11-29 were the model's: torch 2.11's own
     e4m3fn cast, which ``encode`` then used for saturate=True, maps overflow past 464 to NaN;
     ``encode`` now checks torch's cast before using it, tests/emulation/test_cast.py.)"""
-    _check_backend(backend)
+    model.require_backend(backend)
     import triton
     from kernel_probes import cast_to_e4m3
 

@@ -11,12 +11,9 @@ kernels run with their shipped tilings (dS blocks of 1x64, ``Granularity.TILE_1x
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
-
-from dmref.kernels.config import RECIPES
 
 from kernel_bounds import (
     CODE_AGREEMENT,
@@ -25,7 +22,7 @@ from kernel_bounds import (
     gamma,
     rel_err,
 )
-from kernel_model import outlier_inputs
+from kernel_model import Case, outlier_inputs, require_backend
 
 #: E4M3 has 3 mantissa bits: two neighbouring codes differ by at most 2**-3 relative.
 E4M3_ULP_REL = 2.0**-3
@@ -43,35 +40,16 @@ def code_flip_rel_bound(n_fp8_operands: int) -> float:
     return n_fp8_operands * E4M3_ULP_REL * math.sqrt(1 - CODE_AGREEMENT) + BF16_REL
 
 
-@dataclass(frozen=True)
-class RefCase:
-    batch: int
-    heads: int
-    kv_heads: int
-    n: int
-    head_dim: int
-    causal: bool
-    recipe: str
-
-    def recipe_obj(self):
-        """The shipped recipe, tilings included."""
-        return RECIPES[self.recipe]
-
-    def __str__(self):
-        return (f"{self.recipe}-{'causal' if self.causal else 'full'}-b{self.batch}h{self.heads}"
-                f"kv{self.kv_heads}n{self.n}d{self.head_dim}")
-
-
 CASES = {
     "interpreter": [
-        RefCase(1, 2, 1, 203, 64, True, "naive_fp8"),
-        RefCase(1, 2, 2, 150, 64, False, "delta_matching"),
+        Case(1, 2, 1, 203, 64, True, "naive_fp8"),
+        Case(1, 2, 2, 150, 64, False, "delta_matching"),
     ],
     "gpu": [
-        RefCase(2, 4, 2, 1000, 128, False, "naive_fp8"),
-        RefCase(2, 4, 2, 1000, 128, True, "delta_matching"),
-        RefCase(1, 4, 4, 777, 64, True, "naive_fp8"),
-        RefCase(1, 4, 1, 777, 64, False, "delta_matching"),
+        Case(2, 4, 2, 1000, 128, False, "naive_fp8"),
+        Case(2, 4, 2, 1000, 128, True, "delta_matching"),
+        Case(1, 4, 4, 777, 64, True, "naive_fp8"),
+        Case(1, 4, 1, 777, 64, False, "delta_matching"),
     ],
 }
 
@@ -88,19 +66,13 @@ def _params():
 _RUNS: dict = {}
 
 
-def _run(backend: str, case: RefCase) -> dict:
+def _run(backend: str, case: Case) -> dict:
     if (backend, case) in _RUNS:
         return _RUNS[(backend, case)]
-    import os
-
-    if backend == "interpreter":
-        pytest.importorskip("triton")
-        if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-            pytest.skip("this process compiles for the GPU; the interpreter variant runs on the CPU")
+    device = require_backend(backend)
     from dmref import tiled
     from dmref.kernels import api
 
-    device = "cuda" if backend == "gpu" else "cpu"
     q, k, v, do = outlier_inputs(case, device)
     kr = case.recipe_obj()
     rr = kr.reference_recipe(case.head_dim, "hopper" if backend == "gpu" else "fp32")

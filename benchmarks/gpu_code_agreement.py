@@ -1,0 +1,85 @@
+"""Exact P and dS code agreement of the kernels with their model, on the GPU test cases.
+
+    python benchmarks/gpu_code_agreement.py --out DIR [--no-fp-fusion]
+
+For every GPU case of tests/kernels/test_kernels_vs_model.py: the fraction of FP8 codes (forward
+P, dkdv P, dS) equal to the model's (``kernel_model``), the number of mismatches, how many of them
+are one code step apart (a value on the other side of a rounding boundary), and timings of the
+forward and the matched backward at 4x16x4096x128. ``--no-fp-fusion`` sets
+TRITON_DEFAULT_FP_FUSION=0 before triton is imported: the compilers then keep every float32
+multiply and add separately rounded, as the model computes them (no fused multiply-add).
+Writes DIR/code_agreement[_nofusion].json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--no-fp-fusion", action="store_true")
+    args = ap.parse_args()
+    if args.no_fp_fusion:
+        os.environ["TRITON_DEFAULT_FP_FUSION"] = "0"
+    sys.path.insert(0, os.path.join(HERE, "..", "tests", "kernels"))
+    import torch
+    import triton
+
+    import test_kernels_vs_model as tm
+    from dmref.emulation import decode
+
+    rows = []
+    for case in tm.CASES["gpu"]:
+        r = tm.run_case("gpu", case)
+        kern, mod = r["kernel"], r["model"]
+        valid = tm._valid(case, kern["o"].device).expand_as(mod["p_fwd"])
+        row = {"case": str(case)}
+        for name in ("p_fwd", "p_codes", "ds_codes"):
+            kc, mc = kern[name].view(torch.uint8), mod[name]
+            diff = (kc != mc) & valid
+            # adjacent codes: the same sign and magnitude codes one apart (0x7F masks the sign)
+            step = ((kc.int() & 0x7F) - (mc.int() & 0x7F)).abs()
+            same_sign = (kc & 0x80) == (mc & 0x80)
+            kv, mv = decode(kc, "e4m3").double(), decode(mc, "e4m3").double()
+            row[name] = {
+                "agreement": (~diff)[valid].double().mean().item(),
+                "mismatches": int(diff.sum()), "elements": int(valid.sum()),
+                "one_step_apart": int((diff & same_sign & (step == 1)).sum()),
+                "kernel_larger": int((diff & (kv > mv)).sum()),
+            }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        tm._RUNS.clear()
+
+    from dmref.kernels.api import attention_forward, attention_backward, Shape
+    torch.manual_seed(0)
+    b, h, n, d = 4, 16, 4096, 128
+    q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    scale = 1 / math.sqrt(d)
+    o, _, saved, _ = attention_forward(q, k, v, scale=scale)
+    t_fwd = triton.testing.do_bench(lambda: attention_forward(q, k, v, scale=scale, for_backward=False))
+    t_bwd = triton.testing.do_bench(lambda: attention_backward(saved, o, do, shape=Shape.of(q, k, v),
+                                                               causal=False, scale=scale))
+    result = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "triton": triton.__version__,
+              "fp_fusion": not args.no_fp_fusion, "cases": rows,
+              "ms_4x16x4096x128": {"forward_e2e": t_fwd, "backward_matched": t_bwd}}
+    os.makedirs(args.out, exist_ok=True)
+    name = "code_agreement_nofusion.json" if args.no_fp_fusion else "code_agreement.json"
+    with open(os.path.join(args.out, name), "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result["ms_4x16x4096x128"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -33,19 +33,21 @@ import torch.nn.functional as F
 SHAPES = [(4, 16, 4096, 128), (1, 16, 16384, 128), (4, 32, 4096, 64)]
 
 # Candidate tilings, tried on the first shape of each head dim (the winner is used for the rest).
-FWD_CANDIDATES = [  # block_m, block_n, num_warps, num_stages[, tma] (block_n = 128: the reference's tile)
-    (64, 128, 4, 3, True), (64, 128, 4, 3, False),
+FWD_CANDIDATES = [  # block_m, block_n, num_warps, num_stages[, tma[, maxnreg]] (block_n = 128: the reference's tile)
+    (64, 128, 4, 3, True), (64, 128, 4, 3, True, 168),  # the defaults at D = 128 and D = 64
 ]
-# per head dim; dkdv: block_m1, block_n1, warps, stages; dq: block_m2, block_n2, warps, stages[, tma[, split_head]]
+# per head dim; dkdv: block_m1, block_n1, warps, stages; dq: block_m2, block_n2, warps, stages
+# [, tma[, split_head[, maxnreg_dq[, maxnreg_dkdv]]]]
 BWD_CANDIDATES = {
     128: [
         (64, 128, 8, 2, 128, 64, 8, 2, True, False),  # the default: dS blocks 1x64, TMA, whole accumulators
         (64, 128, 8, 2, 128, 64, 8, 3, True, False),  # dq: 3 stages
     ],
     64: [
-        (64, 64, 4, 2, 64, 64, 4, 2, False, False),  # the default: pointer loads, whole accumulators
-        (64, 64, 4, 2, 128, 64, 8, 2, False, False),  # dq: 128 queries on 8 warps
-        (64, 64, 4, 2, 64, 64, 4, 3, False, False),  # dq: 3 stages
+        # the default: pointer loads, whole accumulators, dq capped at 168 registers (3 CTAs per SM)
+        (64, 64, 4, 2, 64, 64, 4, 2, False, False, 168, None),
+        (64, 64, 4, 2, 64, 64, 4, 2, False, False),  # no register caps
+        (64, 64, 4, 2, 64, 64, 4, 2, False, False, 168, 168),  # dkdv capped too
     ],
 }
 
@@ -59,9 +61,10 @@ def _tiles(fwd_c, bwd_c):
         bwd_c = BWD_CANDIDATES[128][0]
     fwd = FwdTiles(*fwd_c)
     bm1, bn1, w1, s1, bm2, bn2, w2, s2, *flags = bwd_c
-    tma, split_head = (list(flags) + [False, True][len(flags):])[:2]
+    tma, split_head, cap_dq, cap_dkdv = (list(flags) + [False, True, None, None][len(flags):])[:4]
     bwd = BwdTiles(block_m1=bm1, block_n1=bn1, block_m2=bm2, block_n2=bn2, num_warps_dkdv=w1, num_stages_dkdv=s1,
-                   num_warps_dq=w2, num_stages_dq=s2, tma=bool(tma), split_head=bool(split_head))
+                   num_warps_dq=w2, num_stages_dq=s2, tma=bool(tma), split_head=bool(split_head),
+                   maxnreg_dq=cap_dq, maxnreg_dkdv=cap_dkdv)
     return fwd, bwd
 
 
@@ -78,7 +81,7 @@ def _recipe(name, fwd_c, bwd_c):
 def _describe_tiles(recipe, head_dim):
     import dataclasses as dc
 
-    return dict(fwd=dc.asdict(recipe.fwd), bwd=dc.asdict(recipe.bwd_tiles(head_dim)))
+    return dict(fwd=dc.asdict(recipe.fwd_tiles(head_dim)), bwd=dc.asdict(recipe.bwd_tiles(head_dim)))
 
 
 def _flops(b, h, n, d, causal):

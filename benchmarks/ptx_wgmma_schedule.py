@@ -51,10 +51,10 @@ def main() -> int:
     from dmref.kernels.config import get_recipe
 
     r = get_recipe(args.recipe)
-    for name, kernel, consts, warps, stages in cc.recipe_variants(r, args.head_dim, False):
+    for name, kernel, consts, warps, stages, maxnreg in cc.recipe_variants(r, args.head_dim, False):
         if name == "quantize":
             continue
-        ck = cc.compile_sm90(kernel, consts, num_warps=warps, num_stages=stages, do_format=r.do_format,
+        ck = cc.compile_sm90(kernel, consts, num_warps=warps, num_stages=stages, maxnreg=maxnreg, do_format=r.do_format,
                              descriptors=cc._descriptor_blocks(name, consts, args.head_dim))
         print(f"{name:5s} {schedule(ck)}")
     return 0

@@ -71,3 +71,9 @@ def patch_interpreter_scalar_index() -> None:
 
     interpreter._patch_lang_tensor = patched
     interpreter._dmref_index_patched = True
+
+
+def register_cap(maxnreg: int | None) -> dict:
+    """Launch options for a tiling's register cap (Triton's ``maxnreg``); none under the
+    interpreter, which does not compile."""
+    return {} if maxnreg is None or interpreting() else {"maxnreg": maxnreg}

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from ._common import dump_fp8, quantize_rows, quantize_tile, to_bf16, to_fp8
-from ._runtime import interpreting
+from ._runtime import interpreting, register_cap
 from .config import KBAR_P_SCALE_LOG2, QUANT_BLOCK, KernelRecipe
 
 #: P's scale at the kbar quantization point (see config.KBAR_P_SCALE_LOG2).
@@ -445,7 +445,7 @@ def backward(
             dq, dbg.get("dq_ds_rowsum", dummy32),
             qk_scale, scale, heads, heads // kv_heads, n, npad,
             BLOCK_M=t.block_m2, BLOCK_N=t.block_n2, MATCHED=matched,
-            num_warps=t.num_warps_dq, num_stages=t.num_stages_dq, **common)
+            num_warps=t.num_warps_dq, num_stages=t.num_stages_dq, **register_cap(t.maxnreg_dq), **common)
 
     def run_dkdv():
         _bwd_dkdv_kernel[(triton.cdiv(n, t.block_n1), batch * kv_heads)](
@@ -456,7 +456,7 @@ def backward(
             dbg.get("ds_codes", dummy8), dbg.get("ds_scale", dummy32),
             qk_scale, scale, heads, kv_heads, n, npad,
             BLOCK_M=t.block_m1, BLOCK_N=t.block_n1, GROUP=heads // kv_heads,
-            num_warps=t.num_warps_dkdv, num_stages=t.num_stages_dkdv, **common)
+            num_warps=t.num_warps_dkdv, num_stages=t.num_stages_dkdv, **register_cap(t.maxnreg_dkdv), **common)
 
     order = (run_dq, run_dkdv) if matched else (run_dkdv, run_dq)  # matched: dq makes D first
     for run in order:

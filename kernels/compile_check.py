@@ -45,7 +45,8 @@ def _pointer_type(name: str, do_format: str) -> str:
 
 
 def compile_sm90(kernel, constexprs: dict, *, num_warps: int, num_stages: int,
-                 do_format: str = "float8_e4m3fn", descriptors: dict | None = None):
+                 do_format: str = "float8_e4m3fn", descriptors: dict | None = None,
+                 maxnreg: int | None = None):
     """``triton.compile`` one variant of a jitted kernel for sm_90 (no GPU needed).
     ``descriptors``: argument name -> block shape of the arguments passed as TMA tensor
     descriptors (FP8, of the format the pointer would have)."""
@@ -73,8 +74,10 @@ def compile_sm90(kernel, constexprs: dict, *, num_warps: int, num_stages: int,
             if name in ("N", "NPAD") or name.startswith("stride"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn, sig, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def resource_usage(compiled) -> tuple[int, int, int]:
@@ -94,25 +97,26 @@ def resource_usage(compiled) -> tuple[int, int, int]:
 
 
 def recipe_variants(recipe: KernelRecipe, head_dim: int, causal: bool, group: int = 1):
-    """(name, kernel, constexprs, num_warps, num_stages) of every kernel a training step runs."""
+    """(name, kernel, constexprs, num_warps, num_stages, maxnreg) of every kernel a training step
+    runs."""
     from . import bwd, fwd, quantize
 
-    f, b = recipe.fwd, recipe.bwd_tiles(head_dim)
+    f, b = recipe.fwd_tiles(head_dim), recipe.bwd_tiles(head_dim)
     common = dict(HEAD_DIM=head_dim, QB=QUANT_BLOCK, CAUSAL=causal,
                   P_SCALE=float(2 ** recipe.p_scale_log2), DEBUG=False, INTERPRET=False)
     ds = dict(DS_ROWWISE=recipe.ds_granularity == "rowwise")
     yield ("quantize", quantize._quantize_kernel,
            dict(HEAD_DIM=head_dim, BLOCK_T=QUANT_BLOCK, EMIT_ROWS=True, EMIT_COLS=True,
-                WITH_DELTA=True, IS_E5M2=False, INTERPRET=False), 8, 3)
+                WITH_DELTA=True, IS_E5M2=False, INTERPRET=False), 8, 3, None)
     yield ("fwd", fwd._fwd_kernel, dict(common, BLOCK_M=f.block_m, BLOCK_N=f.block_n, TMA=f.tma),
-           f.num_warps, f.num_stages)
+           f.num_warps, f.num_stages, f.maxnreg)
     bt = dict(TMA=b.tma, SPLIT=b.split_head)
     yield ("dq", bwd._bwd_dq_kernel,
            dict(common, **ds, **bt, BLOCK_M=b.block_m2, BLOCK_N=b.block_n2, MATCHED=recipe.delta == "matched"),
-           b.num_warps_dq, b.num_stages_dq)
+           b.num_warps_dq, b.num_stages_dq, b.maxnreg_dq)
     yield ("dkdv", bwd._bwd_dkdv_kernel,
            dict(common, **ds, **bt, BLOCK_M=b.block_m1, BLOCK_N=b.block_n1, GROUP=group),
-           b.num_warps_dkdv, b.num_stages_dkdv)
+           b.num_warps_dkdv, b.num_stages_dkdv, b.maxnreg_dkdv)
 
 
 def _descriptor_blocks(name: str, consts: dict, head_dim: int) -> dict | None:
@@ -138,14 +142,15 @@ def check(recipe: str | KernelRecipe = "delta_matching", head_dims=(64, 128), ca
     out = []
     for d in head_dims:
         for c in causal:
-            for name, kernel, consts, warps, stages in recipe_variants(r, d, c):
+            for name, kernel, consts, warps, stages, maxnreg in recipe_variants(r, d, c):
                 if only is not None and name not in only:
                     continue
-                ck = compile_sm90(kernel, consts, num_warps=warps, num_stages=stages,
+                ck = compile_sm90(kernel, consts, num_warps=warps, num_stages=stages, maxnreg=maxnreg,
                                   do_format=r.do_format, descriptors=_descriptor_blocks(name, consts, d))
                 regs, spills, shared = resource_usage(ck)
+                cap = "" if maxnreg is None else f" maxnreg={maxnreg}"
                 out.append(Usage(name, regs, spills, shared,
-                                 f"{r.name} d={d} causal={c} warps={warps} stages={stages}"))
+                                 f"{r.name} d={d} causal={c} warps={warps} stages={stages}{cap}"))
     return out
 
 

@@ -55,6 +55,9 @@ class FwdTiles:
     #: load K and V tiles through TMA tensor descriptors instead of per-element pointers (the
     #: H200 tiling run of 2026-11-29 measured +0.1% to +5% on all six benchmark shapes)
     tma: bool = True
+    #: register cap per thread (Triton's ``maxnreg`` launch option; None: the compiler's choice).
+    #: A lower cap lets more CTAs share an SM (ptxas spills what does not fit)
+    maxnreg: int | None = None
 
     def __post_init__(self) -> None:
         _check_tile("block_m", self.block_m)
@@ -91,6 +94,10 @@ class BwdTiles:
     #: keep dQ, kbar, dK and dV as two halves of the head dim (a half-size promotion temporary);
     #: whole accumulators were faster on the H200 at both head dims (bench_attention_v7)
     split_head: bool = False
+    #: register caps per thread of the two kernels (Triton's ``maxnreg``; None: the compiler's
+    #: choice); a lower cap lets more CTAs share an SM
+    maxnreg_dq: int | None = None
+    maxnreg_dkdv: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_m1", "block_n1", "block_m2", "block_n2"):
@@ -139,11 +146,19 @@ class KernelRecipe:
     p_format: str = "float8_e4m3fn"
     p_scale_log2: int = P_SCALE_LOG2
     fwd: FwdTiles = field(default_factory=FwdTiles)
+    #: forward tiling at head dim 64 (None: ``fwd``); same key tile (the recipe's running-max
+    #: granularity), with a register cap of 168 so that three CTAs share an SM (H200, 2026-11-29:
+    #: +5-7% at D = 64 in ..._bench_fwd_tiles_maxnreg.json, +5% in the v9 sweep; at D = 128
+    #: the cap spills and loses)
+    fwd_d64: FwdTiles | None = field(default_factory=lambda: FwdTiles(maxnreg=168))
     bwd: BwdTiles = field(default_factory=BwdTiles)
     #: backward tiling at head dim 64 (None: ``bwd``); the H200 sweeps of 2026-11-29 picked
     #: 64 x 64 tiles on 4 warps there, pointer loads, whole accumulators, and the defaults above
-    #: at head dim 128
-    bwd_d64: BwdTiles | None = field(default_factory=lambda: BwdTiles(64, 64, 64, 64, 4, 2, 4, 2, tma=False))
+    #: at head dim 128; the matched dq capped at 168 registers (3 CTAs per SM instead of 2) runs
+    #: 5% faster (..._bench_attention_v9_register_caps.json; the stale dq needs 158 anyway, and
+    #: capping dkdv too was slower)
+    bwd_d64: BwdTiles | None = field(
+        default_factory=lambda: BwdTiles(64, 64, 64, 64, 4, 2, 4, 2, tma=False, maxnreg_dq=168))
 
     def __post_init__(self) -> None:
         for name in ("qkv_format", "ds_format", "p_format"):
@@ -155,11 +170,19 @@ class KernelRecipe:
             raise ValueError(f"delta={self.delta!r} must be 'stale' or 'matched'")
         if self.ds_granularity not in ("rowwise", "tile"):
             raise ValueError(f"ds_granularity={self.ds_granularity!r} must be 'rowwise' or 'tile'")
+        if self.fwd_d64 is not None and self.fwd_d64.block_n != self.fwd.block_n:
+            raise ValueError(f"fwd_d64.block_n={self.fwd_d64.block_n} != fwd.block_n={self.fwd.block_n}: "
+                             "the forward's key tile is the recipe's running-max granularity")
 
     def with_tiles(self, fwd: FwdTiles | None = None, bwd: BwdTiles | None = None) -> "KernelRecipe":
-        """The same recipe with these tilings (a given ``bwd`` applies to every head dim)."""
+        """The same recipe with these tilings (a given tiling applies to every head dim)."""
         return dataclasses.replace(self, fwd=fwd or self.fwd, bwd=bwd or self.bwd,
+                                   fwd_d64=None if fwd is not None else self.fwd_d64,
                                    bwd_d64=None if bwd is not None else self.bwd_d64)
+
+    def fwd_tiles(self, head_dim: int) -> FwdTiles:
+        """The forward tiling used at ``head_dim``."""
+        return self.fwd_d64 if (head_dim == 64 and self.fwd_d64 is not None) else self.fwd
 
     def bwd_tiles(self, head_dim: int) -> BwdTiles:
         """The backward tiling used at ``head_dim``."""

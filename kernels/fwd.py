@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ._common import dump_fp8, to_bf16, to_fp8
-from ._runtime import interpreting
+from ._runtime import interpreting, register_cap
 from .config import QUANT_BLOCK, FwdTiles, KernelRecipe
 
 LOG2E = 1.4426950408889634
@@ -160,7 +160,7 @@ def forward(
     (``LSE = LSE2 * ln 2``), and with ``debug`` the E4M3 codes of every quantized P as
     ``(B*H, N, N)`` uint8 (0 where masked).
     """
-    tiles: FwdTiles = recipe.fwd
+    tiles: FwdTiles = recipe.fwd_tiles(head_dim)
     dev = q8.rows.device
     o = torch.empty((batch, heads, n, head_dim), device=dev, dtype=torch.bfloat16)
     lse2 = torch.empty((batch * heads, n), device=dev, dtype=torch.float32)
@@ -183,6 +183,7 @@ def forward(
         HEAD_DIM=head_dim, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, QB=QUANT_BLOCK,
         CAUSAL=causal, P_SCALE=float(2 ** recipe.p_scale_log2), TMA=tiles.tma, DEBUG=debug,
         INTERPRET=interpreting(), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **register_cap(tiles.maxnreg),
     )
     return o, lse2, (fp8_codes(p_dump) if debug else None)
 

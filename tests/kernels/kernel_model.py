@@ -349,7 +349,7 @@ class Case(ProblemShape):
             import dataclasses
 
             fwd, bwd, gran = self.tiles
-            r = dataclasses.replace(r, fwd=fwd, bwd=bwd, bwd_d64=None, ds_granularity=gran)
+            r = dataclasses.replace(r, fwd=fwd, fwd_d64=None, bwd=bwd, bwd_d64=None, ds_granularity=gran)
         return r
 
     def __str__(self) -> str:

@@ -1,7 +1,8 @@
-"""The load and layout variants of the kernels (``FwdTiles.tma``, ``BwdTiles.tma``,
-``BwdTiles.split_head``) load the same tiles (through TMA tensor descriptors instead of
-per-element pointers) and form the same products (in halves of the head dim or whole): their
-outputs and gradients equal the pointer variants' bit for bit (tails, GQA, causal)."""
+"""The load, layout and register variants of the kernels (``FwdTiles.tma``, ``BwdTiles.tma``,
+``BwdTiles.split_head``, the ``maxnreg`` caps) load the same tiles (through TMA tensor descriptors
+instead of per-element pointers) and form the same products (in halves of the head dim or whole,
+in however many registers): their outputs and gradients equal the pointer variants' bit for bit
+(tails, GQA, causal)."""
 
 from __future__ import annotations
 
@@ -37,8 +38,13 @@ def test_load_and_layout_variants_equal_the_pointer_variant_bit_for_bit(backend,
     q, k, v, do = outlier_inputs(case, device, seed=5)
     base = RECIPES[recipe]
     runs = []
-    for tma, halves in ((False, True), (True, True), (False, False), (True, False)):
-        r = _variant(base, case.head_dim, tma=tma, split_head=halves)
+    hd = case.head_dim
+    # the recipe's defaults (at D = 64 a capped forward), and every kernel capped at 168 registers
+    capped = base.with_tiles(fwd=dataclasses.replace(base.fwd_tiles(hd), maxnreg=168),
+                             bwd=dataclasses.replace(base.bwd_tiles(hd), maxnreg_dq=168, maxnreg_dkdv=168))
+    variants = [_variant(base, hd, tma=tma, split_head=halves)
+                for tma, halves in ((False, True), (True, True), (False, False), (True, False))]
+    for r in variants + [base, capped]:
         o, lse, saved, _ = api.attention_forward(q, k, v, causal=causal, recipe=r)
         grads = api.attention_backward(saved, o, do, shape=api.Shape.of(q, k, v), causal=causal,
                                        scale=case.head_dim**-0.5, recipe=r)[:3]

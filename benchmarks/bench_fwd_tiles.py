@@ -4,8 +4,9 @@
 
 For every shape of bench_attention.SHAPES and causal or not: cuDNN's forward and our forward
 kernel (pre-quantized operands) under each tiling of ``CANDIDATES``; ``do_bench`` medians;
-writes DIR/bench_fwd_tiles.json. Used to choose ``FwdTiles`` (block_n = 64 changes the recipe:
-P is quantized against the running max of 64-key tiles).
+writes DIR/bench_fwd_tiles.json. Used to choose ``FwdTiles``: stages, TMA loads and register
+caps (results: ``..._bench_fwd_tiles.json`` for the second session's candidates, among them
+64-key tiles, which change the recipe; ``..._bench_fwd_tiles_maxnreg.json`` for these).
 """
 
 from __future__ import annotations

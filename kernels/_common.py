@@ -65,6 +65,18 @@ def to_fp8(x, IS_E5M2: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def mul_rn(a, b, INTERPRET: tl.constexpr):
+    """float32 ``a * b`` rounded on its own: neither LLVM nor ptxas may fuse it into a following
+    add. The recipe rounds S2 = S * scale before m or LSE is subtracted; fused, exp2 would see
+    the unrounded product, and where |S2| > 2**24 a float32 ulp of S2 exceeds 1, so P at a row's
+    maximum would be exp2(rounding error) instead of 1 (tests/kernels, large logits)."""
+    if INTERPRET:
+        return a * b  # numpy rounds every operation
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
 def pow2_floor_exponent(amax, IS_E5M2: tl.constexpr):
     """k = floor(log2(fmax / amax)) exactly, from the bits of amax >= 0; 0 where amax == 0.
 

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dump_fp8, quantize_rows, quantize_tile, to_bf16, to_fp8
+from ._common import dump_fp8, mul_rn, quantize_rows, quantize_tile, to_bf16, to_fp8
 from ._runtime import interpreting, register_cap
 from .config import KBAR_P_SCALE_LOG2, QUANT_BLOCK, KernelRecipe
 
@@ -131,13 +131,14 @@ def _bwd_dq_kernel(
         k_scale = tl.load(K_SCALE + offs_n, mask=k_in, other=0.0)
         v_scale = tl.load(V_SCALE + offs_n, mask=k_in, other=0.0)
         # recompute: in the forward this was S2 = dot(Q8, K8^T) * scales; now P against LSE
-        s = tl.dot(q, k) * (q_scale[:, None] * k_scale[None, :])
+        s = mul_rn(tl.dot(q, k), q_scale[:, None] * k_scale[None, :], INTERPRET)
         # rows past N are masked too: they must not move a dS tile scale
         valid = in_seq[:, None] & k_in[None, :]
         if CAUSAL:
             valid = valid & (offs_m[:, None] >= offs_n[None, :])
         p = tl.where(valid, tl.math.exp2(s - lse2[:, None]), 0.0)
-        dp = tl.dot(do, v) * (do_scale[:, None] * v_scale[None, :])
+        # S2 and dP rounded on their own (mul_rn), as the recipe and the model round them
+        dp = mul_rn(tl.dot(do, v), do_scale[:, None] * v_scale[None, :], INTERPRET)
         if MATCHED:
             # delta step (matched): sum_j P dP from the very float32 P and dP that dS uses
             pdp += tl.sum(p * dp, axis=1)
@@ -249,14 +250,14 @@ def _dkdv_head(
         lse2 = tl.load(LSE2 + head + offs_m, mask=q_in, other=0.0)
         # recompute, transposed: in the forward this was S2 = dot(Q8, K8^T) * scales, so now
         # S2^T = dot(K8, Q8^T) * scales and P^T against LSE
-        s_t = tl.dot(k, q_t) * (k_scale[:, None] * q_scale[None, :])
+        s_t = mul_rn(tl.dot(k, q_t), k_scale[:, None] * q_scale[None, :], INTERPRET)
         valid = q_in[None, :] & in_seq[:, None]
         if CAUSAL:
             valid = valid & (offs_m[None, :] >= offs_n[:, None])
         p_t = tl.where(valid, tl.math.exp2(s_t - lse2[None, :]), 0.0)
         do_scale = tl.load(DO_SCALE + head + offs_m, mask=q_in, other=0.0)
         delta = tl.load(DELTA + head + offs_m, mask=q_in, other=0.0)
-        dp_t = tl.dot(v, do_t) * (v_scale[:, None] * do_scale[None, :])
+        dp_t = mul_rn(tl.dot(v, do_t), v_scale[:, None] * do_scale[None, :], INTERPRET)
         # Q-point P (dV): float32 -> E4M3, scale 2**8 against LSE
         p8_t = to_fp8(p_t * P_SCALE, False, INTERPRET)
         # dS = P (dP - D), with D stale or matched as the caller chose

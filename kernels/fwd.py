@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dump_fp8, to_bf16, to_fp8
+from ._common import dump_fp8, mul_rn, to_bf16, to_fp8
 from ._runtime import interpreting, register_cap
 from .config import QUANT_BLOCK, FwdTiles, KernelRecipe
 
@@ -55,7 +55,8 @@ def _fwd_inner(
             k_scale = tl.load(K_SCALE + offs_n, mask=offs_n < N, other=0.0)
         else:
             k_scale = tl.load(K_SCALE + offs_n)
-        s = tl.dot(q, k) * (q_scale[:, None] * k_scale[None, :])
+        # S2 rounded before m is subtracted (mul_rn): no fused multiply-add into exp2's argument
+        s = mul_rn(tl.dot(q, k), q_scale[:, None] * k_scale[None, :], INTERPRET)
         if MASK:
             valid = offs_n[None, :] < N
             if CAUSAL:

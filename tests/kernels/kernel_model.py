@@ -309,13 +309,18 @@ def hopper_dot(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, 
 
 def outlier_inputs(case, device: str, seed: int = 0):
     """BF16 q, k, v, dO for a test case (batch, heads, kv_heads, n, head_dim): normal values with
-    every 16th channel of q and k three times larger (outlier channels)."""
+    every 16th channel of q and k three times larger (outlier channels); with a case's
+    ``logit_log2``, q and k scaled so that the logits reach about 2**logit_log2."""
     g = torch.Generator().manual_seed(seed)
     b, h, hkv, n, d = case.batch, case.heads, case.kv_heads, case.n, case.head_dim
     outlier = torch.ones(d)
     outlier[::16] = 3.0  # every 16th channel 3x larger, as outlier channels in real activations
     q = torch.randn(b, h, n, d, generator=g) * outlier
     k = torch.randn(b, hkv, n, d, generator=g) * outlier
+    big = getattr(case, "logit_log2", None)
+    if big:
+        # logits of magnitude about 2**big: q and k each scaled by 2**(big / 2)
+        q, k = q * 2.0 ** (big / 2), k * 2.0 ** (big / 2)
     v = torch.randn(b, hkv, n, d, generator=g)
     do = torch.randn(b, h, n, d, generator=g)
     return [t.to(torch.bfloat16).to(device) for t in (q, k, v, do)]
@@ -340,6 +345,8 @@ class Case(ProblemShape):
     causal: bool = False
     recipe: str = "delta_matching"
     tiles: tuple | None = None
+    #: q and k scaled so that the logits reach about 2**logit_log2 (None: unscaled)
+    logit_log2: int | None = None
 
     def recipe_obj(self) -> KernelRecipe:
         from dmref.kernels.config import RECIPES
@@ -354,6 +361,7 @@ class Case(ProblemShape):
 
     def __str__(self) -> str:
         t = "" if self.tiles is None else "-smalltiles"
+        t += "" if self.logit_log2 is None else f"-logits2^{self.logit_log2}"
         return (f"{self.recipe}-{'causal' if self.causal else 'full'}-b{self.batch}h{self.heads}"
                 f"kv{self.kv_heads}n{self.n}d{self.head_dim}{t}")
 

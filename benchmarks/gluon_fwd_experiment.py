@@ -5,8 +5,9 @@
 
 Not part of the package: it asks whether FA3's intra-warpgroup overlap, which Triton 3.6 does
 not generate on Hopper (every ``tl.dot`` is followed by ``wgmma.wait_group 0``, docs/kernels.md),
-would reach the forward's speed goal. Same recipe and operands as ``fwd._fwd_kernel``; per
-128-key tile j the schedule is
+would reach the forward's speed goal. Same recipe and operands as ``fwd._fwd_kernel`` (as it
+was before ``_common.mul_rn``: S2 is not forced to round on its own here); per 128-key tile j the
+schedule is
 
     issue S_{j+1} = Q8 K8_{j+1}^T, then PV_j = P8_j V8_j       (async, fresh accumulators)
     wait until only PV_j is in flight                          (S_{j+1} is ready)

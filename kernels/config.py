@@ -148,8 +148,8 @@ class KernelRecipe:
     fwd: FwdTiles = field(default_factory=FwdTiles)
     #: forward tiling at head dim 64 (None: ``fwd``); same key tile (the recipe's running-max
     #: granularity), with a register cap of 168 so that three CTAs share an SM (H200, 2026-11-29:
-    #: +5-7% at D = 64 in ..._bench_fwd_tiles_maxnreg.json, +5% in the v9 sweep; at D = 128
-    #: the cap spills and loses)
+    #: +5-7% at D = 64 in ..._bench_fwd_tiles_maxnreg.json, +5% in the v9 sweep, +3% after
+    #: mul_rn in ..._sweep_d64_mul_rn.json; at D = 128 the cap spills and loses)
     fwd_d64: FwdTiles | None = field(default_factory=lambda: FwdTiles(maxnreg=168))
     bwd: BwdTiles = field(default_factory=BwdTiles)
     #: backward tiling at head dim 64 (None: ``bwd``); the H200 sweeps of 2026-11-29 picked

@@ -96,6 +96,21 @@ def _bench(fn, grad_to_none=None):
                                    return_mode="median")
 
 
+def forward_baseline(b, h, n, d, causal):
+    """Seeded BF16 q, k, v (B, H, N, D): cuDNN BF16 SDPA's forward time on them (ms), and our
+    quantized operands (``api.SavedForward``) for timing forward kernels alone."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from dmref.kernels.api import attention_forward
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        t_cudnn = _bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+    _, _, saved, _ = attention_forward(q, k, v, causal=causal, recipe="delta_matching")
+    return t_cudnn, saved
+
+
 # ---------------------------------------------------------------------------------------------
 # compile ahead in parallel: one tiny problem per (head dim, causal, tiling, recipe)
 # ---------------------------------------------------------------------------------------------

@@ -19,10 +19,9 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_attention import SHAPES, _bench, _flops  # noqa: E402
+from bench_attention import SHAPES, _bench, _flops, forward_baseline  # noqa: E402
 
 CANDIDATES = [  # FwdTiles(block_m, block_n, num_warps, num_stages, tma, maxnreg)
     (64, 128, 4, 3, True), (64, 128, 4, 2, True),
@@ -35,21 +34,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     from dmref.kernels import fwd as fwd_mod
-    from dmref.kernels.api import attention_forward
     from dmref.kernels.config import RECIPES, FwdTiles
 
     rows = []
     for b, h, n, d in SHAPES:
         for causal in (False, True):
-            torch.manual_seed(0)
-            q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            t_cudnn, saved = forward_baseline(b, h, n, d, causal)
             scale = 1 / math.sqrt(d)
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                t_cudnn = _bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
-            _, _, saved, _ = attention_forward(q, k, v, causal=causal, recipe="delta_matching")
             row = {"shape": [b, h, n, d], "causal": causal, "cudnn_ms": t_cudnn, "ours_ms": {}, "speedup": {}}
             for c in CANDIDATES:
                 r = RECIPES["delta_matching"].with_tiles(fwd=FwdTiles(*c))

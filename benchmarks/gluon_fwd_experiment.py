@@ -45,10 +45,9 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_attention import SHAPES, _bench, _flops  # noqa: E402
+from bench_attention import SHAPES, _bench, _flops, forward_baseline  # noqa: E402
 
 import triton  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
@@ -345,21 +344,14 @@ def check_identity(variants):
 
 
 def bench(variants, shapes):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     from dmref.kernels import fwd
-    from dmref.kernels.api import attention_forward
     from dmref.kernels.config import RECIPES, FwdTiles
 
     rows = []
     for b, h, n, d in shapes:
         for causal in (False, True):
-            torch.manual_seed(0)
-            q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            t_cudnn, saved = forward_baseline(b, h, n, d, causal)
             scale = 1 / math.sqrt(d)
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                t_cudnn = _bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
-            _, _, saved, _ = attention_forward(q, k, v, causal=causal, recipe="delta_matching")
             dims = dict(batch=b, heads=h, kv_heads=h, n=n, head_dim=d, causal=causal, scale=scale)
             r = RECIPES["delta_matching"]
             t_triton = _bench(lambda: fwd.forward(saved.q, saved.k, saved.v, recipe=r, **dims))

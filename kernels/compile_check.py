@@ -17,6 +17,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 
+from ._runtime import register_cap
 from .config import QUANT_BLOCK, BwdTiles, KernelRecipe, get_recipe
 
 _INT_ARGS = ("H", "HKV", "GROUP", "N", "NPAD")
@@ -74,10 +75,8 @@ def compile_sm90(kernel, constexprs: dict, *, num_warps: int, num_stages: int,
             if name in ("N", "NPAD") or name.startswith("stride"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn, sig, constexprs, attrs)
-    options = dict(num_warps=num_warps, num_stages=num_stages)
-    if maxnreg is not None:
-        options["maxnreg"] = maxnreg
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages, **register_cap(maxnreg)))
 
 
 def resource_usage(compiled) -> tuple[int, int, int]:

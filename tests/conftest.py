@@ -2,14 +2,15 @@
 
 Hypothesis profile is chosen by the environment variable ``DMREF_HYPOTHESIS_PROFILE``:
 
-- ``ci``        derandomized, no example database, bounded example counts (the default when
-                ``CI`` is set);
-- ``dev``       the default on a developer machine: random, a modest number of examples;
-- ``thorough``  many examples, for a long soak before a release.
+- ``ci``        the default, everywhere: derandomized, no example database, bounded example
+                counts, so that every run of the test command gives the same result;
+- ``dev``       random exploration, run on purpose (``DMREF_HYPOTHESIS_PROFILE=dev python -m
+                pytest ...``): what it finds becomes an explicit ``@example`` or test case;
+- ``thorough``  many random examples, for a long soak.
 
 Markers (declared in pyproject.toml):
 
-- ``slow``  exhaustive 2**32 sweeps and large shapes;
+- ``slow``  exhaustive sweeps (every float32 input, every rbits value); opt-in: ``-m slow``;
 - ``gpu``   needs a CUDA device of compute capability >= 9.0; skipped otherwise.
 """
 
@@ -36,9 +37,7 @@ settings.register_profile(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-settings.load_profile(
-    os.environ.get("DMREF_HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev")
-)
+settings.load_profile(os.environ.get("DMREF_HYPOTHESIS_PROFILE", "ci"))
 
 
 def _has_hopper_gpu() -> bool:

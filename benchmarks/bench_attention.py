@@ -27,7 +27,6 @@ FLOPs: forward 4·B·H·N²·D, halved when causal; backward 2.5 × forward.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import math

@@ -58,6 +58,7 @@ BWD_CANDIDATES = {
         # the default: pointer loads, whole accumulators, dq capped at 168 registers (3 CTAs per SM)
         (64, 64, 4, 2, 64, 64, 4, 2, False, False, 168, None),
         (64, 64, 4, 2, 64, 64, 4, 2, False, False),  # no register caps
+        (64, 64, 4, 2, 64, 64, 4, 2, False, False, 160, None),  # dq capped at 160
         (64, 64, 4, 2, 64, 64, 4, 2, False, False, 168, 168),  # dkdv capped too
     ],
 }

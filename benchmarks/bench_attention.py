@@ -1,6 +1,13 @@
 """FP8 attention (dmref.kernels) against torch SDPA (cuDNN, flash; BF16), in one process on a GPU.
 
-    python benchmarks/bench_attention.py --out DIR [--quick] [--no-sweep] [--accuracy]
+    python benchmarks/bench_attention.py --no-sweep      # writes benchmarks/results/<device>_bench_attention.json
+    python benchmarks/bench_attention.py --accuracy      # also <device>_accuracy.json
+    python benchmarks/bench_attention.py --sweep-only --head-dim 64   # <device>_sweep_d64.json
+    ncu --clock-control none -k regex:'_fwd_kernel|_bwd_dq_kernel' ... \
+        python benchmarks/bench_attention.py --profile-one            # one launch each, for ncu
+
+<device> is the GPU's model in lower case (``h200``); ``--out DIR`` writes elsewhere. A rerun
+replaces the file that docs/kernels.md cites.
 
 Measures, per shape B·H·N·D and causal or not, medians of ``triton.testing.do_bench``:
 
@@ -8,20 +15,23 @@ Measures, per shape B·H·N·D and causal or not, medians of ``triton.testing.do
   backward with stale delta (``naive_fp8``) and with matched delta (``delta_matching``), each incl.
   the preprocess (dO quantization + stale delta) and split into the dq and dkdv kernels;
   end to end (quantization + forward + backward through ``torch.autograd``);
-- SDPA cuDNN and flash backends, BF16: forward, backward, end to end.
+- SDPA cuDNN and flash backends, BF16: forward, backward, end to end;
+- registers, spills and shared memory of every compiled kernel variant (``compiled``).
 
-FLOPs: forward 4·B·H·N²·D, halved when causal; backward 2.5 × forward. Writes
-``bench_attention.json`` (and ``accuracy.json`` with ``--accuracy``) into ``--out``.
+Without ``--no-sweep`` the tilings of ``FWD_CANDIDATES`` and ``BWD_CANDIDATES`` are timed first on
+the first shape of each head dim and the fastest is used; ``--no-sweep`` runs the recipes' shipped
+tilings. ``--sweep-only`` times the candidates alone, causal and not (the register caps' evidence).
+FLOPs: forward 4·B·H·N²·D, halved when causal; backward 2.5 × forward.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import math
 import os
+import re
 import sys
 import time
 import traceback
@@ -30,6 +40,7 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 import torch.nn.functional as F
 
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SHAPES = [(4, 16, 4096, 128), (1, 16, 16384, 128), (4, 32, 4096, 64)]
 
 # Candidate tilings, tried on the first shape of each head dim (the winner is used for the rest).
@@ -37,17 +48,18 @@ FWD_CANDIDATES = [  # block_m, block_n, num_warps, num_stages[, tma[, maxnreg]] 
     (64, 128, 4, 3, True), (64, 128, 4, 3, True, 168),  # the defaults at D = 128 and D = 64
 ]
 # per head dim; dkdv: block_m1, block_n1, warps, stages; dq: block_m2, block_n2, warps, stages
-# [, tma[, split_head[, maxnreg_dq[, maxnreg_dkdv]]]]
+# [, tma[, maxnreg_dq[, maxnreg_dkdv]]]; every candidate keeps whole accumulators
 BWD_CANDIDATES = {
     128: [
-        (64, 128, 8, 2, 128, 64, 8, 2, True, False),  # the default: dS blocks 1x64, TMA, whole accumulators
-        (64, 128, 8, 2, 128, 64, 8, 3, True, False),  # dq: 3 stages
+        (64, 128, 8, 2, 128, 64, 8, 2, True),  # the default: dS blocks 1x64, TMA loads
+        (64, 128, 8, 2, 128, 64, 8, 3, True),  # dq: 3 stages
     ],
     64: [
-        # the default: pointer loads, whole accumulators, dq capped at 168 registers (3 CTAs per SM)
-        (64, 64, 4, 2, 64, 64, 4, 2, False, False, 168, None),
-        (64, 64, 4, 2, 64, 64, 4, 2, False, False),  # no register caps
-        (64, 64, 4, 2, 64, 64, 4, 2, False, False, 168, 168),  # dkdv capped too
+        # the default: pointer loads, dq capped at 168 registers (3 CTAs per SM)
+        (64, 64, 4, 2, 64, 64, 4, 2, False, 168, None),
+        (64, 64, 4, 2, 64, 64, 4, 2, False),  # no register caps
+        (64, 64, 4, 2, 64, 64, 4, 2, False, 160, None),  # dq capped at 160
+        (64, 64, 4, 2, 64, 64, 4, 2, False, 168, 168),  # dkdv capped too
     ],
 }
 
@@ -61,10 +73,9 @@ def _tiles(fwd_c, bwd_c):
         bwd_c = BWD_CANDIDATES[128][0]
     fwd = FwdTiles(*fwd_c)
     bm1, bn1, w1, s1, bm2, bn2, w2, s2, *flags = bwd_c
-    tma, split_head, cap_dq, cap_dkdv = (list(flags) + [False, True, None, None][len(flags):])[:4]
+    tma, cap_dq, cap_dkdv = (list(flags) + [False, None, None][len(flags):])[:3]
     bwd = BwdTiles(block_m1=bm1, block_n1=bn1, block_m2=bm2, block_n2=bn2, num_warps_dkdv=w1, num_stages_dkdv=s1,
-                   num_warps_dq=w2, num_stages_dq=s2, tma=bool(tma), split_head=bool(split_head),
-                   maxnreg_dq=cap_dq, maxnreg_dkdv=cap_dkdv)
+                   num_warps_dq=w2, num_stages_dq=s2, tma=bool(tma), maxnreg_dq=cap_dq, maxnreg_dkdv=cap_dkdv)
     return fwd, bwd
 
 
@@ -94,21 +105,6 @@ def _bench(fn, grad_to_none=None):
 
     return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none,
                                    return_mode="median")
-
-
-def forward_baseline(b, h, n, d, causal):
-    """Seeded BF16 q, k, v (B, H, N, D): cuDNN BF16 SDPA's forward time on them (ms), and our
-    quantized operands (``api.SavedForward``) for timing forward kernels alone."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from dmref.kernels.api import attention_forward
-
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        t_cudnn = _bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
-    _, _, saved, _ = attention_forward(q, k, v, causal=causal, recipe="delta_matching")
-    return t_cudnn, saved
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,48 +325,76 @@ def accuracy(out_dir):
                 row[name] = f"{type(exc).__name__}: {exc}"[:200]
         res.append(row)
         print(json.dumps(row), flush=True)
-        with open(os.path.join(out_dir, "accuracy.json"), "w") as f:
+        with open(os.path.join(out_dir, f"{device_tag()}_accuracy.json"), "w") as f:
             json.dump(res, f, indent=1)
 
 
-def profile_one():
-    """One forward, one stale and one matched backward with the default tilings, for ncu:
-    ncu --clock-control none -k regex:'_fwd_kernel|_bwd_dq_kernel|_bwd_dkdv_kernel' ..."""
+def profile_one(head_dims):
+    """Per head dim, at 1x16x4096xD: one forward, one stale and one matched backward with the
+    default tilings, for ncu (its kernels in that order: fwd, dq, dkdv, dq, dkdv)."""
     from dmref.kernels import api
 
-    torch.manual_seed(0)
-    q, k, v, do = (torch.randn(1, 16, 4096, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    o, _, saved, _ = api.attention_forward(q, k, v, recipe="delta_matching")
-    for name in ("naive_fp8", "delta_matching"):
-        api.attention_backward(saved, o, do, shape=api.Shape.of(q, k, v), causal=False,
-                               scale=1 / math.sqrt(128), recipe=name)
-    torch.cuda.synchronize()
+    for d in head_dims:
+        torch.manual_seed(0)
+        q, k, v, do = (torch.randn(1, 16, 4096, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        o, _, saved, _ = api.attention_forward(q, k, v, recipe="delta_matching")
+        for name in ("naive_fp8", "delta_matching"):
+            api.attention_backward(saved, o, do, shape=api.Shape.of(q, k, v), causal=False,
+                                   scale=1 / math.sqrt(d), recipe=name)
+        torch.cuda.synchronize()
 
 
-def _write(out_dir, results):
-    with open(os.path.join(out_dir, "bench_attention.json"), "w") as f:
+def device_tag() -> str:
+    """The GPU's model in lower case (``NVIDIA H200`` -> ``h200``), the prefix of result files."""
+    name = torch.cuda.get_device_name()
+    found = re.search(r"\b([A-Z]+[0-9]+[A-Z]*)\b", name)
+    return (found.group(1) if found else name.split()[-1]).lower()
+
+
+def _write(out_dir, results, name="bench_attention"):
+    with open(os.path.join(out_dir, f"{device_tag()}_{name}.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
+
+
+def sweep_only(shapes, out_dir):
+    """The tiling sweep alone, per head dim, non-causal and causal: <device>_sweep_d<D>.json."""
+    for b, h, n, d in shapes:
+        table = {}
+        for causal in (False, True):
+            bf, bb, ms = sweep(d, causal, h, n, b)
+            table[str(causal)] = dict(best_fwd=bf, best_bwd=bb, ms=ms)
+            print(f"sweep d={d} causal={causal}: fwd {bf} bwd {bb}", flush=True)
+        _write(out_dir, table, f"sweep_d{d}")
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="directory for the JSON results")
+    ap.add_argument("--out", default=RESULTS, help="directory for the JSON results (default: %(default)s)")
     ap.add_argument("--quick", action="store_true", help="first shape only, non-causal")
     ap.add_argument("--no-sweep", action="store_true", help="use the first candidate tilings")
     ap.add_argument("--accuracy", action="store_true", help="also measure errors vs float64")
     ap.add_argument("--workers", type=int, default=8, help="processes compiling ahead")
     ap.add_argument("--warm-only", action="store_true", help="compile every variant, then stop")
     ap.add_argument("--profile-one", action="store_true",
-                    help="run forward, stale and matched backward once at 1x16x4096x128 (for ncu)")
+                    help="run forward, stale and matched backward once at 1x16x4096xD (for ncu)")
+    ap.add_argument("--sweep-only", action="store_true", help="time the candidate tilings only")
+    ap.add_argument("--head-dim", type=int, choices=sorted({s[3] for s in SHAPES}), default=None,
+                    help="only the shapes of this head dim (default: all)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU")
     import triton
 
+    shapes = [s for s in SHAPES if args.head_dim in (None, s[3])]
     if args.profile_one:
-        return profile_one()
-    shapes = SHAPES[:1] if args.quick else SHAPES
+        return profile_one(sorted({s[3] for s in shapes}, reverse=True))
+    if args.sweep_only:
+        firsts = {}
+        for s in shapes:
+            firsts.setdefault(s[3], s)
+        return sweep_only(list(firsts.values()), args.out)
+    shapes = shapes[:1] if args.quick else shapes
     causals = (False,) if args.quick else (False, True)
     meta = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(),
                 torch=torch.__version__, triton=triton.__version__,

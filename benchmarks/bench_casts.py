@@ -1,10 +1,11 @@
 """Cast throughput on this machine's CPU, in one run: dmref encode/decode against torch's native
 cast and ml_dtypes astype, for 2**24 float32 values of a wide exponent range.
 
-    python benchmarks/bench_casts.py [--out benchmarks/results/DATE_cpu_casts.json]
+    python benchmarks/bench_casts.py [--out FILE]    # default: benchmarks/results/cpu_casts.json
 
-Each timing is the median of --repeats runs (after one warm-up). Goals (issue 2): nearest-even
-encode at least 1.0x torch's cast; every other rounding mode at least 2x ml_dtypes astype.
+Each timing is the median of --repeats runs (after one warm-up). Goals: nearest-even encode at
+least 1.0x torch's cast; every other rounding mode at least 2x ml_dtypes astype. docs/casts.md
+("Speed") cites the result file.
 """
 
 import argparse
@@ -43,7 +44,8 @@ def _median_seconds(fns, repeats):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                  "cpu_casts.json"), help="result file (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=9)
     args = ap.parse_args()
     rng = np.random.default_rng(0)

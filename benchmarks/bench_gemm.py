@@ -1,6 +1,6 @@
 """Speed of the emulated FP8 GEMM (dmref.emulation.gemm.matmul) on this machine, in one run:
 
-    /work/venv/bin/python benchmarks/bench_gemm.py [--size 1024] [--json benchmarks/results/DATE_cpu_bench_gemm.json]
+    python benchmarks/bench_gemm.py [--size 1024] [--json FILE]   # default: benchmarks/results/cpu_bench_gemm.json
 
 - the ``hopper`` model on a size**3 E4M3 x E4M3 problem (randn inputs), in multiply-accumulates
   per second (the issue's goal: >= 200 million on the project's 2-core CPU at 1024**3);
@@ -10,13 +10,13 @@
   on a 256**3 problem.
 
 The machine is shared: the load average and the process's CPU seconds are printed next to the
-wall-clock rates, so that a slow run can be told from a busy machine.
+wall-clock rates, so that a slow run can be told from a busy machine. docs/gemm.md ("Speed") cites
+the result file.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -55,7 +55,8 @@ def numpy_hopper_baseline(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=int, default=1024)
-    p.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / f"{datetime.date.today().isoformat()}_cpu_bench_gemm.json")
+    p.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "cpu_bench_gemm.json",
+                   help="result file (default: %(default)s)")
     args = p.parse_args(argv)
     n = args.size
     g = torch.Generator().manual_seed(0)

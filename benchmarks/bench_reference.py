@@ -1,6 +1,6 @@
 """Speed of the emulated FP8 attention reference (dmref.tiled) against float64 torch autograd.
 
-Issue 3's requirement: emulated FP8 forward + backward with the fp32 accumulation model at
+The requirement: emulated FP8 forward + backward with the fp32 accumulation model at
 B=1, H=8, N=2048, D=128 takes at most 3x the time of a plain float64 torch forward + backward
 (autograd) of the same shape on this project's 2-core CPU, measured in one run. The runs are
 interleaved (float64, then each recipe, repeated) so that load from other processes hits all of
@@ -8,7 +8,7 @@ them alike; the ratio of medians is the figure of merit. The Hopper accumulation
 on a shorter sequence and extrapolated by multiply-accumulate count (``--hopper-full`` times
 the full shape).
 
-    python benchmarks/bench_reference.py     # writes benchmarks/results/<date>_cpu_bench_reference.json
+    python benchmarks/bench_reference.py     # writes benchmarks/results/cpu_bench_reference.json
     python benchmarks/bench_reference.py --reps 5 --recipes delta_matching naive_fp8 cudnn_fp8
 """
 
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     }
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{stamp}_cpu_bench_reference.json"
+    path = out_dir / "cpu_bench_reference.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"results written to {path}")
     return 0 if all(s["within_requirement"] for s in results.values() if s["fp8"]) else 1

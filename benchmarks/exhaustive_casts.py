@@ -1,11 +1,15 @@
 """Sweep all 2**32 float32 bit patterns through dmref's encode, ml_dtypes and torch; print the
 counts per comparison and the time taken (and the float64 double-rounding census).
 
-    python benchmarks/exhaustive_casts.py [--json OUT.json]
+    python benchmarks/exhaustive_casts.py [--json FILE]   # default: benchmarks/results/cpu_exhaustive_casts.json
+
+docs/casts.md ("Agreement with ml_dtypes and torch") cites the result file. ``--bits B`` sweeps
+the first 2**B patterns only and writes nothing unless ``--json`` is given.
 """
 
 import argparse
 import json
+import os
 import platform
 import time
 from dataclasses import asdict
@@ -19,9 +23,11 @@ from dmref.emulation import sweep
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--json", help="also write the results to this JSON file")
+    ap.add_argument("--json", help="result file (default with all 32 bits: benchmarks/results/cpu_exhaustive_casts.json)")
     ap.add_argument("--bits", type=int, default=32, help="sweep only the first 2**BITS patterns")
     args = ap.parse_args()
+    if args.json is None and args.bits == 32:
+        args.json = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "cpu_exhaustive_casts.json")
     stop = 1 << args.bits
     t0 = time.perf_counter()
     with Progress() as progress:

@@ -3,7 +3,7 @@ the model on CUDA -- one command, on an H100/H200 with torch and triton, needing
 
     python3 benchmarks/gpu_capture_gemm.py --out $OUT
 
-writes into ``--out``:
+writes into ``--out`` (<device>: the GPU's model in lower case, ``h200``; ``cpu`` with ``--dry-run``):
 
 - ``h200_fp8_gemm_more.npz``: new ground truth in the format of tests/data/h200_fp8_gemm.npz
   (``about`` + per case ``_a``, ``_bt``, ``_c``, ``_out``, ``_meta``, and for block-scaled cases
@@ -13,25 +13,26 @@ writes into ``--out``:
   non-finite; Triton promotion intervals 32/64/128 and N > BK, ``acc += dot`` with and without
   promotion, cuBLAS ``_scaled_mm`` with and without fast accumulation, and a block-scaled Triton
   kernel applying ``acc = fma(dot * sx, sw, acc)`` per 128-wide K tile;
-- ``gemm_capture_report.json``: per case group the fraction of float32 bit patterns that the
+- ``<device>_gemm_capture_report.json``: per case group the fraction of float32 bit patterns that the
   hopper model (run on CUDA) reproduces, for the new file and for tests/data/h200_fp8_gemm.npz;
   whether this script's Triton/cuBLAS harness reproduces the outputs stored in
   tests/data/h200_fp8_gemm.npz from their inputs; NaN bit patterns seen; any errors;
-- ``gemm_cuda_throughput.json``: multiply-accumulates per second of ``dmref.emulation.gemm
+- ``<device>_gemm_cuda_throughput.json``: multiply-accumulates per second of ``dmref.emulation.gemm
   .matmul`` on CUDA at 4096x4096x4096 E4M3 for the ``hopper``, ``exact`` and ``fp32`` models, and
   of a float64 torch matmul of the same shape.
 
 ``--dry-run`` runs everything on the CPU with the model standing in for the hardware (to check
 the plumbing, the file size and the case plan; its "captured" outputs are predictions).
 Every case is generated on the CPU from ``--seed`` with dmref's own encoder, so the inputs do
-not depend on the torch version's casts.
+not depend on the torch version's casts. docs/gemm.md cites the two JSON files as
+benchmarks/results/h200_gemm_*.json (copy them there); the npz goes to tests/data/.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
+import re
 import sys
 import time
 import traceback
@@ -43,6 +44,15 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 FILE_NAME = "h200_fp8_gemm_more.npz"
+
+
+def device_tag(dry: bool) -> str:
+    """The prefix of the result files: ``cpu`` for a dry run, else the GPU's model in lower case."""
+    if dry:
+        return "cpu"
+    name = torch.cuda.get_device_name()
+    found = re.search(r"\b([A-Z]+[0-9]+[A-Z]*)\b", name)
+    return (found.group(1) if found else name.split()[-1]).lower()
 
 
 def import_dmref():
@@ -449,7 +459,8 @@ def main(argv=None) -> int:
         tp = {"error": repr(exc), "trace": traceback.format_exc(limit=3)}
     if not dry:
         tp["gpu"] = torch.cuda.get_device_name()
-    (args.out / "gemm_cuda_throughput.json").write_text(json.dumps(tp, indent=1))
+    tag = device_tag(dry)
+    (args.out / f"{tag}_gemm_cuda_throughput.json").write_text(json.dumps(tp, indent=1))
     _progress(start, "throughput measured")
 
     # 3. the model against both files on the same device, and the harness against the original
@@ -466,9 +477,9 @@ def main(argv=None) -> int:
             report[label] = step()
         except Exception as exc:
             report["errors"].append({label: True, "error": repr(exc), "trace": traceback.format_exc(limit=3)})
-        (args.out / "gemm_capture_report.json").write_text(json.dumps(report, indent=1))
+        (args.out / f"{tag}_gemm_capture_report.json").write_text(json.dumps(report, indent=1))
         _progress(start, label)
-    (args.out / "gemm_capture_report.json").write_text(json.dumps(report, indent=1))
+    (args.out / f"{tag}_gemm_capture_report.json").write_text(json.dumps(report, indent=1))
 
     summary = {
         "cases": report["file"]["cases"], "errors": len(report["errors"]),

@@ -1,6 +1,6 @@
 """Exact P and dS code agreement of the kernels with their model, on the GPU test cases.
 
-    python benchmarks/gpu_code_agreement.py --out DIR [--no-fp-fusion]
+    python benchmarks/gpu_code_agreement.py [--out DIR] [--no-fp-fusion]
 
 For every GPU case of tests/kernels/test_kernels_vs_model.py: the fraction of FP8 codes (forward
 P, dkdv P, dS) equal to the model's (``kernel_model``), the number of mismatches, how many of them
@@ -8,7 +8,8 @@ are one code step apart (a value on the other side of a rounding boundary), and 
 forward and the matched backward at 4x16x4096x128. ``--no-fp-fusion`` sets
 TRITON_DEFAULT_FP_FUSION=0 before triton is imported: the compilers then keep every float32
 multiply and add separately rounded, as the model computes them (no fused multiply-add).
-Writes DIR/code_agreement[_nofusion].json.
+Writes DIR/<device>_code_agreement[_nofusion].json (<device>: the GPU's model in lower case,
+``h200``; DIR: benchmarks/results by default, the files docs/kernels.md cites).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="default: %(default)s")
     ap.add_argument("--no-fp-fusion", action="store_true")
     args = ap.parse_args()
     if args.no_fp_fusion:
@@ -74,7 +75,10 @@ def main() -> int:
               "fp_fusion": not args.no_fp_fusion, "cases": rows,
               "ms_4x16x4096x128": {"forward_e2e": t_fwd, "backward_matched": t_bwd}}
     os.makedirs(args.out, exist_ok=True)
-    name = "code_agreement_nofusion.json" if args.no_fp_fusion else "code_agreement.json"
+    sys.path.insert(0, HERE)
+    from bench_attention import device_tag
+
+    name = f"{device_tag()}_code_agreement{'_nofusion' if args.no_fp_fusion else ''}.json"
     with open(os.path.join(args.out, name), "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result["ms_4x16x4096x128"]))

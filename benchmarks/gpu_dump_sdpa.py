@@ -4,8 +4,9 @@
 
 For each case (dmref.oracle.make_cases, BF16) and each backend (flash, cuDNN, math) writes the
 inputs and out, dQ, dK, dV (and flash's and cuDNN's LSE from their aten ops, where they run)
-into DIR/sdpa_dump.pt. Used to explain the flash backend's dQ on ``peaked_rows``
-(docs/oracle.md).
+into DIR/sdpa_dump.pt. Its flash ``peaked_rows`` entries are tests/data/h200_sdpa_flash_peaked_rows.pt,
+which tests/oracle/test_flash_h200_replay.py replays on the CPU to explain the flash backend's dQ
+there (docs/oracle.md).
 """
 
 from __future__ import annotations

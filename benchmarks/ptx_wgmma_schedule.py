@@ -1,19 +1,23 @@
 """Where the compiled kernels wait for their tensor cores (sm_90a PTX, no GPU needed).
 
-    python benchmarks/ptx_wgmma_schedule.py [--head-dim 128] [--recipe delta_matching]
+    python benchmarks/ptx_wgmma_schedule.py      # writes benchmarks/results/sm90_ptx_wgmma_schedule.txt
+    python benchmarks/ptx_wgmma_schedule.py --head-dim 64 --recipe naive_fp8 --out -   # print only
 
 Compiles the forward, dq and dkdv kernels with Triton's own compiler (``dmref.kernels.
 compile_check``) and prints, per kernel, the order of the loop's wgmma issues (``MMA``), commits
 (``C``), waits (``W<n>``: ``wgmma.wait_group n``), ``ex2.approx`` (``E``) and FP8 conversions
 (``F8``), runs compressed (``MMAx4`` = four in a row); ``|`` marks a basic-block label. A
 ``W0`` right after every ``C`` means each matmul completes before anything else runs in that
-warpgroup: no overlap of tensor cores with the softmax inside a CTA.
+warpgroup: no overlap of tensor cores with the softmax inside a CTA. docs/kernels.md cites the result.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
+
+RESULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "sm90_ptx_wgmma_schedule.txt")
 
 
 def schedule(compiled) -> str:
@@ -44,19 +48,29 @@ def schedule(compiled) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--head-dim", type=int, choices=(64, 128), default=None, help="default: both")
     ap.add_argument("--recipe", default="delta_matching")
+    ap.add_argument("--out", default=RESULT, help="result file, '-' to print only (default: %(default)s)")
     args = ap.parse_args()
+    import triton
+
     from dmref.kernels import compile_check as cc
     from dmref.kernels.config import get_recipe
 
     r = get_recipe(args.recipe)
-    for name, kernel, consts, warps, stages, maxnreg in cc.recipe_variants(r, args.head_dim, False):
-        if name == "quantize":
-            continue
-        ck = cc.compile_sm90(kernel, consts, num_warps=warps, num_stages=stages, maxnreg=maxnreg, do_format=r.do_format,
-                             descriptors=cc._descriptor_blocks(name, consts, args.head_dim))
-        print(f"{name:5s} {schedule(ck)}")
+    lines = [f"# sm_90a PTX wgmma schedule, recipe {args.recipe}, Triton {triton.__version__}, compiled "
+             "without a GPU: python benchmarks/ptx_wgmma_schedule.py"]
+    for d in (args.head_dim,) if args.head_dim else (128, 64):
+        for name, kernel, consts, warps, stages, maxnreg in cc.recipe_variants(r, d, False):
+            if name == "quantize":
+                continue
+            ck = cc.compile_sm90(kernel, consts, num_warps=warps, num_stages=stages, maxnreg=maxnreg,
+                                 do_format=r.do_format, descriptors=cc._descriptor_blocks(name, consts, d))
+            lines.append(f"D={d:<3d} {name:5s} {schedule(ck)}")
+            print(lines[-1], flush=True)
+    if args.out != "-":
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
     return 0
 
 

@@ -1,5 +1,7 @@
 """Train a tiny GPT on the Python standard library's own source files with dmref's emulated
-attention recipes, and compare BF16, naive FP8, stale-delta FP8 and Delta-Matching.
+attention recipes, and compare BF16, naive FP8, stale-delta FP8 and Delta-Matching: the script
+that produces the committed figures and tables of examples/README.md (examples/results/,
+examples/results_gpu/). For a short example to copy, see examples/train_tiny.py.
 
     python examples/train_gpt.py                       # CPU, ~3-5 minutes on 2 cores
     python examples/train_gpt.py --steps 100 --recipes bf16 delta_matching   # quicker

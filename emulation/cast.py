@@ -89,7 +89,8 @@ def _as_torch(x, what: str = "x") -> tuple[torch.Tensor, bool]:
             )
         if arr.dtype == np.dtype(ml_dtypes.bfloat16) or arr.dtype == np.float16:
             arr = arr.astype(np.float32)  # exact widening
-        return torch.from_numpy(np.ascontiguousarray(arr)), True
+        # ascontiguousarray makes a 0-d array 1-d; the reshape keeps a scalar's shape ()
+        return torch.from_numpy(np.ascontiguousarray(arr).reshape(arr.shape)), True
     raise TypeError(f"{what} must be a numpy array or a torch tensor, got {type(x).__name__}")
 
 
@@ -428,13 +429,38 @@ def _encode_16bit_native(x: torch.Tensor, fmt: Format, saturate: bool) -> torch.
     return codes
 
 
-def _rbits_width(rbits) -> int:
-    dtype = rbits.dtype
-    if dtype in (np.uint8, torch.uint8):
-        return 8
-    if dtype in (np.uint16, getattr(torch, "uint16", None)):
-        return 16
-    raise TypeError(f"rbits must be uint8 (8 random bits) or uint16 (16 random bits), got {dtype}")
+_RBITS_WIDTHS = {np.dtype(np.uint8): 8, np.dtype(np.uint16): 16, torch.uint8: 8}
+if hasattr(torch, "uint16"):
+    _RBITS_WIDTHS[torch.uint16] = 16
+
+
+def _check_rbits(rbits, shape: tuple[int, ...]):
+    """(rbits as an array or tensor, its width w) after checking it: a uint8 (w = 8) or uint16
+    (w = 16) numpy array, numpy scalar or torch tensor, or a Python int in [0, 2**16) (w = 16),
+    broadcastable to ``shape``. Nothing is converted to another width."""
+    if isinstance(rbits, int) and not isinstance(rbits, bool):
+        if not 0 <= rbits < (1 << 16):
+            raise ValueError(f"{rbits=} must be 16 random bits, 0 <= rbits < 2**16, as a Python "
+                             "int; or a uint8 / uint16 array")
+        rbits = np.uint16(rbits)
+    if isinstance(rbits, (np.ndarray, np.generic)):
+        rbits = np.asarray(rbits)
+    elif not isinstance(rbits, torch.Tensor):
+        raise TypeError(f"rbits must be a uint8 or uint16 numpy array or torch tensor, or a Python "
+                        f"int, got {type(rbits).__name__}")
+    width = _RBITS_WIDTHS.get(rbits.dtype)
+    if width is None:
+        raise TypeError(f"rbits must be uint8 (8 random bits) or uint16 (16 random bits), "
+                        f"got {rbits.dtype}")
+    rshape = tuple(rbits.shape)
+    try:
+        ok = np.broadcast_shapes(rshape, tuple(shape)) == tuple(shape)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"rbits of shape {rshape} does not broadcast to the shape of x, "
+                         f"{tuple(shape)}")
+    return rbits, width
 
 
 def encode(x, fmt: Format | str, *, rounding: Rounding | str = Rounding.NEAREST_EVEN,
@@ -447,7 +473,9 @@ def encode(x, fmt: Format | str, *, rounding: Rounding | str = Rounding.NEAREST_
         fmt: a :class:`Format`, its name (``"float8_e4m3fn"``) or an alias (``"e4m3"``).
         rounding: a :class:`Rounding` or its value string.
         saturate: overflow to +-max instead of the format's overflow value.
-        rbits: random bits for ``rounding="stochastic"`` (uint8 or uint16, broadcastable to x).
+        rbits: random bits for ``rounding="stochastic"``, broadcastable to x: a uint8 (8 random
+            bits per value) or uint16 (16 bits) numpy array, numpy scalar or torch tensor, or a
+            Python int in [0, 2**16) (16 bits).
 
     Returns:
         Codes of the same shape and kind (numpy / torch, same device): uint8 for 8-bit formats,
@@ -455,16 +483,19 @@ def encode(x, fmt: Format | str, *, rounding: Rounding | str = Rounding.NEAREST_
         general uint16).
 
     Raises:
-        TypeError: non-float input (integers, complex, bool), or bad ``rbits`` dtype.
+        TypeError: non-float input (integers, complex, bool), or ``rbits`` of another dtype or
+            type.
         ValueError: unknown format or rounding name; rbits missing or given without stochastic
-            rounding.
+            rounding; an int rbits outside [0, 2**16); rbits not broadcastable to x.
     """
     fmt = get_format(fmt)
     rounding = get_rounding(rounding)
     t, was_numpy = _as_torch(x)
     if (rbits is None) != (rounding is not Rounding.STOCHASTIC):
         raise ValueError("rbits must be given exactly when rounding='stochastic'")
-    w = 16 if rbits is None else _rbits_width(rbits)
+    w = 16
+    if rbits is not None:
+        rbits, w = _check_rbits(rbits, tuple(t.shape))
     wide, src = _widen(t)
 
     native = _TORCH_NATIVE.get(fmt.name)

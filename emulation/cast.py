@@ -25,7 +25,8 @@ e8m0fnu); overflow gives +-max with ``saturate=True``, else the format's overflo
 (NaN for e4m3fn, inf for e5m2) except under a rounding direction toward zero (IEEE 754 7.4).
 
 Stochastic rounding: ``rbits`` is an unsigned integer array broadcastable to ``x`` with dtype
-uint8 (w = 8 random bits per value) or uint16 (w = 16). The discarded part of |x|, as a fraction
+uint8 (w = 8 random bits per value) or uint16 (w = 16), or a Python int in [0, 2**16) (w = 16);
+anything else is refused, never converted. The discarded part of |x|, as a fraction
 f of one quantum of the result, is truncated to its top w bits; the magnitude is rounded up iff
 ``floor(f * 2**w) + r >= 2**w``. Same x and same rbits give the same codes, on every device.
 """

@@ -3,6 +3,10 @@ code for code, except in the documented disagreements (emulation/sweep.py, docs/
 
 Slow (about 5 minutes on 2 cores); the same sweep prints its counts and time with
 ``python benchmarks/exhaustive_casts.py``.
+
+Stochastic rounding below 2**-126: every float32 there (2**23 - 1 per sign) with every 8-bit
+rbits value, against the scalar specification, for every 8-bit format (slow; E8M0 alone, the
+format whose zero and tiny values have different codes, is the first test).
 """
 
 import numpy as np

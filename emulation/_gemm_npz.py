@@ -170,11 +170,16 @@ def _check_meta(meta, where: str) -> dict:
     if missing:
         raise GemmFileError(f"{where}: meta has no {', '.join(missing)} (needs {', '.join(META_KEYS)})")
     engine = meta["engine"]
-    if engine not in ENGINES:
+    if not isinstance(engine, str) or engine not in ENGINES:
         raise GemmFileError(f"{where}: engine={engine!r}; accepted: {', '.join(ENGINES)}")
     for key in ENGINES[engine]:
-        if key not in meta:
+        if meta.get(key) is None:
             raise GemmFileError(f"{where}: a {engine} case needs {key} in its meta")
+    if not isinstance(meta["dist"], str):
+        raise GemmFileError(f"{where}: meta dist={meta['dist']!r} must be a string")
+    for key in ("chain", "use_fast_accum"):
+        if key in meta and not isinstance(meta[key], bool):
+            raise GemmFileError(f"{where}: meta {key}={meta[key]!r} must be true or false")
     for key in ("fa", "fb"):
         try:
             fmt = get_format(meta[key])

@@ -154,7 +154,6 @@ class _Unpacked:
         self.e_top = exp_field - src.bias
 
 
-
 class _Quantised:
     """Spec steps 1-2 on the integer significand: the result's exponent ``e`` (clamped at
     emin), ``n = floor(|x| / q)`` and the discarded remainder ``rem`` (in units of the input's
@@ -171,7 +170,6 @@ class _Quantised:
         self.n = x.sig >> shift
         self.rem = x.sig & (torch.bitwise_left_shift(one, shift) - 1)
         self.half = torch.bitwise_left_shift(one, shift) >> 1
-
 
 
 def _round_up(q: _Quantised, negative: torch.Tensor, rounding: Rounding,

@@ -25,7 +25,8 @@ e8m0fnu); overflow gives +-max with ``saturate=True``, else the format's overflo
 (NaN for e4m3fn, inf for e5m2) except under a rounding direction toward zero (IEEE 754 7.4).
 
 Stochastic rounding: ``rbits`` is an unsigned integer array broadcastable to ``x`` with dtype
-uint8 (w = 8 random bits per value) or uint16 (w = 16). The discarded part of |x|, as a fraction
+uint8 (w = 8 random bits per value) or uint16 (w = 16), or a Python int in [0, 2**16) (w = 16);
+anything else is refused, never converted. The discarded part of |x|, as a fraction
 f of one quantum of the result, is truncated to its top w bits; the magnitude is rounded up iff
 ``floor(f * 2**w) + r >= 2**w``. Same x and same rbits give the same codes, on every device.
 """
@@ -89,7 +90,8 @@ def _as_torch(x, what: str = "x") -> tuple[torch.Tensor, bool]:
             )
         if arr.dtype == np.dtype(ml_dtypes.bfloat16) or arr.dtype == np.float16:
             arr = arr.astype(np.float32)  # exact widening
-        return torch.from_numpy(np.ascontiguousarray(arr)), True
+        # ascontiguousarray makes a 0-d array 1-d; the reshape keeps a scalar's shape ()
+        return torch.from_numpy(np.ascontiguousarray(arr).reshape(arr.shape)), True
     raise TypeError(f"{what} must be a numpy array or a torch tensor, got {type(x).__name__}")
 
 
@@ -121,69 +123,92 @@ def _encode_arith(
     rbits: torch.Tensor | None = None,
     rbits_width: int = 16,
 ) -> torch.Tensor:
-    """Codes (int64) of ``fmt`` for input bit patterns ``bits`` (int64) of layout ``src``."""
-    mb, total = src.mantissa_bits, src.total
-    sign_shift = total - 1
-    negative = (bits >> sign_shift) & 1 if total < 64 else (bits < 0).to(torch.int64)
-    a = bits & ((1 << sign_shift) - 1)
-    exp_field = a >> mb
-    man_field = a & ((1 << mb) - 1)
-    exp_all_ones = (1 << src.exponent_bits) - 1
-    is_nan = (exp_field == exp_all_ones) & (man_field != 0)
-    is_inf = (exp_field == exp_all_ones) & (man_field == 0)
-    is_zero = a == 0
+    """Codes (int64) of ``fmt`` for input bit patterns ``bits`` (int64) of layout ``src``:
+    the specification's steps 1-7 (:mod:`dmref.emulation.spec`), element by element."""
+    x = _Unpacked(bits, src)
+    q = _Quantised(x, src, fmt)
+    up = _round_up(q, x.negative, rounding, rbits, rbits_width)
+    magnitude = (q.e - fmt.emin) * (1 << fmt.mantissa_bits) + q.n + up.to(torch.int64)
+    if not fmt.subnormals:  # E8M0: no zero, a result below the smallest value is that value
+        magnitude = torch.clamp(magnitude - (1 << fmt.mantissa_bits), min=0)
+    return _finish(magnitude, x, fmt, rounding, saturate)
 
-    # significand as an integer with its lsb at exponent e_ulp
-    sig = man_field | ((exp_field != 0).to(torch.int64) << mb)
-    e_ulp = torch.clamp(exp_field, min=1) - src.bias - mb
-    e_top = exp_field - src.bias  # floor(log2 a) for normal inputs; below every emin otherwise
-    m, emin = fmt.mantissa_bits, fmt.emin
-    e = torch.clamp(e_top, min=emin)
-    # drop `shift` low bits of sig; beyond mb + 2 every remaining bit is below half a quantum,
-    # so the clamped shift gives the same n and rem (rem = sig there)
-    true_shift = torch.clamp((e - m) - e_ulp, min=0)
-    shift = torch.clamp(true_shift, max=mb + 2)
-    one = torch.ones_like(shift)
-    n = sig >> shift
-    rem = sig & (torch.bitwise_left_shift(one, shift) - 1)
-    half = torch.bitwise_left_shift(one, shift) >> 1
 
+class _Unpacked:
+    """Sign, class and significand of input bit patterns: ``|x| = sig * 2**e_ulp``, and
+    ``e_top = floor(log2 |x|)`` for normal inputs (below every format's emin otherwise)."""
+
+    def __init__(self, bits: torch.Tensor, src: _Source):
+        mb, total = src.mantissa_bits, src.total
+        sign_shift = total - 1
+        self.negative = (bits >> sign_shift) & 1 if total < 64 else (bits < 0).to(torch.int64)
+        a = bits & ((1 << sign_shift) - 1)
+        exp_field = a >> mb
+        man_field = a & ((1 << mb) - 1)
+        exp_all_ones = (1 << src.exponent_bits) - 1
+        self.is_nan = (exp_field == exp_all_ones) & (man_field != 0)
+        self.is_inf = (exp_field == exp_all_ones) & (man_field == 0)
+        self.is_zero = a == 0
+        self.sig = man_field | ((exp_field != 0).to(torch.int64) << mb)
+        self.e_ulp = torch.clamp(exp_field, min=1) - src.bias - mb
+        self.e_top = exp_field - src.bias
+
+
+class _Quantised:
+    """Spec steps 1-2 on the integer significand: the result's exponent ``e`` (clamped at
+    emin), ``n = floor(|x| / q)`` and the discarded remainder ``rem`` (in units of the input's
+    lsb), ``half`` half a quantum in those units, ``true_shift`` the number of discarded bits."""
+
+    def __init__(self, x: _Unpacked, src: _Source, fmt: Format):
+        m, mb = fmt.mantissa_bits, src.mantissa_bits
+        self.e = torch.clamp(x.e_top, min=fmt.emin)
+        # drop `shift` low bits of sig; beyond mb + 2 every remaining bit is below half a
+        # quantum, so the clamped shift gives the same n and rem (rem = sig there)
+        self.true_shift = torch.clamp((self.e - m) - x.e_ulp, min=0)
+        shift = torch.clamp(self.true_shift, max=mb + 2)
+        one = torch.ones_like(shift)
+        self.n = x.sig >> shift
+        self.rem = x.sig & (torch.bitwise_left_shift(one, shift) - 1)
+        self.half = torch.bitwise_left_shift(one, shift) >> 1
+
+
+def _round_up(q: _Quantised, negative: torch.Tensor, rounding: Rounding,
+              rbits: torch.Tensor | None, w: int) -> torch.Tensor:
+    """Spec step 3: whether the magnitude ``n`` goes up by one (bool)."""
+    rem = q.rem
     if rounding is Rounding.NEAREST_EVEN:
-        up = (rem > half) | ((rem == half) & (rem != 0) & ((n & 1) == 1))
-    elif rounding is Rounding.TOWARD_ZERO:
-        up = torch.zeros_like(rem, dtype=torch.bool)
-    elif rounding is Rounding.TOWARD_POSITIVE:
-        up = (rem != 0) & (negative == 0)
-    elif rounding is Rounding.TOWARD_NEGATIVE:
-        up = (rem != 0) & (negative == 1)
-    else:  # stochastic: top `w` bits of the discarded fraction, plus the random bits
-        w = rbits_width
-        top = torch.where(
-            true_shift >= w,
-            rem >> torch.clamp(true_shift - w, min=0, max=63),
-            rem << torch.clamp(w - true_shift, min=0),
-        )
-        up = (top + rbits) >= (1 << w)
-    n = n + up.to(torch.int64)
-
-    magnitude = (e - emin) * (1 << m) + n
-    if not fmt.subnormals:
-        magnitude = torch.clamp(magnitude - (1 << m), min=0)
-    sign = negative * fmt.sign_bit
-
-    toward_zero = rounding is Rounding.TOWARD_ZERO
+        return (rem > q.half) | ((rem == q.half) & (rem != 0) & ((q.n & 1) == 1))
+    if rounding is Rounding.TOWARD_ZERO:
+        return torch.zeros_like(rem, dtype=torch.bool)
     if rounding is Rounding.TOWARD_POSITIVE:
+        return (rem != 0) & (negative == 0)
+    if rounding is Rounding.TOWARD_NEGATIVE:
+        return (rem != 0) & (negative == 1)
+    # stochastic: the top `w` bits of the discarded fraction, plus the random bits
+    top = torch.where(
+        q.true_shift >= w,
+        rem >> torch.clamp(q.true_shift - w, min=0, max=63),
+        rem << torch.clamp(w - q.true_shift, min=0),
+    )
+    return (top + rbits) >= (1 << w)
+
+
+def _finish(magnitude: torch.Tensor, x: _Unpacked, fmt: Format, rounding: Rounding,
+            saturate: bool) -> torch.Tensor:
+    """Spec steps 4-7: the code of a magnitude code with the input's sign, then overflow,
+    infinite, NaN and zero inputs."""
+    negative = x.negative
+    sign = negative * fmt.sign_bit
+    nan_code = torch.where(negative == 1, fmt.nan_code_for(True), fmt.nan_code_for(False))
+    overflow_value = (fmt.inf_code | sign) if fmt.has_inf else nan_code
+    if saturate:
+        overflow_to_max = torch.ones_like(negative, dtype=torch.bool)
+    elif rounding is Rounding.TOWARD_POSITIVE:
         overflow_to_max = negative == 1
     elif rounding is Rounding.TOWARD_NEGATIVE:
         overflow_to_max = negative == 0
     else:
-        overflow_to_max = torch.full_like(negative, toward_zero or saturate, dtype=torch.bool)
-    if saturate:
-        overflow_to_max = torch.ones_like(negative, dtype=torch.bool)
-    if fmt.has_inf:
-        overflow_value = fmt.inf_code | sign
-    else:
-        overflow_value = torch.where(negative == 1, fmt.nan_code_for(True), fmt.nan_code_for(False))
+        overflow_to_max = torch.full_like(negative, rounding is Rounding.TOWARD_ZERO, dtype=torch.bool)
     overflow_code = torch.where(overflow_to_max, fmt.max_code | sign, overflow_value)
 
     if fmt.has_negative_zero:
@@ -192,20 +217,14 @@ def _encode_arith(
         code = torch.where(magnitude == 0, 0, magnitude | sign)
     code = torch.where(magnitude > fmt.max_code, overflow_code, code)
     # infinite input: saturate -> max, else inf (NaN where the format has none)
-    inf_code = torch.full_like(code, 0) + (
-        (fmt.max_code | sign) if saturate else (
-            (fmt.inf_code | sign) if fmt.has_inf else torch.where(negative == 1, fmt.nan_code_for(True), fmt.nan_code_for(False))
-        )
-    )
-    code = torch.where(is_inf, inf_code, code)
-    nan_code = torch.where(negative == 1, fmt.nan_code_for(True), fmt.nan_code_for(False))
-    code = torch.where(is_nan, nan_code, code)
+    inf_code = torch.full_like(code, 0) + ((fmt.max_code | sign) if saturate else overflow_value)
+    code = torch.where(x.is_inf, inf_code, code)
+    code = torch.where(x.is_nan, nan_code, code)
     if fmt.has_zero:
         zero_code = sign if fmt.has_negative_zero else torch.zeros_like(sign)
-        code = torch.where(is_zero, zero_code, code)
-    else:  # E8M0: unsigned, no zero -> zero, negative and NaN inputs are NaN
-        code = torch.where(is_zero | (negative == 1), fmt.nan_code_for(False), code)
-    return code
+        return torch.where(x.is_zero, zero_code, code)
+    # E8M0: unsigned, no zero -> zero, negative and NaN inputs are NaN
+    return torch.where(x.is_zero | (negative == 1), fmt.nan_code_for(False), code)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -220,7 +239,7 @@ _POOL = ThreadPoolExecutor(max_workers=_THREADS) if _THREADS > 1 else None
 @functools.lru_cache(maxsize=None)
 def _lut_tables(src_total: int, fmt: Format, rounding: Rounding, saturate: bool, rbits_width: int):
     """One table: indexed by ``top16 << 1 | sticky`` (deterministic modes), or by
-    ``top16 << 2 | sticky << 1 | up`` (stochastic: the truncated and the rounded-up code)."""
+    ``top16 << 1 | up`` (stochastic: the truncated and the rounded-up code)."""
     src = _FLOAT64 if src_total == 64 else _FLOAT32
     low = src.total - 16
     explicit_mantissa_in_top16 = 16 - 1 - src.exponent_bits
@@ -237,13 +256,17 @@ def _lut_tables(src_total: int, fmt: Format, rounding: Rounding, saturate: bool,
     # index top16 << 1 | up: `lo` never rounds up (rbits = 0), `hi` always does when any
     # discarded bit is set (rbits = all ones, all low bits set). For finite inputs the lower
     # bits matter only through `up`; inf and NaN never round. A NaN whose top 16 bits look like
-    # inf is caught in the chunk body.
+    # inf is caught in the chunk body. `lo` is taken at a finite input with a low bit set, so
+    # that top16 = +-0 holds the code of the tiny values there, not of zero: they differ in
+    # E8M0 (zero is NaN, a tiny positive value rounds to 2**-127); the chunk body writes the
+    # code of +0 for formats without a zero.
     zeros = torch.zeros_like(base)
-    lo = _encode_arith(base, src, fmt, rounding, saturate, zeros, rbits_width)
-    all_low = base | ((1 << low) - 1)
-    hi = _encode_arith(all_low, src, fmt, rounding, saturate, zeros + (1 << rbits_width) - 1, rbits_width)
     exp_all_ones = (1 << src.exponent_bits) - 1
     special = ((base >> src.mantissa_bits) & exp_all_ones) == exp_all_ones
+    lo = _encode_arith(torch.where(special, base, base | 1), src, fmt, rounding, saturate, zeros,
+                       rbits_width)
+    all_low = base | ((1 << low) - 1)
+    hi = _encode_arith(all_low, src, fmt, rounding, saturate, zeros + (1 << rbits_width) - 1, rbits_width)
     hi = torch.where(special, lo, hi)
     lut2 = torch.stack([lo, hi], dim=1).reshape(-1)
     # the chunk body computes the shift arithmetically; it relies on shift >= rbits_width
@@ -313,8 +336,10 @@ def _encode_lut(x: np.ndarray, fmt: Format, rounding: Rounding, saturate: bool,
             else:
                 shift -= np.maximum(exp_field, utype(1))
             np.minimum(shift, cap, out=shift)
-            # significand with its implicit bit; inputs with exponent field 0 have a shift of
-            # at least the cap here, so their (absent) implicit bit is shifted out regardless
+            # significand with its implicit bit. Inputs with exponent field 0 have none: for
+            # k_field >= 1 their shift is the cap, which shifts it out; for k_field = 0 (E8M0
+            # from float32) it is mb - m - w - 1, which puts the bit at m + w + 1 >= w, where
+            # the mask below removes it
             sig = (uc & utype((1 << mb) - 1)) | utype(1 << mb)
             sig >>= shift
             sig &= utype((1 << w) - 1)
@@ -322,6 +347,8 @@ def _encode_lut(x: np.ndarray, fmt: Format, rounding: Rounding, saturate: bool,
             sig >>= utype(w)  # 1 iff the random bits carry: round up
             idx |= sig
             np.take(lut2, idx, out=out[s:e])
+            if not fmt.has_zero:  # +0 (the table holds the tiny positive values' code)
+                out[s:e][uc == 0] = fmt.nan_code_for(False)
             special = np.flatnonzero(exp_field == exp_mask)  # inf or NaN: NaN stays NaN
             if special.size:
                 us = uc[special]
@@ -401,13 +428,38 @@ def _encode_16bit_native(x: torch.Tensor, fmt: Format, saturate: bool) -> torch.
     return codes
 
 
-def _rbits_width(rbits) -> int:
-    dtype = rbits.dtype
-    if dtype in (np.uint8, torch.uint8):
-        return 8
-    if dtype in (np.uint16, getattr(torch, "uint16", None)):
-        return 16
-    raise TypeError(f"rbits must be uint8 (8 random bits) or uint16 (16 random bits), got {dtype}")
+_RBITS_WIDTHS = {np.dtype(np.uint8): 8, np.dtype(np.uint16): 16, torch.uint8: 8}
+if hasattr(torch, "uint16"):
+    _RBITS_WIDTHS[torch.uint16] = 16
+
+
+def _check_rbits(rbits, shape: tuple[int, ...]):
+    """(rbits as an array or tensor, its width w) after checking it: a uint8 (w = 8) or uint16
+    (w = 16) numpy array, numpy scalar or torch tensor, or a Python int in [0, 2**16) (w = 16),
+    broadcastable to ``shape``. Nothing is converted to another width."""
+    if isinstance(rbits, int) and not isinstance(rbits, bool):
+        if not 0 <= rbits < (1 << 16):
+            raise ValueError(f"{rbits=} must be 16 random bits, 0 <= rbits < 2**16, as a Python "
+                             "int; or a uint8 / uint16 array")
+        rbits = np.uint16(rbits)
+    if isinstance(rbits, (np.ndarray, np.generic)):
+        rbits = np.asarray(rbits)
+    elif not isinstance(rbits, torch.Tensor):
+        raise TypeError(f"rbits must be a uint8 or uint16 numpy array or torch tensor, or a Python "
+                        f"int, got {type(rbits).__name__}")
+    width = _RBITS_WIDTHS.get(rbits.dtype)
+    if width is None:
+        raise TypeError(f"rbits must be uint8 (8 random bits) or uint16 (16 random bits), "
+                        f"got {rbits.dtype}")
+    rshape = tuple(rbits.shape)
+    try:
+        ok = np.broadcast_shapes(rshape, tuple(shape)) == tuple(shape)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"rbits of shape {rshape} does not broadcast to the shape of x, "
+                         f"{tuple(shape)}")
+    return rbits, width
 
 
 def encode(x, fmt: Format | str, *, rounding: Rounding | str = Rounding.NEAREST_EVEN,
@@ -420,7 +472,9 @@ def encode(x, fmt: Format | str, *, rounding: Rounding | str = Rounding.NEAREST_
         fmt: a :class:`Format`, its name (``"float8_e4m3fn"``) or an alias (``"e4m3"``).
         rounding: a :class:`Rounding` or its value string.
         saturate: overflow to +-max instead of the format's overflow value.
-        rbits: random bits for ``rounding="stochastic"`` (uint8 or uint16, broadcastable to x).
+        rbits: random bits for ``rounding="stochastic"``, broadcastable to x: a uint8 (8 random
+            bits per value) or uint16 (16 bits) numpy array, numpy scalar or torch tensor, or a
+            Python int in [0, 2**16) (16 bits).
 
     Returns:
         Codes of the same shape and kind (numpy / torch, same device): uint8 for 8-bit formats,
@@ -428,16 +482,19 @@ def encode(x, fmt: Format | str, *, rounding: Rounding | str = Rounding.NEAREST_
         general uint16).
 
     Raises:
-        TypeError: non-float input (integers, complex, bool), or bad ``rbits`` dtype.
+        TypeError: non-float input (integers, complex, bool), or ``rbits`` of another dtype or
+            type.
         ValueError: unknown format or rounding name; rbits missing or given without stochastic
-            rounding.
+            rounding; an int rbits outside [0, 2**16); rbits not broadcastable to x.
     """
     fmt = get_format(fmt)
     rounding = get_rounding(rounding)
     t, was_numpy = _as_torch(x)
     if (rbits is None) != (rounding is not Rounding.STOCHASTIC):
         raise ValueError("rbits must be given exactly when rounding='stochastic'")
-    w = 16 if rbits is None else _rbits_width(rbits)
+    w = 16
+    if rbits is not None:
+        rbits, w = _check_rbits(rbits, tuple(t.shape))
     wide, src = _widen(t)
 
     native = _TORCH_NATIVE.get(fmt.name)

@@ -311,7 +311,10 @@ def matmul(a, bt, c=None, *, fa=None, fb=None, model: Accumulation | str = Accum
            promote_every: int | None = None, tile_k: int | None = None, chain: bool = True,
            scale_a=None, scale_b=None, scale_block_k: int = 128,
            rules: WgmmaRules = HOPPER):
-    """``a @ bt.T + c`` from FP8 operands under an accumulation model (module docstring)."""
+    """``a @ bt.T + c`` from FP8 operands under an accumulation model (module docstring).
+
+    With M = 0, N = 0 or an empty batch the result is empty; with K = 0 it is ``c`` itself (no
+    products, no k-step: +0 where c is None) in every model, NaN written as 0x7FFFFFFF."""
     model = Accumulation(model)
     was_numpy = isinstance(a, np.ndarray)
     a, fa = _as_codes(a, fa, "a")
@@ -333,19 +336,27 @@ def matmul(a, bt, c=None, *, fa=None, fb=None, model: Accumulation | str = Accum
     if scale_a is not None and tile_k is not None and tile_k != scale_block_k:
         raise ValueError(f"block scales fix the K tile: {tile_k=} != {scale_block_k=}")
 
-    a2, b2 = a.reshape(-1, m, k), bt.reshape(-1, n, k)
-    c2 = c.reshape(-1, m, n)
+    # explicit sizes: a dimension of size 0 leaves -1 undetermined
+    nb = int(np.prod(batch, dtype=np.int64))
+    a2, b2 = a.reshape(nb, m, k), bt.reshape(nb, n, k)
+    c2 = c.reshape(nb, m, n)
+
+    def item(s, i):  # the batch entry i of a block scale; a 0-d or 1-d scale serves them all
+        return s.reshape(nb, *s.shape[-2:])[i] if batch and s.ndim >= 2 else s
+
     outs = []
-    for i in range(a2.shape[0]):
+    for i in range(nb):
         scales = None
         if scale_a is not None:
-            sa = _expand_scale(scale_a if not batch else scale_a.reshape(-1, *scale_a.shape[-2:])[i],
-                               m, tiles, a.device, "scale_a")
-            sb = _expand_scale(scale_b if not batch else scale_b.reshape(-1, *scale_b.shape[-2:])[i],
-                               n, tiles, a.device, "scale_b")
+            sa = _expand_scale(item(scale_a, i), m, tiles, a.device, "scale_a")
+            sb = _expand_scale(item(scale_b, i), n, tiles, a.device, "scale_b")
             scales = (sa, sb, scale_block_k)
         ai, bi, ci = a2[i], b2[i], c2[i].contiguous()
-        if model is Accumulation.HOPPER:
+        if ai.numel() == 0 or bi.numel() == 0:
+            # no products (K = 0: the sum is exactly zero, out = c in every model) or no
+            # outputs (M = 0 or N = 0)
+            out = ci.clone()
+        elif model is Accumulation.HOPPER:
             out = _hopper(ai, bi, ci, fa, fb, rules, promote_every, tile_k, chain, scales)
         elif scales is not None:
             out = _scaled_tiles(ai, bi, ci, fa, fb, model, scales)
@@ -354,7 +365,10 @@ def matmul(a, bt, c=None, *, fa=None, fb=None, model: Accumulation | str = Accum
         else:
             out = _gemm_exact.fp32_matmul(ai, bi, ci, fa, fb)
         outs.append(canonicalize_nan(out))
-    out = torch.stack(outs).reshape(*batch, m, n)
+    if outs:
+        out = torch.stack(outs).reshape(*batch, m, n)
+    else:  # an empty batch
+        out = torch.empty((*batch, m, n), dtype=torch.float32, device=a.device)
     return out.cpu().numpy() if was_numpy else out
 
 

@@ -19,7 +19,10 @@ bits and smallest normal exponent ``emin``:
      ``w`` bits, so P(up) = floor(f 2**w) / 2**w: unbiased up to 2**-w of a quantum.
 4. The magnitude code is ``(e - emin) * 2**m + n`` (formats with subnormals; without them,
    E8M0, it is that minus ``2**m`` and a result below the smallest value becomes the smallest
-   value, since E8M0 has no zero).
+   value, since E8M0 has no zero). So a positive input below 2**-127 is 2**-127 in E8M0 under
+   every rounding mode and every ``rbits``: there is no neighbour below it (OCP MX v1.0:
+   E8M0 holds 2**-127 .. 2**127 and NaN, no zero). Between 2**-127 and 2**-126 the neighbours
+   are 2**-127 and 2**-126, one quantum apart, as in every other binade.
 5. Overflow (magnitude code beyond the largest finite one, or an infinite input):
    - ``saturate=True``: +-max;
    - otherwise, IEEE 754-2019 clause 7.4: a rounding direction that points toward zero for this

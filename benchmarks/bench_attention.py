@@ -37,17 +37,17 @@ FWD_CANDIDATES = [  # block_m, block_n, num_warps, num_stages[, tma[, maxnreg]] 
     (64, 128, 4, 3, True), (64, 128, 4, 3, True, 168),  # the defaults at D = 128 and D = 64
 ]
 # per head dim; dkdv: block_m1, block_n1, warps, stages; dq: block_m2, block_n2, warps, stages
-# [, tma[, split_head[, maxnreg_dq[, maxnreg_dkdv]]]]
+# [, tma[, maxnreg_dq[, maxnreg_dkdv]]]
 BWD_CANDIDATES = {
     128: [
-        (64, 128, 8, 2, 128, 64, 8, 2, True, False),  # the default: dS blocks 1x64, TMA, whole accumulators
-        (64, 128, 8, 2, 128, 64, 8, 3, True, False),  # dq: 3 stages
+        (64, 128, 8, 2, 128, 64, 8, 2, True),  # the default: dS blocks 1x64, TMA
+        (64, 128, 8, 2, 128, 64, 8, 3, True),  # dq: 3 stages
     ],
     64: [
-        # the default: pointer loads, whole accumulators, dq capped at 168 registers (3 CTAs per SM)
-        (64, 64, 4, 2, 64, 64, 4, 2, False, False, 168, None),
-        (64, 64, 4, 2, 64, 64, 4, 2, False, False),  # no register caps
-        (64, 64, 4, 2, 64, 64, 4, 2, False, False, 168, 168),  # dkdv capped too
+        # the default: pointer loads, dq capped at 168 registers (3 CTAs per SM)
+        (64, 64, 4, 2, 64, 64, 4, 2, False, 168, None),
+        (64, 64, 4, 2, 64, 64, 4, 2, False),  # no register caps
+        (64, 64, 4, 2, 64, 64, 4, 2, False, 168, 168),  # dkdv capped too
     ],
 }
 
@@ -61,9 +61,9 @@ def _tiles(fwd_c, bwd_c):
         bwd_c = BWD_CANDIDATES[128][0]
     fwd = FwdTiles(*fwd_c)
     bm1, bn1, w1, s1, bm2, bn2, w2, s2, *flags = bwd_c
-    tma, split_head, cap_dq, cap_dkdv = (list(flags) + [False, True, None, None][len(flags):])[:4]
+    tma, cap_dq, cap_dkdv = (list(flags) + [False, None, None][len(flags):])[:3]
     bwd = BwdTiles(block_m1=bm1, block_n1=bn1, block_m2=bm2, block_n2=bn2, num_warps_dkdv=w1, num_stages_dkdv=s1,
-                   num_warps_dq=w2, num_stages_dq=s2, tma=bool(tma), split_head=bool(split_head),
+                   num_warps_dq=w2, num_stages_dq=s2, tma=bool(tma),
                    maxnreg_dq=cap_dq, maxnreg_dkdv=cap_dkdv)
     return fwd, bwd
 

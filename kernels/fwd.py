@@ -21,11 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dump_fp8, mul_rn, to_bf16, to_fp8
+from ._common import mul_rn, to_bf16, to_fp8
 from ._runtime import interpreting, register_cap
 from .config import QUANT_BLOCK, FwdTiles, KernelRecipe
 
-LOG2E = 1.4426950408889634
+#: log2(e): the kernels compute exp2(S * log2(e)) = exp(S); tau * log2(e) rides on Q's scale
+LOG2E = math.log2(math.e)
 
 
 @triton.jit
@@ -75,8 +76,9 @@ def _fwd_inner(
         p_scaled = p * P_SCALE
         p8 = to_fp8(p_scaled, False, INTERPRET)
         if DEBUG:
-            dump_fp8(P_DUMP + offs_m[:, None] * N + offs_n[None, :], p_scaled, p8,
-                     (offs_m[:, None] < N) & (offs_n[None, :] < N), DEBUG)
+            # the float32 values the cast received; the host makes them codes (fp8_codes)
+            tl.store(P_DUMP + offs_m[:, None] * N + offs_n[None, :], p_scaled,
+                     mask=(offs_m[:, None] < N) & (offs_n[None, :] < N))
         # V transposed copy as a (BLOCK_N, D) tile: tokens (the contraction) contiguous; the
         # padding up to NPAD holds zero codes, so no mask is needed
         if TMA:
@@ -165,10 +167,7 @@ def forward(
     dev = q8.rows.device
     o = torch.empty((batch, heads, n, head_dim), device=dev, dtype=torch.bfloat16)
     lse2 = torch.empty((batch * heads, n), device=dev, dtype=torch.float32)
-    # debug: 1 (or True) = float32 values of the P codes, 2 = the codes as bytes (see _dump_fp8)
-    debug = int(debug)
-    p_dump = (torch.zeros((batch * heads, n, n), device=dev,
-                          dtype=torch.uint8 if debug == 2 else torch.float32) if debug
+    p_dump = (torch.zeros((batch * heads, n, n), device=dev, dtype=torch.float32) if debug
               else torch.empty(1, device=dev, dtype=torch.float32))
     grid = (triton.cdiv(n, tiles.block_m), batch * heads)
     k_rows, v_cols = k8.rows, vt.cols
@@ -182,7 +181,7 @@ def forward(
         o, lse2, p_dump,
         scale * LOG2E, heads, heads // kv_heads, n, vt.npad,
         HEAD_DIM=head_dim, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, QB=QUANT_BLOCK,
-        CAUSAL=causal, P_SCALE=float(2 ** recipe.p_scale_log2), TMA=tiles.tma, DEBUG=debug,
+        CAUSAL=causal, P_SCALE=float(2 ** recipe.p_scale_log2), TMA=tiles.tma, DEBUG=bool(debug),
         INTERPRET=interpreting(), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **register_cap(tiles.maxnreg),
     )
@@ -190,11 +189,9 @@ def forward(
 
 
 def fp8_codes(dump: torch.Tensor, fmt: str = "float8_e4m3fn") -> torch.Tensor:
-    """uint8 codes of a debug dump (``_common.dump_fp8``): bytes already (``debug=2``), or the
-    float32 values the kernel's cast received, cast here with RNE satfinite (``dmref.emulation``,
-    the model's cast; ``cvt.rn.satfinite`` computes the same)."""
-    if dump.dtype == torch.uint8:
-        return dump
+    """uint8 codes of a debug dump: the float32 values the kernel's cast received, cast here
+    with RNE satfinite (``dmref.emulation``, the model's cast; the kernels' ``cvt.rn.satfinite``
+    computes the same, checked on its own in tests/kernels)."""
     from dmref.emulation import encode
 
     return encode(dump, fmt, saturate=True)

@@ -211,6 +211,9 @@ def _bwd_dq_kernel(
         hi = N
     # One loop with masks on every tile (two compares and a select per element): separate
     # masked and unmasked loops each kept their own pipelined state live and spilled.
+    # Invariant at the top of each iteration, over the key tiles done so far: dq = sum of
+    # deq(Q8(P (dP - Dst))) K (float32, one add per tile); kbar (MATCHED) = the float16 sum of
+    # Q8(2**4 P) K / (2**4 u); pdp (MATCHED) = sum_j P dP; psum, rowsum (DEBUG) = sum_j P, sum_j dS.
     for start_n in range(0, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -323,7 +326,10 @@ def _dkdv_head(
     bh32 = bh64.to(tl.int32)  # the head's index into the descriptors (TMA)
     head_col_scale = bh64 * (NPAD // QB) * HEAD_DIM
     # masks on every tile (two compares and a select per element): one loop body; separate
-    # masked and unmasked loops each kept their own pipelined state live and spilled
+    # masked and unmasked loops each kept their own pipelined state live and spilled.
+    # Invariant at the top of each iteration, over the query tiles (and query heads) done so
+    # far: dk = sum of deq(Q8(dS^T)) Q, dv = sum of Q8(2**8 P^T) deq(dO) (float32, one add per
+    # tile; dv carries P's 2**8, taken out at the store).
     for start_m in range(lo, N, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)

@@ -8,20 +8,41 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._runtime import patch_interpreter_scalar_index
+from dmref.emulation import get_format
 
-patch_interpreter_scalar_index()
+_E4M3 = get_format("float8_e4m3fn")
+_E5M2 = get_format("float8_e5m2")
+_FLOAT32_MANTISSA_BITS = 23
 
-# Format constants, per FP8 format: (smallest normal, max,
-# 2**(emin - mantissa_bits + 23), exponent of max). Both formats' max is 1.75 * 2**EMAX.
-E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2**-6
-E4M3_MAX = tl.constexpr(448.0)
-E4M3_SUB_MAGIC = tl.constexpr(16384.0)  # 2**14: x + C rounds x to a multiple of 2**-9
-E4M3_EMAX = tl.constexpr(8)
-E5M2_MIN_NORMAL = tl.constexpr(6.103515625e-05)  # 2**-14
-E5M2_MAX = tl.constexpr(57344.0)
-E5M2_SUB_MAGIC = tl.constexpr(128.0)  # 2**7: x + C rounds x to a multiple of 2**-16
-E5M2_EMAX = tl.constexpr(15)
+
+def _max_fraction_field(fmt) -> int:
+    """The float32 mantissa field of the format's largest finite value (``max / 2**emax - 1``
+    in units of 2**-23)."""
+    return int((fmt.max / 2.0**fmt.emax - 1.0) * 2**_FLOAT32_MANTISSA_BITS)
+
+
+# pow2_floor_exponent compares every amax's mantissa field against one value: both formats'
+# max is 1.75 * 2**EMAX (field 0x600000)
+if _max_fraction_field(_E4M3) != _max_fraction_field(_E5M2):  # pragma: no cover - format tables
+    raise RuntimeError(f"E4M3 max {_E4M3.max} and E5M2 max {_E5M2.max} differ in their mantissa")
+
+# Format constants of the two FP8 formats, from dmref.emulation's tables (the model's formats),
+# passed to the jitted helpers as constexprs: smallest normal, largest finite value, exponent of
+# the largest finite value, float32 mantissa bits the cast drops (23 - mantissa bits), and the
+# subnormal rounding constant 2**(emin - mantissa bits + 23): x + C - C rounds |x| < smallest
+# normal to a multiple of the subnormal spacing 2**(emin - mantissa bits).
+E4M3_MIN_NORMAL = tl.constexpr(_E4M3.min_normal)  # 2**-6
+E4M3_MAX = tl.constexpr(_E4M3.max)  # 448
+E4M3_EMAX = tl.constexpr(_E4M3.emax)  # 8
+E4M3_DROP = tl.constexpr(_FLOAT32_MANTISSA_BITS - _E4M3.mantissa_bits)  # 20
+E4M3_SUB_MAGIC = tl.constexpr(2.0 ** (_E4M3.emin - _E4M3.mantissa_bits + _FLOAT32_MANTISSA_BITS))  # 2**14
+E5M2_MIN_NORMAL = tl.constexpr(_E5M2.min_normal)  # 2**-14
+E5M2_MAX = tl.constexpr(_E5M2.max)  # 57344
+E5M2_EMAX = tl.constexpr(_E5M2.emax)  # 15
+E5M2_DROP = tl.constexpr(_FLOAT32_MANTISSA_BITS - _E5M2.mantissa_bits)  # 21
+E5M2_SUB_MAGIC = tl.constexpr(2.0 ** (_E5M2.emin - _E5M2.mantissa_bits + _FLOAT32_MANTISSA_BITS))  # 2**7
+#: float32 mantissa field of 1.75, the significand of both formats' max
+MAX_FRACTION_FIELD = tl.constexpr(_max_fraction_field(_E4M3))
 
 
 @triton.jit
@@ -33,8 +54,8 @@ def _round_to_grid(x, DROP: tl.constexpr, MIN_NORMAL: tl.constexpr, FMAX: tl.con
     Used under the interpreter only, whose own FP8 cast rounds half up and drops the carry into the
     exponent; the hardware cast (``cvt.rn.satfinite``) computes the same values.
     """
-    LOW: tl.constexpr = (1 << DROP) - 1
-    HALF_MINUS_ONE: tl.constexpr = (1 << (DROP - 1)) - 1
+    LOW: tl.constexpr = 2**DROP - 1
+    HALF_MINUS_ONE: tl.constexpr = 2**(DROP - 1) - 1
     bits = x.to(tl.int32, bitcast=True)
     mag = bits & 0x7FFFFFFF
     # normal range: add half an ulp minus one plus the lowest kept bit (ties to even), truncate
@@ -55,11 +76,11 @@ def to_fp8(x, IS_E5M2: tl.constexpr, INTERPRET: tl.constexpr):
     """float32 -> FP8 (E4M3 or E5M2), round to nearest even, saturating."""
     if IS_E5M2:
         if INTERPRET:
-            x = _round_to_grid(x, 21, E5M2_MIN_NORMAL, E5M2_MAX, E5M2_SUB_MAGIC)
+            x = _round_to_grid(x, E5M2_DROP, E5M2_MIN_NORMAL, E5M2_MAX, E5M2_SUB_MAGIC)
         y = x.to(tl.float8e5)
     else:
         if INTERPRET:
-            x = _round_to_grid(x, 20, E4M3_MIN_NORMAL, E4M3_MAX, E4M3_SUB_MAGIC)
+            x = _round_to_grid(x, E4M3_DROP, E4M3_MIN_NORMAL, E4M3_MAX, E4M3_SUB_MAGIC)
         y = x.to(tl.float8e4nv)
     return y
 
@@ -85,7 +106,7 @@ def pow2_floor_exponent(amax, IS_E5M2: tl.constexpr):
     """
     bits = amax.to(tl.int32, bitcast=True)
     e = ((bits >> 23) & 0xFF) - 127
-    over = ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    over = ((bits & 0x7FFFFF) > MAX_FRACTION_FIELD).to(tl.int32)
     if IS_E5M2:
         k = E5M2_EMAX - e - over
     else:
@@ -128,23 +149,3 @@ def to_bf16(x, INTERPRET: tl.constexpr):
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
         x = (bits - (bits & 0xFFFF)).to(tl.float32, bitcast=True)
     return x.to(tl.bfloat16)
-
-
-@triton.jit
-def dump_fp8(ptrs, x, x8, mask, DEBUG: tl.constexpr):
-    """Debug store of a tile quantized to FP8: ``x`` is the float32 value the cast received
-    (scale included), ``x8`` the FP8 tile it gave (which also feeds a register-operand wgmma).
-
-    ``DEBUG == 1``: ``x``; the host casts it with the model's RNE satfinite cast
-    (``fwd.fp8_codes``). The hardware cast is ``cvt.rn.satfinite`` (checked against the model on
-    its own in tests/kernels), and the test that recomputes O from the dumped codes checks that
-    the matmul consumed exactly these. ``DEBUG == 2``: the codes ``x8`` as bytes (bitcast): the
-    first version's store, which on the H200 does not show the codes the matmul consumed;
-    kept for the test that documents it. (Storing ``x8.to(float32)`` instead is no way around:
-    the compiler moves the layout conversion of the store before the widening, onto the 8-bit
-    tile, and the values came back with NaNs on the H200, 2026-11-29.)
-    """
-    if DEBUG == 2:
-        tl.store(ptrs, x8.to(tl.uint8, bitcast=True), mask=mask)
-    else:
-        tl.store(ptrs, x, mask=mask)

@@ -48,31 +48,6 @@ def require_runnable(*tensors: torch.Tensor) -> None:
         )
 
 
-def patch_interpreter_scalar_index() -> None:
-    """Let Triton's interpreter use program-id-derived values as ``range`` bounds under NumPy 2.4+.
-
-    The interpreter stores scalars as 1-element arrays and converts them with ``int(array)``,
-    which NumPy 2.4 turns from a deprecation warning into a TypeError; every kernel that loops
-    from ``program_id`` bounds then fails in the interpreter only. This wraps the interpreter's
-    per-call patching of ``tl.tensor`` so that ``__index__`` reads the single element instead.
-    Does nothing unless the interpreter is on; idempotent.
-    """
-    if not interpreting():
-        return
-    from triton.runtime import interpreter
-
-    if getattr(interpreter, "_dmref_index_patched", False):
-        return
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-    interpreter._dmref_index_patched = True
-
-
 def register_cap(maxnreg: int | None) -> dict:
     """Launch options for a tiling's register cap (Triton's ``maxnreg``); none under the
     interpreter, which does not compile."""

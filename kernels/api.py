@@ -71,7 +71,7 @@ def attention_forward(
     Returns ``(O, LSE, saved, debug dict)``: O ``(B, H, N, D)`` BF16, LSE ``(B, H, N)`` float32
     (natural log), ``saved`` for :func:`attention_backward` (None unless ``for_backward``), and
     with ``debug`` the forward's P codes under ``"p_codes"`` (``(B*H, N, N)`` uint8; the kernel
-    stores them as float32 values, ``debug=2`` as bytes: see ``_common.dump_fp8``).
+    stores the float32 values its cast received and the host casts them: ``fwd.fp8_codes``).
     """
     from . import fwd
     from .quantize import quantize

@@ -29,13 +29,15 @@ The delta step, per strategy:
   second and reads the matched D, forming ``dS = P (dP - D)`` exactly. The cost over stale is the
   kbar matmul, its accumulator and one row reduction in ``dq``; nothing is swept twice.
 
-Registers (H200, D = 128, ``python -m dmref.kernels.compile_check``): with ``BwdTiles.split_head``
-dQ, kbar, dK and dV are each kept as two halves of the head dim, so that the float32 result of one
-accumulating matmul (the promotion temporary) is a quarter of the four accumulators; with TMA
-loads (``BwdTiles.tma``) whole accumulators fit as well and are faster (the default); every FP8
-operand of a tile is formed before its first accumulating matmul (P, dP and dS are dead by then);
-each kernel has one loop with masks on every tile, and the dkdv kernel loops over GQA heads only
-when there are several.
+Registers (H200, ``python -m dmref.kernels.compile_check``): every FP8 operand of a tile is
+formed before its first accumulating matmul (P, dP and dS are dead by then); each kernel has one
+loop with masks on every tile, and the dkdv kernel loops over GQA heads only when there are
+several.
+
+Stages: each kernel's loop body is written as the stages of a FlashAttention-3 style pipeline,
+named in comments and helpers: load (``_row_tile_t``, ``_col_tile_t``), QK^T + softmax
+(``_dot_rn``, ``_dq_p``, ``_dkdv_p_t``), dP, dS (``_quantize_ds``), the matched delta (dq), the
+accumulating matmuls and the stores.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dump_fp8, mul_rn, quantize_rows, quantize_tile, to_bf16, to_fp8
+from ._common import mul_rn, quantize_rows, quantize_tile, to_bf16, to_fp8
 from ._runtime import interpreting, register_cap
 from .config import KBAR_P_SCALE_LOG2, QUANT_BLOCK, KernelRecipe
 
@@ -53,8 +55,112 @@ KBAR_P_SCALE = tl.constexpr(float(2**KBAR_P_SCALE_LOG2))
 
 
 # --------------------------------------------------------------------------------------------
+# stages shared by both kernels (Triton inlines @triton.jit helpers: the code is the same as
+# written out in place)
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _row_tile_t(X8, base, head, start, offs_t, offs_d, t_in,
+                BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr):
+    """Load: ``BLOCK`` tokens of a row copy as a ``(HEAD_DIM, BLOCK)`` tile, the head dim (the
+    contraction of QK^T and dO V^T) contiguous. With TMA ``X8`` is a descriptor of the
+    ``(B*H, N, D)`` codes and ``head`` selects the head; else ``X8 + base`` points at this
+    head's codes. Tokens past N read as zero codes (the descriptor's bounds, or the mask)."""
+    if TMA:
+        tile = tl.trans(X8.load([head, start, 0]).reshape(BLOCK, HEAD_DIM))
+    else:
+        rows = offs_t[None, :] * HEAD_DIM + offs_d[:, None]
+        tile = tl.load(X8 + base + rows, mask=t_in[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def _col_tile_t(XT8, base, head, start, offs_t, offs_d, NPAD,
+                BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr):
+    """Load: ``BLOCK`` tokens of a transposed copy as a ``(BLOCK, HEAD_DIM)`` tile, the tokens
+    (the contraction of dS K, dS^T Q and P^T dO) contiguous. With TMA ``XT8`` is a descriptor of
+    the ``(B*H, D, NPAD)`` codes; else ``XT8 + base`` points at this head's codes. The copy is
+    padded to NPAD with zero codes, so no mask."""
+    if TMA:
+        tile = tl.trans(XT8.load([head, 0, start]).reshape(HEAD_DIM, BLOCK))
+    else:
+        cols = offs_d[None, :] * NPAD + offs_t[:, None]
+        tile = tl.load(XT8 + base + cols)
+    return tile
+
+
+@triton.jit
+def _dot_rn(a8, b8, a_scale, b_scale, INTERPRET: tl.constexpr):
+    """QK^T or dP: one FP8 wgmma chain over the head dim, dequantized by the row and column
+    scales and rounded on its own (``mul_rn``), as the recipe and the model round S2 and dP."""
+    return mul_rn(tl.dot(a8, b8), a_scale[:, None] * b_scale[None, :], INTERPRET)
+
+
+@triton.jit
+def _quantize_ds(ds, ROWS: tl.constexpr, DS_ROWWISE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Q-point dS: float32 -> E4M3 with one pow2_floor scale per row of the tile (``rowwise``:
+    per row and the whole contraction of the tile) or per tile. Returns (codes, the
+    dequantization factor of each of the ``ROWS`` rows, the scaled float32 tile the cast
+    received)."""
+    if DS_ROWWISE:
+        ds8, ds_inv, ds_scaled = quantize_rows(ds, False, INTERPRET)
+    else:
+        ds8, ds_inv_t, ds_scaled = quantize_tile(ds, False, INTERPRET)
+        ds_inv = tl.full([ROWS], 1.0, tl.float32) * ds_inv_t
+    return ds8, ds_inv, ds_scaled
+
+
+# --------------------------------------------------------------------------------------------
 # dq: one program per BLOCK_M queries of one head, looping over BLOCK_N keys
 # --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dq_p(s, lse2, offs_m, offs_n, in_seq, k_in, CAUSAL: tl.constexpr):
+    """Softmax: P = exp2(S2 - LSE2) from the recomputed S2 (the forward's, S * log2(e)), 0
+    where masked. Rows past N are masked too: they must not move a dS tile scale."""
+    valid = in_seq[:, None] & k_in[None, :]
+    if CAUSAL:
+        valid = valid & (offs_m[:, None] >= offs_n[None, :])
+    return tl.where(valid, tl.math.exp2(s - lse2[:, None]), 0.0)
+
+
+@triton.jit
+def _dq_kbar_step(kbar, p8, kt, KT_SCALE, sc, kb_c):
+    """kbar (matched delta's deferred correction): a float16 wgmma chain per tile, scaled to
+    units u in float32, added and rounded to float16 (its 32 registers instead of 64 keep the
+    loop from spilling)."""
+    kb = tl.dot(p8, kt, out_dtype=tl.float16).to(tl.float32)
+    return (kbar.to(tl.float32) + kb * (tl.load(KT_SCALE + sc) * kb_c)[None, :]).to(tl.float16)
+
+
+@triton.jit
+def _dq_load_queries(Q8, Q_SCALE, DO8, DO_SCALE, LSE2, DELTA_STALE, bh64, rows, offs_m, in_seq, qk_scale, N,
+                     HEAD_DIM: tl.constexpr):
+    """Load: this program's Q and dO row copies (``(BLOCK_M, D)``, kept on chip for the whole
+    loop), Q's scales times tau * log2(e), dO's scales, LSE2 and the stale D of its rows."""
+    q = tl.load(Q8 + bh64 * N * HEAD_DIM + rows, mask=in_seq[:, None], other=0.0)
+    do = tl.load(DO8 + bh64 * N * HEAD_DIM + rows, mask=in_seq[:, None], other=0.0)
+    q_scale = tl.load(Q_SCALE + bh64 * N + offs_m, mask=in_seq, other=0.0) * qk_scale
+    do_scale = tl.load(DO_SCALE + bh64 * N + offs_m, mask=in_seq, other=0.0)
+    lse2 = tl.load(LSE2 + bh64 * N + offs_m, mask=in_seq, other=0.0)
+    d_stale = tl.load(DELTA_STALE + bh64 * N + offs_m, mask=in_seq, other=0.0)
+    return q, do, q_scale, do_scale, lse2, d_stale
+
+
+@triton.jit
+def _dq_matched_delta(dq, kbar, unit, pdp, d_stale, psum, rowsum, DELTA_MATCHED, offs_m, in_seq,
+                      DEBUG: tl.constexpr):
+    """The matched delta, after the last key tile: stores D = sum_j P dP (the reference's
+    ``DeltaKind.MATCHED``; ``DELTA_MATCHED`` points at this head's rows) and applies dQ's
+    deferred correction dS K = (P (dP - Dst)) K - (D - Dst) (P K), with P K = kbar * u."""
+    tl.store(DELTA_MATCHED + offs_m, pdp, mask=in_seq)
+    corr = pdp - d_stale
+    dq -= corr[:, None] * (kbar.to(tl.float32) * unit)
+    if DEBUG:
+        rowsum -= (pdp - d_stale) * psum
+    return dq, rowsum
 
 
 @triton.jit
@@ -65,7 +171,7 @@ def _bwd_dq_kernel(
     qk_scale, sm_scale, H, GROUP, N, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
     CAUSAL: tl.constexpr, MATCHED: tl.constexpr, P_SCALE: tl.constexpr,
-    DS_ROWWISE: tl.constexpr, TMA: tl.constexpr, SPLIT: tl.constexpr,
+    DS_ROWWISE: tl.constexpr, TMA: tl.constexpr,
     DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     tl.static_assert(QB % BLOCK_N == 0)
@@ -87,23 +193,12 @@ def _bwd_dq_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     in_seq = offs_m < N
     rows = offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-    q = tl.load(Q8 + bh64 * N * HEAD_DIM + rows, mask=in_seq[:, None], other=0.0)
-    do = tl.load(DO8 + bh64 * N * HEAD_DIM + rows, mask=in_seq[:, None], other=0.0)
-    q_scale = tl.load(Q_SCALE + bh64 * N + offs_m, mask=in_seq, other=0.0) * qk_scale
-    do_scale = tl.load(DO_SCALE + bh64 * N + offs_m, mask=in_seq, other=0.0)
-    lse2 = tl.load(LSE2 + bh64 * N + offs_m, mask=in_seq, other=0.0)
-    d_stale = tl.load(DELTA_STALE + bh64 * N + offs_m, mask=in_seq, other=0.0)
-    # dQ and kbar whole, or with SPLIT in two halves of the head dim each (a matmul's float32
-    # result, the promotion temporary, is then half as large: BwdTiles.split_head); without
-    # SPLIT the *_hi halves are unused
-    DH: tl.constexpr = HEAD_DIM // 2 if SPLIT else HEAD_DIM
-    offs_h = tl.arange(0, DH)
-    dq_lo = tl.zeros([BLOCK_M, DH], tl.float32)
-    dq_hi = tl.zeros([BLOCK_M, DH], tl.float32)
+    q, do, q_scale, do_scale, lse2, d_stale = _dq_load_queries(
+        Q8, Q_SCALE, DO8, DO_SCALE, LSE2, DELTA_STALE, bh64, rows, offs_m, in_seq, qk_scale, N, HEAD_DIM)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     # kbar is second order (it is multiplied by D - D_stale): float16, in units u of the
     # largest K scale of this head (K_UNIT), so |kbar / u| <= 448 can never overflow float16
-    kbar_lo = tl.zeros([BLOCK_M, DH], tl.float16)
-    kbar_hi = tl.zeros([BLOCK_M, DH], tl.float16)
+    kbar = tl.zeros([BLOCK_M, HEAD_DIM], tl.float16)
     if MATCHED:
         unit = tl.load(K_UNIT + kv)
         kb_c = tl.math.div_rn(1.0 / KBAR_P_SCALE, unit)  # powers of two: exact
@@ -116,90 +211,49 @@ def _bwd_dq_kernel(
         hi = N
     # One loop with masks on every tile (two compares and a select per element): separate
     # masked and unmasked loops each kept their own pipelined state live and spilled.
+    # Invariant at the top of each iteration, over the key tiles done so far: dq = sum of
+    # deq(Q8(P (dP - Dst))) K (float32, one add per tile); kbar (MATCHED) = the float16 sum of
+    # Q8(2**4 P) K / (2**4 u); pdp (MATCHED) = sum_j P dP; psum, rowsum (DEBUG) = sum_j P, sum_j dS.
     for start_n in range(0, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k_in = offs_n < N
-        # K and V row copies as (D, BLOCK_N) tiles: the head dim (the contraction) contiguous
-        if TMA:  # rows past N read as zeros (the descriptor's bounds)
-            k = tl.trans(K8.load([kv32, start_n, 0]).reshape(BLOCK_N, HEAD_DIM))
-            v = tl.trans(V8.load([kv32, start_n, 0]).reshape(BLOCK_N, HEAD_DIM))
-        else:
-            kv_rows = offs_n[None, :] * HEAD_DIM + offs_d[:, None]
-            k = tl.load(K8 + kv_rows, mask=k_in[None, :], other=0.0)
-            v = tl.load(V8 + kv_rows, mask=k_in[None, :], other=0.0)
+        # load: K and V row copies as (D, BLOCK_N) tiles
+        k = _row_tile_t(K8, 0, kv32, start_n, offs_n, offs_d, k_in, BLOCK_N, HEAD_DIM, TMA)
+        v = _row_tile_t(V8, 0, kv32, start_n, offs_n, offs_d, k_in, BLOCK_N, HEAD_DIM, TMA)
         k_scale = tl.load(K_SCALE + offs_n, mask=k_in, other=0.0)
         v_scale = tl.load(V_SCALE + offs_n, mask=k_in, other=0.0)
-        # recompute: in the forward this was S2 = dot(Q8, K8^T) * scales; now P against LSE
-        s = mul_rn(tl.dot(q, k), q_scale[:, None] * k_scale[None, :], INTERPRET)
-        # rows past N are masked too: they must not move a dS tile scale
-        valid = in_seq[:, None] & k_in[None, :]
-        if CAUSAL:
-            valid = valid & (offs_m[:, None] >= offs_n[None, :])
-        p = tl.where(valid, tl.math.exp2(s - lse2[:, None]), 0.0)
-        # S2 and dP rounded on their own (mul_rn), as the recipe and the model round them
-        dp = mul_rn(tl.dot(do, v), do_scale[:, None] * v_scale[None, :], INTERPRET)
+        # QK^T + softmax: the forward's S2 recomputed, P against LSE
+        p = _dq_p(_dot_rn(q, k, q_scale, k_scale, INTERPRET), lse2, offs_m, offs_n, in_seq, k_in, CAUSAL)
+        # dP
+        dp = _dot_rn(do, v, do_scale, v_scale, INTERPRET)
         if MATCHED:
-            # delta step (matched): sum_j P dP from the very float32 P and dP that dS uses
+            # the matched delta: sum_j P dP from the very float32 P and dP that dS uses
             pdp += tl.sum(p * dp, axis=1)
+        # dS, against the stale D (the matched D is not known yet: deferred correction below)
         ds = p * (dp - d_stale[:, None])
         if DEBUG:
             psum += tl.sum(p, axis=1)
             rowsum += tl.sum(ds, axis=1)
         # Every FP8 operand exists before the first matmul below, so the float32 P, dP and dS
         # tiles are dead while a matmul's float32 result is live (registers).
-        if DS_ROWWISE:
-            # Q-point dS: float32 -> E4M3, one pow2_floor scale per query row and BLOCK_N keys
-            ds8, ds_inv, _ = quantize_rows(ds, False, INTERPRET)
-        else:
-            # Q-point dS: float32 -> E4M3, one pow2_floor scale per BLOCK_M x BLOCK_N tile
-            ds8, ds_inv_t, _ = quantize_tile(ds, False, INTERPRET)
-            ds_inv = tl.full([BLOCK_M], 1.0, tl.float32) * ds_inv_t
+        ds8, ds_inv, _ = _quantize_ds(ds, BLOCK_M, DS_ROWWISE, INTERPRET)
         if MATCHED:
             # Q-point P (kbar): float32 -> E4M3, scale KBAR_P_SCALE against LSE: with codes of
             # P <= 2**4 and of K <= 448 a float16 wgmma chain cannot overflow, as sum_j P <= 1
             p8 = to_fp8(p * KBAR_P_SCALE, False, INTERPRET)
-        # K transposed copy as (BLOCK_N, D/2) tiles: tokens (the contraction) contiguous,
-        # padded to NPAD with zero codes, so no mask
-        kt_lo = offs_h[None, :] * NPAD + offs_n[:, None]
-        kt_hi = kt_lo + DH * NPAD
-        sc_lo = (start_n // QB) * HEAD_DIM + offs_h
-        sc_hi = sc_lo + DH
-        if TMA:
-            kt_tile_lo = tl.trans(KT8.load([kv32, 0, start_n]).reshape(DH, BLOCK_N))
-            if SPLIT:
-                kt_tile_hi = tl.trans(KT8.load([kv32, DH, start_n]).reshape(DH, BLOCK_N))
-        else:
-            kt_tile_lo = tl.load(KT8 + kt_lo)
-            if SPLIT:
-                kt_tile_hi = tl.load(KT8 + kt_hi)
-        # promotion: one wgmma chain per tile and half head dim, then one float32 add
-        dq_lo += tl.dot(ds8, kt_tile_lo) * tl.load(KT_SCALE + sc_lo)[None, :] * ds_inv[:, None]
-        if SPLIT:
-            dq_hi += tl.dot(ds8, kt_tile_hi) * tl.load(KT_SCALE + sc_hi)[None, :] * ds_inv[:, None]
+        # load: K transposed copy as a (BLOCK_N, D) tile
+        sc = (start_n // QB) * HEAD_DIM + offs_d
+        kt = _col_tile_t(KT8, 0, kv32, start_n, offs_n, offs_d, NPAD, BLOCK_N, HEAD_DIM, TMA)
+        # dS K, promoted: one wgmma chain per tile, then one float32 add
+        dq += tl.dot(ds8, kt) * tl.load(KT_SCALE + sc)[None, :] * ds_inv[:, None]
         if MATCHED:
-            # kbar: float16 wgmma chain per tile, scaled to units u in float32, added and
-            # rounded to float16 (its 32 registers instead of 64 keep the loop from spilling)
-            kb_lo = tl.dot(p8, kt_tile_lo, out_dtype=tl.float16).to(tl.float32)
-            if SPLIT:
-                kb_hi = tl.dot(p8, kt_tile_hi, out_dtype=tl.float16).to(tl.float32)
-            kbar_lo = (kbar_lo.to(tl.float32) + kb_lo * (tl.load(KT_SCALE + sc_lo) * kb_c)[None, :]).to(tl.float16)
-            if SPLIT:
-                kbar_hi = (kbar_hi.to(tl.float32) + kb_hi * (tl.load(KT_SCALE + sc_hi) * kb_c)[None, :]).to(tl.float16)
-    out_lo = offs_m[:, None] * HEAD_DIM + offs_h[None, :]
+            kbar = _dq_kbar_step(kbar, p8, kt, KT_SCALE, sc, kb_c)
     if MATCHED:
-        # delta step (matched): D = sum_j P dP, the reference's DeltaKind.MATCHED
-        tl.store(DELTA_MATCHED + bh64 * N + offs_m, pdp, mask=in_seq)
-        # deferred correction of dQ: dS K = (P (dP - Dst)) K - (D - Dst) (P K)
-        corr = pdp - d_stale
-        dq_lo -= corr[:, None] * (kbar_lo.to(tl.float32) * unit)
-        if SPLIT:
-            dq_hi -= corr[:, None] * (kbar_hi.to(tl.float32) * unit)
-        if DEBUG:
-            rowsum -= (pdp - d_stale) * psum
-    tl.store(DQ + bh64 * N * HEAD_DIM + out_lo, to_bf16(dq_lo * sm_scale, INTERPRET), mask=in_seq[:, None])
-    if SPLIT:
-        tl.store(DQ + bh64 * N * HEAD_DIM + out_lo + DH, to_bf16(dq_hi * sm_scale, INTERPRET), mask=in_seq[:, None])
+        dq, rowsum = _dq_matched_delta(dq, kbar, unit, pdp, d_stale, psum, rowsum, DELTA_MATCHED + bh64 * N,
+                                       offs_m, in_seq, DEBUG)
+    # stores
+    tl.store(DQ + bh64 * N * HEAD_DIM + rows, to_bf16(dq * sm_scale, INTERPRET), mask=in_seq[:, None])
     if DEBUG:
         tl.store(DQ_ROWSUM + bh64 * N + offs_m, rowsum, mask=in_seq)
 
@@ -211,20 +265,59 @@ def _bwd_dq_kernel(
 
 
 @triton.jit
+def _dkdv_p_t(s_t, lse2, offs_m, offs_n, in_seq, q_in, CAUSAL: tl.constexpr):
+    """Softmax, transposed: P^T = exp2(S2^T - LSE2) (keys by queries), 0 where masked."""
+    valid = q_in[None, :] & in_seq[:, None]
+    if CAUSAL:
+        valid = valid & (offs_m[None, :] >= offs_n[:, None])
+    return tl.where(valid, tl.math.exp2(s_t - lse2[None, :]), 0.0)
+
+
+@triton.jit
+def _dkdv_debug_store(p_t, ds_t, ds_scaled, ds_inv, offs_m, offs_n, in_seq, q_in, start_m, head, bh64,
+                      DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE, N,
+                      BLOCK_M: tl.constexpr, P_SCALE: tl.constexpr):
+    """Debug stores of one tile: dS's row sums (before quantization), the float32 values the P
+    and dS casts received (the host casts them: ``fwd.fp8_codes``) and dS's dequantization
+    factors ``(B*H, cdiv(N, BLOCK_M), N)``, per query tile and key."""
+    tl.atomic_add(DS_ROWSUM + head + offs_m, tl.sum(ds_t, axis=0), mask=q_in)
+    dump = offs_m[None, :] * N + offs_n[:, None]
+    dump_mask = q_in[None, :] & in_seq[:, None]
+    tl.store(P_DUMP + bh64 * N * N + dump, p_t * P_SCALE, mask=dump_mask)
+    tl.store(DS_DUMP + bh64 * N * N + dump, ds_scaled, mask=dump_mask)
+    scale_ptrs = (start_m // BLOCK_M) * N + offs_n
+    tl.store(DS_SCALE + bh64 * tl.cdiv(N, BLOCK_M) * N + scale_ptrs, ds_inv, mask=in_seq)
+
+
+@triton.jit
+def _dkdv_col_tiles(DOT8, QT8, head_cols, head_col_scale, bh32, start_m, offs_m, offs_d, NPAD,
+                    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, QB: tl.constexpr, TMA: tl.constexpr):
+    """Load: the dO and Q transposed copies' ``(BLOCK_M, D)`` tiles of this query tile (as
+    ``_col_tile_t``; both from one offset tile) and the index of their scales in this head's
+    ``(NPAD // QB, D)`` dequantization factors."""
+    cols = offs_d[None, :] * NPAD + offs_m[:, None]
+    sc = head_col_scale + (start_m // QB) * HEAD_DIM + offs_d
+    if TMA:
+        dot = tl.trans(DOT8.load([bh32, 0, start_m]).reshape(HEAD_DIM, BLOCK_M))
+        qt = tl.trans(QT8.load([bh32, 0, start_m]).reshape(HEAD_DIM, BLOCK_M))
+    else:
+        dot = tl.load(DOT8 + head_cols + cols)
+        qt = tl.load(QT8 + head_cols + cols)
+    return dot, qt, sc
+
+
+@triton.jit
 def _dkdv_head(
-    dk_lo, dk_hi, dv_lo, dv_hi, k, k_scale, v, v_scale, offs_n, in_seq, bh64, lo,
+    dk, dv, k, k_scale, v, v_scale, offs_n, in_seq, bh64, lo,
     Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA,
     DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE, qk_scale, N, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
     CAUSAL: tl.constexpr, P_SCALE: tl.constexpr, DS_ROWWISE: tl.constexpr,
-    TMA: tl.constexpr, SPLIT: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
+    TMA: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """The query tiles of one query head, accumulated into this key block's dK and dV (halves
-    of the head dim with SPLIT).
+    """The query tiles of one query head, accumulated into this key block's dK and dV.
     With TMA, Q8, DO8 (rows, (B*H, N, D)) and QT8, DOT8 (cols, (B*H, D, NPAD)) are tensor
     descriptors."""
-    DH: tl.constexpr = HEAD_DIM // 2 if SPLIT else HEAD_DIM
-    offs_h = tl.arange(0, DH)
     offs_d = tl.arange(0, HEAD_DIM)
     # this query head's base offsets: 64-bit scalars; the tiles use int32 offsets
     head_rows = bh64 * N * HEAD_DIM
@@ -233,82 +326,43 @@ def _dkdv_head(
     bh32 = bh64.to(tl.int32)  # the head's index into the descriptors (TMA)
     head_col_scale = bh64 * (NPAD // QB) * HEAD_DIM
     # masks on every tile (two compares and a select per element): one loop body; separate
-    # masked and unmasked loops each kept their own pipelined state live and spilled
+    # masked and unmasked loops each kept their own pipelined state live and spilled.
+    # Invariant at the top of each iteration, over the query tiles (and query heads) done so
+    # far: dk = sum of deq(Q8(dS^T)) Q, dv = sum of Q8(2**8 P^T) deq(dO) (float32, one add per
+    # tile; dv carries P's 2**8, taken out at the store).
     for start_m in range(lo, N, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q_in = offs_m < N
-        # Q and dO row copies as (D, BLOCK_M) tiles: the head dim (the contraction) contiguous
-        if TMA:  # rows past N read as zeros (the descriptor's bounds)
-            q_t = tl.trans(Q8.load([bh32, start_m, 0]).reshape(BLOCK_M, HEAD_DIM))
-            do_t = tl.trans(DO8.load([bh32, start_m, 0]).reshape(BLOCK_M, HEAD_DIM))
-        else:
-            q_rows = offs_m[None, :] * HEAD_DIM + offs_d[:, None]
-            q_t = tl.load(Q8 + head_rows + q_rows, mask=q_in[None, :], other=0.0)
-            do_t = tl.load(DO8 + head_rows + q_rows, mask=q_in[None, :], other=0.0)
+        # load: Q and dO row copies as (D, BLOCK_M) tiles
+        q_t = _row_tile_t(Q8, head_rows, bh32, start_m, offs_m, offs_d, q_in, BLOCK_M, HEAD_DIM, TMA)
+        do_t = _row_tile_t(DO8, head_rows, bh32, start_m, offs_m, offs_d, q_in, BLOCK_M, HEAD_DIM, TMA)
         q_scale = tl.load(Q_SCALE + head + offs_m, mask=q_in, other=0.0) * qk_scale
         lse2 = tl.load(LSE2 + head + offs_m, mask=q_in, other=0.0)
-        # recompute, transposed: in the forward this was S2 = dot(Q8, K8^T) * scales, so now
-        # S2^T = dot(K8, Q8^T) * scales and P^T against LSE
-        s_t = mul_rn(tl.dot(k, q_t), k_scale[:, None] * q_scale[None, :], INTERPRET)
-        valid = q_in[None, :] & in_seq[:, None]
-        if CAUSAL:
-            valid = valid & (offs_m[None, :] >= offs_n[:, None])
-        p_t = tl.where(valid, tl.math.exp2(s_t - lse2[None, :]), 0.0)
+        # QK^T + softmax, transposed: S2^T = dot(K8, Q8^T) * scales, P^T against LSE
+        p_t = _dkdv_p_t(_dot_rn(k, q_t, k_scale, q_scale, INTERPRET), lse2, offs_m, offs_n, in_seq, q_in, CAUSAL)
         do_scale = tl.load(DO_SCALE + head + offs_m, mask=q_in, other=0.0)
         delta = tl.load(DELTA + head + offs_m, mask=q_in, other=0.0)
-        dp_t = mul_rn(tl.dot(v, do_t), v_scale[:, None] * do_scale[None, :], INTERPRET)
+        # dP^T
+        dp_t = _dot_rn(v, do_t, v_scale, do_scale, INTERPRET)
         # Q-point P (dV): float32 -> E4M3, scale 2**8 against LSE
         p8_t = to_fp8(p_t * P_SCALE, False, INTERPRET)
-        # dS = P (dP - D), with D stale or matched as the caller chose
+        # dS = P (dP - D), with D stale or matched (the dq kernel's) as the caller chose
         ds_t = p_t * (dp_t - delta[None, :])
-        if DS_ROWWISE:
-            # Q-point dS: float32 -> E4M3, one pow2_floor scale per key and BLOCK_M queries
-            ds8_t, ds_inv, ds_scaled = quantize_rows(ds_t, False, INTERPRET)
-        else:
-            # Q-point dS: float32 -> E4M3, one pow2_floor scale per BLOCK_M x BLOCK_N tile
-            ds8_t, ds_inv_t, ds_scaled = quantize_tile(ds_t, False, INTERPRET)
-            ds_inv = tl.full([BLOCK_N], 1.0, tl.float32) * ds_inv_t
+        ds8_t, ds_inv, ds_scaled = _quantize_ds(ds_t, BLOCK_N, DS_ROWWISE, INTERPRET)
         if DEBUG:
-            tl.atomic_add(DS_ROWSUM + head + offs_m, tl.sum(ds_t, axis=0), mask=q_in)
-            dump = offs_m[None, :] * N + offs_n[:, None]
-            dump_mask = q_in[None, :] & in_seq[:, None]
-            dump_fp8(P_DUMP + bh64 * N * N + dump, p_t * P_SCALE, p8_t, dump_mask, DEBUG)
-            dump_fp8(DS_DUMP + bh64 * N * N + dump, ds_scaled, ds8_t, dump_mask, DEBUG)
-            # dequantization factor of dS[:, j] in this query tile: (B*H, cdiv(N, BLOCK_M), N)
-            scale_ptrs = (start_m // BLOCK_M) * N + offs_n
-            tl.store(DS_SCALE + bh64 * tl.cdiv(N, BLOCK_M) * N + scale_ptrs, ds_inv, mask=in_seq)
+            _dkdv_debug_store(p_t, ds_t, ds_scaled, ds_inv, offs_m, offs_n, in_seq, q_in, start_m, head, bh64,
+                              DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE, N, BLOCK_M, P_SCALE)
         # Both FP8 operands exist before the first of the two matmuls below, so the float32
         # P, dP and dS tiles are dead while a matmul's float32 result is live (registers).
-        # dO and Q transposed copies as (BLOCK_M, D) tiles: tokens (the contraction) contiguous,
-        # padded to NPAD with zero codes, so no mask
-        # promotion: one wgmma chain per tile and half head dim, then one float32 add
-        # (scales applied on the way)
-        tok_lo = offs_h[None, :] * NPAD + offs_m[:, None]
-        tok_hi = tok_lo + DH * NPAD
-        sc_lo = head_col_scale + (start_m // QB) * HEAD_DIM + offs_h
-        sc_hi = sc_lo + DH
-        if TMA:
-            dot_lo = tl.trans(DOT8.load([bh32, 0, start_m]).reshape(DH, BLOCK_M))
-            if SPLIT:
-                dot_hi = tl.trans(DOT8.load([bh32, DH, start_m]).reshape(DH, BLOCK_M))
-            qt_lo = tl.trans(QT8.load([bh32, 0, start_m]).reshape(DH, BLOCK_M))
-            if SPLIT:
-                qt_hi = tl.trans(QT8.load([bh32, DH, start_m]).reshape(DH, BLOCK_M))
-        else:
-            dot_lo = tl.load(DOT8 + head_cols + tok_lo)
-            if SPLIT:
-                dot_hi = tl.load(DOT8 + head_cols + tok_hi)
-            qt_lo = tl.load(QT8 + head_cols + tok_lo)
-            if SPLIT:
-                qt_hi = tl.load(QT8 + head_cols + tok_hi)
-        dv_lo += tl.dot(p8_t, dot_lo) * tl.load(DOT_SCALE + sc_lo)[None, :]
-        if SPLIT:
-            dv_hi += tl.dot(p8_t, dot_hi) * tl.load(DOT_SCALE + sc_hi)[None, :]
-        dk_lo += tl.dot(ds8_t, qt_lo) * tl.load(QT_SCALE + sc_lo)[None, :] * ds_inv[:, None]
-        if SPLIT:
-            dk_hi += tl.dot(ds8_t, qt_hi) * tl.load(QT_SCALE + sc_hi)[None, :] * ds_inv[:, None]
-    return dk_lo, dk_hi, dv_lo, dv_hi
+        # load: dO and Q transposed copies as (BLOCK_M, D) tiles
+        dot, qt, sc = _dkdv_col_tiles(DOT8, QT8, head_cols, head_col_scale, bh32, start_m, offs_m, offs_d, NPAD,
+                                      BLOCK_M, HEAD_DIM, QB, TMA)
+        # P^T dO and dS^T Q, promoted: one wgmma chain per tile, then one float32 add (scales
+        # applied on the way)
+        dv += tl.dot(p8_t, dot) * tl.load(DOT_SCALE + sc)[None, :]
+        dk += tl.dot(ds8_t, qt) * tl.load(QT_SCALE + sc)[None, :] * ds_inv[:, None]
+    return dk, dv
 
 
 @triton.jit
@@ -319,7 +373,7 @@ def _bwd_dkdv_kernel(
     qk_scale, sm_scale, H, HKV, N, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, P_SCALE: tl.constexpr, DS_ROWWISE: tl.constexpr,
-    TMA: tl.constexpr, SPLIT: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
+    TMA: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     tl.static_assert(QB % BLOCK_M == 0)
     start_n = tl.program_id(0) * BLOCK_N
@@ -330,19 +384,13 @@ def _bwd_dkdv_kernel(
     in_seq = offs_n < N
     rows = offs_n[:, None] * HEAD_DIM + offs_d[None, :]
     kv_rows = bkv64 * N * HEAD_DIM
-    # K and V row copies stay on chip for the whole loop
+    # load: K and V row copies stay on chip for the whole loop
     k = tl.load(K8 + kv_rows + rows, mask=in_seq[:, None], other=0.0)
     v = tl.load(V8 + kv_rows + rows, mask=in_seq[:, None], other=0.0)
     k_scale = tl.load(K_SCALE + bkv64 * N + offs_n, mask=in_seq, other=0.0)
     v_scale = tl.load(V_SCALE + bkv64 * N + offs_n, mask=in_seq, other=0.0)
-    # dK and dV whole, or with SPLIT in two halves of the head dim each (as dq's); without SPLIT
-    # the *_hi halves are unused
-    DH: tl.constexpr = HEAD_DIM // 2 if SPLIT else HEAD_DIM
-    offs_h = tl.arange(0, DH)
-    dk_lo = tl.zeros([BLOCK_N, DH], tl.float32)
-    dk_hi = tl.zeros([BLOCK_N, DH], tl.float32)
-    dv_lo = tl.zeros([BLOCK_N, DH], tl.float32)
-    dv_hi = tl.zeros([BLOCK_N, DH], tl.float32)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     if CAUSAL:
         # the first query tile that sees a key of this block (tiles divide one another)
         lo = (start_n // BLOCK_M) * BLOCK_M
@@ -353,26 +401,22 @@ def _bwd_dkdv_kernel(
     if GROUP == 1:
         # no loop over heads: a run-time head loop keeps its per-head state live across the
         # tile loop (spills at D = 128, compile_check)
-        dk_lo, dk_hi, dv_lo, dv_hi = _dkdv_head(
-            dk_lo, dk_hi, dv_lo, dv_hi, k, k_scale, v, v_scale, offs_n, in_seq, bh0, lo,
+        dk, dv = _dkdv_head(
+            dk, dv, k, k_scale, v, v_scale, offs_n, in_seq, bh0, lo,
             Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA,
             DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE, qk_scale, N, NPAD,
-            HEAD_DIM, BLOCK_M, BLOCK_N, QB, CAUSAL, P_SCALE, DS_ROWWISE, TMA, SPLIT, DEBUG, INTERPRET)
+            HEAD_DIM, BLOCK_M, BLOCK_N, QB, CAUSAL, P_SCALE, DS_ROWWISE, TMA, DEBUG, INTERPRET)
     else:
         # GQA: dK and dV sum over the GROUP query heads that read this key/value head
         for g in range(0, GROUP):
-            dk_lo, dk_hi, dv_lo, dv_hi = _dkdv_head(
-                dk_lo, dk_hi, dv_lo, dv_hi, k, k_scale, v, v_scale, offs_n, in_seq, bh0 + g, lo,
+            dk, dv = _dkdv_head(
+                dk, dv, k, k_scale, v, v_scale, offs_n, in_seq, bh0 + g, lo,
                 Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA,
                 DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE, qk_scale, N, NPAD,
-                HEAD_DIM, BLOCK_M, BLOCK_N, QB, CAUSAL, P_SCALE, DS_ROWWISE, TMA, SPLIT, DEBUG, INTERPRET)
-    rows_lo = offs_n[:, None] * HEAD_DIM + offs_h[None, :]
-    tl.store(DK + kv_rows + rows_lo, to_bf16(dk_lo * sm_scale, INTERPRET), mask=in_seq[:, None])
-    if SPLIT:
-        tl.store(DK + kv_rows + rows_lo + DH, to_bf16(dk_hi * sm_scale, INTERPRET), mask=in_seq[:, None])
-    tl.store(DV + kv_rows + rows_lo, to_bf16(dv_lo * (1.0 / P_SCALE), INTERPRET), mask=in_seq[:, None])
-    if SPLIT:
-        tl.store(DV + kv_rows + rows_lo + DH, to_bf16(dv_hi * (1.0 / P_SCALE), INTERPRET), mask=in_seq[:, None])
+                HEAD_DIM, BLOCK_M, BLOCK_N, QB, CAUSAL, P_SCALE, DS_ROWWISE, TMA, DEBUG, INTERPRET)
+    # stores
+    tl.store(DK + kv_rows + rows, to_bf16(dk * sm_scale, INTERPRET), mask=in_seq[:, None])
+    tl.store(DV + kv_rows + rows, to_bf16(dv * (1.0 / P_SCALE), INTERPRET), mask=in_seq[:, None])
 
 
 # --------------------------------------------------------------------------------------------
@@ -380,89 +424,75 @@ def _bwd_dkdv_kernel(
 # --------------------------------------------------------------------------------------------
 
 
+#: The backward kernels by name; ``backward(..., kernels=...)`` runs a subset (to time one alone).
+KERNELS = ("dq", "dkdv")
+
+
 def backward(
     saved, do8, do_t, delta_stale, *, batch: int, heads: int, kv_heads: int, n: int,
     head_dim: int, causal: bool, scale: float, recipe: KernelRecipe, debug: bool = False,
-    kernels: tuple[str, ...] = ("dq", "dkdv"),
+    kernels: tuple[str, ...] = KERNELS,
 ):
     """Run the backward kernels in the order the delta strategy needs.
 
     ``saved``: the forward's ``SavedForward`` (quantized Q, K, V copies and LSE2). ``do8`` /
     ``do_t``: row and transposed copies of dO; ``delta_stale``: the preprocess's rowsum(dO * O).
     Returns ``(dq, dk, dv, debug dict)``; dk and dv have the key/value heads' shape.
-    ``kernels`` names the kernels to run (both; one alone only to time it).
+    ``kernels`` names the kernels to run, of ``KERNELS`` (both; one alone only to time it).
     """
+    unknown = sorted(set(kernels) - set(KERNELS))
+    if unknown:
+        raise ValueError(f"kernels={kernels!r}: {unknown} not among {KERNELS}")
     from .fwd import LOG2E
 
     t = recipe.bwd_tiles(head_dim)
     dev = do8.rows.device
-    qk_scale = scale * LOG2E
-    npad = do_t.npad
     dq = torch.empty((batch, heads, n, head_dim), device=dev, dtype=torch.bfloat16)
     dk = torch.empty((batch, kv_heads, n, head_dim), device=dev, dtype=torch.bfloat16)
     dv = torch.empty_like(dk)
     matched = recipe.delta == "matched"
     delta_matched = torch.empty_like(delta_stale) if matched else delta_stale
-    # kbar's unit per key/value head: the largest of its K block scales (a reduction over the
-    # (B*Hkv, NPAD/128, D) scales, not over K); one scalar per program, as a per-channel vector
-    # held across the dq loop spilled (and a precomputed per-tile factor cost a load per tile)
-    k_unit = saved.k.col_scale.amax(dim=(1, 2)).contiguous() if matched else torch.empty(1, device=dev)
-    dummy8 = torch.empty(1, device=dev, dtype=torch.uint8)
+    dbg = _debug_buffers(batch * heads, n, t.block_m1, dev) if debug else {}
     dummy32 = torch.empty(1, device=dev, dtype=torch.float32)
-    dbg = {}
-    debug = int(debug)  # 1 (or True): FP8 dumps as float32 values; 2: as bytes (see dump_fp8)
-    if debug:
-        dump_dtype = torch.uint8 if debug == 2 else torch.float32
-        dbg["dq_ds_rowsum"] = torch.zeros((batch * heads, n), device=dev, dtype=torch.float32)
-        dbg["ds_rowsum"] = torch.zeros((batch * heads, n), device=dev, dtype=torch.float32)
-        dbg["p_codes"] = torch.zeros((batch * heads, n, n), device=dev, dtype=dump_dtype)
-        dbg["ds_codes"] = torch.zeros((batch * heads, n, n), device=dev, dtype=dump_dtype)
-        dbg["ds_scale"] = torch.zeros((batch * heads, triton.cdiv(n, t.block_m1), n),
-                                      device=dev, dtype=torch.float32)
     q8, k8, v8 = saved.q, saved.k, saved.v
-    common = dict(HEAD_DIM=head_dim, QB=QUANT_BLOCK, CAUSAL=causal,
+    dq_ops, dkdv_ops = _operands(q8, k8, v8, do8, do_t, t, head_dim)
+    launch = dict(HEAD_DIM=head_dim, QB=QUANT_BLOCK, CAUSAL=causal,
                   P_SCALE=float(2 ** recipe.p_scale_log2), DS_ROWWISE=recipe.ds_granularity == "rowwise",
-                  TMA=t.tma, SPLIT=t.split_head, DEBUG=debug, INTERPRET=interpreting())
-    dh = t.accumulator_width(head_dim)
-    if t.tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor as TD
-
-        # dq: K, V rows per block_n2 keys, K cols per half head dim; dkdv: Q, dO rows per
-        # block_m1 queries, Q, dO cols per half head dim
-        dq_ops = (TD.from_tensor(k8.rows, [1, t.block_n2, head_dim]),
-                  TD.from_tensor(v8.rows, [1, t.block_n2, head_dim]),
-                  TD.from_tensor(k8.cols, [1, dh, t.block_n2]))
-        dkdv_ops = (TD.from_tensor(q8.rows, [1, t.block_m1, head_dim]), TD.from_tensor(q8.cols, [1, dh, t.block_m1]),
-                    TD.from_tensor(do8.rows, [1, t.block_m1, head_dim]), TD.from_tensor(do_t.cols, [1, dh, t.block_m1]))
-    else:
-        dq_ops = (k8.rows, v8.rows, k8.cols)
-        dkdv_ops = (q8.rows, q8.cols, do8.rows, do_t.cols)
+                  TMA=t.tma, DEBUG=bool(debug), INTERPRET=interpreting())
+    scalars = (scale * LOG2E, scale)
 
     def run_dq():
+        # kbar's unit per key/value head: the largest of its K block scales (a reduction over the
+        # (B*Hkv, NPAD/128, D) scales, not over K); one scalar per program, as a per-channel
+        # vector held across the dq loop spilled (and a precomputed per-tile factor cost a load
+        # per tile)
+        k_unit = k8.col_scale.amax(dim=(1, 2)).contiguous() if matched else dummy32
         _bwd_dq_kernel[(triton.cdiv(n, t.block_m2), batch * heads)](
             q8.rows, q8.row_scale, dq_ops[0], k8.row_scale, dq_ops[1], v8.row_scale,
             dq_ops[2], k8.col_scale, k_unit, do8.rows, do8.row_scale, saved.lse2, delta_stale,
             delta_matched if matched else dummy32,
             dq, dbg.get("dq_ds_rowsum", dummy32),
-            qk_scale, scale, heads, heads // kv_heads, n, npad,
+            *scalars, heads, heads // kv_heads, n, do_t.npad,
             BLOCK_M=t.block_m2, BLOCK_N=t.block_n2, MATCHED=matched,
-            num_warps=t.num_warps_dq, num_stages=t.num_stages_dq, **register_cap(t.maxnreg_dq), **common)
+            num_warps=t.num_warps_dq, num_stages=t.num_stages_dq, **register_cap(t.maxnreg_dq), **launch)
 
     def run_dkdv():
         _bwd_dkdv_kernel[(triton.cdiv(n, t.block_n1), batch * kv_heads)](
             dkdv_ops[0], q8.row_scale, dkdv_ops[1], q8.col_scale, k8.rows, k8.row_scale,
             v8.rows, v8.row_scale, dkdv_ops[2], do8.row_scale, dkdv_ops[3], do_t.col_scale,
             saved.lse2, delta_matched,
-            dk, dv, dbg.get("ds_rowsum", dummy32), dbg.get("p_codes", dummy8),
-            dbg.get("ds_codes", dummy8), dbg.get("ds_scale", dummy32),
-            qk_scale, scale, heads, kv_heads, n, npad,
+            dk, dv, dbg.get("ds_rowsum", dummy32), dbg.get("p_codes", dummy32),
+            dbg.get("ds_codes", dummy32), dbg.get("ds_scale", dummy32),
+            *scalars, heads, kv_heads, n, do_t.npad,
             BLOCK_M=t.block_m1, BLOCK_N=t.block_n1, GROUP=heads // kv_heads,
-            num_warps=t.num_warps_dkdv, num_stages=t.num_stages_dkdv, **register_cap(t.maxnreg_dkdv), **common)
+            num_warps=t.num_warps_dkdv, num_stages=t.num_stages_dkdv, **register_cap(t.maxnreg_dkdv),
+            **launch)
 
-    order = (run_dq, run_dkdv) if matched else (run_dkdv, run_dq)  # matched: dq makes D first
-    for run in order:
-        if run.__name__[4:] in kernels:
-            run()
+    runs = {"dq": run_dq, "dkdv": run_dkdv}
+    # matched: dq runs first and makes D; stale: either order
+    for name in ("dq", "dkdv") if matched else ("dkdv", "dq"):
+        if name in kernels:
+            runs[name]()
     dbg["delta"] = delta_matched if matched else delta_stale
     if debug:
         from .fwd import fp8_codes
@@ -470,3 +500,30 @@ def backward(
         dbg["p_codes"] = fp8_codes(dbg["p_codes"])
         dbg["ds_codes"] = fp8_codes(dbg["ds_codes"])
     return dq, dk, dv, dbg
+
+
+def _debug_buffers(rows: int, n: int, block_m1: int, dev) -> dict:
+    """The debug outputs (see ``api.attention_backward``): the P and dS dumps hold the float32
+    values the casts received, made codes on the host (``fwd.fp8_codes``)."""
+    def zeros(*shape):
+        return torch.zeros(shape, device=dev, dtype=torch.float32)
+
+    return dict(dq_ds_rowsum=zeros(rows, n), ds_rowsum=zeros(rows, n), p_codes=zeros(rows, n, n),
+                ds_codes=zeros(rows, n, n), ds_scale=zeros(rows, triton.cdiv(n, block_m1), n))
+
+
+def _operands(q8, k8, v8, do8, do_t, t, head_dim: int):
+    """The FP8 operand copies each kernel loads tiles from: TMA tensor descriptors with
+    ``t.tma`` (dq: K, V rows per ``block_n2`` keys, K cols; dkdv: Q, dO rows per ``block_m1``
+    queries, Q, dO cols), else the tensors themselves. Returns (dq's K, V, K^T; dkdv's Q, Q^T,
+    dO, dO^T)."""
+    if not t.tma:
+        return (k8.rows, v8.rows, k8.cols), (q8.rows, q8.cols, do8.rows, do_t.cols)
+    from triton.tools.tensor_descriptor import TensorDescriptor as TD
+
+    d = head_dim
+    dq_ops = (TD.from_tensor(k8.rows, [1, t.block_n2, d]), TD.from_tensor(v8.rows, [1, t.block_n2, d]),
+              TD.from_tensor(k8.cols, [1, d, t.block_n2]))
+    dkdv_ops = (TD.from_tensor(q8.rows, [1, t.block_m1, d]), TD.from_tensor(q8.cols, [1, d, t.block_m1]),
+                TD.from_tensor(do8.rows, [1, t.block_m1, d]), TD.from_tensor(do_t.cols, [1, d, t.block_m1]))
+    return dq_ops, dkdv_ops

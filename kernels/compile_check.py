@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import dataclass
 
 from ._runtime import register_cap
-from .config import QUANT_BLOCK, BwdTiles, KernelRecipe, get_recipe
+from .config import QUANT_BLOCK, KernelRecipe, get_recipe
 
 _INT_ARGS = ("H", "HKV", "GROUP", "N", "NPAD")
 _FP8 = {"float8_e4m3fn": "*fp8e4nv", "float8_e5m2": "*fp8e5"}
@@ -36,13 +36,11 @@ class Usage:
 def _pointer_type(name: str, do_format: str) -> str:
     if name in ("O", "DQ", "DK", "DV", "X"):
         return "*bf16"
-    if name in ("P_DUMP", "DS_DUMP"):
-        return "*u8"
     if name.startswith(("DO8", "DOT8")):
         return _FP8[do_format]
     if name.endswith("8"):
         return "*fp8e4nv"
-    return "*fp32"  # scales, LSE2, deltas, row sums
+    return "*fp32"  # scales, LSE2, deltas, row sums, debug dumps
 
 
 def compile_sm90(kernel, constexprs: dict, *, num_warps: int, num_stages: int,
@@ -109,7 +107,7 @@ def recipe_variants(recipe: KernelRecipe, head_dim: int, causal: bool, group: in
                 WITH_DELTA=True, IS_E5M2=False, INTERPRET=False), 8, 3, None)
     yield ("fwd", fwd._fwd_kernel, dict(common, BLOCK_M=f.block_m, BLOCK_N=f.block_n, TMA=f.tma),
            f.num_warps, f.num_stages, f.maxnreg)
-    bt = dict(TMA=b.tma, SPLIT=b.split_head)
+    bt = dict(TMA=b.tma)
     yield ("dq", bwd._bwd_dq_kernel,
            dict(common, **ds, **bt, BLOCK_M=b.block_m2, BLOCK_N=b.block_n2, MATCHED=recipe.delta == "matched"),
            b.num_warps_dq, b.num_stages_dq, b.maxnreg_dq)
@@ -125,13 +123,12 @@ def _descriptor_blocks(name: str, consts: dict, head_dim: int) -> dict | None:
     d = head_dim
     if name == "fwd":
         return {"K8": [1, consts["BLOCK_N"], d], "VT8": [1, d, consts["BLOCK_N"]]}
-    dh = BwdTiles(split_head=consts["SPLIT"]).accumulator_width(d)
     if name == "dq":
         bn = consts["BLOCK_N"]
-        return {"K8": [1, bn, d], "V8": [1, bn, d], "KT8": [1, dh, bn]}
+        return {"K8": [1, bn, d], "V8": [1, bn, d], "KT8": [1, d, bn]}
     if name == "dkdv":
         bm = consts["BLOCK_M"]
-        return {"Q8": [1, bm, d], "DO8": [1, bm, d], "QT8": [1, dh, bm], "DOT8": [1, dh, bm]}
+        return {"Q8": [1, bm, d], "DO8": [1, bm, d], "QT8": [1, d, bm], "DOT8": [1, d, bm]}
     return None
 
 

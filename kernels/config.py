@@ -78,7 +78,7 @@ class BwdTiles:
     ``dmref.recipes`` (``KernelRecipe.reference_recipe``). Tiles of 128 spill at head
     dim 128. The defaults (D = 128) are the fastest of the H200 sweeps in
     benchmarks/results/2026-11-29_nvidia-h200_bench_attention_v2.json (tiles) and ``..._v7_whole_
-    accumulators.json`` (TMA loads, whole accumulators).
+    accumulators.json`` (TMA loads).
     """
 
     block_m1: int = 64
@@ -91,9 +91,6 @@ class BwdTiles:
     num_stages_dq: int = 2
     #: load the FP8 operand tiles of both loops through TMA tensor descriptors
     tma: bool = True
-    #: keep dQ, kbar, dK and dV as two halves of the head dim (a half-size promotion temporary);
-    #: whole accumulators were faster on the H200 at both head dims (bench_attention_v7)
-    split_head: bool = False
     #: register caps per thread of the two kernels (Triton's ``maxnreg``; None: the compiler's
     #: choice); a lower cap lets more CTAs share an SM
     maxnreg_dq: int | None = None
@@ -102,11 +99,6 @@ class BwdTiles:
     def __post_init__(self) -> None:
         for name in ("block_m1", "block_n1", "block_m2", "block_n2"):
             _check_tile(name, getattr(self, name))
-
-    def accumulator_width(self, head_dim: int) -> int:
-        """Head-dim columns of each backward accumulator (and of the K, Q, dO column tiles
-        multiplied into it): half the head dim with ``split_head``, else all of it."""
-        return head_dim // 2 if self.split_head else head_dim
 
 
 def _check_tile(name: str, value: int) -> None:

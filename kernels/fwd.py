@@ -21,11 +21,67 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dump_fp8, mul_rn, to_bf16, to_fp8
+from ._common import mul_rn, to_bf16, to_fp8
 from ._runtime import interpreting, register_cap
 from .config import QUANT_BLOCK, FwdTiles, KernelRecipe
 
-LOG2E = 1.4426950408889634
+#: log2(e): the kernels compute exp2(S * log2(e)) = exp(S); tau * log2(e) rides on Q's scale
+LOG2E = math.log2(math.e)
+
+
+@triton.jit
+def _fwd_k_tile(K8, K_SCALE, kv, start_n, offs_n, offs_d, N,
+                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASK: tl.constexpr, TMA: tl.constexpr):
+    """Load: the K row copy as a ``(D, BLOCK_N)`` tile, the head dim (the contraction)
+    contiguous, and its per-key scales. With TMA keys past N read as zeros (the descriptor's
+    bounds), else under ``MASK``; their logits are masked by the softmax stage."""
+    if TMA:
+        k = tl.trans(K8.load([kv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM))
+    elif MASK:
+        k = tl.load(K8 + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=offs_n[None, :] < N, other=0.0)
+    else:
+        k = tl.load(K8 + offs_n[None, :] * HEAD_DIM + offs_d[:, None])
+    if MASK:
+        k_scale = tl.load(K_SCALE + offs_n, mask=offs_n < N, other=0.0)
+    else:
+        k_scale = tl.load(K_SCALE + offs_n)
+    return k, k_scale
+
+
+@triton.jit
+def _fwd_softmax(s, m_i, l_i, offs_m, offs_n, N, MASK: tl.constexpr, CAUSAL: tl.constexpr):
+    """Online softmax of one key tile: P = exp2(S2 - m) against the running max m (updated with
+    this tile's row maxima), alpha = exp2(m_old - m) rescales what was accumulated, and the
+    normalizer l sums the float32 P. Returns (P, alpha, l, m)."""
+    if MASK:
+        valid = offs_n[None, :] < N
+        if CAUSAL:
+            valid = valid & (offs_m[:, None] >= offs_n[None, :])
+        s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if MASK:
+        # a row with every key masked so far keeps m = -inf; subtract 0 there instead
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_sub = m_new
+    p = tl.math.exp2(s - m_sub[:, None])
+    alpha = tl.math.exp2(m_i - m_sub)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return p, alpha, l_i, m_new
+
+
+@triton.jit
+def _fwd_v_tile(VT8, VT_SCALE, kv, start_n, offs_n, offs_d, NPAD,
+                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, QB: tl.constexpr, TMA: tl.constexpr):
+    """Load: the V transposed copy as a ``(BLOCK_N, D)`` tile, the tokens (the contraction)
+    contiguous, and its per-channel scales of this key tile's scale block; the padding up to
+    NPAD holds zero codes, so no mask."""
+    if TMA:
+        vt = tl.trans(VT8.load([kv, 0, start_n]).reshape(HEAD_DIM, BLOCK_N))
+    else:
+        vt = tl.load(VT8 + offs_d[None, :] * NPAD + offs_n[:, None])
+    v_scale = tl.load(VT_SCALE + (start_n // QB) * HEAD_DIM + offs_d)
+    return vt, v_scale
 
 
 @triton.jit
@@ -39,52 +95,30 @@ def _fwd_inner(
     # K_SCALE, VT_SCALE and P_DUMP point at this program's head: offsets stay int32. With TMA,
     # K8 and VT8 are tensor descriptors of the (B*Hkv, N, D) and (B*Hkv, D, NPAD) copies and
     # ``kv`` selects the head; else they point at this head too.
+    # Invariant at the top of each iteration, over the key tiles done so far: m = the running
+    # row max of S2; l = sum of the float32 P = exp2(S2 - m_tile) rescaled to m; acc = sum of
+    # Q8(2**8 P) deq(V) rescaled to m (float32, one add per tile).
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        # K row copy as a (D, BLOCK_N) tile: the head dim (the contraction) is contiguous
-        if TMA:
-            # rows past N read as zeros (the descriptor's bounds); their logits are masked below
-            k = tl.trans(K8.load([kv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM))
-        elif MASK:
-            k = tl.load(K8 + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=offs_n[None, :] < N, other=0.0)
-        else:
-            k = tl.load(K8 + offs_n[None, :] * HEAD_DIM + offs_d[:, None])
-        if MASK:
-            k_scale = tl.load(K_SCALE + offs_n, mask=offs_n < N, other=0.0)
-        else:
-            k_scale = tl.load(K_SCALE + offs_n)
-        # S2 rounded before m is subtracted (mul_rn): no fused multiply-add into exp2's argument
+        # load
+        k, k_scale = _fwd_k_tile(K8, K_SCALE, kv, start_n, offs_n, offs_d, N, BLOCK_N, HEAD_DIM, MASK, TMA)
+        # QK^T: S2 rounded before m is subtracted (mul_rn): no fused multiply-add into exp2's
+        # argument
         s = mul_rn(tl.dot(q, k), q_scale[:, None] * k_scale[None, :], INTERPRET)
-        if MASK:
-            valid = offs_n[None, :] < N
-            if CAUSAL:
-                valid = valid & (offs_m[:, None] >= offs_n[None, :])
-            s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        if MASK:
-            # a row with every key masked so far keeps m = -inf; subtract 0 there instead
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_sub = m_new
-        p = tl.math.exp2(s - m_sub[:, None])
-        alpha = tl.math.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        # softmax against the running max
+        p, alpha, l_i, m_new = _fwd_softmax(s, m_i, l_i, offs_m, offs_n, N, MASK, CAUSAL)
         # Q-point P: float32 -> E4M3, scale 2**8 against the running max, RNE, satfinite
         p_scaled = p * P_SCALE
         p8 = to_fp8(p_scaled, False, INTERPRET)
         if DEBUG:
-            dump_fp8(P_DUMP + offs_m[:, None] * N + offs_n[None, :], p_scaled, p8,
-                     (offs_m[:, None] < N) & (offs_n[None, :] < N), DEBUG)
-        # V transposed copy as a (BLOCK_N, D) tile: tokens (the contraction) contiguous; the
-        # padding up to NPAD holds zero codes, so no mask is needed
-        if TMA:
-            vt = tl.trans(VT8.load([kv, 0, start_n]).reshape(HEAD_DIM, BLOCK_N))
-        else:
-            vt = tl.load(VT8 + offs_d[None, :] * NPAD + offs_n[:, None])
-        v_scale = tl.load(VT_SCALE + (start_n // QB) * HEAD_DIM + offs_d)
-        # promotion: the wgmma chain covers one tile, then one float32 add
+            # the float32 values the cast received; the host makes them codes (fp8_codes)
+            tl.store(P_DUMP + offs_m[:, None] * N + offs_n[None, :], p_scaled,
+                     mask=(offs_m[:, None] < N) & (offs_n[None, :] < N))
+        # load
+        vt, v_scale = _fwd_v_tile(VT8, VT_SCALE, kv, start_n, offs_n, offs_d, NPAD, BLOCK_N, HEAD_DIM, QB, TMA)
+        # PV, promoted: the wgmma chain covers one tile, then one float32 add
         acc = acc * alpha[:, None] + tl.dot(p8, vt) * v_scale[None, :]
         m_i = m_new
     return acc, l_i, m_i
@@ -165,10 +199,7 @@ def forward(
     dev = q8.rows.device
     o = torch.empty((batch, heads, n, head_dim), device=dev, dtype=torch.bfloat16)
     lse2 = torch.empty((batch * heads, n), device=dev, dtype=torch.float32)
-    # debug: 1 (or True) = float32 values of the P codes, 2 = the codes as bytes (see _dump_fp8)
-    debug = int(debug)
-    p_dump = (torch.zeros((batch * heads, n, n), device=dev,
-                          dtype=torch.uint8 if debug == 2 else torch.float32) if debug
+    p_dump = (torch.zeros((batch * heads, n, n), device=dev, dtype=torch.float32) if debug
               else torch.empty(1, device=dev, dtype=torch.float32))
     grid = (triton.cdiv(n, tiles.block_m), batch * heads)
     k_rows, v_cols = k8.rows, vt.cols
@@ -182,7 +213,7 @@ def forward(
         o, lse2, p_dump,
         scale * LOG2E, heads, heads // kv_heads, n, vt.npad,
         HEAD_DIM=head_dim, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, QB=QUANT_BLOCK,
-        CAUSAL=causal, P_SCALE=float(2 ** recipe.p_scale_log2), TMA=tiles.tma, DEBUG=debug,
+        CAUSAL=causal, P_SCALE=float(2 ** recipe.p_scale_log2), TMA=tiles.tma, DEBUG=bool(debug),
         INTERPRET=interpreting(), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **register_cap(tiles.maxnreg),
     )
@@ -190,11 +221,9 @@ def forward(
 
 
 def fp8_codes(dump: torch.Tensor, fmt: str = "float8_e4m3fn") -> torch.Tensor:
-    """uint8 codes of a debug dump (``_common.dump_fp8``): bytes already (``debug=2``), or the
-    float32 values the kernel's cast received, cast here with RNE satfinite (``dmref.emulation``,
-    the model's cast; ``cvt.rn.satfinite`` computes the same)."""
-    if dump.dtype == torch.uint8:
-        return dump
+    """uint8 codes of a debug dump: the float32 values the kernel's cast received, cast here
+    with RNE satfinite (``dmref.emulation``, the model's cast; the kernels' ``cvt.rn.satfinite``
+    computes the same, checked on its own in tests/kernels)."""
     from dmref.emulation import encode
 
     return encode(dump, fmt, saturate=True)

@@ -1,8 +1,7 @@
-"""The load, layout and register variants of the kernels (``FwdTiles.tma``, ``BwdTiles.tma``,
-``BwdTiles.split_head``, the ``maxnreg`` caps) load the same tiles (through TMA tensor descriptors
-instead of per-element pointers) and form the same products (in halves of the head dim or whole,
-in however many registers): their outputs and gradients equal the pointer variants' bit for bit
-(tails, GQA, causal)."""
+"""The load and register variants of the kernels (``FwdTiles.tma``, ``BwdTiles.tma``, the
+``maxnreg`` caps) load the same tiles (through TMA tensor descriptors instead of per-element
+pointers) and form the same products (in however many registers): their outputs and gradients
+equal the pointer variants' bit for bit (tails, GQA, causal)."""
 
 from __future__ import annotations
 
@@ -22,16 +21,16 @@ _CASES = [
 ]
 
 
-def _variant(recipe, head_dim, *, tma: bool, split_head: bool):
+def _variant(recipe, head_dim, *, tma: bool):
     fwd = dataclasses.replace(recipe.fwd, tma=tma)
-    bwd = dataclasses.replace(recipe.bwd_tiles(head_dim), tma=tma, split_head=split_head)
+    bwd = dataclasses.replace(recipe.bwd_tiles(head_dim), tma=tma)
     return recipe.with_tiles(fwd=fwd, bwd=bwd)
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("recipe", ["delta_matching", "naive_fp8"])
 @pytest.mark.parametrize("backend,case", _CASES)
-def test_load_and_layout_variants_equal_the_pointer_variant_bit_for_bit(backend, case, recipe, causal):
+def test_load_and_register_variants_equal_the_pointer_variant_bit_for_bit(backend, case, recipe, causal):
     device = require_backend(backend)
     from dmref.kernels import api
 
@@ -42,8 +41,7 @@ def test_load_and_layout_variants_equal_the_pointer_variant_bit_for_bit(backend,
     # the recipe's defaults (at D = 64 a capped forward), and every kernel capped at 168 registers
     capped = base.with_tiles(fwd=dataclasses.replace(base.fwd_tiles(hd), maxnreg=168),
                              bwd=dataclasses.replace(base.bwd_tiles(hd), maxnreg_dq=168, maxnreg_dkdv=168))
-    variants = [_variant(base, hd, tma=tma, split_head=halves)
-                for tma, halves in ((False, True), (True, True), (False, False), (True, False))]
+    variants = [_variant(base, hd, tma=tma) for tma in (False, True)]
     for r in variants + [base, capped]:
         o, lse, saved, _ = api.attention_forward(q, k, v, causal=causal, recipe=r)
         grads = api.attention_backward(saved, o, do, shape=api.Shape.of(q, k, v), causal=causal,

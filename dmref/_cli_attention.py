@@ -68,5 +68,6 @@ def _print_table(path, results, summ, ok, seconds) -> None:
         s = summ[t]
         console.print(f"{t.upper():3s} min identical {100 * s['min_fraction']:.3f}% (goal {100 * GOALS[t]:.0f}%), "
                       f"max steps {s['max_steps']} (goal {MAX_STEPS}), codes beyond {MAX_STEPS} step: "
-                      f"{s['beyond_one_step']}")
+                      f"{s['beyond_one_step']} ({s['cudnn_zero_beyond_one_step']} where cuDNN returned +0; "
+                      f"max steps where cuDNN's code is not +0: {s['max_steps_where_cudnn_nonzero']})")
     console.print(f"{len(results)} cases in {seconds:.1f} s: {'goal met' if ok else 'goal NOT met'}")

@@ -274,6 +274,8 @@ class TensorMatch:
     identical: int  #: codes identical to cuDNN's
     max_steps: int  #: largest ordinal distance
     beyond_one: int  #: codes more than MAX_STEPS apart
+    zero_beyond_one: int  #: of those, codes where cuDNN returned +0 (an unwritten output reads as 0)
+    max_steps_nonzero: int  #: largest distance over the codes where cuDNN's code is not +0
 
     @property
     def fraction(self) -> float:
@@ -286,13 +288,16 @@ class TensorMatch:
     def as_dict(self) -> dict:
         return {"tensor": self.tensor, "codes": self.codes, "identical": self.identical,
                 "fraction": self.fraction, "max_steps": self.max_steps, "beyond_one_step": self.beyond_one,
+                "cudnn_zero_beyond_one_step": self.zero_beyond_one, "max_steps_where_cudnn_nonzero": self.max_steps_nonzero,
                 "goal_fraction": GOALS[self.tensor], "meets_goal": self.meets_goal}
 
 
 def _match(tensor: str, ours: np.ndarray, theirs: np.ndarray, fmt) -> TensorMatch:
     steps = code_steps(ours, theirs, fmt)
+    zero = theirs == 0
     return TensorMatch(tensor, int(steps.size), int((ours == theirs).sum()), int(steps.max(initial=0)),
-                       int((steps > MAX_STEPS).sum()))
+                       int((steps > MAX_STEPS).sum()), int(((steps > MAX_STEPS) & zero).sum()),
+                       int(steps[~zero].max(initial=0)))
 
 
 def verify_capture(path: str, recipe: Recipe | str = "cudnn_fp8", model: str = "hopper") -> list[dict]:
@@ -324,7 +329,10 @@ def summary(results: list[dict]) -> dict:
     for t in TENSORS:
         rows = [r["tensors"][t] for r in results]
         out[t] = {"min_fraction": min(x["fraction"] for x in rows), "max_steps": max(x["max_steps"] for x in rows),
-                  "beyond_one_step": sum(x["beyond_one_step"] for x in rows), "goal_fraction": GOALS[t],
+                  "beyond_one_step": sum(x["beyond_one_step"] for x in rows),
+                  "cudnn_zero_beyond_one_step": sum(x["cudnn_zero_beyond_one_step"] for x in rows),
+                  "max_steps_where_cudnn_nonzero": max(x["max_steps_where_cudnn_nonzero"] for x in rows),
+                  "goal_fraction": GOALS[t],
                   "meets_goal": all(x["meets_goal"] for x in rows)}
     return out
 

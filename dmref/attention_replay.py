@@ -47,7 +47,7 @@ from . import emulation
 from .emulation import gemm
 from .recipes import Recipe, get_recipe
 
-__all__ = ["CaptureError", "CODES", "GOALS", "SCALARS", "TENSORS", "TensorMatch", "code_steps",
+__all__ = ["CaptureError", "CODES", "GOALS", "ReplayOptions", "SCALARS", "TENSORS", "TensorMatch", "code_steps",
            "load_capture", "replay_case", "verify_capture"]
 
 #: FP8 code arrays every case must hold: inputs cuDNN consumed and outputs it produced.
@@ -69,6 +69,17 @@ _F32 = np.float32
 _LOG2E = _F32(1.0 / math.log(2.0))
 _LN2 = _F32(math.log(2.0))
 _DQ_KEY_BLOCK = 128  # dQ: one wgmma chain per 128-key block, the partials added in float32
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """Departures from cuDNN's behaviour, for measuring what each point of the replay is worth
+    (docs/cudnn_fp8.md); the defaults are cuDNN's."""
+
+    p_scale: float | None = None  #: P's multiplier before E4M3 (None: the case's scale_s, 448)
+    ds_dq_fp16: bool = True  #: dQ's dS operand rounded to float16 before FP8
+    dq_key_block: int | None = _DQ_KEY_BLOCK  #: keys per dQ wgmma chain (None: one chain)
+    delta_do: str = "fp8"  #: dO in the delta: "fp8" (the codes cuDNN consumed) or "input" (the BF16 input)
 
 
 class CaptureError(ValueError):
@@ -96,8 +107,13 @@ def load_capture(path: str) -> list[dict]:
                       if n.startswith("c") and "." in n and n[1:].split(".", 1)[0].isdigit()})
     if not indices:
         raise CaptureError(f"capture {path!r} holds no case (no c<i>.* arrays)")
-    return [_check_case(path, i, {n.split(".", 1)[1]: a for n, a in arrays.items() if n.startswith(f"c{i}.")})
-            for i in indices]
+    cases = [_check_case(path, i, {n.split(".", 1)[1]: a for n, a in arrays.items() if n.startswith(f"c{i}.")})
+             for i in indices]
+    for case in cases:  # the BF16 dO the capture quantized (optional; only ReplayOptions.delta_do uses it)
+        bits = arrays.get(f"p{case['problem']}.do")
+        if bits is not None and bits.dtype == np.uint16 and bits.shape == case["do_fp8"].shape:
+            case["do_input"] = (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return cases
 
 
 def _check_case(path: str, i: int, case: dict) -> dict:
@@ -125,6 +141,7 @@ def _check_case(path: str, i: int, case: dict) -> dict:
             raise CaptureError(f"capture {path!r} case {i}: {n} must be a finite scalar, got {value!r}")
     out = {n: case[n] for n in (*CODES, "stats")}
     out.update({n: _F32(case[n]) for n in SCALARS if n != "attn_scale"})
+    out["do_input"] = None
     out.update(index=i, attn_scale=float(case["attn_scale"]), causal=bool(case["causal"]), grad_format=grad,
                problem=int(case.get("problem", -1)))
     return out
@@ -175,8 +192,17 @@ def _logits(case: dict, model: str) -> np.ndarray:
     return x
 
 
-def _forward(case: dict, x: np.ndarray, recipe: Recipe, model: str) -> tuple[np.ndarray, np.ndarray]:
+def _p_scales(case: dict, opts: ReplayOptions) -> tuple[np.float32, np.float32]:
+    """(scale, descale) of P."""
+    if opts.p_scale is None:
+        return case["scale_s"], case["descale_s"]
+    return _F32(opts.p_scale), _F32(1.0) / _F32(opts.p_scale)
+
+
+def _forward(case: dict, x: np.ndarray, recipe: Recipe, model: str,
+             opts: ReplayOptions) -> tuple[np.ndarray, np.ndarray]:
     """(O codes, stats): the online softmax over key tiles of ``recipe.tiles.block_k``."""
+    scale_s, descale_s = _p_scales(case, opts)
     v = _expand(case["v_fp8"], case["q_fp8"].shape[1])
     vt = _t(v)
     lead = x.shape[:-1]
@@ -191,56 +217,66 @@ def _forward(case: dict, x: np.ndarray, recipe: Recipe, model: str) -> tuple[np.
         alpha = np.exp2(m - ref).astype(_F32)  # 0 where nothing was seen yet
         p = np.exp2(xt - ref[..., None]).astype(_F32)
         # Q-point P (PV): p * scale_s -> E4M3 (cuDNN: scale_s = 448, against the running max)
-        p8 = _encode(p * case["scale_s"], _E4M3)
+        p8 = _encode(p * scale_s, _E4M3)
         l = (l * alpha + p.sum(axis=-1, dtype=_F32)).astype(_F32)
         acc = _mm(p8, vt[..., j0:j0 + bk], _E4M3, _E4M3, model, c=(acc * alpha[..., None]).astype(_F32))
         m = m_new
     dead = l == 0
     l_div = np.where(dead, _F32(1), l)
-    o = (acc / l_div[..., None]).astype(_F32) * ((case["descale_s"] * case["descale_v"]) * case["scale_o"])
+    o = (acc / l_div[..., None]).astype(_F32) * ((descale_s * case["descale_v"]) * case["scale_o"])
     # Q-point O (returned and saved): -> E4M3 with scale_o
     o8 = _encode(np.where(dead[..., None], _F32(0), o), _E4M3)
     stats = np.where(dead, -np.inf, (np.where(m == -np.inf, _F32(0), m) + np.log2(l_div)) * _LN2).astype(_F32)
     return o8, stats
 
 
-def _backward(case: dict, x: np.ndarray, model: str) -> dict:
+def _backward(case: dict, x: np.ndarray, model: str, opts: ReplayOptions) -> dict:
     """dQ, dK, dV codes (module docstring)."""
+    scale_s, descale_s = _p_scales(case, opts)
     gf = emulation.get_format(_GRAD_FORMATS[case["grad_format"]])
     q, do, o = case["q_fp8"], case["do_fp8"], case["o_fp8"]
     heads, kv_heads = q.shape[1], case["k_fp8"].shape[1]
     k, v = _expand(case["k_fp8"], heads), _expand(case["v_fp8"], heads)
     p = np.exp2(x - (case["stats"] * _LOG2E).astype(_F32)[..., None]).astype(_F32)
     # Q-point P (dV = Pᵀ dO): P * scale_s -> E4M3
-    p8 = _encode(p * case["scale_s"], _E4M3)
-    dv = _group_sum(_mm(_t(p8), _t(do), _E4M3, gf, model) * (case["descale_s"] * case["descale_dO"]), kv_heads)
+    p8 = _encode(p * scale_s, _E4M3)
+    dv = _group_sum(_mm(_t(p8), _t(do), _E4M3, gf, model) * (descale_s * case["descale_dO"]), kv_heads)
     dp = (_mm(do, v, gf, _E4M3, model) * (case["descale_dO"] * case["descale_v"])).astype(_F32)
     # stale delta from the FP8 codes of dO and O (exact products, one float32 rounding of the sum)
-    rowsum = (_decode(do, gf) * _decode(o, _E4M3)).sum(axis=-1).astype(_F32)
-    delta = ((rowsum * case["descale_dO"]).astype(_F32) * case["descale_o"]).astype(_F32)
+    if opts.delta_do == "fp8":
+        rowsum = (_decode(do, gf) * _decode(o, _E4M3)).sum(axis=-1).astype(_F32)
+        delta = ((rowsum * case["descale_dO"]).astype(_F32) * case["descale_o"]).astype(_F32)
+    else:  # the BF16 dO the capture quantized (a departure, for measurement only)
+        if case["do_input"] is None:
+            raise CaptureError(f"case {case['index']}: the capture holds no BF16 dO input (p<j>.do)")
+        rowsum = (case["do_input"] * _decode(o, _E4M3)).sum(axis=-1).astype(_F32)
+        delta = (rowsum * case["descale_o"]).astype(_F32)
     y = ((p * (dp - delta[..., None])).astype(_F32) * _F32(case["attn_scale"])).astype(_F32) * case["scale_dP"]
     # Q-point dS (dK = dSᵀ Q): y -> GF once
     ds_dk = _encode(y, gf)
     # Q-point dS (dQ = dS K): y -> float16 -> GF (double rounding)
-    ds_dq = _encode(torch.from_numpy(y).to(torch.float16).to(torch.float32).numpy(), gf)
+    y16 = torch.from_numpy(y).to(torch.float16).to(torch.float32).numpy() if opts.ds_dq_fp16 else y
+    ds_dq = _encode(y16, gf)
     dk = _group_sum(_mm(_t(ds_dk), _t(q), gf, _E4M3, model) * (case["descale_dP"] * case["descale_q"]), kv_heads)
     kt = _t(k)
-    dq = None
-    for j0 in range(0, k.shape[-2], _DQ_KEY_BLOCK):
-        part = _mm(ds_dq[..., j0:j0 + _DQ_KEY_BLOCK], kt[..., j0:j0 + _DQ_KEY_BLOCK], gf, _E4M3, model)
+    dq, step = None, opts.dq_key_block or k.shape[-2]
+    for j0 in range(0, k.shape[-2], step):
+        part = _mm(ds_dq[..., j0:j0 + step], kt[..., j0:j0 + step], gf, _E4M3, model)
         dq = part if dq is None else (dq + part).astype(_F32)
     dq = (dq * (case["descale_dP"] * case["descale_k"])).astype(_F32)
     return {"dq": _encode(dq * case["scale_dQ"], gf), "dk": _encode(dk * case["scale_dK"], gf),
             "dv": _encode(dv * case["scale_dV"], gf)}
 
 
-def replay_case(case: dict, recipe: Recipe | str = "cudnn_fp8", model: str = "hopper") -> dict:
+def replay_case(case: dict, recipe: Recipe | str = "cudnn_fp8", model: str = "hopper",
+                options: ReplayOptions | None = None) -> dict:
     """The emulated codes of one case: ``{"o", "dq", "dk", "dv"}`` (uint8, cuDNN's layout) and
-    ``"stats"`` (float32, natural-log LSE). ``model``: the accumulation model of every matmul."""
-    recipe = get_recipe(recipe)
+    ``"stats"`` (float32, natural-log LSE). ``model``: the accumulation model of every matmul
+    (``"hopper"``: cuDNN's; ``"exact"`` for comparison); ``options``: departures for measurement."""
+    recipe, opts = get_recipe(recipe), options or ReplayOptions()
     x = _logits(case, model)
-    o8, stats = _forward(case, x, recipe, model)
-    return {"o": o8, "stats": stats, **_backward(case, x, model)}
+    o8, stats = _forward(case, x, recipe, model, opts)
+    return {"o": o8, "stats": stats, **_backward(case, x, model, opts)}
 
 
 # ==============================================================================================
@@ -300,13 +336,14 @@ def _match(tensor: str, ours: np.ndarray, theirs: np.ndarray, fmt) -> TensorMatc
                        int(steps[~zero].max(initial=0)))
 
 
-def verify_capture(path: str, recipe: Recipe | str = "cudnn_fp8", model: str = "hopper") -> list[dict]:
+def verify_capture(path: str, recipe: Recipe | str = "cudnn_fp8", model: str = "hopper",
+                   options: ReplayOptions | None = None) -> list[dict]:
     """Replay every case of a capture; per case a JSON-ready dict with the case's description,
     ``stats_max_abs`` (largest |emulated - cuDNN| of the stats, finite rows) and per tensor the
     :class:`TensorMatch` as a dict. Raises :class:`CaptureError` for a bad file."""
     results = []
     for case in load_capture(path):
-        got = replay_case(case, recipe, model)
+        got = replay_case(case, recipe, model, options)
         gf = _GRAD_FORMATS[case["grad_format"]]
         fmts = {"o": _E4M3, "dq": gf, "dk": gf, "dv": gf}
         matches = [_match(t, got[t], case[f"{t}_fp8"], fmts[t]) for t in TENSORS]

@@ -48,7 +48,7 @@ from .emulation import gemm
 from .recipes import Recipe, get_recipe
 
 __all__ = ["CaptureError", "CODES", "GOALS", "ReplayOptions", "SCALARS", "TENSORS", "TensorMatch", "code_steps",
-           "load_capture", "replay_case", "verify_capture"]
+           "load_capture", "replay_case", "summary", "to_json", "verify_capture"]
 
 #: FP8 code arrays every case must hold: inputs cuDNN consumed and outputs it produced.
 CODES = ("q_fp8", "k_fp8", "v_fp8", "do_fp8", "o_fp8", "dq_fp8", "dk_fp8", "dv_fp8")
@@ -324,7 +324,8 @@ class TensorMatch:
     def as_dict(self) -> dict:
         return {"tensor": self.tensor, "codes": self.codes, "identical": self.identical,
                 "fraction": self.fraction, "max_steps": self.max_steps, "beyond_one_step": self.beyond_one,
-                "cudnn_zero_beyond_one_step": self.zero_beyond_one, "max_steps_where_cudnn_nonzero": self.max_steps_nonzero,
+                "cudnn_zero_beyond_one_step": self.zero_beyond_one,
+                "max_steps_where_cudnn_nonzero": self.max_steps_nonzero,
                 "goal_fraction": GOALS[self.tensor], "meets_goal": self.meets_goal}
 
 

@@ -420,7 +420,7 @@ NAIVE_FP8 = Recipe(
 # one gradient format (E5M2 here, TE's HYBRID; cuDNN takes E4M3 as well); one scale per tensor
 # (current scaling stands in for delayed scaling); the forward's online softmax runs over key
 # tiles of 256; D = descale_dO descale_O rowsum(dO_fp8 ∘ O_fp8). What this Recipe cannot state
-# (docs/cudnn_fp8.md, "Beyond the recipe"): P is multiplied by scale_s = 448, not 2^8; dS is
+# (docs/cudnn_fp8.md, "The cudnn_fp8 preset"): P is multiplied by scale_s = 448, not 2^8; dS is
 # attn_scale P (dP - D), scaled by 448 / amax of itself whatever its format; dQ's dS operand is
 # rounded to float16 before FP8; dQ sums one wgmma chain per 128 keys in float32; every matmul
 # accumulates as Hopper's FP8 wgmma does (dmref.attention_replay applies all of these).

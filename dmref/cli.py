@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "dmref._cli_demo",
     "dmref._cli_gemm",
     "dmref._cli_check",
+    "dmref._cli_attention",
 )
 
 

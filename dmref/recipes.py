@@ -415,9 +415,15 @@ NAIVE_FP8 = Recipe(
     delta=STALE,
 )
 
-# cuDNN FP8 (per-tensor) as DESIGN.md section 2 describes it: E4M3 forward, E5M2 gradients,
-# one scale per tensor (current scaling stands in for delayed scaling), FP8 output,
-# D = descale_dO descale_O rowsum(dO_fp8 ∘ O_fp8).
+# cuDNN FP8 (per-tensor) on Hopper, as `dmref verify-attention tests/data/h200_cudnn_fp8_sdpa.npz`
+# reproduces it code for code (docs/cudnn_fp8.md): E4M3 Q, K, V, P and O; dO, dS and dQ, dK, dV in
+# one gradient format (E5M2 here, TE's HYBRID; cuDNN takes E4M3 as well); one scale per tensor
+# (current scaling stands in for delayed scaling); the forward's online softmax runs over key
+# tiles of 256; D = descale_dO descale_O rowsum(dO_fp8 ∘ O_fp8). What this Recipe cannot state
+# (docs/cudnn_fp8.md, "The cudnn_fp8 preset"): P is multiplied by scale_s = 448, not 2^8; dS is
+# attn_scale P (dP - D), scaled by 448 / amax of itself whatever its format; dQ's dS operand is
+# rounded to float16 before FP8; dQ sums one wgmma chain per 128 keys in float32; every matmul
+# accumulates as Hopper's FP8 wgmma does (dmref.attention_replay applies all of these).
 _E4M3_T = _fp8("float8_e4m3fn", Granularity.TENSOR, ScaleRule.AMAX)
 _E5M2_T = _fp8("float8_e5m2", Granularity.TENSOR, ScaleRule.AMAX)
 CUDNN_FP8 = Recipe(
@@ -427,6 +433,7 @@ CUDNN_FP8 = Recipe(
     p_fwd=PScaling(PReference.RUNNING_MAX, 8),
     p_bwd=PScaling(PReference.LSE, 8),
     delta=STALE_FP8_DO,
+    tiles=Tiles(block_q=128, block_k=256),
 )
 
 # cuDNN MXFP8 backward (cuDNN >= 9.21) as DESIGN.md describes it: MX-32 blocks everywhere

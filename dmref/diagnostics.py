@@ -180,7 +180,7 @@ def attention_error_bound(q, k, v, dout, *, u: float, causal=False, scale=None, 
     q64, k64, v64, do64 = (t.to(torch.float64) for t in (q, k, v, dout))
     kx, vx = (t.repeat_interleave(g_heads, dim=1) if g_heads > 1 else t for t in (k64, v64))
     out, lse = reference.attention_forward(q64, k64, v64, causal=causal, scale=shape.scale, mask=mask)
-    s = reference._scores(q64, k64, shape, causal, mask)
+    s = reference.scores(q64, k64, shape, causal, mask)
     keep = torch.isfinite(s) | torch.isnan(s)
     lse_safe = torch.where(lse == -math.inf, torch.full_like(lse, math.inf), lse)[..., None]
     p = torch.exp(s - lse_safe)
@@ -215,7 +215,7 @@ def attention_error_bound(q, k, v, dout, *, u: float, causal=False, scale=None, 
     nq_g = nq * g_heads
     b_dk = shape.scale * (g.transpose(-1, -2) @ q64.abs() + gamma(nq_g + 3, u) * (ds.abs().transpose(-1, -2) @ q64.abs()))
     b_dv = pr.transpose(-1, -2) @ do64.abs() + gamma(nq_g + 3, u) * (p.transpose(-1, -2) @ do64.abs())
-    b_dk, b_dv = (reference._reduce_kv(t, g_heads) for t in (b_dk, b_dv))
+    b_dk, b_dv = (reference.reduce_kv(t, g_heads) for t in (b_dk, b_dv))
     return {name: 1.1 * t for name, t in
             dict(out=b_out, lse=b_lse, dq=b_dq, dk=b_dk, dv=b_dv, p_rel=r).items()}
 

@@ -42,16 +42,15 @@ import torch
 import torch.nn.functional as F
 
 from . import emulation
+from .emulation import FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT8_E8M0FNU, Accumulation, MatmulModel, Rounding
 from .emulation.blocked import Block, dequantize_blocked, quantize_blocked, scales_from_amax
-from .emulation.blocked import ScaleRule as BlockScaleRule
-from .reference import _expand_kv, _reduce_kv
+from .emulation.constants import LOG2E
 from .recipes import (DeltaKind, DeltaStrategy, Granularity, Normalizer, PReference, QuantPoint, Recipe, ScaleRule,
                       get_recipe)
-from .reference import AttentionShape, check_attention_inputs, keep_mask, mask_window
+from .reference import AttentionShape, check_attention_inputs, expand_kv, keep_mask, mask_window, reduce_kv
 
 __all__ = ["BackwardResult", "ForwardResult", "RowsumStats", "SoftmaxStats", "attention", "backward", "forward"]
 
-_LOG2E = 1.0 / math.log(2.0)
 _NEG_INF = float("-inf")
 
 
@@ -77,8 +76,7 @@ def _decode_pair_table(fmt, scale: float = 1.0) -> np.ndarray:
 
 
 #: Formats whose codes torch widens to float32 itself (exact; used on CUDA).
-_TORCH_FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
-_E8M0 = emulation.get_format("float8_e8m0fnu")
+_TORCH_FP8 = {FLOAT8_E4M3FN: torch.float8_e4m3fn, FLOAT8_E5M2: torch.float8_e5m2}
 
 
 def _decode(codes: torch.Tensor, fmt, scale: float = 1.0) -> torch.Tensor:
@@ -98,8 +96,8 @@ def _decode(codes: torch.Tensor, fmt, scale: float = 1.0) -> torch.Tensor:
             flat = flat.view(np.uint16)
         np.take(_decode_table(fmt, scale), flat, out=dst, mode="clip")  # codes are in range
         return out
-    if fmt.name in _TORCH_FP8:
-        values = codes.view(_TORCH_FP8[fmt.name]).to(torch.float32)
+    if fmt in _TORCH_FP8:
+        values = codes.view(_TORCH_FP8[fmt]).to(torch.float32)
     else:
         values = emulation.decode(codes, fmt)
     return values * scale if scale != 1.0 else values
@@ -108,13 +106,8 @@ def _decode(codes: torch.Tensor, fmt, scale: float = 1.0) -> torch.Tensor:
 def _block(granularity: Granularity, contract_dim: int) -> Block:
     """The emulation's :class:`Block` of a granularity on an operand (..., rows, cols) whose
     matmul contracts over ``contract_dim`` (-1: cols, -2: rows)."""
-    if granularity is Granularity.TENSOR:
-        return Block.tensor()
-    if granularity is Granularity.ROW:
-        block = Block.rows()
-    else:
-        block = Block.tile(*granularity.block)  # (1, k) or (128, 128): k along the contraction
-    return block if contract_dim == -1 else block.t()
+    block = granularity.block  # laid out as (rows, contraction)
+    return block if contract_dim == -1 or block.spans_batch else block.t()
 
 
 def _blocked_view(x: torch.Tensor, block: Block):
@@ -144,14 +137,16 @@ def group_amax(x: torch.Tensor, point: QuantPoint, *, contract_dim: int) -> torc
     raise ValueError("group_amax is only needed for TENSOR and ROW granularity")
 
 
-_POW2_RULES = (ScaleRule.POW2_DOWN, ScaleRule.POW2_UP, ScaleRule.MX_OCP, ScaleRule.MX_NVIDIA)
+def _dynamic_pow2(rule: ScaleRule) -> bool:
+    """Whether ``rule`` chooses a power-of-two scale from the data."""
+    return rule.is_dynamic and rule.is_pow2
 
 
-def _scale_values(amax: torch.Tensor, fmt, rule: BlockScaleRule) -> torch.Tensor:
+def _scale_values(amax: torch.Tensor, fmt, rule: ScaleRule) -> torch.Tensor:
     """The scales s of blocks with these amaxes (``emulation.scales_from_amax``), as float32
     values (E8M0 scales decoded)."""
     scales = scales_from_amax(amax, fmt, rule)
-    return _decode(scales, _E8M0) if rule.is_e8m0 else scales
+    return _decode(scales, FLOAT8_E8M0FNU) if rule.is_e8m0 else scales
 
 
 def _quantize(x: torch.Tensor, point: QuantPoint, *, contract_dim: int, dtype: torch.dtype,
@@ -177,17 +172,16 @@ def _quantize(x: torch.Tensor, point: QuantPoint, *, contract_dim: int, dtype: t
     """
     if not point.quantized:
         return x.to(dtype)
-    fmt = emulation.get_format(point.fmt)
+    fmt, rule = point.fmt, point.scale_rule
     kwargs = dict(rounding=point.rounding, saturate=point.saturate)
-    nearest = emulation.get_rounding(point.rounding) is emulation.Rounding.NEAREST_EVEN
-    if emulation.get_rounding(point.rounding) is emulation.Rounding.STOCHASTIC:
+    nearest = point.rounding is Rounding.NEAREST_EVEN
+    if point.rounding is Rounding.STOCHASTIC:
         raise NotImplementedError("stochastic rounding needs random bits per element; dmref.tiled has no source of them yet")
-    if point.scale_rule is ScaleRule.FIXED:  # a power of two: the quotient is exact
+    if rule is ScaleRule.FIXED:  # a power of two: the quotient is exact
         y = x * (1.0 / fixed_scale) if fixed_scale != 1.0 else x
         return _decode(emulation.encode(y, fmt, **kwargs), fmt, fixed_scale).to(dtype)
-    rule = BlockScaleRule(point.scale_rule.value)
     block = _block(point.granularity, contract_dim)
-    pow2 = point.scale_rule in _POW2_RULES
+    pow2 = _dynamic_pow2(rule)
     if x.dtype == torch.float64 and not pow2:
         if amax is not None:
             raise NotImplementedError("a precomputed amax with a float64 operand and a non-power-of-two scale")
@@ -221,26 +215,26 @@ def _quantize(x: torch.Tensor, point: QuantPoint, *, contract_dim: int, dtype: t
 # ==============================================================================================
 
 
-def _matmul(a_deq: torch.Tensor, b_deq: torch.Tensor, model: str, dtype: torch.dtype,
+def _matmul(a_deq: torch.Tensor, b_deq: torch.Tensor, model: MatmulModel, dtype: torch.dtype,
             points: tuple[QuantPoint, QuantPoint] | None = None) -> torch.Tensor:
     """``a_deq (..., m, k) @ b_deq (..., k, n)`` under the accumulation model ``model``.
 
-    - ``"fp32"``: torch's float32 matmul of the dequantized operands. Products of FP8 or BF16
+    - ``FP32``: torch's float32 matmul of the dequantized operands. Products of FP8 or BF16
       values with power-of-two scales are exact in float32; the sum is rounded in torch's
       (BLAS's) order, which is not specified: the error bound is gamma_k * sum |a b|.
-    - ``"float64"``: float64 matmul, kept in float64.
-    - ``"exact"``: float64 matmul rounded once to float32 (exact products; the float64 sum is
+    - ``EXACT`` with ``float64_result`` (``"float64"``): float64 matmul, kept in float64.
+    - ``EXACT``: float64 matmul rounded once to float32 (exact products; the float64 sum is
       exact unless the products span more than 2^29 in magnitude).
-    - ``"hopper"`` (``"hopper-p<N>"``: promotion to float32 every N products): the emulated
+    - ``HOPPER`` (with ``promote_every``: promotion to float32 every N products): the emulated
       Hopper wgmma of ``dmref.emulation.gemm``, with the operands' FP8 formats and their scale
       blocks along k (``points``: the two operands' quantization points).
     """
-    if model == "fp32":
+    if model.accumulation is Accumulation.FP32:
         out = torch.matmul(a_deq.to(torch.float32), b_deq.to(torch.float32))
-    elif model == "float64":
+    elif model.accumulation is Accumulation.EXACT:
         out = torch.matmul(a_deq.to(torch.float64), b_deq.to(torch.float64))
-    elif model == "exact":
-        out = torch.matmul(a_deq.to(torch.float64), b_deq.to(torch.float64)).to(torch.float32)
+        if not model.float64_result:
+            out = out.to(torch.float32)
     else:
         out = _emulated_gemm(a_deq, b_deq, model, points)
     return out.to(dtype)
@@ -248,8 +242,7 @@ def _matmul(a_deq: torch.Tensor, b_deq: torch.Tensor, model: str, dtype: torch.d
 
 def _k_block(point: QuantPoint) -> int | None:
     """Extent along the contraction of one scale block (None: the whole contraction)."""
-    block = point.granularity.block
-    return None if block is None or point.scale_rule is ScaleRule.FIXED else block[1]
+    return None if point.scale_rule is ScaleRule.FIXED else point.granularity.contraction_extent
 
 
 def _pow2_blocks(x: torch.Tensor, fmt, block: int):
@@ -269,22 +262,21 @@ def _pow2_blocks(x: torch.Tensor, fmt, block: int):
     return values, s[..., 0]
 
 
-def _emulated_gemm(a_deq: torch.Tensor, b_deq: torch.Tensor, model: str, points) -> torch.Tensor:
+def _emulated_gemm(a_deq: torch.Tensor, b_deq: torch.Tensor, model: MatmulModel, points) -> torch.Tensor:
     from .emulation import gemm  # imported only when a recipe asks for an emulated model
 
-    name, _, promote = model.partition("-p")
-    if points is None or not all(p.quantized and emulation.get_format(p.fmt).bits == 8 for p in points):
+    if points is None or not all(p.quantized and p.fmt.is_fp8 for p in points):
         raise NotImplementedError(
-            f"accumulation model {model!r} emulates FP8 tensor cores; both operands of this "
+            f"accumulation model {model.name!r} emulates FP8 tensor cores; both operands of this "
             f"matmul must be FP8 quantization points, got {points}"
         )
     blocks = [b for b in (_k_block(p) for p in points) if b is not None]
     block = min(blocks) if blocks else a_deq.shape[-1]
-    fa, fb = (emulation.get_format(p.fmt) for p in points)
+    fa, fb = (p.fmt for p in points)
     a, sa = _pow2_blocks(a_deq, fa, block)
     bt, sb = _pow2_blocks(b_deq.transpose(-1, -2), fb, block)
-    return gemm.matmul(a.contiguous(), bt.contiguous(), fa=fa, fb=fb, model=name,
-                       promote_every=int(promote) if promote else None,
+    return gemm.matmul(a.contiguous(), bt.contiguous(), fa=fa, fb=fb, model=model.accumulation,
+                       promote_every=model.promote_every, rules=model.rules,
                        scale_a=sa.contiguous(), scale_b=sb.contiguous(), scale_block_k=block)
 
 
@@ -323,7 +315,7 @@ def _problem(q, k, v, recipe, causal, scale, mask, dout=None) -> _Problem:
     recipe = get_recipe(recipe)
     shape = check_attention_inputs(q, k, v, scale=scale, mask=mask, dout=dout)
     dtype = torch.float64 if recipe.precision == "float64" else torch.float32
-    c = torch.tensor(shape.scale * _LOG2E, dtype=dtype).item()
+    c = torch.tensor(shape.scale * LOG2E, dtype=dtype).item()
     if not math.isfinite(c) or c < torch.finfo(dtype).tiny:
         raise ValueError(
             f"scale={shape.scale!r} does not fit the working precision {recipe.precision} of recipe "
@@ -333,7 +325,7 @@ def _problem(q, k, v, recipe, causal, scale, mask, dout=None) -> _Problem:
         point = getattr(recipe, name)
         offset = (recipe.p_fwd if name == "p" else recipe.p_bwd).offset_log2
         if point.quantized and point.scale_rule is ScaleRule.FIXED:
-            fmt = emulation.get_format(point.fmt)
+            fmt = point.fmt
             if 2.0**offset > fmt.max:
                 raise ValueError(
                     f"recipe {recipe.name!r}: P * 2^{offset} does not fit {fmt.name} (max {fmt.max}); "
@@ -342,7 +334,7 @@ def _problem(q, k, v, recipe, causal, scale, mask, dout=None) -> _Problem:
     return _Problem(shape, recipe, bool(causal), mask, dtype, c)
 
 
-def _logits(pb: _Problem, q_hat, k_hat, i0: int, j0: int, j1: int, model: str) -> torch.Tensor:
+def _logits(pb: _Problem, q_hat, k_hat, i0: int, j0: int, j1: int, model: MatmulModel) -> torch.Tensor:
     """Base-2 logits x = (Q^ K^ᵀ) * fl(scale log2 e) [+ mask log2 e] of rows i0: and keys
     j0:j1; masked positions -inf. The forward and both backward sweeps call exactly this, so
     they see bit-identical x (assumption A1)."""
@@ -355,7 +347,7 @@ def _logits(pb: _Problem, q_hat, k_hat, i0: int, j0: int, j1: int, model: str) -
         if pb.mask.dtype == torch.bool:
             bool_mask = pb.mask
         else:
-            x = x.add_(mask_window(pb.mask, rows, cols).to(pb.dtype) * _LOG2E)
+            x = x.add_(mask_window(pb.mask, rows, cols).to(pb.dtype) * LOG2E)
     keep = keep_mask(pb.shape.seqlen_q, pb.shape.seqlen_k, causal=pb.causal, mask=bool_mask,
                      device=x.device, rows=rows, cols=cols)
     if keep is not None:
@@ -411,9 +403,9 @@ def forward(q, k, v, *, recipe="exact", causal: bool = False, scale=None, mask=N
     # Q-point Q (QKᵀ): input -> recipe.q, blocks along d
     q_hat = _quantize(q, r.q, contract_dim=-1, dtype=wd)
     # Q-point K (QKᵀ): input -> recipe.k, blocks along d
-    k_hat = _expand_kv(_quantize(k, r.k, contract_dim=-1, dtype=wd), sh.groups)
+    k_hat = expand_kv(_quantize(k, r.k, contract_dim=-1, dtype=wd), sh.groups)
     # Q-point V (PV): input -> recipe.v, blocks along the keys (the contraction of P V)
-    v_hat = _expand_kv(_quantize(v, r.v, contract_dim=-2, dtype=wd), sh.groups)
+    v_hat = expand_kv(_quantize(v, r.v, contract_dim=-2, dtype=wd), sh.groups)
 
     lead = (sh.batch, sh.heads, sh.seqlen_q)
     ref = torch.full(lead, _NEG_INF, dtype=wd, device=q.device)  # running max m (or integer k)
@@ -530,10 +522,9 @@ def _head_unit(k: torch.Tensor, point: QuantPoint, *, dtype: torch.dtype) -> tor
     blocked along the keys (as ``k_dq`` quantizes it; a block whose amax is 0 has scale 1): K / u
     stays within the format's range. 1 where the point has no power-of-two scale blocks."""
     ones = torch.ones(*k.shape[:2], 1, 1, dtype=dtype, device=k.device)
-    if not point.quantized or point.scale_rule not in _POW2_RULES or point.granularity is Granularity.TENSOR:
+    if not point.quantized or not _dynamic_pow2(point.scale_rule) or point.granularity is Granularity.TENSOR:
         return ones
-    fmt = emulation.get_format(point.fmt)
-    rule = BlockScaleRule(point.scale_rule.value)
+    fmt, rule = point.fmt, point.scale_rule
     xb, _ = _blocked_view(k.to(torch.float32), _block(point.granularity, contract_dim=-2))
     # (B, Hkv, key blocks, 1, channel blocks, 1)
     s = _scale_values(_abs_amax(xb, dim=(-3, -1), keepdim=True), fmt, rule)
@@ -562,16 +553,16 @@ def backward(q, k, v, fwd: ForwardResult, dout, *, recipe="exact", causal: bool 
     # Q-point Q (QKᵀ recompute): input -> recipe.q, as in the forward
     q_hat = _quantize(q, r.q, contract_dim=-1, dtype=wd)
     # Q-point K (QKᵀ recompute): input -> recipe.k, as in the forward
-    k_hat = _expand_kv(_quantize(k, r.k, contract_dim=-1, dtype=wd), g)
+    k_hat = expand_kv(_quantize(k, r.k, contract_dim=-1, dtype=wd), g)
     # Q-point dO (dP = dO Vᵀ): input -> recipe.do_dp, blocks along d
     do_dp = _quantize(dout, r.do_dp, contract_dim=-1, dtype=wd)
     # Q-point V (dP = dO Vᵀ): input -> recipe.v_dp, blocks along d (the forward blocked V along keys)
-    v_dp = _expand_kv(_quantize(v, r.v_dp, contract_dim=-1, dtype=wd), g)
+    v_dp = expand_kv(_quantize(v, r.v_dp, contract_dim=-1, dtype=wd), g)
     # Q-point dO (dV = Pᵀ dO): input -> recipe.do_dv, blocks along the queries
     do_dv = _quantize(dout, r.do_dv, contract_dim=-2, dtype=wd)
     # Q-point K (dQ = dS K): input -> recipe.k_dq, blocks along the keys
     k_dq_kv = _quantize(k, r.k_dq, contract_dim=-2, dtype=wd)
-    k_dq = _expand_kv(k_dq_kv, g)
+    k_dq = expand_kv(k_dq_kv, g)
     # Q-point Q (dK = dSᵀ Q): input -> recipe.q_dk, blocks along the queries
     q_dk = _quantize(q, r.q_dk, contract_dim=-2, dtype=wd)
 
@@ -614,7 +605,7 @@ def backward(q, k, v, fwd: ForwardResult, dout, *, recipe="exact", causal: bool 
         d_pred = _delta(pb, deferred.predictor, dout, fwd, do_dp, sweep)[..., None]
         # u: the head's largest K scale, as k_dq rounds K (kbar / u cannot overflow float16)
         unit = _head_unit(k, r.k_dq, dtype=wd)
-        k_kbar = _expand_kv(k_dq_kv / unit, g)
+        k_kbar = expand_kv(k_dq_kv / unit, g)
         kbar = torch.zeros(sh.batch, sh.heads, sh.seqlen_q, sh.head_dim, dtype=wd, device=q.device)
         p_scale_kbar = 2.0 ** -deferred.p_offset_log2
 
@@ -677,7 +668,7 @@ def backward(q, k, v, fwd: ForwardResult, dout, *, recipe="exact", causal: bool 
             p_kb = _quantize(p, deferred.p, contract_dim=-1, dtype=wd, fixed_scale=p_scale_kbar)
             for t0 in range(0, j1 - j0, deferred.tile):
                 t1 = min(t0 + deferred.tile, j1 - j0)
-                part = _matmul(p_kb[..., t0:t1], k_kbar[..., j0 + t0:j0 + t1, :], "fp32", wd)
+                part = _matmul(p_kb[..., t0:t1], k_kbar[..., j0 + t0:j0 + t1, :], MatmulModel(), wd)
                 # Q-point kbar tile: its float32 sum -> deferred.tile_result (float16 wgmma chain)
                 part = _quantize(part, deferred.tile_result, contract_dim=-1, dtype=wd)
                 # Q-point kbar accumulator: kbar + tile -> deferred.accumulator (float16), per tile
@@ -697,10 +688,10 @@ def backward(q, k, v, fwd: ForwardResult, dout, *, recipe="exact", causal: bool 
 
     if deferred is not None:
         # the deferred correction: dQ_i -= (D_i - Dst_i) u kbar_i
-        dq = dq - (delta - d_pred) * (kbar * _expand_kv(unit, g))
+        dq = dq - (delta - d_pred) * (kbar * expand_kv(unit, g))
     dq = dq * sh.scale
-    dk = _reduce_kv(dk * sh.scale, g)
-    dv = _reduce_kv(dv, g)
+    dk = reduce_kv(dk * sh.scale, g)
+    dv = reduce_kv(dv, g)
     stats_out = None
     if diagnostics:
         n_tiles = -(-sh.seqlen_k // r.tiles.block_k)

@@ -230,7 +230,7 @@ class KernelRecipe:
         matched dQ is the reference's ``DeferredDq`` (kbar's float16 wgmma chain modelled as a
         float32 tile sum rounded once to float16).
         """
-        from dmref.recipes import Accumulation, Granularity, PReference, PScaling, QuantPoint, Recipe, ScaleRule
+        from dmref.recipes import Granularity, MatmulModel, MatmulModels, PReference, PScaling, QuantPoint, Recipe, ScaleRule
 
         b = self.bwd_tiles(head_dim)
         if self.fwd.block_n != QUANT_BLOCK:
@@ -252,17 +252,18 @@ class KernelRecipe:
         do_tok = QuantPoint(self.do_format, Granularity.TILE_1x128, ScaleRule.POW2_DOWN)
         p = QuantPoint(self.p_format, Granularity.TENSOR, ScaleRule.FIXED)
 
-        def acc(tile: int) -> str:
-            if accumulation != "hopper":
-                return accumulation
-            return "hopper" if tile >= QUANT_BLOCK else f"hopper-p{tile}"
+        def acc(tile: int) -> MatmulModel:
+            model = MatmulModel.get(accumulation)
+            if model.accumulation is not model.accumulation.HOPPER:
+                return model
+            return model if tile >= QUANT_BLOCK else MatmulModel(model.accumulation, promote_every=tile)
 
         return Recipe(
             name=f"kernels_{self.name}_d{head_dim}",
             q=row, k=row, v=tok, p=p, o=QuantPoint("bfloat16"),
             do_dp=do_row, v_dp=row, p_dv=p, do_dv=do_tok,
             ds_dq=ds_point(b.block_n2), k_dq=tok, ds_dk=ds_point(b.block_m1), q_dk=tok,
-            accumulation=Accumulation(
+            accumulation=MatmulModels(
                 qk=acc(QUANT_BLOCK), pv=acc(QUANT_BLOCK), qk_bwd=acc(QUANT_BLOCK),
                 dp=acc(QUANT_BLOCK), dv=acc(b.block_m1), dq=acc(b.block_n2), dk=acc(b.block_m1)),
             p_fwd=PScaling(PReference.RUNNING_MAX, self.p_scale_log2),

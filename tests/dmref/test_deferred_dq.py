@@ -67,11 +67,11 @@ def test_unquantized_deferred_dq_is_the_matched_dq_up_to_float32_rounding(shape,
     q64, k64, v64, do64 = (t.double() for t in (q, k, v, dout))
     out, lse, *_ = reference.attention_ref(q64, k64, v64, do64, causal=causal)
     shp = reference.check_attention_inputs(q64, k64, v64)
-    s = reference._scores(q64, k64, shp, causal, None)
+    s = reference.scores(q64, k64, shp, causal, None)
     lse_safe = torch.where(lse == -math.inf, torch.full_like(lse, math.inf), lse)[..., None]
     p = torch.exp(s - lse_safe)
-    kk = reference._expand_kv(k64, shp.groups).abs()
-    dp = do64 @ reference._expand_kv(v64, shp.groups).transpose(-1, -2)
+    kk = reference.expand_kv(k64, shp.groups).abs()
+    dp = do64 @ reference.expand_kv(v64, shp.groups).transpose(-1, -2)
     d = b_direct.rowsum.delta[..., None]
     d_st = (do64 * out).sum(-1, keepdim=True)
     mag = (p * (dp - d).abs()) @ kk + (p * (dp - d_st).abs()) @ kk + (d - d_st).abs() * (p @ kk)

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from . import emulation
 from .emulation import FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT8_E8M0FNU, Accumulation, MatmulModel, Rounding
 from .emulation.blocked import Block, dequantize_blocked, quantize_blocked, scales_from_amax
-from .emulation.constants import LOG2E
+from .emulation.constants import LN2, LOG2E
 from .recipes import (DeltaKind, DeltaStrategy, Granularity, Normalizer, PReference, QuantPoint, Recipe, ScaleRule,
                       get_recipe)
 from .reference import AttentionShape, check_attention_inputs, expand_kv, keep_mask, mask_window, reduce_kv
@@ -386,7 +386,7 @@ class SoftmaxStats:
     @property
     def lse(self) -> torch.Tensor:
         """Natural-log LSE, comparable with :func:`dmref.reference.attention_forward`."""
-        return self.lse2 * math.log(2.0)
+        return self.lse2 * LN2
 
 
 @dataclass

@@ -38,15 +38,12 @@ import numpy as np
 import torch
 
 from ._gemm_tables import code_table, lut
+from .constants import U_FP32, gamma
 from .gemm import HOPPER, Accumulation, WgmmaRules, _as_codes, _as_float32, _expand_scale, _plan
 
-U = 2.0 ** -24
 _SLACK = 1 + 2.0 ** -40
 
 
-def gamma(n: int) -> float:
-    """gamma_n = n u / (1 - n u) for float32 (u = 2**-24)."""
-    return n * U / (1 - n * U)
 
 
 def _magnitudes(a_codes, b_codes, fa, fb):
@@ -97,7 +94,7 @@ def error_bound(a, bt, c=None, *, fa=None, fb=None, model="hopper", promote_ever
         """(bound, magnitude) of the model over products [k0, k1) from ``start_abs``."""
         if model is Accumulation.EXACT:
             mag = start_abs + va[:, k0:k1] @ vb[:, k0:k1].t()
-            return U * mag + 2.0 ** -150, mag
+            return U_FP32 * mag + 2.0 ** -150, mag
         if model is Accumulation.FP32:
             mag = start_abs + va[:, k0:k1] @ vb[:, k0:k1].t()
             return gamma(k1 - k0) * mag, mag

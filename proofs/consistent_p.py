@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
-from dmref.emulation import get_format
+from dmref.emulation import ScaleRule, get_format
 
 from .counterexamples import random_problem
 from .rational import (
@@ -218,7 +218,7 @@ def _hopper_products(p_tilde, l_tilde, w_bwd, doh, vh, fmt_p, fmt_v, fmt_do, fwd
     s_p = Fraction(2) ** -fwd_scale_exp
     p_codes = np.array([[float(x / s_p) for x in row] for row in p_tilde])  # FP8 values
     v_codes = np.array([[float(x / v_scale) for x in row] for row in vh])
-    do_scale = [block_scale(max(abs(x) for x in row), fmt_do, "pow2_floor") for row in doh]
+    do_scale = [block_scale(max(abs(x) for x in row), fmt_do, ScaleRule.MX_OCP) for row in doh]
     do_codes = np.array([[float(x / sc) for x in row] for row, sc in zip(doh, do_scale)])
     pv = hopper_matmul(p_codes, v_codes.T, fmt_p, fmt_v, promote_every=promote_every)
     dpc = hopper_matmul(do_codes, v_codes, fmt_do, fmt_v, promote_every=promote_every)

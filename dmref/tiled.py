@@ -541,14 +541,23 @@ def _global_amax_points(r: Recipe) -> dict[str, bool]:
     return {"p_dv": spans(r.p_dv, False), "ds_dq": spans(r.ds_dq, True), "ds_dk": spans(r.ds_dk, False)}
 
 
-def backward(q, k, v, fwd: ForwardResult, dout, *, recipe="exact", causal: bool = False, scale=None,
-             mask=None, diagnostics: bool = False) -> BackwardResult:
-    """The tiled backward of ``recipe`` from the forward's saved ``fwd``; see the module
-    docstring. With ``diagnostics`` the row sums of dS are collected (:class:`RowsumStats`)."""
-    pb = _problem(q, k, v, recipe, causal, scale, mask, dout=dout)
-    r, sh, wd = pb.recipe, pb.shape, pb.dtype
-    acc_model, g = r.accumulation, sh.groups
-    kind = r.delta.kind
+@dataclass
+class _BackwardOperands:
+    """The backward's quantized operands, each through its own Q-point (blocks along the
+    contraction of the matmul it enters); k_hat, v_dp, k_dq expanded to the query heads."""
+
+    q_hat: torch.Tensor
+    k_hat: torch.Tensor
+    do_dp: torch.Tensor
+    v_dp: torch.Tensor
+    do_dv: torch.Tensor
+    k_dq_kv: torch.Tensor  #: K through k_dq, per key/value head (deferred dQ scales it by u)
+    k_dq: torch.Tensor
+    q_dk: torch.Tensor
+
+
+def _backward_operands(pb: _Problem, q, k, v, dout) -> _BackwardOperands:
+    r, wd, g = pb.recipe, pb.dtype, pb.shape.groups
     # In the forward these were the operands of S = Q Kᵀ, so now the recompute sees them again.
     # Q-point Q (QKᵀ recompute): input -> recipe.q, as in the forward
     q_hat = _quantize(q, r.q, contract_dim=-1, dtype=wd)
@@ -562,12 +571,16 @@ def backward(q, k, v, fwd: ForwardResult, dout, *, recipe="exact", causal: bool 
     do_dv = _quantize(dout, r.do_dv, contract_dim=-2, dtype=wd)
     # Q-point K (dQ = dS K): input -> recipe.k_dq, blocks along the keys
     k_dq_kv = _quantize(k, r.k_dq, contract_dim=-2, dtype=wd)
-    k_dq = expand_kv(k_dq_kv, g)
     # Q-point Q (dK = dSᵀ Q): input -> recipe.q_dk, blocks along the queries
     q_dk = _quantize(q, r.q_dk, contract_dim=-2, dtype=wd)
+    return _BackwardOperands(q_hat, k_hat, do_dp, v_dp, do_dv, k_dq_kv, expand_kv(k_dq_kv, g), q_dk)
 
-    stats = fwd.stats
-    consistent = kind is DeltaKind.CONSISTENT_P
+
+def _backward_p(pb: _Problem, stats: SoftmaxStats):
+    """p(x, i0): P, the FP32 multiplier of dS, for the rows i0: of logits x (the forward had
+    P = 2^(x - lse); consistent P recomputes the forward's quantized P~ / l~)."""
+    r, wd = pb.recipe, pb.dtype
+    consistent = r.delta.kind is DeltaKind.CONSISTENT_P
     if consistent or r.p_bwd.reference is PReference.SAVED_MAX:
         ref = _no_inf(stats.ref)[..., None]
         l_safe = torch.where(stats.l == 0, torch.ones_like(stats.l), stats.l)[..., None]
@@ -575,7 +588,6 @@ def backward(q, k, v, fwd: ForwardResult, dout, *, recipe="exact", causal: bool 
         lse2 = torch.where(stats.lse2 == _NEG_INF, torch.full_like(stats.lse2, float("inf")), stats.lse2)[..., None]
 
     def backward_p(x, i0):
-        """P, the FP32 multiplier of dS, for rows i0: (the forward had P = 2^(x - lse))."""
         if consistent:
             # consistent P: the forward's own P~ (same x, same integer reference, same Q-point)
             # Q-point P (consistent recompute): fp32 -> recipe.p, exactly the forward's P Q-point
@@ -586,119 +598,174 @@ def backward(q, k, v, fwd: ForwardResult, dout, *, recipe="exact", causal: bool 
             return _exp2_split(x, ref[..., i0:, :]) / l_safe[..., i0:, :]
         return x.sub_(lse2[..., i0:, :]).exp2_()  # x is not needed again
 
+    return backward_p
+
+
+def _amax_pre_sweep(pb: _Problem, delta: torch.Tensor, sweep, device) -> dict:
+    """amax of the backward points whose dynamic scale blocks span several key tiles (current
+    scaling stands in for the delayed scaling of a real kernel): 0-d for TENSOR, per query row
+    for the ROW dS of dQ; None for every other point."""
+    r, sh, wd = pb.recipe, pb.shape, pb.dtype
+    amax = {name: None for name in ("p_dv", "ds_dq", "ds_dk")}
+    spans = _global_amax_points(r)
+    if r.delta.deferred_dq is not None and spans["ds_dq"]:
+        raise NotImplementedError("deferred dQ with a dS_dq scale block spanning key tiles (TENSOR or ROW): "
+                                  "no kernel does this; use a tile granularity")
+    if not any(spans.values()):
+        return amax
+    lead = (sh.batch, sh.heads, sh.seqlen_q, 1)
+    amax = {n: (torch.zeros((), dtype=wd, device=device) if spans[n] else None) for n in amax}
+    if spans["ds_dq"] and r.ds_dq.granularity is Granularity.ROW:
+        amax["ds_dq"] = torch.zeros(lead, dtype=wd, device=device)
+    for i0, j0, j1, p, dp in sweep():
+        ds = dp.sub_(delta[..., i0:, :]).mul_(p)  # dS = P ∘ (dP^ - D), as in the sweep
+        if spans["p_dv"]:
+            amax["p_dv"] = torch.maximum(amax["p_dv"], _abs_amax(p))
+        if spans["ds_dk"]:
+            amax["ds_dk"] = torch.maximum(amax["ds_dk"], _abs_amax(ds))
+        if spans["ds_dq"]:
+            if amax["ds_dq"].dim():
+                amax["ds_dq"][..., i0:, :] = torch.maximum(amax["ds_dq"][..., i0:, :], group_amax(ds, r.ds_dq, contract_dim=-1))
+            else:
+                amax["ds_dq"] = torch.maximum(amax["ds_dq"], _abs_amax(ds))
+    return amax
+
+
+class _DeferredDq:
+    """Deferred dQ (dmref.kernels; recipes.DeferredDq): dQ from the stale predictor Dst,
+    corrected by -(D - Dst) u kbar after the sweep. The emulation computes D first; the kernel
+    accumulates it in the same sweep, which changes no number."""
+
+    def __init__(self, pb: _Problem, fwd: ForwardResult, dout, k, ops: _BackwardOperands, sweep):
+        r, sh, wd = pb.recipe, pb.shape, pb.dtype
+        self.pb, self.spec = pb, r.delta.deferred_dq
+        self.d_pred = _delta(pb, self.spec.predictor, dout, fwd, ops.do_dp, sweep)[..., None]
+        # u: the head's largest K scale, as k_dq rounds K (kbar / u cannot overflow float16)
+        self.unit = _head_unit(k, r.k_dq, dtype=wd)
+        self.k_kbar = expand_kv(ops.k_dq_kv / self.unit, sh.groups)
+        self.kbar = torch.zeros(sh.batch, sh.heads, sh.seqlen_q, sh.head_dim, dtype=wd, device=k.device)
+        self.p_scale = 2.0 ** -self.spec.p_offset_log2
+
+    def ds_for_dq(self, p, dp, i0):
+        """dQ's dS with the stale predictor: P ∘ (dP^ - Dst) (corrected after the sweep)."""
+        return p * (dp - self.d_pred[..., i0:, :])
+
+    def accumulate(self, p, i0, j0, j1):
+        """kbar += the key tile's sum_j Q_kbar(P_ij) K^_j / u, tile by tile; returns Q_kbar(P)."""
+        wd, spec = self.pb.dtype, self.spec
+        # Q-point P (kbar): fp32 P * 2^offset -> deferred.p (the kernels: E4M3, 2^4, against LSE)
+        p_kb = _quantize(p, spec.p, contract_dim=-1, dtype=wd, fixed_scale=self.p_scale)
+        for t0 in range(0, j1 - j0, spec.tile):
+            t1 = min(t0 + spec.tile, j1 - j0)
+            part = _matmul(p_kb[..., t0:t1], self.k_kbar[..., j0 + t0:j0 + t1, :], MatmulModel(), wd)
+            # Q-point kbar tile: its float32 sum -> deferred.tile_result (float16 wgmma chain)
+            part = _quantize(part, spec.tile_result, contract_dim=-1, dtype=wd)
+            # Q-point kbar accumulator: kbar + tile -> deferred.accumulator (float16), per tile
+            self.kbar[..., i0:, :] = _quantize(self.kbar[..., i0:, :] + part, spec.accumulator, contract_dim=-1,
+                                               dtype=wd)
+        return p_kb
+
+    def correct(self, dq, delta):
+        """The deferred correction: dQ_i -= (D_i - Dst_i) u kbar_i."""
+        return dq - (delta - self.d_pred) * (self.kbar * expand_kv(self.unit, self.pb.shape.groups))
+
+
+class _RowsumAccumulator:
+    """Per query row, in float64, the sums behind :class:`RowsumStats`, from the very P, dP^
+    and dS tiles the sweep computes."""
+
+    def __init__(self, pb: _Problem, device):
+        sh = pb.shape
+        rows = (sh.batch, sh.heads, sh.seqlen_q)
+        self.pb = pb
+        self.res, self.abs_pdp, self.psum, self.res_dq, self.res_dk = (
+            torch.zeros(rows, dtype=torch.float64, device=device) for _ in range(5))
+
+    def add_p(self, p, dp, i0):
+        """A_i and sigma_i from this tile's P and dP^ (before dP^ is overwritten by dS)."""
+        p64 = p.to(torch.float64)
+        self.abs_pdp[..., i0:] += (p64 * dp.to(torch.float64)).abs().sum(dim=-1)
+        self.psum[..., i0:] += p64.sum(dim=-1)
+
+    def add_ds(self, ds, ds_dq, ds_dk, i0, correction=None):
+        """r_i and the row sums as the dQ and dK matmuls see dS; ``correction`` (deferred dQ):
+        the correction's share -(D - Dst) sum_j Q_kbar(P_ij) of this tile."""
+        self.res[..., i0:] += ds.to(torch.float64).sum(dim=-1)
+        self.res_dq[..., i0:] += ds_dq.to(torch.float64).sum(dim=-1)
+        if correction is not None:
+            self.res_dq[..., i0:] -= correction
+        self.res_dk[..., i0:] += ds_dk.to(torch.float64).sum(dim=-1)
+
+    def stats(self, delta) -> RowsumStats:
+        sh, tiles = self.pb.shape, self.pb.recipe.tiles
+        n_tiles = -(-sh.seqlen_k // tiles.block_k)
+        chain = min(sh.seqlen_k, tiles.block_k) + n_tiles  # torch's sum within a tile, then += per tile
+        return RowsumStats(self.res, self.abs_pdp, self.psum, self.res_dq, self.res_dk,
+                           delta[..., 0].to(torch.float64), sh.seqlen_k, chain)
+
+
+def backward(q, k, v, fwd: ForwardResult, dout, *, recipe="exact", causal: bool = False, scale=None,
+             mask=None, diagnostics: bool = False) -> BackwardResult:
+    """The tiled backward of ``recipe`` from the forward's saved ``fwd``; see the module
+    docstring. With ``diagnostics`` the row sums of dS are collected (:class:`RowsumStats`)."""
+    pb = _problem(q, k, v, recipe, causal, scale, mask, dout=dout)
+    r, sh, wd = pb.recipe, pb.shape, pb.dtype
+    acc_model = r.accumulation
+    ops = _backward_operands(pb, q, k, v, dout)
+    backward_p = _backward_p(pb, fwd.stats)
+
     def sweep():
         """(i0, j0, j1, P, dP^) per key tile: the recompute shared by every pass."""
         for j0, j1, i0 in pb.key_tiles():
-            x = _logits(pb, q_hat, k_hat, i0, j0, j1, acc_model.qk_bwd)
+            x = _logits(pb, ops.q_hat, ops.k_hat, i0, j0, j1, acc_model.qk_bwd)
             p = backward_p(x, i0)
-            dp = _matmul(do_dp[..., i0:, :], v_dp[..., j0:j1, :].transpose(-1, -2), acc_model.dp, wd,
+            dp = _matmul(ops.do_dp[..., i0:, :], ops.v_dp[..., j0:j1, :].transpose(-1, -2), acc_model.dp, wd,
                          (r.do_dp, r.v_dp))
             yield i0, j0, j1, p, dp
 
-    # ---- the delta step ----------------------------------------------------------------------
-    delta = _delta(pb, r.delta, dout, fwd, do_dp, sweep)[..., None]
-    deferred = r.delta.deferred_dq
-    if deferred is not None:
-        # Deferred dQ (dmref.kernels): dQ from the stale predictor Dst, corrected by
-        # -(D - Dst) u kbar after the sweep (recipes.DeferredDq). The emulation computes D
-        # first; the kernel accumulates it in the same sweep, which changes no number.
-        d_pred = _delta(pb, deferred.predictor, dout, fwd, do_dp, sweep)[..., None]
-        # u: the head's largest K scale, as k_dq rounds K (kbar / u cannot overflow float16)
-        unit = _head_unit(k, r.k_dq, dtype=wd)
-        k_kbar = expand_kv(k_dq_kv / unit, g)
-        kbar = torch.zeros(sh.batch, sh.heads, sh.seqlen_q, sh.head_dim, dtype=wd, device=q.device)
-        p_scale_kbar = 2.0 ** -deferred.p_offset_log2
-
-    # ---- amax pre-sweep for scale blocks that span key tiles (current scaling stands in for
-    # ---- the delayed scaling of a real kernel) --------------------------------------------------
-    amax = {name: None for name in ("p_dv", "ds_dq", "ds_dk")}
-    spans = _global_amax_points(r)
-    if deferred is not None and spans["ds_dq"]:
-        raise NotImplementedError("deferred dQ with a dS_dq scale block spanning key tiles (TENSOR or ROW): "
-                                  "no kernel does this; use a tile granularity")
-    if any(spans.values()):
-        lead = (sh.batch, sh.heads, sh.seqlen_q, 1)
-        amax = {n: (torch.zeros((), dtype=wd, device=q.device) if spans[n] else None) for n in amax}
-        if spans["ds_dq"] and r.ds_dq.granularity is Granularity.ROW:
-            amax["ds_dq"] = torch.zeros(lead, dtype=wd, device=q.device)
-        for i0, j0, j1, p, dp in sweep():
-            ds = dp.sub_(delta[..., i0:, :]).mul_(p)  # dS = P ∘ (dP^ - D), as in the sweep below
-            if spans["p_dv"]:
-                amax["p_dv"] = torch.maximum(amax["p_dv"], _abs_amax(p))
-            if spans["ds_dk"]:
-                amax["ds_dk"] = torch.maximum(amax["ds_dk"], _abs_amax(ds))
-            if spans["ds_dq"]:
-                if amax["ds_dq"].dim():
-                    amax["ds_dq"][..., i0:, :] = torch.maximum(amax["ds_dq"][..., i0:, :], group_amax(ds, r.ds_dq, contract_dim=-1))
-                else:
-                    amax["ds_dq"] = torch.maximum(amax["ds_dq"], _abs_amax(ds))
+    delta = _delta(pb, r.delta, dout, fwd, ops.do_dp, sweep)[..., None]  # the delta step
+    deferred = _DeferredDq(pb, fwd, dout, k, ops, sweep) if r.delta.deferred_dq is not None else None
+    amax = _amax_pre_sweep(pb, delta, sweep, q.device)
 
     # ---- the sweep -----------------------------------------------------------------------------
     dq = torch.zeros(sh.batch, sh.heads, sh.seqlen_q, sh.head_dim, dtype=wd, device=q.device)
     dk = torch.zeros(sh.batch, sh.heads, sh.seqlen_k, sh.head_dim, dtype=wd, device=q.device)
     dv = torch.zeros(sh.batch, sh.heads, sh.seqlen_k, sh.head_dim_v, dtype=wd, device=q.device)
-    if diagnostics:
-        lead64 = dict(dtype=torch.float64, device=q.device)
-        rows = (sh.batch, sh.heads, sh.seqlen_q)
-        res, abs_pdp, psum, res_dq, res_dk = (torch.zeros(rows, **lead64) for _ in range(5))
+    rowsums = _RowsumAccumulator(pb, q.device) if diagnostics else None
     p_scale_bwd = 2.0 ** -r.p_bwd.offset_log2
     for i0, j0, j1, p, dp in sweep():
         a_rows = None if amax["ds_dq"] is None or not amax["ds_dq"].dim() else amax["ds_dq"][..., i0:, :]
         # Q-point P (dV = Pᵀ dO): fp32 P * 2^offset -> recipe.p_dv, blocks along the queries
         p_dv = _quantize(p, r.p_dv, contract_dim=-2, dtype=wd, fixed_scale=p_scale_bwd,
                          amax=amax["p_dv"])
-        dv[..., j0:j1, :] += _matmul(p_dv.transpose(-1, -2), do_dv[..., i0:, :], acc_model.dv, wd,
+        dv[..., j0:j1, :] += _matmul(p_dv.transpose(-1, -2), ops.do_dv[..., i0:, :], acc_model.dv, wd,
                                      (r.p_dv, r.do_dv))
-        if diagnostics:  # A_i and sigma_i from the very P and dP^ of this tile, in float64
-            p64 = p.to(torch.float64)
-            abs_pdp[..., i0:] += (p64 * dp.to(torch.float64)).abs().sum(dim=-1)
-            psum[..., i0:] += p64.sum(dim=-1)
-        if deferred is not None:
-            # dQ's dS with the stale predictor: P ∘ (dP^ - Dst) (corrected after the sweep)
-            ds_for_dq = p * (dp - d_pred[..., i0:, :])
+        if rowsums is not None:
+            rowsums.add_p(p, dp, i0)
+        ds_for_dq = deferred.ds_for_dq(p, dp, i0) if deferred is not None else None
         ds = dp.sub_(delta[..., i0:, :]).mul_(p)  # dS = P ∘ (dP^ - D); dP^ is not needed again
         if deferred is None:
             ds_for_dq = ds
         # Q-point dS (dQ = dS K): fp32 -> recipe.ds_dq, blocks along the keys
         ds_dq = _quantize(ds_for_dq, r.ds_dq, contract_dim=-1, dtype=wd,
                           amax=a_rows if a_rows is not None else amax["ds_dq"])
-        dq[..., i0:, :] += _matmul(ds_dq, k_dq[..., j0:j1, :], acc_model.dq, wd, (r.ds_dq, r.k_dq))
-        if deferred is not None:
-            # Q-point P (kbar): fp32 P * 2^offset -> deferred.p (the kernels: E4M3, 2^4, against LSE)
-            p_kb = _quantize(p, deferred.p, contract_dim=-1, dtype=wd, fixed_scale=p_scale_kbar)
-            for t0 in range(0, j1 - j0, deferred.tile):
-                t1 = min(t0 + deferred.tile, j1 - j0)
-                part = _matmul(p_kb[..., t0:t1], k_kbar[..., j0 + t0:j0 + t1, :], MatmulModel(), wd)
-                # Q-point kbar tile: its float32 sum -> deferred.tile_result (float16 wgmma chain)
-                part = _quantize(part, deferred.tile_result, contract_dim=-1, dtype=wd)
-                # Q-point kbar accumulator: kbar + tile -> deferred.accumulator (float16), per tile
-                kbar[..., i0:, :] = _quantize(kbar[..., i0:, :] + part, deferred.accumulator, contract_dim=-1,
-                                              dtype=wd)
+        dq[..., i0:, :] += _matmul(ds_dq, ops.k_dq[..., j0:j1, :], acc_model.dq, wd, (r.ds_dq, r.k_dq))
+        p_kb = deferred.accumulate(p, i0, j0, j1) if deferred is not None else None
         # Q-point dS (dK = dSᵀ Q): fp32 -> recipe.ds_dk, blocks along the queries
         ds_dk = _quantize(ds, r.ds_dk, contract_dim=-2, dtype=wd, amax=amax["ds_dk"])
-        dk[..., j0:j1, :] += _matmul(ds_dk.transpose(-1, -2), q_dk[..., i0:, :], acc_model.dk, wd,
+        dk[..., j0:j1, :] += _matmul(ds_dk.transpose(-1, -2), ops.q_dk[..., i0:, :], acc_model.dk, wd,
                                      (r.ds_dk, r.q_dk))
-        if diagnostics:  # r_i from the very dS tile above, in float64
-            res[..., i0:] += ds.to(torch.float64).sum(dim=-1)
-            res_dq[..., i0:] += ds_dq.to(torch.float64).sum(dim=-1)
-            if deferred is not None:  # the correction's share: -(D - Dst) sum_j Q_kbar(P_ij)
-                res_dq[..., i0:] -= ((delta - d_pred)[..., i0:, 0].to(torch.float64)
-                                     * p_kb.to(torch.float64).sum(dim=-1))
-            res_dk[..., i0:] += ds_dk.to(torch.float64).sum(dim=-1)
+        if rowsums is not None:
+            correction = None if deferred is None else (
+                (delta - deferred.d_pred)[..., i0:, 0].to(torch.float64) * p_kb.to(torch.float64).sum(dim=-1))
+            rowsums.add_ds(ds, ds_dq, ds_dk, i0, correction)
 
     if deferred is not None:
-        # the deferred correction: dQ_i -= (D_i - Dst_i) u kbar_i
-        dq = dq - (delta - d_pred) * (kbar * expand_kv(unit, g))
+        dq = deferred.correct(dq, delta)
     dq = dq * sh.scale
-    dk = reduce_kv(dk * sh.scale, g)
-    dv = reduce_kv(dv, g)
-    stats_out = None
-    if diagnostics:
-        n_tiles = -(-sh.seqlen_k // r.tiles.block_k)
-        chain = min(sh.seqlen_k, r.tiles.block_k) + n_tiles  # torch's sum within a tile, then += per tile
-        stats_out = RowsumStats(res, abs_pdp, psum, res_dq, res_dk, delta[..., 0].to(torch.float64),
-                                sh.seqlen_k, chain)
-    return BackwardResult(dq, dk, dv, stats_out)
+    dk = reduce_kv(dk * sh.scale, sh.groups)
+    dv = reduce_kv(dv, sh.groups)
+    return BackwardResult(dq, dk, dv, rowsums.stats(delta) if rowsums is not None else None)
 
 
 def attention(q, k, v, dout=None, *, recipe="exact", causal: bool = False, scale=None, mask=None,

@@ -25,6 +25,7 @@ __all__ = [
     "U_FP64",
     "U_BF16",
     "U_FP16",
+    "FP32_EMIN",
     "FP32_MIN_NORMAL",
     "FP32_MAX",
     "LOG2E",
@@ -56,7 +57,8 @@ U_FP64: float = math.ldexp(1.0, -(FP64_MANTISSA_BITS + 1))
 U_BF16: float = BFLOAT16.unit_roundoff
 U_FP16: float = FLOAT16.unit_roundoff
 
-#: float32's smallest normal (2**-126) and largest finite value.
+#: float32's smallest normal exponent (-126), smallest normal (2**-126) and largest finite value.
+FP32_EMIN: int = int(np.finfo(np.float32).minexp)
 FP32_MIN_NORMAL: float = float(np.finfo(np.float32).tiny)
 FP32_MAX: float = float(np.finfo(np.float32).max)
 

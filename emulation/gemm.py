@@ -275,7 +275,9 @@ class _Tile:
     segments: tuple[tuple[int, int], ...] | None  #: partial-accumulator spans; None: none
 
 
-def _plan(k_padded: int, k_step: int, promote_every: int | None, tile_k: int | None) -> list[_Tile]:
+def plan_k_tiles(k_padded: int, k_step: int, promote_every: int | None, tile_k: int | None) -> list[_Tile]:
+    """The K loop of a hopper kernel: its ``tile_k`` tiles over ``k_padded`` products, each with
+    the spans of its partial accumulators (``promote_every``; None: the tile is one chain)."""
     for name, v in (("promote_every", promote_every), ("tile_k", tile_k)):
         if v is not None and (v <= 0 or v % k_step):
             raise ValueError(f"{name}={v} must be a positive multiple of the k-step {k_step}")
@@ -313,7 +315,7 @@ def _hopper(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, fa: Format, fb: F
     op_b = _gemm_hopper.prepare(b, fb, rules, align.offset_b, align.dtype, k_padded)
     if scales is not None:
         tile_k, chain = scales[2], False
-    plan = _plan(k_padded, ks, promote_every, tile_k)
+    plan = plan_k_tiles(k_padded, ks, promote_every, tile_k)
     specials = not bool(torch.isfinite(c).all())
     out = torch.empty((m, n), dtype=torch.float32, device=a.device)
     steps = k_padded // ks

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from dmref.emulation.constants import FP32_MANTISSA_BITS, FP64_MANTISSA_BITS, gamma
+from dmref.emulation.constants import FP32_EMIN, FP32_MANTISSA_BITS, FP64_MANTISSA_BITS, gamma
 from dmref.emulation.gemm import HOPPER, WgmmaRules
 
 #: Covers the float64 evaluation of a bound formula: (1 + 2**-53)**64 < 1 + 2**-46.
@@ -74,7 +74,7 @@ class FloatModel:
 
 #: float32 with exp/log accurate to 1 ulp (SLEEF u10 in torch's vectorised CPU kernels,
 #: glibc expf/logf otherwise; tests/proofs checks the torch build at hand against float64).
-FP32 = FloatModel("float32", FP32_MANTISSA_BITS, int(np.finfo(np.float32).minexp))
+FP32 = FloatModel("float32", FP32_MANTISSA_BITS, FP32_EMIN)
 #: float64, exp/log accurate to 1 ulp.
 FP64 = FloatModel("float64", FP64_MANTISSA_BITS, int(np.finfo(np.float64).minexp))
 

@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
-from dmref.emulation import ScaleRule, get_format
+from dmref.emulation import FLOAT8_E4M3FN, FLOAT8_E5M2, ScaleRule, constants, get_format
 
 from .counterexamples import random_problem
 from .rational import (
@@ -44,7 +44,7 @@ from .rational import (
 )
 
 #: Rational stand-in for log2(e) (the float64 value); any positive rational would do.
-LOG2E = Fraction(math.log2(math.e))
+LOG2E = Fraction(constants.LOG2E)
 
 #: Each way the variant can break, with what it changes.
 FAILURES = {
@@ -117,8 +117,8 @@ def _quantize_v(v, fmt, block: int, v_blocking: str):
     raise ValueError(f"unknown {v_blocking=}")
 
 
-def consistent_p_backward(q, k, v, do, *, tau=Fraction(1, 8), fmt_p="e4m3", fmt="e4m3",
-                          fmt_do="e5m2", fwd_scale_exp: int = 8, bwd_scale_exp: int = 8,
+def consistent_p_backward(q, k, v, do, *, tau=Fraction(1, 8), fmt_p=FLOAT8_E4M3FN, fmt=FLOAT8_E4M3FN,
+                          fmt_do=FLOAT8_E5M2, fwd_scale_exp: int = 8, bwd_scale_exp: int = 8,
                           tile: int | None = None, rescale: str = "pow2",
                           normalizer: str = "quantized", bwd_grid: str = "mu",
                           saved_o: str | None = None, v_blocking: str = "same", block: int = 32,

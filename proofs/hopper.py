@@ -29,6 +29,7 @@ import numpy as np
 from dmref.emulation import get_format
 
 from dmref.emulation import WgmmaRules
+from dmref.emulation.constants import FP32_EMIN
 
 from .bounds import HOPPER, check_wgmma_rules
 
@@ -46,7 +47,7 @@ def fp8_exponents(values: np.ndarray, fmt) -> np.ndarray:
 
 def _float32_exponents(c: np.ndarray) -> np.ndarray:
     _, e = np.frexp(np.abs(c))
-    return np.where(c == 0, _NO_EXPONENT, np.maximum(e - 1, -126)).astype(np.int64)
+    return np.where(c == 0, _NO_EXPONENT, np.maximum(e - 1, FP32_EMIN)).astype(np.int64)
 
 
 def _truncate(x: np.ndarray, quantum: np.ndarray) -> np.ndarray:
@@ -62,7 +63,7 @@ def wgmma_step(c: np.ndarray, products: np.ndarray, product_exponents: np.ndarra
     quantum = np.ldexp(1.0, np.where(empty, 0, big_e) - model.term_frac_bits)
     total = _truncate(c, quantum) + _truncate(products, quantum[..., None]).sum(axis=-1)
     _, e = np.frexp(np.abs(total))
-    result_quantum = np.ldexp(1.0, np.maximum(e - 1, -126) - (model.result_bits - 1))
+    result_quantum = np.ldexp(1.0, np.maximum(e - 1, FP32_EMIN) - (model.result_bits - 1))
     out = _truncate(total, result_quantum)
     return np.where(empty, c, out)
 

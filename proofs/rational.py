@@ -28,7 +28,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from dmref.emulation import ScaleRule, get_format
+from dmref.emulation import FLOAT8_E4M3FN, FLOAT8_E5M2, Rounding, ScaleRule, get_format
 from dmref.emulation.spec import decode_scalar, encode_scalar
 
 Matrix = list[list[Fraction]]
@@ -101,13 +101,13 @@ def block_scale(amax: Fraction, fmt, rule: ScaleRule | str) -> Fraction:
     return amax / fmax
 
 
-def quantize_exact(x: Fraction, fmt, rounding: str = "nearest_even") -> Fraction:
+def quantize_exact(x: Fraction, fmt, rounding: Rounding | str = Rounding.NEAREST_EVEN) -> Fraction:
     """decode(encode(x)) for one exact rational, saturating (finite results only)."""
     return Fraction(decode_scalar(encode_scalar(x, fmt, rounding=rounding, saturate=True), fmt))
 
 
 def quantize_blocked_exact(x: Matrix, fmt, block: int, rule: ScaleRule | str = ScaleRule.MX_OCP,
-                           rounding: str = "nearest_even") -> tuple[Matrix, Matrix]:
+                           rounding: Rounding | str = Rounding.NEAREST_EVEN) -> tuple[Matrix, Matrix]:
     """Quantize each row in blocks of ``block`` consecutive entries (the last block may be
     shorter). Returns (dequantized values, one scale per block)."""
     if block < 1:
@@ -227,8 +227,8 @@ class ExactBackward:
         return max((abs(r) for r in self.residuals), default=Fraction(0))
 
 
-def exact_backward(q, k, v, do, *, tau=Fraction(1, 8), fmt_qk="e4m3", fmt_v="e4m3",
-                   fmt_do="e5m2", block: int = 32, scale_rule: ScaleRule | str = ScaleRule.MX_OCP,
+def exact_backward(q, k, v, do, *, tau=Fraction(1, 8), fmt_qk=FLOAT8_E4M3FN, fmt_v=FLOAT8_E4M3FN,
+                   fmt_do=FLOAT8_E5M2, block: int = 32, scale_rule: ScaleRule | str = ScaleRule.MX_OCP,
                    mask=None, mass: str = "normalize", dp_accumulation: str = "exact",
                    promote_every: int | None = None) -> ExactBackward:
     """Run the matched pipeline on float arrays q (n_q, d), k (n_k, d), v (n_k, d),

@@ -2,7 +2,7 @@
 
 Until the emulated reference (``dmref.tiled``) can be driven with a kernel's recipe, the kernel
 tests compare against this model. It follows ``dmref.kernels.config.KernelRecipe``: the same
-block scales (``pow2_floor``, from ``frexp``), the same casts (``dmref.emulation.encode`` with
+block scales (``ScaleRule.POW2_DOWN``, from ``frexp``), the same casts (``dmref.emulation.encode`` with
 RNE and saturation), the same running-max P in the forward, the same dS blocks and the same
 deferred dQ correction. The two matmuls whose results are quantized again (QK^T, dO V^T) are
 computed by ``dot``: ``exact_dot`` (float64 rounded once to float32) or ``hopper_dot`` (the
@@ -30,7 +30,7 @@ def exact_dot(a: torch.Tensor, b: torch.Tensor, **_formats) -> torch.Tensor:
     return (a.double() @ b.double()).float()
 
 
-def pow2_floor_exponent(amax: torch.Tensor, fmt: str) -> torch.Tensor:
+def pow2_down_exponent(amax: torch.Tensor, fmt: str) -> torch.Tensor:
     """k = floor(log2(fmt.max / amax)), 0 where amax == 0, clamped to [-126, 126]."""
     f = get_format(fmt)
     mant, exp = torch.frexp(amax.float())  # amax = mant * 2**exp, mant in [0.5, 1)
@@ -42,7 +42,7 @@ def pow2_floor_exponent(amax: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def quantize_blocks(x: torch.Tensor, fmt: str, dim: int):
     """One scale per slice along ``dim`` (amax over ``dim``): codes and dequantization factors."""
-    k = pow2_floor_exponent(x.abs().amax(dim=dim, keepdim=True), fmt)
+    k = pow2_down_exponent(x.abs().amax(dim=dim, keepdim=True), fmt)
     codes = encode((x * torch.exp2(k.float())).float(), fmt, saturate=True)
     return codes, torch.exp2(-k.float())
 
@@ -144,7 +144,7 @@ def _quantize_ds(ds: torch.Tensor, fmt: str, along: int, block: int, other_block
         ob = other_block
         amax = amax.view(bh, npad // ob, ob, npad // block, 1).amax(2, keepdim=True)
         amax = amax.expand(bh, npad // ob, ob, npad // block, 1).reshape(bh, npad, npad // block, 1)
-    k = pow2_floor_exponent(amax, fmt)
+    k = pow2_down_exponent(amax, fmt)
     codes = encode((xb * torch.exp2(k.float())).float(), fmt, saturate=True)
     inv = torch.exp2(-k.float()).expand_as(xb)
     codes, inv = codes.reshape(bh, npad, npad), inv.reshape(bh, npad, npad)

@@ -67,7 +67,7 @@ def macs(recipe, b, h, n, d) -> int:
 def is_fp8(recipe) -> bool:
     """Whether any operand of the recipe is an FP8 quantization point (the requirement is about
     emulated FP8; the bf16 preset is timed for information)."""
-    return any((p.fmt or "").startswith("float8") for p in get_recipe(recipe).points().values())
+    return any(p.quantized and p.fmt.is_fp8 for p in get_recipe(recipe).points().values())
 
 
 def inputs(b, h, n, d, seed=0):

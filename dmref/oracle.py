@@ -482,7 +482,7 @@ def _dq_accumulation_u(claimed) -> float:
     if claimed is None:
         return _U_FP32
     fp8 = [p for p in (claimed.ds_dq, claimed.k_dq)
-           if p.quantized and p.fmt.replace("float8_", "").startswith(("e4m3", "e5m2"))]
+           if p.quantized and p.fmt.is_fp8]
     return 2.0**-13 if fp8 else _U_FP32
 
 

@@ -241,9 +241,10 @@ class KernelRecipe:
     hardware (HOPPER wgmma chains, promoted to float32 between backward tiles shorter than
     128); :func:`unsupported` says what the kernels cannot run. The backward tiling decides the
     dS block extents, the promotion interval and kbar's tile (:func:`fit_to_tiles`), so every
-    tiling of one KernelRecipe must agree with its recipe. ``ds_tile_scales``: one dS scale per
-    whole backward tile instead of the recipe's per-row blocks, a kernel variant the Recipe
-    cannot express (:meth:`reference_recipe` refuses it).
+    tiling of one KernelRecipe must agree with its recipe. Two kernel variants the Recipe cannot
+    express (:meth:`reference_recipe` refuses them): ``ds_tile_scales``, one dS scale per whole
+    backward tile instead of the recipe's per-row blocks, and a forward key tile ``block_n``
+    other than the recipe's 128 (the running-max granularity).
     """
 
     name: str
@@ -272,9 +273,6 @@ class KernelRecipe:
         if self.fwd_d64 is not None and self.fwd_d64.block_n != self.fwd.block_n:
             raise ValueError(f"fwd_d64.block_n={self.fwd_d64.block_n} != fwd.block_n={self.fwd.block_n}: "
                              "the forward's key tile is the recipe's running-max granularity")
-        if self.fwd.block_n != QUANT_BLOCK:
-            raise ValueError(f"forward block_n={self.fwd.block_n}: the recipe rescales the running max "
-                             f"every {QUANT_BLOCK} keys (Tiles.block_k)")
 
     @staticmethod
     def unsupported(recipe, bwd: BwdTiles | None = None) -> str | None:
@@ -334,12 +332,17 @@ class KernelRecipe:
         ``dmref.tiled``: ``accumulation="hopper"`` for the H200 (the recipe itself), ``"fp32"``
         for Triton's interpreter (float32 matmuls everywhere).
 
-        Raises ``ValueError`` with ``ds_tile_scales`` (the reference has no per-tile dS scale).
+        Raises ``ValueError`` for the kernel variants the Recipe cannot express: ``ds_tile_scales``
+        (no per-tile dS scale) and a forward key tile other than the recipe's 128 (the running
+        max is rescaled every ``Tiles.block_k`` keys).
         """
         from dmref.recipes import MatmulModel, MatmulModels
 
         if self.ds_tile_scales:
             raise ValueError("ds_tile_scales: the reference has no per-tile dS scale")
+        if self.fwd.block_n != QUANT_BLOCK:
+            raise ValueError(f"forward block_n={self.fwd.block_n}: the reference rescales the "
+                             f"running max every {QUANT_BLOCK} keys (Tiles.block_k)")
         r = fit_to_tiles(self.recipe, self.bwd_tiles(head_dim))
         model = MatmulModel.get(accumulation)
         if model != MatmulModel.get("hopper"):

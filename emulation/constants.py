@@ -6,8 +6,8 @@ unit roundoffs from the mantissa widths of the IEEE binary formats, and the wgmm
 counts from :data:`dmref.emulation.gemm.HOPPER`.
 
 Check: ``python -c "from dmref.emulation import constants as c; print(c.E4M3_MAX, c.U_FP32)"``
-prints ``448.0 5.960464477539063e-08``; tests/emulation/test_formats.py compares every value
-with the format it is taken from.
+prints ``448.0 5.960464477539063e-08``; tests/emulation/test_constants.py compares every value
+with an independent source (ml_dtypes, numpy's finfo, the float32 grid).
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ LN2: float = math.log(2.0)
 
 
 def _sub_magic(fmt: Format) -> float:
-    """C with ``fl32(x + C) - C`` = x rounded to a multiple of fmt's smallest subnormal: the
-    float32 ulp of C (2**-23 C) is that subnormal."""
+    """C with ``fl32(a + C) - C`` = a rounded to a multiple of fmt's smallest subnormal, for a
+    magnitude a below fmt's smallest normal: the float32 ulp of C (2**-23 C) is that subnormal."""
     return math.ldexp(fmt.min_subnormal, FP32_MANTISSA_BITS)
 
 

@@ -101,3 +101,22 @@ def test_deferred_dq_refuses_what_it_cannot_mean():
     with pytest.raises(ValueError, match="MATCHED"):
         DeltaStrategy(DeltaKind.STALE, deferred_dq=KERNEL_LIKE)
     assert KERNEL_RECIPE.delta.name == "matched_deferred"
+
+
+def test_kernels_run_their_own_recipes_and_say_why_not_for_the_presets():
+    """KernelRecipe.unsupported: None for the Recipe a KernelRecipe holds (at its tiling), a
+    reason naming the first differing point for a preset or a changed point."""
+    from dmref.emulation import ScaleRule
+    from dmref.kernels.config import KernelRecipe
+
+    for kr in RECIPES.values():
+        assert KernelRecipe.unsupported(kr.recipe, kr.bwd) is None
+        assert kr.reference_recipe(64, "hopper").accumulation == kr.recipe.accumulation
+    assert "q:" in KernelRecipe.unsupported(PRESETS["naive_fp8"])
+    kr = RECIPES["naive_fp8"]
+    amax_k = replace(kr.recipe, k=replace(kr.recipe.k, scale_rule=ScaleRule.AMAX))
+    reason = KernelRecipe.unsupported(amax_k)
+    assert reason.startswith("k:") and "amax" in reason
+    with pytest.raises(ValueError, match="kernel recipe 'x': k:"):
+        KernelRecipe(name="x", recipe=amax_k)
+    assert "tiles" in KernelRecipe.unsupported(kr.recipe, replace(kr.bwd, block_n2=128))

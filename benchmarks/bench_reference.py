@@ -60,7 +60,7 @@ def macs(recipe, b, h, n, d) -> int:
     """Multiply-accumulates of the recipe's matmuls (non-causal): 7 N^2 D per head, plus the
     pre-sweep's QKᵀ and dO Vᵀ for a matched delta or a cross-tile amax."""
     r = get_recipe(recipe)
-    sweeps = 1 + (r.delta.kind is DeltaKind.MATCHED) + any(tiled._global_amax_points(r).values())
+    sweeps = 1 + (r.delta.kind is DeltaKind.MATCHED) + any(tiled.global_amax_points(r).values())
     return b * h * n * n * d * (5 + 2 * sweeps)
 
 

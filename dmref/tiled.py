@@ -49,7 +49,8 @@ from .recipes import (DeltaKind, DeltaStrategy, Granularity, Normalizer, PRefere
                       get_recipe)
 from .reference import AttentionShape, check_attention_inputs, expand_kv, keep_mask, mask_window, reduce_kv
 
-__all__ = ["BackwardResult", "ForwardResult", "RowsumStats", "SoftmaxStats", "attention", "backward", "forward"]
+__all__ = ["BackwardResult", "ForwardResult", "RowsumStats", "SoftmaxStats", "attention", "backward", "forward",
+           "global_amax_points", "group_amax"]
 
 _NEG_INF = float("-inf")
 
@@ -531,7 +532,7 @@ def _head_unit(k: torch.Tensor, point: QuantPoint, *, dtype: torch.dtype) -> tor
     return s.amax(dim=(-4, -3, -2, -1)).reshape(*k.shape[:2], 1, 1).to(dtype)
 
 
-def _global_amax_points(r: Recipe) -> dict[str, bool]:
+def global_amax_points(r: Recipe) -> dict[str, bool]:
     """Backward points whose dynamic scale blocks span several key tiles (they need an amax
     pre-sweep): TENSOR for P (dV) and both dS; ROW for the dS of dQ (a row spans all keys)."""
     def spans(point: QuantPoint, row_spans: bool) -> bool:
@@ -607,7 +608,7 @@ def _amax_pre_sweep(pb: _Problem, delta: torch.Tensor, sweep, device) -> dict:
     for the ROW dS of dQ; None for every other point."""
     r, sh, wd = pb.recipe, pb.shape, pb.dtype
     amax = {name: None for name in ("p_dv", "ds_dq", "ds_dk")}
-    spans = _global_amax_points(r)
+    spans = global_amax_points(r)
     if r.delta.deferred_dq is not None and spans["ds_dq"]:
         raise NotImplementedError("deferred dQ with a dS_dq scale block spanning key tiles (TENSOR or ROW): "
                                   "no kernel does this; use a tile granularity")

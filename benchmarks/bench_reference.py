@@ -60,14 +60,14 @@ def macs(recipe, b, h, n, d) -> int:
     """Multiply-accumulates of the recipe's matmuls (non-causal): 7 N^2 D per head, plus the
     pre-sweep's QKᵀ and dO Vᵀ for a matched delta or a cross-tile amax."""
     r = get_recipe(recipe)
-    sweeps = 1 + (r.delta.kind is DeltaKind.MATCHED) + any(tiled._global_amax_points(r).values())
+    sweeps = 1 + (r.delta.kind is DeltaKind.MATCHED) + any(tiled.global_amax_points(r).values())
     return b * h * n * n * d * (5 + 2 * sweeps)
 
 
 def is_fp8(recipe) -> bool:
     """Whether any operand of the recipe is an FP8 quantization point (the requirement is about
     emulated FP8; the bf16 preset is timed for information)."""
-    return any((p.fmt or "").startswith("float8") for p in get_recipe(recipe).points().values())
+    return any(p.quantized and p.fmt.is_fp8 for p in get_recipe(recipe).points().values())
 
 
 def inputs(b, h, n, d, seed=0):

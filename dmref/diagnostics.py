@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from . import reference, tiled
+from .emulation.constants import LN2, U_FP32, U_FP64, gamma  # U_FP32, U_FP64, gamma: re-exported
 from .recipes import get_recipe
 
 __all__ = [
@@ -44,16 +45,6 @@ __all__ = [
     "relative_error",
 ]
 
-#: Unit roundoff of float32 and float64 (round to nearest).
-U_FP32 = 2.0**-24
-U_FP64 = 2.0**-53
-
-
-def gamma(n: int | float, u: float):
-    """Higham's gamma_n = n u / (1 - n u): the relative error bound of n chained roundings."""
-    if n * u >= 1:
-        raise ValueError(f"gamma({n}) undefined for u={u}: n u >= 1")
-    return n * u / (1 - n * u)
 
 
 def relative_error(x: torch.Tensor, exact: torch.Tensor) -> float:
@@ -123,9 +114,9 @@ def psum_error_bound(x_max: torch.Tensor, n_keys: int, n_tiles: int, u: float = 
        float32 logits below 1e4).
     """
     log2n = math.log2(max(n_keys, 2))
-    theta = gamma(n_keys + 3 * n_tiles + 2, u) + math.log(2) * u * 4 * x_max
+    theta = gamma(n_keys + 3 * n_tiles + 2, u) + LN2 * u * 4 * x_max
     d_l = 1.45 * theta + 2 * u * log2n + u * (x_max + log2n)
-    return 1.01 * (math.log(2) * d_l + math.log(2) * u * (2 * x_max + log2n) + _exp2_ulp_error())
+    return 1.01 * (LN2 * d_l + LN2 * u * (2 * x_max + log2n) + _exp2_ulp_error())
 
 
 def logit_bound(q, k, *, scale: float, mask=None) -> torch.Tensor:
@@ -139,7 +130,7 @@ def logit_bound(q, k, *, scale: float, mask=None) -> torch.Tensor:
     if mask is not None and mask.dtype != torch.bool:
         finite = torch.where(torch.isfinite(mask), mask.to(torch.float64), torch.zeros((), dtype=torch.float64))
         m = m + finite.abs().amax(dim=-1).expand_as(m)
-    return m / math.log(2)
+    return m / LN2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,7 +171,7 @@ def attention_error_bound(q, k, v, dout, *, u: float, causal=False, scale=None, 
     q64, k64, v64, do64 = (t.to(torch.float64) for t in (q, k, v, dout))
     kx, vx = (t.repeat_interleave(g_heads, dim=1) if g_heads > 1 else t for t in (k64, v64))
     out, lse = reference.attention_forward(q64, k64, v64, causal=causal, scale=shape.scale, mask=mask)
-    s = reference._scores(q64, k64, shape, causal, mask)
+    s = reference.scores(q64, k64, shape, causal, mask)
     keep = torch.isfinite(s) | torch.isnan(s)
     lse_safe = torch.where(lse == -math.inf, torch.full_like(lse, math.inf), lse)[..., None]
     p = torch.exp(s - lse_safe)
@@ -215,7 +206,7 @@ def attention_error_bound(q, k, v, dout, *, u: float, causal=False, scale=None, 
     nq_g = nq * g_heads
     b_dk = shape.scale * (g.transpose(-1, -2) @ q64.abs() + gamma(nq_g + 3, u) * (ds.abs().transpose(-1, -2) @ q64.abs()))
     b_dv = pr.transpose(-1, -2) @ do64.abs() + gamma(nq_g + 3, u) * (p.transpose(-1, -2) @ do64.abs())
-    b_dk, b_dv = (reference._reduce_kv(t, g_heads) for t in (b_dk, b_dv))
+    b_dk, b_dv = (reference.reduce_kv(t, g_heads) for t in (b_dk, b_dv))
     return {name: 1.1 * t for name, t in
             dict(out=b_out, lse=b_lse, dq=b_dq, dk=b_dk, dv=b_dv, p_rel=r).items()}
 

@@ -389,13 +389,13 @@ def _exact(case: Case) -> _Exact:
     mask = case.mask
     out, lse, dq, dk, dv = reference.attention_ref(q, k, v, do, causal=case.causal, scale=case.scale, mask=mask)
     shape = reference.check_attention_inputs(q, k, v, scale=case.scale, mask=mask)
-    s = reference._scores(q, k, shape, case.causal, mask)
+    s = reference.scores(q, k, shape, case.causal, mask)
     lse_safe = torch.where(lse == -math.inf, torch.full_like(lse, math.inf), lse)[..., None]
     p = torch.exp(s - lse_safe)
     # GQA: every query head against its key/value head; dK's and dV's magnitudes summed over
     # the query heads of a group, as the gradients are
     g = shape.groups
-    kx, vx = reference._expand_kv(k, g), reference._expand_kv(v, g)
+    kx, vx = reference.expand_kv(k, g), reference.expand_kv(v, g)
     dp = do @ vx.transpose(-1, -2)
     delta = (do * out).sum(-1, keepdim=True)
     w = p * (dp.abs() + delta.abs())
@@ -403,8 +403,8 @@ def _exact(case: Case) -> _Exact:
     mags = {
         "out": p @ vx.abs(),
         "dq": tau * (w @ kx.abs()),
-        "dk": reference._reduce_kv(tau * (w.transpose(-1, -2) @ q.abs()), g),
-        "dv": reference._reduce_kv(p.transpose(-1, -2) @ do.abs(), g),
+        "dk": reference.reduce_kv(tau * (w.transpose(-1, -2) @ q.abs()), g),
+        "dv": reference.reduce_kv(p.transpose(-1, -2) @ do.abs(), g),
     }
     bounds = diagnostics.attention_error_bound(q, k, v, do, u=_U_FP32, causal=case.causal, scale=case.scale,
                                                mask=mask, n_tiles=k.shape[-2])
@@ -414,7 +414,7 @@ def _exact(case: Case) -> _Exact:
     # tau (D_i - D*_i) (P K)_i and dK_j by tau sum_i (D_i - D*_i) P_ij Q_i (per unit of u_out)
     a = (do.abs() * (out.abs() + bounds["out"])).sum(-1, keepdim=True)
     stale = {"dq": tau * a * (p @ kx.abs()),
-             "dk": reference._reduce_kv(tau * (p * a).transpose(-1, -2) @ q.abs(), g)}
+             "dk": reference.reduce_kv(tau * (p * a).transpose(-1, -2) @ q.abs(), g)}
     return _Exact(out, dq, dk, dv, mags, {n: bounds[n] for n in mags}, (p * dp).abs().sum(-1),
                   w.sum(-1), kbar, stale)
 
@@ -482,7 +482,7 @@ def _dq_accumulation_u(claimed) -> float:
     if claimed is None:
         return _U_FP32
     fp8 = [p for p in (claimed.ds_dq, claimed.k_dq)
-           if p.quantized and p.fmt.replace("float8_", "").startswith(("e4m3", "e5m2"))]
+           if p.quantized and p.fmt.is_fp8]
     return 2.0**-13 if fp8 else _U_FP32
 
 

@@ -19,7 +19,12 @@ Scale granularities are stated relative to the contraction of the matmul the ope
 (see :class:`Granularity`), so "V blocked along the sequence in the forward and along the head dim
 in the backward" (DESIGN.md source 4) is simply ``v`` and ``v_dp`` with the same granularity.
 
-Everything here is plain frozen dataclasses and enums: no torch import.
+The vocabulary is the emulation's (:mod:`dmref.emulation`): a point's format is a
+:class:`~dmref.emulation.Format`, its scale rule a :class:`~dmref.emulation.ScaleRule`, its
+rounding a :class:`~dmref.emulation.Rounding`, its blocks an emulation :class:`~dmref.emulation.Block`
+(:attr:`Granularity.block`), and a matmul's accumulation a :class:`~dmref.emulation.MatmulModel`.
+Names (``"float8_e4m3fn"``, ``"pow2_down"``, ``"hopper-p64"``) are accepted where a user writes a
+recipe (the constructors below, :func:`get_recipe`) and turned into those types there.
 """
 
 from __future__ import annotations
@@ -27,12 +32,17 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, replace
 
+from .emulation.blocked import Block, ScaleRule
+from .emulation.formats import BFLOAT16, FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT16, Format, Rounding, get_format, get_rounding
+from .emulation.gemm import MatmulModel
+
 __all__ = [
-    "Accumulation",
     "DeferredDq",
     "DeltaKind",
     "DeltaStrategy",
     "Granularity",
+    "MatmulModel",
+    "MatmulModels",
     "Normalizer",
     "PReference",
     "PScaling",
@@ -64,34 +74,27 @@ class Granularity(enum.Enum):
     MX32 = "mx32"  #: one scale per row and 32 consecutive contraction elements (OCP MX v1.0)
 
     @property
-    def block(self) -> tuple[int, int] | None:
-        """(rows, contraction) extent of one scale block; None for whole-tensor or whole-row."""
-        return {
-            Granularity.TILE_1x128: (1, 128),
-            Granularity.TILE_1x64: (1, 64),
-            Granularity.BLOCK_128x128: (128, 128),
-            Granularity.MX32: (1, 32),
-        }.get(self)
-
-
-class ScaleRule(enum.Enum):
-    """How a block's scale s is chosen from its amax; the stored value is Q(x / s) and the operand
-    the matmul sees is s * Q(x / s). The dynamic rules are those of
-    ``dmref.emulation.blocked.ScaleRule`` (same values; docs/block_scaling.md states them
-    exactly). A block whose amax is 0 gets s = 1 (its codes are all zero); a NaN or inf anywhere
-    in a block makes s, and so the whole dequantized block, NaN."""
-
-    FIXED = "fixed"  #: no data-dependent scale: s = 1, or s = 2^-offset for P (see PScaling)
-    AMAX = "amax"  #: s = amax / fmt.max in float32 (current scaling; not a power of two)
-    POW2_DOWN = "pow2_down"  #: Transformer Engine: the multiplier fmt.max / amax (float32) rounded down to a power of two
-    POW2_UP = "pow2_up"  #: the multiplier rounded up to a power of two: the largest elements saturate
-    MX_OCP = "mx_ocp"  #: E8M0 s = 2^(floor(log2 amax) - emax_elem) (OCP MX v1.0 6.3); may saturate the block max
-    MX_NVIDIA = "mx_nvidia"  #: E8M0 s = amax / fmt.max (float32) rounded up to a power of two (cuDNN / TE MXFP8)
+    def block(self) -> Block:
+        """The emulation's :class:`~dmref.emulation.Block` of this granularity on the operand
+        laid out as (rows, contraction)."""
+        if self is Granularity.TENSOR:
+            return Block.tensor()
+        if self is Granularity.ROW:
+            return Block.rows()
+        return Block.tile(*_TILE_EXTENTS[self])
 
     @property
-    def is_dynamic(self) -> bool:
-        """Whether the scale depends on the data (and so on which elements a block holds)."""
-        return self is not ScaleRule.FIXED
+    def contraction_extent(self) -> int | None:
+        """Contraction elements per scale block; None for TENSOR and ROW (the whole contraction)."""
+        return self.block.block_cols if self not in (Granularity.TENSOR, Granularity.ROW) else None
+
+
+_TILE_EXTENTS = {
+    Granularity.TILE_1x128: (1, 128),
+    Granularity.TILE_1x64: (1, 64),
+    Granularity.BLOCK_128x128: (128, 128),
+    Granularity.MX32: (1, 32),
+}
 
 
 @dataclass(frozen=True)
@@ -99,16 +102,25 @@ class QuantPoint:
     """One operand of one matmul: how it is rounded before the matmul sees it.
 
     ``fmt=None`` means the operand is not rounded: the matmul sees it in the recipe's working
-    precision. ``fmt`` is a format name of :mod:`dmref.emulation` (``"float8_e4m3fn"``,
-    ``"e5m2"``, ``"bfloat16"`` ...). ``saturate=True`` is ``satfinite``: overflow clamps to
-    +-fmt.max (what ``cvt.rn.satfinite`` and torch's e4m3fn cast do).
+    precision. ``fmt`` is a :class:`~dmref.emulation.Format` (a format name, ``"float8_e4m3fn"``,
+    ``"e5m2"``, ``"bfloat16"`` ..., is turned into one), ``rounding`` a
+    :class:`~dmref.emulation.Rounding` (or its value), ``scale_rule`` a
+    :class:`~dmref.emulation.ScaleRule` (or its value). ``saturate=True`` is ``satfinite``:
+    overflow clamps to +-fmt.max (what ``cvt.rn.satfinite`` and torch's e4m3fn cast do).
     """
 
-    fmt: str | None = None
+    fmt: Format | None = None
     granularity: Granularity = Granularity.TENSOR
     scale_rule: ScaleRule = ScaleRule.FIXED
-    rounding: str = "nearest_even"
+    rounding: Rounding = Rounding.NEAREST_EVEN
     saturate: bool = True
+
+    def __post_init__(self):
+        if self.fmt is not None:
+            object.__setattr__(self, "fmt", get_format(self.fmt))
+        object.__setattr__(self, "granularity", Granularity(self.granularity))
+        object.__setattr__(self, "scale_rule", ScaleRule.get(self.scale_rule))
+        object.__setattr__(self, "rounding", get_rounding(self.rounding))
 
     @property
     def quantized(self) -> bool:
@@ -118,11 +130,9 @@ class QuantPoint:
         """One line, as in the marker comments: ``E4M3, 1x128, pow2_down, RNE, satfinite``."""
         if self.fmt is None:
             return "not rounded"
-        short = {"float8_e4m3fn": "E4M3", "e4m3": "E4M3", "float8_e5m2": "E5M2", "e5m2": "E5M2",
-                 "bfloat16": "BF16", "bf16": "BF16", "float16": "FP16"}.get(self.fmt, self.fmt)
-        rnd = {"nearest_even": "RNE"}.get(self.rounding, self.rounding)
+        rnd = "RNE" if self.rounding is Rounding.NEAREST_EVEN else self.rounding.value
         sat = "satfinite" if self.saturate else "overflow per format"
-        return f"{short}, {self.granularity.value}, {self.scale_rule.value}, {rnd}, {sat}"
+        return f"{self.fmt.short_name}, {self.granularity.value}, {self.scale_rule.value}, {rnd}, {sat}"
 
 
 #: The operand is used as it is.
@@ -223,15 +233,15 @@ class DeltaStrategy:
     @property
     def name(self) -> str:
         if self.kind is DeltaKind.STALE:
-            return "stale_fp8_do" if (self.do.fmt or "").startswith(("float8", "e4m3", "e5m2")) else "stale"
+            return "stale_fp8_do" if self.do.quantized and self.do.fmt.is_fp8 else "stale"
         if self.deferred_dq is not None:
             return "matched_deferred"
         return self.kind.value
 
 
-_BF16 = QuantPoint("bfloat16")
-_E5M2_TENSOR = QuantPoint("float8_e5m2", Granularity.TENSOR, ScaleRule.AMAX)
-_E4M3_TENSOR = QuantPoint("float8_e4m3fn", Granularity.TENSOR, ScaleRule.AMAX)
+_BF16 = QuantPoint(BFLOAT16)
+_E5M2_TENSOR = QuantPoint(FLOAT8_E5M2, Granularity.TENSOR, ScaleRule.AMAX)
+_E4M3_TENSOR = QuantPoint(FLOAT8_E4M3FN, Granularity.TENSOR, ScaleRule.AMAX)
 
 #: D_i = rowsum(dO ∘ O) with BF16 dO and the saved O (FlashAttention-2/3, cuDNN MXFP8).
 STALE = DeltaStrategy(DeltaKind.STALE, do=_BF16)
@@ -244,34 +254,42 @@ CONSISTENT_P = DeltaStrategy(DeltaKind.CONSISTENT_P)
 #: D from unrounded dO and O: the exact preset's FlashAttention-2 delta.
 STALE_UNROUNDED = DeltaStrategy(DeltaKind.STALE)
 
-#: The seven matmuls, by the names used in :class:`Accumulation`.
+#: The seven matmuls, by the names used in :class:`MatmulModels`.
 MATMULS = ("qk", "pv", "qk_bwd", "dp", "dv", "dq", "dk")
+
+_FP32 = MatmulModel()
 
 
 @dataclass(frozen=True)
-class Accumulation:
-    """The accumulation model of each matmul, by name.
+class MatmulModels:
+    """The accumulation model of each matmul, by name: a :class:`~dmref.emulation.MatmulModel`
+    (a name such as ``"fp32"``, ``"float64"``, ``"exact"``, ``"hopper"``, ``"hopper-p64"`` is
+    turned into one).
 
-    ``"fp32"``: torch float32 matmul of the dequantized operands (each product is exact when both
-    operands have at most 12 significant bits, as FP8 and BF16 values with power-of-two scales
-    do; the summation order is torch's). ``"float64"``: float64 matmul, the result kept in float64
-    (the exact preset). ``"exact"``: float64 matmul rounded once to float32. ``"hopper"`` and any
-    other name: the emulated GEMM of :mod:`dmref.emulation` with that model name.
+    In :mod:`dmref.tiled`: ``fp32`` is torch's float32 matmul of the dequantized operands (each
+    product is exact when both operands have at most 12 significant bits, as FP8 and BF16
+    values with power-of-two scales do; the summation order is torch's); ``float64`` a float64
+    matmul kept in float64 (the exact preset); ``exact`` a float64 matmul rounded once to
+    float32; ``hopper`` the emulated GEMM of :mod:`dmref.emulation` (its promotion interval too).
     """
 
-    qk: str = "fp32"
-    pv: str = "fp32"
-    qk_bwd: str = "fp32"
-    dp: str = "fp32"
-    dv: str = "fp32"
-    dq: str = "fp32"
-    dk: str = "fp32"
+    qk: MatmulModel = _FP32
+    pv: MatmulModel = _FP32
+    qk_bwd: MatmulModel = _FP32
+    dp: MatmulModel = _FP32
+    dv: MatmulModel = _FP32
+    dq: MatmulModel = _FP32
+    dk: MatmulModel = _FP32
+
+    def __post_init__(self):
+        for m in MATMULS:
+            object.__setattr__(self, m, MatmulModel.get(getattr(self, m)))
 
     @classmethod
-    def all(cls, model: str) -> "Accumulation":
+    def all(cls, model: MatmulModel | str) -> "MatmulModels":
         return cls(**{m: model for m in MATMULS})
 
-    def models(self) -> set[str]:
+    def models(self) -> set[MatmulModel]:
         return {getattr(self, m) for m in MATMULS}
 
 
@@ -315,7 +333,7 @@ class Recipe:
     k_dq: QuantPoint = NONE
     ds_dk: QuantPoint = NONE
     q_dk: QuantPoint = NONE
-    accumulation: Accumulation = field(default_factory=Accumulation)
+    accumulation: MatmulModels = field(default_factory=MatmulModels)
     p_fwd: PScaling = PScaling(PReference.RUNNING_MAX)
     p_bwd: PScaling = PScaling(PReference.LSE)
     normalizer: Normalizer = Normalizer.FP32_SUM
@@ -345,9 +363,10 @@ class Recipe:
         names = ("q", "k", "v", "p", "o", "do_dp", "v_dp", "p_dv", "do_dv", "ds_dq", "k_dq", "ds_dk", "q_dk")
         return {n: getattr(self, n) for n in names}
 
-    def with_accumulation(self, model: str) -> "Recipe":
+    def with_accumulation(self, model: MatmulModel | str) -> "Recipe":
         """The same recipe with every matmul accumulated under ``model`` (e.g. ``"hopper"``)."""
-        return replace(self, name=f"{self.name}@{model}", accumulation=Accumulation.all(model))
+        model = MatmulModel.get(model)
+        return replace(self, name=f"{self.name}@{model.name}", accumulation=MatmulModels.all(model))
 
     def describe(self) -> str:
         lines = [f"recipe {self.name}"]
@@ -357,7 +376,7 @@ class Recipe:
         lines.append(f"  P bwd  {self.p_bwd.reference.value}, offset 2^{self.p_bwd.offset_log2}")
         lines.append(f"  norm   {self.normalizer.value}")
         lines.append(f"  delta  {self.delta.name}")
-        acc = ", ".join(f"{m}={getattr(self.accumulation, m)}" for m in MATMULS)
+        acc = ", ".join(f"{m}={getattr(self.accumulation, m).name}" for m in MATMULS)
         lines.append(f"  accum  {acc}")
         lines.append(f"  tiles  {self.tiles.block_q}x{self.tiles.block_k}, working precision {self.precision}")
         return "\n".join(lines)
@@ -368,7 +387,7 @@ class Recipe:
 # ----------------------------------------------------------------------------------------------
 
 
-def _fp8(fmt: str, granularity: Granularity, rule: ScaleRule) -> QuantPoint:
+def _fp8(fmt: Format, granularity: Granularity, rule: ScaleRule) -> QuantPoint:
     return QuantPoint(fmt, granularity, rule)
 
 
@@ -382,13 +401,13 @@ def _all_operands(fwd: QuantPoint, grad: QuantPoint, p: QuantPoint, ds: QuantPoi
 
 
 #: P into E4M3 with no data-dependent scale: P * 2^offset is stored as it is (FA3).
-_P_E4M3_FIXED = QuantPoint("float8_e4m3fn", Granularity.TENSOR, ScaleRule.FIXED)
+_P_E4M3_FIXED = QuantPoint(FLOAT8_E4M3FN, Granularity.TENSOR, ScaleRule.FIXED)
 
-_E4M3_1x128 = _fp8("float8_e4m3fn", Granularity.TILE_1x128, ScaleRule.POW2_DOWN)
+_E4M3_1x128 = _fp8(FLOAT8_E4M3FN, Granularity.TILE_1x128, ScaleRule.POW2_DOWN)
 
 EXACT = Recipe(
     name="exact",
-    accumulation=Accumulation.all("float64"),
+    accumulation=MatmulModels.all(MatmulModel.get("float64")),
     delta=STALE_UNROUNDED,
     precision="float64",
 )
@@ -424,8 +443,8 @@ NAIVE_FP8 = Recipe(
 # attn_scale P (dP - D), scaled by 448 / amax of itself whatever its format; dQ's dS operand is
 # rounded to float16 before FP8; dQ sums one wgmma chain per 128 keys in float32; every matmul
 # accumulates as Hopper's FP8 wgmma does (dmref.attention_replay applies all of these).
-_E4M3_T = _fp8("float8_e4m3fn", Granularity.TENSOR, ScaleRule.AMAX)
-_E5M2_T = _fp8("float8_e5m2", Granularity.TENSOR, ScaleRule.AMAX)
+_E4M3_T = _fp8(FLOAT8_E4M3FN, Granularity.TENSOR, ScaleRule.AMAX)
+_E5M2_T = _fp8(FLOAT8_E5M2, Granularity.TENSOR, ScaleRule.AMAX)
 CUDNN_FP8 = Recipe(
     name="cudnn_fp8",
     **_all_operands(_E4M3_T, _E5M2_T, _P_E4M3_FIXED, _E5M2_T),
@@ -440,8 +459,8 @@ CUDNN_FP8 = Recipe(
 # (E8M0 scales rounded up, NVIDIA's rule), E4M3 forward, E5M2 gradients, D from BF16 dO and the
 # BF16 output, P * 256 against the running max in the forward and P * 16 against LSE in the
 # backward (which side uses which grid is not public; the mismatch is the point).
-_E4M3_MX = _fp8("float8_e4m3fn", Granularity.MX32, ScaleRule.MX_NVIDIA)
-_E5M2_MX = _fp8("float8_e5m2", Granularity.MX32, ScaleRule.MX_NVIDIA)
+_E4M3_MX = _fp8(FLOAT8_E4M3FN, Granularity.MX32, ScaleRule.MX_NVIDIA)
+_E5M2_MX = _fp8(FLOAT8_E5M2, Granularity.MX32, ScaleRule.MX_NVIDIA)
 MXFP8_STALE = Recipe(
     name="mxfp8_stale",
     **_all_operands(_E4M3_MX, _E5M2_MX, _P_E4M3_FIXED, _E5M2_MX),
@@ -458,7 +477,7 @@ DELTA_MATCHING = replace(NAIVE_FP8, name="delta_matching", delta=MATCHED)
 # normalizes by the quantized mass; the backward recomputes the same P~ against the saved final
 # reference and uses P~/l~ in dS; V has transpose-invariant 128x128 blocks so that P V and dO Vᵀ
 # see the same V^; O is saved in FP32 and D = dO^ . O needs no extra sweep.
-_E4M3_128x128 = _fp8("float8_e4m3fn", Granularity.BLOCK_128x128, ScaleRule.POW2_DOWN)
+_E4M3_128x128 = _fp8(FLOAT8_E4M3FN, Granularity.BLOCK_128x128, ScaleRule.POW2_DOWN)
 CONSISTENT_P_RECIPE = replace(
     NAIVE_FP8,
     name="consistent_p",

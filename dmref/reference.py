@@ -37,8 +37,11 @@ __all__ = [
     "attention_forward",
     "attention_ref",
     "check_attention_inputs",
+    "expand_kv",
     "keep_mask",
     "mask_window",
+    "reduce_kv",
+    "scores",
 ]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -162,11 +165,13 @@ def keep_mask(seqlen_q: int, seqlen_k: int, *, causal: bool, mask=None, device=N
     return keep
 
 
-def _expand_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+def expand_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """Repeat each key/value head for the ``groups`` query heads that read it (GQA): dim 1 of
+    (B, Hkv, N, D) becomes H = Hkv * groups."""
     return t if groups == 1 else t.repeat_interleave(groups, dim=1)
 
 
-def _reduce_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+def reduce_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
     """Sum the gradients of the query heads that share one key/value head."""
     if groups == 1:
         return t
@@ -174,9 +179,10 @@ def _reduce_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t.view(b, h // groups, groups, n, d).sum(dim=2)
 
 
-def _scores(q64, k64, shape: AttentionShape, causal: bool, mask):
-    """S = scale * Q Kᵀ (+ additive mask), masked positions -inf; float64."""
-    s = shape.scale * (q64 @ _expand_kv(k64, shape.groups).transpose(-1, -2))
+def scores(q64, k64, shape: AttentionShape, causal: bool, mask):
+    """S = scale * Q Kᵀ (+ additive mask), masked positions -inf, from float64 ``q64`` (B, H, Nq,
+    D) and ``k64`` (B, Hkv, Nk, D); float64 (B, H, Nq, Nk)."""
+    s = shape.scale * (q64 @ expand_kv(k64, shape.groups).transpose(-1, -2))
     if mask is not None and mask.dtype != torch.bool:
         s = s + mask.to(torch.float64)
     keep = keep_mask(shape.seqlen_q, shape.seqlen_k, causal=causal,
@@ -192,13 +198,13 @@ def attention_forward(q, k, v, *, causal: bool = False, scale=None, mask=None):
     ``lse_i = log sum_j exp(S_ij)`` (natural log; ``-inf`` for fully masked rows)."""
     shape = check_attention_inputs(q, k, v, scale=scale, mask=mask)
     q64, k64, v64 = (t.to(torch.float64) for t in (q, k, v))
-    s = _scores(q64, k64, shape, causal, mask)
+    s = scores(q64, k64, shape, causal, mask)
     m = s.amax(dim=-1, keepdim=True)
     m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)  # fully masked rows
     e = torch.exp(s - m_safe)
     l = e.sum(dim=-1, keepdim=True)
     p = torch.where(l == 0, torch.zeros_like(e), e / l)  # l = 0: fully masked; NaN stays NaN
-    out = p @ _expand_kv(v64, shape.groups)
+    out = p @ expand_kv(v64, shape.groups)
     lse = (m_safe + torch.log(l)).squeeze(-1)  # log(0) = -inf for fully masked rows
     return out, lse
 
@@ -215,17 +221,17 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale=N
     q64, k64, v64 = (t.to(torch.float64) for t in (q, k, v))
     do64, o64 = dout.to(torch.float64), out.to(torch.float64)
     lse64 = lse.to(torch.float64)[..., None]
-    s = _scores(q64, k64, shape, causal, mask)
+    s = scores(q64, k64, shape, causal, mask)
     # fully masked rows: lse = -inf; use +inf so that P = exp(-inf - inf) = 0
     lse_safe = torch.where(lse64 == float("-inf"), torch.full_like(lse64, float("inf")), lse64)
     p = torch.exp(s - lse_safe)
-    kx, vx = _expand_kv(k64, shape.groups), _expand_kv(v64, shape.groups)
-    dv = _reduce_kv(p.transpose(-1, -2) @ do64, shape.groups)
+    kx, vx = expand_kv(k64, shape.groups), expand_kv(v64, shape.groups)
+    dv = reduce_kv(p.transpose(-1, -2) @ do64, shape.groups)
     dp = do64 @ vx.transpose(-1, -2)
     delta = (do64 * o64).sum(dim=-1, keepdim=True)
     ds = p * (dp - delta)
     dq = shape.scale * (ds @ kx)
-    dk = _reduce_kv(shape.scale * (ds.transpose(-1, -2) @ q64), shape.groups)
+    dk = reduce_kv(shape.scale * (ds.transpose(-1, -2) @ q64), shape.groups)
     return dq, dk, dv
 
 

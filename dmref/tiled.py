@@ -42,16 +42,16 @@ import torch
 import torch.nn.functional as F
 
 from . import emulation
+from .emulation import FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT8_E8M0FNU, Accumulation, MatmulModel, Rounding
 from .emulation.blocked import Block, dequantize_blocked, quantize_blocked, scales_from_amax
-from .emulation.blocked import ScaleRule as BlockScaleRule
-from .reference import _expand_kv, _reduce_kv
+from .emulation.constants import LN2, LOG2E
 from .recipes import (DeltaKind, DeltaStrategy, Granularity, Normalizer, PReference, QuantPoint, Recipe, ScaleRule,
                       get_recipe)
-from .reference import AttentionShape, check_attention_inputs, keep_mask, mask_window
+from .reference import AttentionShape, check_attention_inputs, expand_kv, keep_mask, mask_window, reduce_kv
 
-__all__ = ["BackwardResult", "ForwardResult", "RowsumStats", "SoftmaxStats", "attention", "backward", "forward"]
+__all__ = ["BackwardResult", "ForwardResult", "RowsumStats", "SoftmaxStats", "attention", "backward", "forward",
+           "global_amax_points", "group_amax"]
 
-_LOG2E = 1.0 / math.log(2.0)
 _NEG_INF = float("-inf")
 
 
@@ -77,8 +77,7 @@ def _decode_pair_table(fmt, scale: float = 1.0) -> np.ndarray:
 
 
 #: Formats whose codes torch widens to float32 itself (exact; used on CUDA).
-_TORCH_FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
-_E8M0 = emulation.get_format("float8_e8m0fnu")
+_TORCH_FP8 = {FLOAT8_E4M3FN: torch.float8_e4m3fn, FLOAT8_E5M2: torch.float8_e5m2}
 
 
 def _decode(codes: torch.Tensor, fmt, scale: float = 1.0) -> torch.Tensor:
@@ -98,8 +97,8 @@ def _decode(codes: torch.Tensor, fmt, scale: float = 1.0) -> torch.Tensor:
             flat = flat.view(np.uint16)
         np.take(_decode_table(fmt, scale), flat, out=dst, mode="clip")  # codes are in range
         return out
-    if fmt.name in _TORCH_FP8:
-        values = codes.view(_TORCH_FP8[fmt.name]).to(torch.float32)
+    if fmt in _TORCH_FP8:
+        values = codes.view(_TORCH_FP8[fmt]).to(torch.float32)
     else:
         values = emulation.decode(codes, fmt)
     return values * scale if scale != 1.0 else values
@@ -108,13 +107,8 @@ def _decode(codes: torch.Tensor, fmt, scale: float = 1.0) -> torch.Tensor:
 def _block(granularity: Granularity, contract_dim: int) -> Block:
     """The emulation's :class:`Block` of a granularity on an operand (..., rows, cols) whose
     matmul contracts over ``contract_dim`` (-1: cols, -2: rows)."""
-    if granularity is Granularity.TENSOR:
-        return Block.tensor()
-    if granularity is Granularity.ROW:
-        block = Block.rows()
-    else:
-        block = Block.tile(*granularity.block)  # (1, k) or (128, 128): k along the contraction
-    return block if contract_dim == -1 else block.t()
+    block = granularity.block  # laid out as (rows, contraction)
+    return block if contract_dim == -1 or block.spans_batch else block.t()
 
 
 def _blocked_view(x: torch.Tensor, block: Block):
@@ -144,14 +138,16 @@ def group_amax(x: torch.Tensor, point: QuantPoint, *, contract_dim: int) -> torc
     raise ValueError("group_amax is only needed for TENSOR and ROW granularity")
 
 
-_POW2_RULES = (ScaleRule.POW2_DOWN, ScaleRule.POW2_UP, ScaleRule.MX_OCP, ScaleRule.MX_NVIDIA)
+def _dynamic_pow2(rule: ScaleRule) -> bool:
+    """Whether ``rule`` chooses a power-of-two scale from the data."""
+    return rule.is_dynamic and rule.is_pow2
 
 
-def _scale_values(amax: torch.Tensor, fmt, rule: BlockScaleRule) -> torch.Tensor:
+def _scale_values(amax: torch.Tensor, fmt, rule: ScaleRule) -> torch.Tensor:
     """The scales s of blocks with these amaxes (``emulation.scales_from_amax``), as float32
     values (E8M0 scales decoded)."""
     scales = scales_from_amax(amax, fmt, rule)
-    return _decode(scales, _E8M0) if rule.is_e8m0 else scales
+    return _decode(scales, FLOAT8_E8M0FNU) if rule.is_e8m0 else scales
 
 
 def _quantize(x: torch.Tensor, point: QuantPoint, *, contract_dim: int, dtype: torch.dtype,
@@ -177,17 +173,16 @@ def _quantize(x: torch.Tensor, point: QuantPoint, *, contract_dim: int, dtype: t
     """
     if not point.quantized:
         return x.to(dtype)
-    fmt = emulation.get_format(point.fmt)
+    fmt, rule = point.fmt, point.scale_rule
     kwargs = dict(rounding=point.rounding, saturate=point.saturate)
-    nearest = emulation.get_rounding(point.rounding) is emulation.Rounding.NEAREST_EVEN
-    if emulation.get_rounding(point.rounding) is emulation.Rounding.STOCHASTIC:
+    nearest = point.rounding is Rounding.NEAREST_EVEN
+    if point.rounding is Rounding.STOCHASTIC:
         raise NotImplementedError("stochastic rounding needs random bits per element; dmref.tiled has no source of them yet")
-    if point.scale_rule is ScaleRule.FIXED:  # a power of two: the quotient is exact
+    if rule is ScaleRule.FIXED:  # a power of two: the quotient is exact
         y = x * (1.0 / fixed_scale) if fixed_scale != 1.0 else x
         return _decode(emulation.encode(y, fmt, **kwargs), fmt, fixed_scale).to(dtype)
-    rule = BlockScaleRule(point.scale_rule.value)
     block = _block(point.granularity, contract_dim)
-    pow2 = point.scale_rule in _POW2_RULES
+    pow2 = _dynamic_pow2(rule)
     if x.dtype == torch.float64 and not pow2:
         if amax is not None:
             raise NotImplementedError("a precomputed amax with a float64 operand and a non-power-of-two scale")
@@ -221,26 +216,26 @@ def _quantize(x: torch.Tensor, point: QuantPoint, *, contract_dim: int, dtype: t
 # ==============================================================================================
 
 
-def _matmul(a_deq: torch.Tensor, b_deq: torch.Tensor, model: str, dtype: torch.dtype,
+def _matmul(a_deq: torch.Tensor, b_deq: torch.Tensor, model: MatmulModel, dtype: torch.dtype,
             points: tuple[QuantPoint, QuantPoint] | None = None) -> torch.Tensor:
     """``a_deq (..., m, k) @ b_deq (..., k, n)`` under the accumulation model ``model``.
 
-    - ``"fp32"``: torch's float32 matmul of the dequantized operands. Products of FP8 or BF16
+    - ``FP32``: torch's float32 matmul of the dequantized operands. Products of FP8 or BF16
       values with power-of-two scales are exact in float32; the sum is rounded in torch's
       (BLAS's) order, which is not specified: the error bound is gamma_k * sum |a b|.
-    - ``"float64"``: float64 matmul, kept in float64.
-    - ``"exact"``: float64 matmul rounded once to float32 (exact products; the float64 sum is
+    - ``EXACT`` with ``float64_result`` (``"float64"``): float64 matmul, kept in float64.
+    - ``EXACT``: float64 matmul rounded once to float32 (exact products; the float64 sum is
       exact unless the products span more than 2^29 in magnitude).
-    - ``"hopper"`` (``"hopper-p<N>"``: promotion to float32 every N products): the emulated
+    - ``HOPPER`` (with ``promote_every``: promotion to float32 every N products): the emulated
       Hopper wgmma of ``dmref.emulation.gemm``, with the operands' FP8 formats and their scale
       blocks along k (``points``: the two operands' quantization points).
     """
-    if model == "fp32":
+    if model.accumulation is Accumulation.FP32:
         out = torch.matmul(a_deq.to(torch.float32), b_deq.to(torch.float32))
-    elif model == "float64":
+    elif model.accumulation is Accumulation.EXACT:
         out = torch.matmul(a_deq.to(torch.float64), b_deq.to(torch.float64))
-    elif model == "exact":
-        out = torch.matmul(a_deq.to(torch.float64), b_deq.to(torch.float64)).to(torch.float32)
+        if not model.float64_result:
+            out = out.to(torch.float32)
     else:
         out = _emulated_gemm(a_deq, b_deq, model, points)
     return out.to(dtype)
@@ -248,8 +243,7 @@ def _matmul(a_deq: torch.Tensor, b_deq: torch.Tensor, model: str, dtype: torch.d
 
 def _k_block(point: QuantPoint) -> int | None:
     """Extent along the contraction of one scale block (None: the whole contraction)."""
-    block = point.granularity.block
-    return None if block is None or point.scale_rule is ScaleRule.FIXED else block[1]
+    return None if point.scale_rule is ScaleRule.FIXED else point.granularity.contraction_extent
 
 
 def _pow2_blocks(x: torch.Tensor, fmt, block: int):
@@ -269,22 +263,21 @@ def _pow2_blocks(x: torch.Tensor, fmt, block: int):
     return values, s[..., 0]
 
 
-def _emulated_gemm(a_deq: torch.Tensor, b_deq: torch.Tensor, model: str, points) -> torch.Tensor:
+def _emulated_gemm(a_deq: torch.Tensor, b_deq: torch.Tensor, model: MatmulModel, points) -> torch.Tensor:
     from .emulation import gemm  # imported only when a recipe asks for an emulated model
 
-    name, _, promote = model.partition("-p")
-    if points is None or not all(p.quantized and emulation.get_format(p.fmt).bits == 8 for p in points):
+    if points is None or not all(p.quantized and p.fmt.is_fp8 for p in points):
         raise NotImplementedError(
-            f"accumulation model {model!r} emulates FP8 tensor cores; both operands of this "
+            f"accumulation model {model.name!r} emulates FP8 tensor cores; both operands of this "
             f"matmul must be FP8 quantization points, got {points}"
         )
     blocks = [b for b in (_k_block(p) for p in points) if b is not None]
     block = min(blocks) if blocks else a_deq.shape[-1]
-    fa, fb = (emulation.get_format(p.fmt) for p in points)
+    fa, fb = (p.fmt for p in points)
     a, sa = _pow2_blocks(a_deq, fa, block)
     bt, sb = _pow2_blocks(b_deq.transpose(-1, -2), fb, block)
-    return gemm.matmul(a.contiguous(), bt.contiguous(), fa=fa, fb=fb, model=name,
-                       promote_every=int(promote) if promote else None,
+    return gemm.matmul(a.contiguous(), bt.contiguous(), fa=fa, fb=fb, model=model.accumulation,
+                       promote_every=model.promote_every, rules=model.rules,
                        scale_a=sa.contiguous(), scale_b=sb.contiguous(), scale_block_k=block)
 
 
@@ -323,7 +316,7 @@ def _problem(q, k, v, recipe, causal, scale, mask, dout=None) -> _Problem:
     recipe = get_recipe(recipe)
     shape = check_attention_inputs(q, k, v, scale=scale, mask=mask, dout=dout)
     dtype = torch.float64 if recipe.precision == "float64" else torch.float32
-    c = torch.tensor(shape.scale * _LOG2E, dtype=dtype).item()
+    c = torch.tensor(shape.scale * LOG2E, dtype=dtype).item()
     if not math.isfinite(c) or c < torch.finfo(dtype).tiny:
         raise ValueError(
             f"scale={shape.scale!r} does not fit the working precision {recipe.precision} of recipe "
@@ -333,7 +326,7 @@ def _problem(q, k, v, recipe, causal, scale, mask, dout=None) -> _Problem:
         point = getattr(recipe, name)
         offset = (recipe.p_fwd if name == "p" else recipe.p_bwd).offset_log2
         if point.quantized and point.scale_rule is ScaleRule.FIXED:
-            fmt = emulation.get_format(point.fmt)
+            fmt = point.fmt
             if 2.0**offset > fmt.max:
                 raise ValueError(
                     f"recipe {recipe.name!r}: P * 2^{offset} does not fit {fmt.name} (max {fmt.max}); "
@@ -342,7 +335,7 @@ def _problem(q, k, v, recipe, causal, scale, mask, dout=None) -> _Problem:
     return _Problem(shape, recipe, bool(causal), mask, dtype, c)
 
 
-def _logits(pb: _Problem, q_hat, k_hat, i0: int, j0: int, j1: int, model: str) -> torch.Tensor:
+def _logits(pb: _Problem, q_hat, k_hat, i0: int, j0: int, j1: int, model: MatmulModel) -> torch.Tensor:
     """Base-2 logits x = (Q^ K^ᵀ) * fl(scale log2 e) [+ mask log2 e] of rows i0: and keys
     j0:j1; masked positions -inf. The forward and both backward sweeps call exactly this, so
     they see bit-identical x (assumption A1)."""
@@ -355,7 +348,7 @@ def _logits(pb: _Problem, q_hat, k_hat, i0: int, j0: int, j1: int, model: str) -
         if pb.mask.dtype == torch.bool:
             bool_mask = pb.mask
         else:
-            x = x.add_(mask_window(pb.mask, rows, cols).to(pb.dtype) * _LOG2E)
+            x = x.add_(mask_window(pb.mask, rows, cols).to(pb.dtype) * LOG2E)
     keep = keep_mask(pb.shape.seqlen_q, pb.shape.seqlen_k, causal=pb.causal, mask=bool_mask,
                      device=x.device, rows=rows, cols=cols)
     if keep is not None:
@@ -394,7 +387,7 @@ class SoftmaxStats:
     @property
     def lse(self) -> torch.Tensor:
         """Natural-log LSE, comparable with :func:`dmref.reference.attention_forward`."""
-        return self.lse2 * math.log(2.0)
+        return self.lse2 * LN2
 
 
 @dataclass
@@ -411,9 +404,9 @@ def forward(q, k, v, *, recipe="exact", causal: bool = False, scale=None, mask=N
     # Q-point Q (QKᵀ): input -> recipe.q, blocks along d
     q_hat = _quantize(q, r.q, contract_dim=-1, dtype=wd)
     # Q-point K (QKᵀ): input -> recipe.k, blocks along d
-    k_hat = _expand_kv(_quantize(k, r.k, contract_dim=-1, dtype=wd), sh.groups)
+    k_hat = expand_kv(_quantize(k, r.k, contract_dim=-1, dtype=wd), sh.groups)
     # Q-point V (PV): input -> recipe.v, blocks along the keys (the contraction of P V)
-    v_hat = _expand_kv(_quantize(v, r.v, contract_dim=-2, dtype=wd), sh.groups)
+    v_hat = expand_kv(_quantize(v, r.v, contract_dim=-2, dtype=wd), sh.groups)
 
     lead = (sh.batch, sh.heads, sh.seqlen_q)
     ref = torch.full(lead, _NEG_INF, dtype=wd, device=q.device)  # running max m (or integer k)
@@ -530,17 +523,16 @@ def _head_unit(k: torch.Tensor, point: QuantPoint, *, dtype: torch.dtype) -> tor
     blocked along the keys (as ``k_dq`` quantizes it; a block whose amax is 0 has scale 1): K / u
     stays within the format's range. 1 where the point has no power-of-two scale blocks."""
     ones = torch.ones(*k.shape[:2], 1, 1, dtype=dtype, device=k.device)
-    if not point.quantized or point.scale_rule not in _POW2_RULES or point.granularity is Granularity.TENSOR:
+    if not point.quantized or not _dynamic_pow2(point.scale_rule) or point.granularity is Granularity.TENSOR:
         return ones
-    fmt = emulation.get_format(point.fmt)
-    rule = BlockScaleRule(point.scale_rule.value)
+    fmt, rule = point.fmt, point.scale_rule
     xb, _ = _blocked_view(k.to(torch.float32), _block(point.granularity, contract_dim=-2))
     # (B, Hkv, key blocks, 1, channel blocks, 1)
     s = _scale_values(_abs_amax(xb, dim=(-3, -1), keepdim=True), fmt, rule)
     return s.amax(dim=(-4, -3, -2, -1)).reshape(*k.shape[:2], 1, 1).to(dtype)
 
 
-def _global_amax_points(r: Recipe) -> dict[str, bool]:
+def global_amax_points(r: Recipe) -> dict[str, bool]:
     """Backward points whose dynamic scale blocks span several key tiles (they need an amax
     pre-sweep): TENSOR for P (dV) and both dS; ROW for the dS of dQ (a row spans all keys)."""
     def spans(point: QuantPoint, row_spans: bool) -> bool:
@@ -550,33 +542,46 @@ def _global_amax_points(r: Recipe) -> dict[str, bool]:
     return {"p_dv": spans(r.p_dv, False), "ds_dq": spans(r.ds_dq, True), "ds_dk": spans(r.ds_dk, False)}
 
 
-def backward(q, k, v, fwd: ForwardResult, dout, *, recipe="exact", causal: bool = False, scale=None,
-             mask=None, diagnostics: bool = False) -> BackwardResult:
-    """The tiled backward of ``recipe`` from the forward's saved ``fwd``; see the module
-    docstring. With ``diagnostics`` the row sums of dS are collected (:class:`RowsumStats`)."""
-    pb = _problem(q, k, v, recipe, causal, scale, mask, dout=dout)
-    r, sh, wd = pb.recipe, pb.shape, pb.dtype
-    acc_model, g = r.accumulation, sh.groups
-    kind = r.delta.kind
+@dataclass
+class _BackwardOperands:
+    """The backward's quantized operands, each through its own Q-point (blocks along the
+    contraction of the matmul it enters); k_hat, v_dp, k_dq expanded to the query heads."""
+
+    q_hat: torch.Tensor
+    k_hat: torch.Tensor
+    do_dp: torch.Tensor
+    v_dp: torch.Tensor
+    do_dv: torch.Tensor
+    k_dq_kv: torch.Tensor  #: K through k_dq, per key/value head (deferred dQ scales it by u)
+    k_dq: torch.Tensor
+    q_dk: torch.Tensor
+
+
+def _backward_operands(pb: _Problem, q, k, v, dout) -> _BackwardOperands:
+    r, wd, g = pb.recipe, pb.dtype, pb.shape.groups
     # In the forward these were the operands of S = Q Kᵀ, so now the recompute sees them again.
     # Q-point Q (QKᵀ recompute): input -> recipe.q, as in the forward
     q_hat = _quantize(q, r.q, contract_dim=-1, dtype=wd)
     # Q-point K (QKᵀ recompute): input -> recipe.k, as in the forward
-    k_hat = _expand_kv(_quantize(k, r.k, contract_dim=-1, dtype=wd), g)
+    k_hat = expand_kv(_quantize(k, r.k, contract_dim=-1, dtype=wd), g)
     # Q-point dO (dP = dO Vᵀ): input -> recipe.do_dp, blocks along d
     do_dp = _quantize(dout, r.do_dp, contract_dim=-1, dtype=wd)
     # Q-point V (dP = dO Vᵀ): input -> recipe.v_dp, blocks along d (the forward blocked V along keys)
-    v_dp = _expand_kv(_quantize(v, r.v_dp, contract_dim=-1, dtype=wd), g)
+    v_dp = expand_kv(_quantize(v, r.v_dp, contract_dim=-1, dtype=wd), g)
     # Q-point dO (dV = Pᵀ dO): input -> recipe.do_dv, blocks along the queries
     do_dv = _quantize(dout, r.do_dv, contract_dim=-2, dtype=wd)
     # Q-point K (dQ = dS K): input -> recipe.k_dq, blocks along the keys
     k_dq_kv = _quantize(k, r.k_dq, contract_dim=-2, dtype=wd)
-    k_dq = _expand_kv(k_dq_kv, g)
     # Q-point Q (dK = dSᵀ Q): input -> recipe.q_dk, blocks along the queries
     q_dk = _quantize(q, r.q_dk, contract_dim=-2, dtype=wd)
+    return _BackwardOperands(q_hat, k_hat, do_dp, v_dp, do_dv, k_dq_kv, expand_kv(k_dq_kv, g), q_dk)
 
-    stats = fwd.stats
-    consistent = kind is DeltaKind.CONSISTENT_P
+
+def _backward_p(pb: _Problem, stats: SoftmaxStats):
+    """p(x, i0): P, the FP32 multiplier of dS, for the rows i0: of logits x (the forward had
+    P = 2^(x - lse); consistent P recomputes the forward's quantized P~ / l~)."""
+    r, wd = pb.recipe, pb.dtype
+    consistent = r.delta.kind is DeltaKind.CONSISTENT_P
     if consistent or r.p_bwd.reference is PReference.SAVED_MAX:
         ref = _no_inf(stats.ref)[..., None]
         l_safe = torch.where(stats.l == 0, torch.ones_like(stats.l), stats.l)[..., None]
@@ -584,7 +589,6 @@ def backward(q, k, v, fwd: ForwardResult, dout, *, recipe="exact", causal: bool 
         lse2 = torch.where(stats.lse2 == _NEG_INF, torch.full_like(stats.lse2, float("inf")), stats.lse2)[..., None]
 
     def backward_p(x, i0):
-        """P, the FP32 multiplier of dS, for rows i0: (the forward had P = 2^(x - lse))."""
         if consistent:
             # consistent P: the forward's own P~ (same x, same integer reference, same Q-point)
             # Q-point P (consistent recompute): fp32 -> recipe.p, exactly the forward's P Q-point
@@ -595,119 +599,174 @@ def backward(q, k, v, fwd: ForwardResult, dout, *, recipe="exact", causal: bool 
             return _exp2_split(x, ref[..., i0:, :]) / l_safe[..., i0:, :]
         return x.sub_(lse2[..., i0:, :]).exp2_()  # x is not needed again
 
+    return backward_p
+
+
+def _amax_pre_sweep(pb: _Problem, delta: torch.Tensor, sweep, device) -> dict:
+    """amax of the backward points whose dynamic scale blocks span several key tiles (current
+    scaling stands in for the delayed scaling of a real kernel): 0-d for TENSOR, per query row
+    for the ROW dS of dQ; None for every other point."""
+    r, sh, wd = pb.recipe, pb.shape, pb.dtype
+    amax = {name: None for name in ("p_dv", "ds_dq", "ds_dk")}
+    spans = global_amax_points(r)
+    if r.delta.deferred_dq is not None and spans["ds_dq"]:
+        raise NotImplementedError("deferred dQ with a dS_dq scale block spanning key tiles (TENSOR or ROW): "
+                                  "no kernel does this; use a tile granularity")
+    if not any(spans.values()):
+        return amax
+    lead = (sh.batch, sh.heads, sh.seqlen_q, 1)
+    amax = {n: (torch.zeros((), dtype=wd, device=device) if spans[n] else None) for n in amax}
+    if spans["ds_dq"] and r.ds_dq.granularity is Granularity.ROW:
+        amax["ds_dq"] = torch.zeros(lead, dtype=wd, device=device)
+    for i0, j0, j1, p, dp in sweep():
+        ds = dp.sub_(delta[..., i0:, :]).mul_(p)  # dS = P ∘ (dP^ - D), as in the sweep
+        if spans["p_dv"]:
+            amax["p_dv"] = torch.maximum(amax["p_dv"], _abs_amax(p))
+        if spans["ds_dk"]:
+            amax["ds_dk"] = torch.maximum(amax["ds_dk"], _abs_amax(ds))
+        if spans["ds_dq"]:
+            if amax["ds_dq"].dim():
+                amax["ds_dq"][..., i0:, :] = torch.maximum(amax["ds_dq"][..., i0:, :], group_amax(ds, r.ds_dq, contract_dim=-1))
+            else:
+                amax["ds_dq"] = torch.maximum(amax["ds_dq"], _abs_amax(ds))
+    return amax
+
+
+class _DeferredDq:
+    """Deferred dQ (dmref.kernels; recipes.DeferredDq): dQ from the stale predictor Dst,
+    corrected by -(D - Dst) u kbar after the sweep. The emulation computes D first; the kernel
+    accumulates it in the same sweep, which changes no number."""
+
+    def __init__(self, pb: _Problem, fwd: ForwardResult, dout, k, ops: _BackwardOperands, sweep):
+        r, sh, wd = pb.recipe, pb.shape, pb.dtype
+        self.pb, self.spec = pb, r.delta.deferred_dq
+        self.d_pred = _delta(pb, self.spec.predictor, dout, fwd, ops.do_dp, sweep)[..., None]
+        # u: the head's largest K scale, as k_dq rounds K (kbar / u cannot overflow float16)
+        self.unit = _head_unit(k, r.k_dq, dtype=wd)
+        self.k_kbar = expand_kv(ops.k_dq_kv / self.unit, sh.groups)
+        self.kbar = torch.zeros(sh.batch, sh.heads, sh.seqlen_q, sh.head_dim, dtype=wd, device=k.device)
+        self.p_scale = 2.0 ** -self.spec.p_offset_log2
+
+    def ds_for_dq(self, p, dp, i0):
+        """dQ's dS with the stale predictor: P ∘ (dP^ - Dst) (corrected after the sweep)."""
+        return p * (dp - self.d_pred[..., i0:, :])
+
+    def accumulate(self, p, i0, j0, j1):
+        """kbar += the key tile's sum_j Q_kbar(P_ij) K^_j / u, tile by tile; returns Q_kbar(P)."""
+        wd, spec = self.pb.dtype, self.spec
+        # Q-point P (kbar): fp32 P * 2^offset -> deferred.p (the kernels: E4M3, 2^4, against LSE)
+        p_kb = _quantize(p, spec.p, contract_dim=-1, dtype=wd, fixed_scale=self.p_scale)
+        for t0 in range(0, j1 - j0, spec.tile):
+            t1 = min(t0 + spec.tile, j1 - j0)
+            part = _matmul(p_kb[..., t0:t1], self.k_kbar[..., j0 + t0:j0 + t1, :], MatmulModel(), wd)
+            # Q-point kbar tile: its float32 sum -> deferred.tile_result (float16 wgmma chain)
+            part = _quantize(part, spec.tile_result, contract_dim=-1, dtype=wd)
+            # Q-point kbar accumulator: kbar + tile -> deferred.accumulator (float16), per tile
+            self.kbar[..., i0:, :] = _quantize(self.kbar[..., i0:, :] + part, spec.accumulator, contract_dim=-1,
+                                               dtype=wd)
+        return p_kb
+
+    def correct(self, dq, delta):
+        """The deferred correction: dQ_i -= (D_i - Dst_i) u kbar_i."""
+        return dq - (delta - self.d_pred) * (self.kbar * expand_kv(self.unit, self.pb.shape.groups))
+
+
+class _RowsumAccumulator:
+    """Per query row, in float64, the sums behind :class:`RowsumStats`, from the very P, dP^
+    and dS tiles the sweep computes."""
+
+    def __init__(self, pb: _Problem, device):
+        sh = pb.shape
+        rows = (sh.batch, sh.heads, sh.seqlen_q)
+        self.pb = pb
+        self.res, self.abs_pdp, self.psum, self.res_dq, self.res_dk = (
+            torch.zeros(rows, dtype=torch.float64, device=device) for _ in range(5))
+
+    def add_p(self, p, dp, i0):
+        """A_i and sigma_i from this tile's P and dP^ (before dP^ is overwritten by dS)."""
+        p64 = p.to(torch.float64)
+        self.abs_pdp[..., i0:] += (p64 * dp.to(torch.float64)).abs().sum(dim=-1)
+        self.psum[..., i0:] += p64.sum(dim=-1)
+
+    def add_ds(self, ds, ds_dq, ds_dk, i0, correction=None):
+        """r_i and the row sums as the dQ and dK matmuls see dS; ``correction`` (deferred dQ):
+        the correction's share -(D - Dst) sum_j Q_kbar(P_ij) of this tile."""
+        self.res[..., i0:] += ds.to(torch.float64).sum(dim=-1)
+        self.res_dq[..., i0:] += ds_dq.to(torch.float64).sum(dim=-1)
+        if correction is not None:
+            self.res_dq[..., i0:] -= correction
+        self.res_dk[..., i0:] += ds_dk.to(torch.float64).sum(dim=-1)
+
+    def stats(self, delta) -> RowsumStats:
+        sh, tiles = self.pb.shape, self.pb.recipe.tiles
+        n_tiles = -(-sh.seqlen_k // tiles.block_k)
+        chain = min(sh.seqlen_k, tiles.block_k) + n_tiles  # torch's sum within a tile, then += per tile
+        return RowsumStats(self.res, self.abs_pdp, self.psum, self.res_dq, self.res_dk,
+                           delta[..., 0].to(torch.float64), sh.seqlen_k, chain)
+
+
+def backward(q, k, v, fwd: ForwardResult, dout, *, recipe="exact", causal: bool = False, scale=None,
+             mask=None, diagnostics: bool = False) -> BackwardResult:
+    """The tiled backward of ``recipe`` from the forward's saved ``fwd``; see the module
+    docstring. With ``diagnostics`` the row sums of dS are collected (:class:`RowsumStats`)."""
+    pb = _problem(q, k, v, recipe, causal, scale, mask, dout=dout)
+    r, sh, wd = pb.recipe, pb.shape, pb.dtype
+    acc_model = r.accumulation
+    ops = _backward_operands(pb, q, k, v, dout)
+    backward_p = _backward_p(pb, fwd.stats)
+
     def sweep():
         """(i0, j0, j1, P, dP^) per key tile: the recompute shared by every pass."""
         for j0, j1, i0 in pb.key_tiles():
-            x = _logits(pb, q_hat, k_hat, i0, j0, j1, acc_model.qk_bwd)
+            x = _logits(pb, ops.q_hat, ops.k_hat, i0, j0, j1, acc_model.qk_bwd)
             p = backward_p(x, i0)
-            dp = _matmul(do_dp[..., i0:, :], v_dp[..., j0:j1, :].transpose(-1, -2), acc_model.dp, wd,
+            dp = _matmul(ops.do_dp[..., i0:, :], ops.v_dp[..., j0:j1, :].transpose(-1, -2), acc_model.dp, wd,
                          (r.do_dp, r.v_dp))
             yield i0, j0, j1, p, dp
 
-    # ---- the delta step ----------------------------------------------------------------------
-    delta = _delta(pb, r.delta, dout, fwd, do_dp, sweep)[..., None]
-    deferred = r.delta.deferred_dq
-    if deferred is not None:
-        # Deferred dQ (dmref.kernels): dQ from the stale predictor Dst, corrected by
-        # -(D - Dst) u kbar after the sweep (recipes.DeferredDq). The emulation computes D
-        # first; the kernel accumulates it in the same sweep, which changes no number.
-        d_pred = _delta(pb, deferred.predictor, dout, fwd, do_dp, sweep)[..., None]
-        # u: the head's largest K scale, as k_dq rounds K (kbar / u cannot overflow float16)
-        unit = _head_unit(k, r.k_dq, dtype=wd)
-        k_kbar = _expand_kv(k_dq_kv / unit, g)
-        kbar = torch.zeros(sh.batch, sh.heads, sh.seqlen_q, sh.head_dim, dtype=wd, device=q.device)
-        p_scale_kbar = 2.0 ** -deferred.p_offset_log2
-
-    # ---- amax pre-sweep for scale blocks that span key tiles (current scaling stands in for
-    # ---- the delayed scaling of a real kernel) --------------------------------------------------
-    amax = {name: None for name in ("p_dv", "ds_dq", "ds_dk")}
-    spans = _global_amax_points(r)
-    if deferred is not None and spans["ds_dq"]:
-        raise NotImplementedError("deferred dQ with a dS_dq scale block spanning key tiles (TENSOR or ROW): "
-                                  "no kernel does this; use a tile granularity")
-    if any(spans.values()):
-        lead = (sh.batch, sh.heads, sh.seqlen_q, 1)
-        amax = {n: (torch.zeros((), dtype=wd, device=q.device) if spans[n] else None) for n in amax}
-        if spans["ds_dq"] and r.ds_dq.granularity is Granularity.ROW:
-            amax["ds_dq"] = torch.zeros(lead, dtype=wd, device=q.device)
-        for i0, j0, j1, p, dp in sweep():
-            ds = dp.sub_(delta[..., i0:, :]).mul_(p)  # dS = P ∘ (dP^ - D), as in the sweep below
-            if spans["p_dv"]:
-                amax["p_dv"] = torch.maximum(amax["p_dv"], _abs_amax(p))
-            if spans["ds_dk"]:
-                amax["ds_dk"] = torch.maximum(amax["ds_dk"], _abs_amax(ds))
-            if spans["ds_dq"]:
-                if amax["ds_dq"].dim():
-                    amax["ds_dq"][..., i0:, :] = torch.maximum(amax["ds_dq"][..., i0:, :], group_amax(ds, r.ds_dq, contract_dim=-1))
-                else:
-                    amax["ds_dq"] = torch.maximum(amax["ds_dq"], _abs_amax(ds))
+    delta = _delta(pb, r.delta, dout, fwd, ops.do_dp, sweep)[..., None]  # the delta step
+    deferred = _DeferredDq(pb, fwd, dout, k, ops, sweep) if r.delta.deferred_dq is not None else None
+    amax = _amax_pre_sweep(pb, delta, sweep, q.device)
 
     # ---- the sweep -----------------------------------------------------------------------------
     dq = torch.zeros(sh.batch, sh.heads, sh.seqlen_q, sh.head_dim, dtype=wd, device=q.device)
     dk = torch.zeros(sh.batch, sh.heads, sh.seqlen_k, sh.head_dim, dtype=wd, device=q.device)
     dv = torch.zeros(sh.batch, sh.heads, sh.seqlen_k, sh.head_dim_v, dtype=wd, device=q.device)
-    if diagnostics:
-        lead64 = dict(dtype=torch.float64, device=q.device)
-        rows = (sh.batch, sh.heads, sh.seqlen_q)
-        res, abs_pdp, psum, res_dq, res_dk = (torch.zeros(rows, **lead64) for _ in range(5))
+    rowsums = _RowsumAccumulator(pb, q.device) if diagnostics else None
     p_scale_bwd = 2.0 ** -r.p_bwd.offset_log2
     for i0, j0, j1, p, dp in sweep():
         a_rows = None if amax["ds_dq"] is None or not amax["ds_dq"].dim() else amax["ds_dq"][..., i0:, :]
         # Q-point P (dV = Pᵀ dO): fp32 P * 2^offset -> recipe.p_dv, blocks along the queries
         p_dv = _quantize(p, r.p_dv, contract_dim=-2, dtype=wd, fixed_scale=p_scale_bwd,
                          amax=amax["p_dv"])
-        dv[..., j0:j1, :] += _matmul(p_dv.transpose(-1, -2), do_dv[..., i0:, :], acc_model.dv, wd,
+        dv[..., j0:j1, :] += _matmul(p_dv.transpose(-1, -2), ops.do_dv[..., i0:, :], acc_model.dv, wd,
                                      (r.p_dv, r.do_dv))
-        if diagnostics:  # A_i and sigma_i from the very P and dP^ of this tile, in float64
-            p64 = p.to(torch.float64)
-            abs_pdp[..., i0:] += (p64 * dp.to(torch.float64)).abs().sum(dim=-1)
-            psum[..., i0:] += p64.sum(dim=-1)
-        if deferred is not None:
-            # dQ's dS with the stale predictor: P ∘ (dP^ - Dst) (corrected after the sweep)
-            ds_for_dq = p * (dp - d_pred[..., i0:, :])
+        if rowsums is not None:
+            rowsums.add_p(p, dp, i0)
+        ds_for_dq = deferred.ds_for_dq(p, dp, i0) if deferred is not None else None
         ds = dp.sub_(delta[..., i0:, :]).mul_(p)  # dS = P ∘ (dP^ - D); dP^ is not needed again
         if deferred is None:
             ds_for_dq = ds
         # Q-point dS (dQ = dS K): fp32 -> recipe.ds_dq, blocks along the keys
         ds_dq = _quantize(ds_for_dq, r.ds_dq, contract_dim=-1, dtype=wd,
                           amax=a_rows if a_rows is not None else amax["ds_dq"])
-        dq[..., i0:, :] += _matmul(ds_dq, k_dq[..., j0:j1, :], acc_model.dq, wd, (r.ds_dq, r.k_dq))
-        if deferred is not None:
-            # Q-point P (kbar): fp32 P * 2^offset -> deferred.p (the kernels: E4M3, 2^4, against LSE)
-            p_kb = _quantize(p, deferred.p, contract_dim=-1, dtype=wd, fixed_scale=p_scale_kbar)
-            for t0 in range(0, j1 - j0, deferred.tile):
-                t1 = min(t0 + deferred.tile, j1 - j0)
-                part = _matmul(p_kb[..., t0:t1], k_kbar[..., j0 + t0:j0 + t1, :], "fp32", wd)
-                # Q-point kbar tile: its float32 sum -> deferred.tile_result (float16 wgmma chain)
-                part = _quantize(part, deferred.tile_result, contract_dim=-1, dtype=wd)
-                # Q-point kbar accumulator: kbar + tile -> deferred.accumulator (float16), per tile
-                kbar[..., i0:, :] = _quantize(kbar[..., i0:, :] + part, deferred.accumulator, contract_dim=-1,
-                                              dtype=wd)
+        dq[..., i0:, :] += _matmul(ds_dq, ops.k_dq[..., j0:j1, :], acc_model.dq, wd, (r.ds_dq, r.k_dq))
+        p_kb = deferred.accumulate(p, i0, j0, j1) if deferred is not None else None
         # Q-point dS (dK = dSᵀ Q): fp32 -> recipe.ds_dk, blocks along the queries
         ds_dk = _quantize(ds, r.ds_dk, contract_dim=-2, dtype=wd, amax=amax["ds_dk"])
-        dk[..., j0:j1, :] += _matmul(ds_dk.transpose(-1, -2), q_dk[..., i0:, :], acc_model.dk, wd,
+        dk[..., j0:j1, :] += _matmul(ds_dk.transpose(-1, -2), ops.q_dk[..., i0:, :], acc_model.dk, wd,
                                      (r.ds_dk, r.q_dk))
-        if diagnostics:  # r_i from the very dS tile above, in float64
-            res[..., i0:] += ds.to(torch.float64).sum(dim=-1)
-            res_dq[..., i0:] += ds_dq.to(torch.float64).sum(dim=-1)
-            if deferred is not None:  # the correction's share: -(D - Dst) sum_j Q_kbar(P_ij)
-                res_dq[..., i0:] -= ((delta - d_pred)[..., i0:, 0].to(torch.float64)
-                                     * p_kb.to(torch.float64).sum(dim=-1))
-            res_dk[..., i0:] += ds_dk.to(torch.float64).sum(dim=-1)
+        if rowsums is not None:
+            correction = None if deferred is None else (
+                (delta - deferred.d_pred)[..., i0:, 0].to(torch.float64) * p_kb.to(torch.float64).sum(dim=-1))
+            rowsums.add_ds(ds, ds_dq, ds_dk, i0, correction)
 
     if deferred is not None:
-        # the deferred correction: dQ_i -= (D_i - Dst_i) u kbar_i
-        dq = dq - (delta - d_pred) * (kbar * _expand_kv(unit, g))
+        dq = deferred.correct(dq, delta)
     dq = dq * sh.scale
-    dk = _reduce_kv(dk * sh.scale, g)
-    dv = _reduce_kv(dv, g)
-    stats_out = None
-    if diagnostics:
-        n_tiles = -(-sh.seqlen_k // r.tiles.block_k)
-        chain = min(sh.seqlen_k, r.tiles.block_k) + n_tiles  # torch's sum within a tile, then += per tile
-        stats_out = RowsumStats(res, abs_pdp, psum, res_dq, res_dk, delta[..., 0].to(torch.float64),
-                                sh.seqlen_k, chain)
-    return BackwardResult(dq, dk, dv, stats_out)
+    dk = reduce_kv(dk * sh.scale, sh.groups)
+    dv = reduce_kv(dv, sh.groups)
+    return BackwardResult(dq, dk, dv, rowsums.stats(delta) if rowsums is not None else None)
 
 
 def attention(q, k, v, dout=None, *, recipe="exact", causal: bool = False, scale=None, mask=None,

@@ -3,17 +3,28 @@ emulated FP8 GEMM. Needs only numpy, ml_dtypes and torch."""
 
 from .blocked import Block, BlockQuantized, ScaleRule, block_amax, dequantize_blocked, quantize_blocked, scales_from_amax
 from .cast import decode, encode, quantize
-from .gemm import HOPPER, Accumulation, WgmmaRules, error_bound, matmul
-from .formats import ALIASES, FORMATS, Format, Rounding, Specials, get_format, get_rounding
+from . import constants
+from .gemm import HOPPER, Accumulation, MatmulModel, WgmmaRules, error_bound, matmul
+from .formats import (ALIASES, BFLOAT16, FLOAT8_E4M3FN, FLOAT8_E4M3FNUZ, FLOAT8_E5M2, FLOAT8_E5M2FNUZ, FLOAT8_E8M0FNU,
+                      FLOAT16, FORMATS, Format, Rounding, Specials, get_format, get_rounding)
 from .spec import decode_scalar, encode_scalar
 
 __all__ = [
     "Accumulation",
     "HOPPER",
+    "MatmulModel",
+    "constants",
     "WgmmaRules",
     "error_bound",
     "matmul",
     "ALIASES",
+    "BFLOAT16",
+    "FLOAT16",
+    "FLOAT8_E4M3FN",
+    "FLOAT8_E4M3FNUZ",
+    "FLOAT8_E5M2",
+    "FLOAT8_E5M2FNUZ",
+    "FLOAT8_E8M0FNU",
     "Block",
     "BlockQuantized",
     "FORMATS",

@@ -38,15 +38,12 @@ import numpy as np
 import torch
 
 from ._gemm_tables import code_table, lut
-from .gemm import HOPPER, Accumulation, WgmmaRules, _as_codes, _as_float32, _expand_scale, _plan
+from .constants import FP32_MIN_NORMAL, U_FP32, gamma
+from .gemm import HOPPER, Accumulation, WgmmaRules, _as_codes, _as_float32, _expand_scale, plan_k_tiles
 
-U = 2.0 ** -24
 _SLACK = 1 + 2.0 ** -40
 
 
-def gamma(n: int) -> float:
-    """gamma_n = n u / (1 - n u) for float32 (u = 2**-24)."""
-    return n * U / (1 - n * U)
 
 
 def _magnitudes(a_codes, b_codes, fa, fb):
@@ -71,7 +68,7 @@ def _chain_bound(va, vb, ea, eb, c_abs, k0, k1, ks, rules) -> tuple[torch.Tensor
         # W_s = max 2**(ea+eb): exponents are small integers, so do the max exactly with int ops
         e = (ea[:, None, s:s + ks] + eb[None, :, s:s + ks]).amax(dim=-1)
         w = torch.where(e > -1000, torch.ldexp(torch.ones_like(step_mag), e.double()), 0.0)
-        big = torch.maximum(torch.maximum(w, running), torch.full_like(w, 2.0 ** -126))
+        big = torch.maximum(torch.maximum(w, running), torch.full_like(w, FP32_MIN_NORMAL))
         running = running + step_mag
         bound = bound + (nonzero + 1) * frac * big + res * running
     return bound, running
@@ -97,12 +94,12 @@ def error_bound(a, bt, c=None, *, fa=None, fb=None, model="hopper", promote_ever
         """(bound, magnitude) of the model over products [k0, k1) from ``start_abs``."""
         if model is Accumulation.EXACT:
             mag = start_abs + va[:, k0:k1] @ vb[:, k0:k1].t()
-            return U * mag + 2.0 ** -150, mag
+            return U_FP32 * mag + 2.0 ** -150, mag
         if model is Accumulation.FP32:
             mag = start_abs + va[:, k0:k1] @ vb[:, k0:k1].t()
             return gamma(k1 - k0) * mag, mag
         kp = -(-k1 // ks) * ks
-        plan = _plan(kp - k0, ks, promote_every, tile_k)
+        plan = plan_k_tiles(kp - k0, ks, promote_every, tile_k)
         total_b, total_mag, adds = torch.zeros_like(start_abs), start_abs.clone(), 0
         for tile in plan:
             for s0, s1 in tile.segments or ((tile.k0, tile.k1),):

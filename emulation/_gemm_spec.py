@@ -12,7 +12,7 @@ from fractions import Fraction
 import numpy as np
 
 from .formats import Format, Rounding, get_format
-from .gemm import HOPPER, Accumulation, WgmmaRules, _plan
+from .gemm import HOPPER, Accumulation, WgmmaRules, plan_k_tiles
 
 NAN = float(np.array(0x7FFFFFFF, dtype=np.uint32).view(np.float32))  # the GPU's NaN
 
@@ -135,7 +135,7 @@ def hopper_dot(c: float, a, b, fa, fb, rules: WgmmaRules = HOPPER, promote_every
         return acc
 
     acc = c
-    for t, tile in enumerate(_plan(k_padded, ks, promote_every, tile_k)):
+    for t, tile in enumerate(plan_k_tiles(k_padded, ks, promote_every, tile_k)):
         if chain and tile.segments is None:
             acc = run(acc, tile.k0, tile.k1)
         elif chain:

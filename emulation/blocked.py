@@ -7,6 +7,7 @@ NVIDIA's MXFP8 cast), is ``docs/block_scaling.md``. In short, with ``amax`` the 
 of a block, ``M = fmt.max``, ``RN32`` = round to nearest-even float32 (one rounding of the exact
 quotient):
 
+- ``fixed``      s = 2**margin for every block, whatever the data (FlashAttention-3's P);
 - ``amax``       s = RN32(amax / M) * 2**margin, float32, clamped to [2**-126, float32 max];
 - ``pow2_down``  Transformer Engine: the *multiplier* RN32(M / amax) (float32 max if it overflows)
                  with its mantissa masked, i.e. rounded down to 2**k; s = 2**(-k + margin). The
@@ -21,7 +22,7 @@ quotient):
 Power-of-two float32 scales have their exponent clamped to [-127, 127], the E8M0 range.
 Exponents are read from the bits (``torch.frexp``), never from a float ``log2``.
 
-Special blocks (every rule): amax == 0 gives s = 1 (E8M0 code 127) and zero codes; a NaN or
+Special blocks (every rule but ``fixed``): amax == 0 gives s = 1 (E8M0 code 127) and zero codes; a NaN or
 +-inf anywhere in a block gives a NaN scale (float32 NaN, E8M0 0xFF) and every element of the
 block the format's NaN code (``fmt.nan_code_for(sign of x)``), so the whole block dequantizes to
 NaN. No other input produces an infinite or NaN scale.
@@ -46,6 +47,7 @@ import numpy as np
 import torch
 
 from .cast import _as_torch, decode, encode
+from .constants import FP32_MAX, FP32_MIN_NORMAL
 from .formats import Format, Rounding, get_format
 
 __all__ = [
@@ -58,16 +60,19 @@ __all__ = [
     "scales_from_amax",
 ]
 
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
-_FLOAT32_MIN_NORMAL = float(np.finfo(np.float32).tiny)  # 2**-126
+_FLOAT32_MAX = FP32_MAX
+_FLOAT32_MIN_NORMAL = FP32_MIN_NORMAL  # 2**-126
 _E8M0_BIAS = 127
 _E8M0_NAN = 0xFF
 _SCALE_EXP_MIN, _SCALE_EXP_MAX = -127, 127  # E8M0 range, also used for power-of-two float scales
 
 
 class ScaleRule(enum.Enum):
-    """How a block's decode scale s (x ~= s * decode(code)) follows from its amax."""
+    """How a block's decode scale s (x ~= s * decode(code)) follows from its amax. The one
+    scale-rule vocabulary of dmref: recipes, the kernels' configuration and the proofs use these
+    members."""
 
+    FIXED = "fixed"  #: no data-dependent scale: s = 2^margin for every block (FA3's P: 2^-8)
     AMAX = "amax"  #: s = RN32(amax / fmt.max), float32, not a power of two
     POW2_DOWN = "pow2_down"  #: Transformer Engine: multiplier RN32(max/amax) masked down to 2^k; s = 2^-k >= amax/max
     POW2_UP = "pow2_up"  #: multiplier RN32(max/amax) rounded up to 2^k; s = 2^-k <= amax/max, largest elements saturate
@@ -79,14 +84,21 @@ class ScaleRule(enum.Enum):
         """Whether the scales are stored as E8M0 codes (uint8) rather than float32."""
         return self in (ScaleRule.MX_OCP, ScaleRule.MX_NVIDIA)
 
+    @property
+    def is_dynamic(self) -> bool:
+        """Whether the scale depends on the data (and so on which elements a block holds)."""
+        return self is not ScaleRule.FIXED
+
+    @property
+    def is_pow2(self) -> bool:
+        """Whether every scale is a power of two (all rules but AMAX)."""
+        return self is not ScaleRule.AMAX
+
     @classmethod
     def get(cls, rule: "ScaleRule | str") -> "ScaleRule":
-        """The rule for itself, its value string, or another enum member with that value (e.g.
-        ``dmref.recipes.ScaleRule.POW2_DOWN``)."""
+        """The rule for itself or its value string (``"pow2_down"`` ...)."""
         if isinstance(rule, ScaleRule):
             return rule
-        if isinstance(rule, enum.Enum):
-            rule = rule.value
         try:
             return cls(rule)
         except ValueError:
@@ -171,12 +183,9 @@ class Block:
 
     @classmethod
     def get(cls, block: "Block | str | tuple[int, int]") -> "Block":
-        """A :class:`Block` from itself, a shorthand string, a ``(rows, cols)`` tuple, or an enum
-        member whose value is a shorthand (e.g. ``dmref.recipes.Granularity.TILE_1x128``)."""
+        """A :class:`Block` from itself, a shorthand string or a ``(rows, cols)`` tuple."""
         if isinstance(block, Block):
             return block
-        if isinstance(block, enum.Enum):
-            block = block.value
         if isinstance(block, tuple) and len(block) == 2:
             return cls.tile(*block)
         if isinstance(block, str):
@@ -333,6 +342,10 @@ def _scales(amax: torch.Tensor, fmt: Format, rule: ScaleRule, margin: int):
     a = torch.where(special | zero, 1.0, amax).to(torch.float64)
     fmax = torch.tensor(fmt.max, dtype=torch.float64, device=a.device)
     big = 1 << 20  # stands for an exponent beyond every clamp (a zero or infinite float32)
+
+    if rule is ScaleRule.FIXED:  # not data-dependent: no amax, no special blocks
+        s = _pow2(torch.full_like(a, margin, dtype=torch.int64).clamp(_SCALE_EXP_MIN, _SCALE_EXP_MAX))
+        return s, s.to(torch.float32)
 
     if rule is ScaleRule.AMAX:
         s = _rn32(_div_round_odd(a, fmax)) * _pow2(torch.full_like(a, margin, dtype=torch.int64).clamp(-1022, 1023))

@@ -80,6 +80,18 @@ class Format:
     def has_zero(self) -> bool:
         return self.subnormals
 
+    @property
+    def is_fp8(self) -> bool:
+        """Whether this is an 8-bit element format (E4M3, E5M2 and their variants): signed, 8
+        bits. The unsigned E8M0 is a scale format, not an element format."""
+        return self.bits == 8 and self.signed
+
+    @property
+    def short_name(self) -> str:
+        """The name tables and recipe descriptions print: ``E4M3``, ``E5M2``, ``BF16``, ``FP16``
+        (the ecosystem name for any other format)."""
+        return _SHORT_NAMES.get(self.name, self.name)
+
     # ---- the definition: one code to its value -----------------------------------------------
     def value(self, code: int) -> float:
         """The exact value of ``code`` as a Python float (every value of these formats is a
@@ -200,6 +212,8 @@ FLOAT8_E8M0FNU = Format("float8_e8m0fnu", 8, 0, 127, Specials.E8M0, signed=False
 BFLOAT16 = Format("bfloat16", 8, 7, 127, Specials.IEEE)
 FLOAT16 = Format("float16", 5, 10, 15, Specials.IEEE)
 
+_SHORT_NAMES = {"float8_e4m3fn": "E4M3", "float8_e5m2": "E5M2", "bfloat16": "BF16", "float16": "FP16"}
+
 #: Every format by its ecosystem name.
 FORMATS: dict[str, Format] = {
     f.name: f
@@ -236,6 +250,7 @@ def get_format(fmt: Format | str) -> Format:
 
 
 def get_rounding(rounding: Rounding | str) -> Rounding:
+    """The :class:`Rounding` for itself or its value (``"nearest_even"`` ...)."""
     if isinstance(rounding, Rounding):
         return rounding
     try:

@@ -111,6 +111,72 @@ class WgmmaRules:
 HOPPER = WgmmaRules()
 
 
+@dataclass(frozen=True)
+class MatmulModel:
+    """How one matmul of an attention recipe sums its products: an :class:`Accumulation` and,
+    for ``HOPPER``, the kernel's promotion interval and wgmma rules.
+
+    - ``EXACT``: exact products and sum, rounded once to float32; with ``float64_result`` the
+      sum is kept in float64 (the ``exact`` preset's reference arithmetic).
+    - ``FP32``: float32 additions of exact products (the error bound is gamma_K whatever the
+      order; :func:`matmul` adds in k order, ``dmref.tiled`` in torch's order).
+    - ``HOPPER``: the wgmma k-steps of ``rules``, promoted to float32 every ``promote_every``
+      products (None: one chain per scale block).
+
+    ``MatmulModel.get`` reads the names of the user's edge: ``"fp32"``, ``"exact"``,
+    ``"float64"``, ``"hopper"``, ``"hopper-p64"`` (promotion every 64 products); ``name`` writes
+    them back.
+    """
+
+    accumulation: Accumulation = Accumulation.FP32
+    promote_every: int | None = None
+    float64_result: bool = False
+    rules: WgmmaRules = HOPPER
+
+    def __post_init__(self):
+        object.__setattr__(self, "accumulation", Accumulation(self.accumulation))
+        if self.promote_every is not None:
+            if self.accumulation is not Accumulation.HOPPER:
+                raise ValueError(f"promote_every={self.promote_every} describes a wgmma kernel; "
+                                 f"the {self.accumulation.value!r} model is defined on the whole sum")
+            if self.promote_every <= 0 or self.promote_every % self.rules.k_step:
+                raise ValueError(f"promote_every={self.promote_every} must be a positive multiple of "
+                                 f"the k-step {self.rules.k_step}")
+        if self.float64_result and self.accumulation is not Accumulation.EXACT:
+            raise ValueError(f"float64_result needs the exact model, got {self.accumulation.value!r}")
+
+    @property
+    def name(self) -> str:
+        if self.float64_result:
+            return "float64"
+        if self.promote_every is not None:
+            return f"{self.accumulation.value}-p{self.promote_every}"
+        return self.accumulation.value
+
+    def __str__(self) -> str:
+        return self.name
+
+    @classmethod
+    def get(cls, model: "MatmulModel | Accumulation | str") -> "MatmulModel":
+        """The model for itself, an :class:`Accumulation`, or a name (class docstring)."""
+        if isinstance(model, MatmulModel):
+            return model
+        if isinstance(model, Accumulation):
+            return cls(model)
+        if not isinstance(model, str):
+            raise TypeError(f"an accumulation model is a MatmulModel or a name, got {type(model).__name__}")
+        if model == "float64":
+            return cls(Accumulation.EXACT, float64_result=True)
+        base, sep, promote = model.partition("-p")
+        try:
+            acc = Accumulation(base)
+            every = int(promote) if sep else None
+        except ValueError:
+            known = "'exact', 'float64', 'fp32', 'hopper', 'hopper-p<N>'"
+            raise ValueError(f"unknown accumulation model {model!r}; known: {known}") from None
+        return cls(acc, every)
+
+
 def triton_dot_schedule(block_k: int, max_num_imprecise_acc: int | None = None,
                         chain: bool = True) -> dict:
     """``matmul`` keywords for a Triton K loop over ``block_k`` tiles:
@@ -209,7 +275,9 @@ class _Tile:
     segments: tuple[tuple[int, int], ...] | None  #: partial-accumulator spans; None: none
 
 
-def _plan(k_padded: int, k_step: int, promote_every: int | None, tile_k: int | None) -> list[_Tile]:
+def plan_k_tiles(k_padded: int, k_step: int, promote_every: int | None, tile_k: int | None) -> list[_Tile]:
+    """The K loop of a hopper kernel: its ``tile_k`` tiles over ``k_padded`` products, each with
+    the spans of its partial accumulators (``promote_every``; None: the tile is one chain)."""
     for name, v in (("promote_every", promote_every), ("tile_k", tile_k)):
         if v is not None and (v <= 0 or v % k_step):
             raise ValueError(f"{name}={v} must be a positive multiple of the k-step {k_step}")
@@ -247,7 +315,7 @@ def _hopper(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, fa: Format, fb: F
     op_b = _gemm_hopper.prepare(b, fb, rules, align.offset_b, align.dtype, k_padded)
     if scales is not None:
         tile_k, chain = scales[2], False
-    plan = _plan(k_padded, ks, promote_every, tile_k)
+    plan = plan_k_tiles(k_padded, ks, promote_every, tile_k)
     specials = not bool(torch.isfinite(c).all())
     out = torch.empty((m, n), dtype=torch.float32, device=a.device)
     steps = k_padded // ks
@@ -379,5 +447,5 @@ def error_bound(*args, **kwargs):
     return _bound(*args, **kwargs)
 
 
-__all__ = ["Accumulation", "HOPPER", "WgmmaRules", "cublas_schedule", "error_bound", "matmul",
+__all__ = ["Accumulation", "HOPPER", "MatmulModel", "WgmmaRules", "cublas_schedule", "error_bound", "matmul",
            "triton_dot_schedule"]

@@ -1,7 +1,7 @@
 """Tile configurations and the recipe each kernel implements, as data.
 
-Nothing here imports triton: the reference (``dmref``) and the tests read these dataclasses to
-reproduce exactly what the kernels compute.
+Nothing here imports triton. A :class:`KernelRecipe` holds the ``dmref.recipes.Recipe`` the
+kernels run (the object the reference ``dmref.tiled`` takes) and the kernels' tilings.
 
 Layout conventions used by every kernel (``B`` batch, ``H`` query heads, ``HKV`` key/value heads,
 ``N`` tokens, ``D`` head dim; ``H % HKV == 0``, query head ``h`` reads key/value head
@@ -25,6 +25,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dmref.emulation import (BFLOAT16, FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT16, Accumulation, MatmulModel, Rounding, ScaleRule,
+                             get_format)
+from dmref.recipes import (PRESETS, STALE, DeferredDq, DeltaKind, DeltaStrategy, Granularity, MatmulModels,
+                           Normalizer, PReference, QuantPoint, Recipe)
+
 #: Tokens per scale block of a transposed copy; every kernel tile along tokens divides it.
 QUANT_BLOCK = 128
 
@@ -37,7 +42,8 @@ P_SCALE_LOG2 = 8
 #: below 2**4 * 448 * (1 + 2**-4) < 65504 (float16's max) for any input.
 KBAR_P_SCALE_LOG2 = 4
 
-DeltaStrategy = Literal["stale", "matched"]
+#: The kernels' two deltas by the launchers' names (``recipe.delta`` of the Recipe they run).
+KernelDelta = Literal["stale", "matched"]
 
 
 @dataclass(frozen=True)
@@ -109,34 +115,132 @@ def _check_tile(name: str, value: int) -> None:
         raise ValueError(f"{name}={value} must be >= 32 and divide QUANT_BLOCK={QUANT_BLOCK}")
 
 
+def _ds_point(extent: int):
+    """dS as the kernels quantize it: E4M3, one POW2_DOWN scale per row and ``extent``
+    contraction elements (the kernel tile's contraction)."""
+    gran = {32: Granularity.MX32, 64: Granularity.TILE_1x64, QUANT_BLOCK: Granularity.TILE_1x128}[extent]
+    return QuantPoint(FLOAT8_E4M3FN, gran, ScaleRule.POW2_DOWN)
+
+
+def _promoted(model, tile: int):
+    """``model`` with the kernels' promotion: a HOPPER chain per kernel tile, promoted to float32
+    between tiles shorter than the reference's 128-wide scale blocks."""
+    if model.accumulation is not Accumulation.HOPPER:
+        return model
+    return MatmulModel(model.accumulation, promote_every=None if tile >= QUANT_BLOCK else tile, rules=model.rules)
+
+
+def fit_to_tiles(recipe, bwd: BwdTiles):
+    """``recipe`` with the parts the backward tiling decides: dS blocks of 1 x ``block_n2``
+    (dQ) and 1 x ``block_m1`` (dK), HOPPER promotion per kernel tile for dV, dQ and dK, and the
+    deferred dQ's kbar tile of ``block_n2`` keys."""
+    acc = recipe.accumulation
+    delta = recipe.delta
+    if delta.deferred_dq is not None:
+        delta = DeltaStrategy(delta.kind, delta.do, delta.o,
+                              dataclasses.replace(delta.deferred_dq, tile=bwd.block_n2))
+    return dataclasses.replace(
+        recipe, ds_dq=_ds_point(bwd.block_n2), ds_dk=_ds_point(bwd.block_m1), delta=delta,
+        accumulation=MatmulModels(qk=acc.qk, pv=acc.pv, qk_bwd=acc.qk_bwd, dp=acc.dp,
+                                  dv=_promoted(acc.dv, bwd.block_m1), dq=_promoted(acc.dq, bwd.block_n2),
+                                  dk=_promoted(acc.dk, bwd.block_m1)))
+
+
+def unsupported(recipe, bwd: BwdTiles | None = None) -> str | None:
+    """None if the kernels run ``recipe`` (a ``dmref.recipes.Recipe``) with the backward tiling
+    ``bwd`` (None: any tiling the dS blocks allow), else the reason they do not."""
+    e4m3, e5m2 = FLOAT8_E4M3FN, FLOAT8_E5M2  # the formats of the kernels' casts (_common.to_fp8)
+
+    def point(name, fmts, granularity, rule=ScaleRule.POW2_DOWN):
+        pt = getattr(recipe, name)
+        if pt.fmt not in fmts or pt.scale_rule is not rule or pt.rounding is not Rounding.NEAREST_EVEN \
+                or not pt.saturate or pt.granularity not in granularity:
+            return (f"{name}: the kernels quantize it as {'/'.join(f.short_name for f in fmts)}, "
+                    f"{'/'.join(g.value for g in granularity)}, {rule.value}, RNE, satfinite; "
+                    f"the recipe says {pt.describe()}")
+        return None
+
+    row, tok, tensor = (Granularity.ROW,), (Granularity.TILE_1x128,), (Granularity.TENSOR,)
+    ds_grans = (Granularity.MX32, Granularity.TILE_1x64, Granularity.TILE_1x128)
+    do_fmt = (recipe.do_dp.fmt,) if recipe.do_dp.fmt in (e4m3, e5m2) else (e4m3, e5m2)
+    checks = [point("q", (e4m3,), row), point("k", (e4m3,), row), point("v", (e4m3,), tok),
+              point("p", (e4m3,), tensor, ScaleRule.FIXED), point("do_dp", do_fmt, row),
+              point("v_dp", (e4m3,), row), point("p_dv", (e4m3,), tensor, ScaleRule.FIXED),
+              point("do_dv", do_fmt, tok), point("ds_dq", (e4m3,), ds_grans), point("k_dq", (e4m3,), tok),
+              point("ds_dk", (e4m3,), ds_grans), point("q_dk", (e4m3,), tok)]
+    if recipe.o != QuantPoint(BFLOAT16):
+        checks.append(f"o: the kernels return O in BF16 (round to nearest); the recipe says {recipe.o.describe()}")
+    if recipe.p_fwd.reference is not PReference.RUNNING_MAX or recipe.p_bwd.reference is not PReference.LSE:
+        checks.append("P: the kernels quantize P against the running max (forward) and LSE (backward)")
+    if recipe.p_fwd.offset_log2 != recipe.p_bwd.offset_log2:
+        checks.append(f"P: the kernels scale P by one power of two in both passes; the recipe has "
+                      f"2^{recipe.p_fwd.offset_log2} and 2^{recipe.p_bwd.offset_log2}")
+    if recipe.normalizer is not Normalizer.FP32_SUM:
+        checks.append("normalizer: the kernels divide by the float32 sum of P")
+    if recipe.precision != "float32" or recipe.tiles.block_k != QUANT_BLOCK:
+        checks.append(f"the kernels work in float32 with the running max rescaled every {QUANT_BLOCK} keys")
+    if recipe.delta not in (STALE,) and not (recipe.delta.kind is DeltaKind.MATCHED
+                                            and recipe.delta.deferred_dq is not None
+                                            and recipe.delta.deferred_dq == _deferred(recipe.delta.deferred_dq.tile)):
+        checks.append(f"delta: the kernels compute the stale delta from BF16 dO and O, or the matched delta "
+                      f"with their deferred dQ; the recipe says {recipe.delta.name}")
+    if any(m.accumulation is Accumulation.EXACT for m in recipe.accumulation.models()):
+        checks.append("accumulation: the kernels accumulate on tensor cores (hopper) or in float32")
+    if bwd is not None and not any(checks) and fit_to_tiles(recipe, bwd) != recipe:
+        checks.append(f"tiles: the backward tiling {bwd.block_m1}x{bwd.block_n1} / {bwd.block_m2}x{bwd.block_n2} "
+                      "quantizes dS, promotes the backward matmuls and tiles kbar differently from the recipe")
+    reasons = [c for c in checks if c]
+    return "; ".join(reasons) if reasons else None
+
+
+def _deferred(tile: int):
+    """The kernels' deferred dQ (dmref.recipes.DeferredDq): stale predictor, P in E4M3 times
+    2^KBAR_P_SCALE_LOG2, float16 tile sums and accumulator (Triton's float32 -> float16: RNE,
+    overflow to inf)."""
+    fp16 = QuantPoint(FLOAT16, saturate=False)
+    return DeferredDq(predictor=STALE, p=QuantPoint(FLOAT8_E4M3FN), p_offset_log2=KBAR_P_SCALE_LOG2,
+                      tile=tile, tile_result=fp16, accumulator=fp16)
+
+
+def kernel_recipe(delta: KernelDelta, bwd: BwdTiles | None = None, do_format: str = "float8_e4m3fn"):
+    """The ``dmref.recipes.Recipe`` the kernels run for ``delta`` (``"stale"`` or
+    ``"matched"``) with the backward tiling ``bwd``: the ``naive_fp8`` preset with Q, K, dO
+    and V (dP) scaled per token over the whole head dim (ROW), dS in 1 x tile blocks, O in
+    BF16, the Hopper accumulation with promotion per kernel tile, and for ``"matched"`` the
+    matched delta with the kernels' deferred dQ."""
+
+    if delta not in ("stale", "matched"):
+        raise ValueError(f"delta={delta!r} must be 'stale' or 'matched'")
+    bwd = bwd or BwdTiles()
+    base = PRESETS["naive_fp8"]
+    e4m3_row = QuantPoint(base.q.fmt, Granularity.ROW, ScaleRule.POW2_DOWN)
+    do_fmt = get_format(do_format)
+    recipe = dataclasses.replace(
+        base, name=f"kernels_{'delta_matching' if delta == 'matched' else 'naive_fp8'}",
+        q=e4m3_row, k=e4m3_row, v_dp=e4m3_row, do_dp=QuantPoint(do_fmt, Granularity.ROW, ScaleRule.POW2_DOWN),
+        do_dv=dataclasses.replace(base.do_dv, fmt=do_fmt), accumulation=MatmulModels.all("hopper"),
+        delta=(base.delta if delta == "stale" else DeltaStrategy(DeltaKind.MATCHED, deferred_dq=_deferred(bwd.block_n2))),
+    )
+    return fit_to_tiles(recipe, bwd)
+
+
 @dataclass(frozen=True)
 class KernelRecipe:
-    """What the kernels compute, point by point, so that the reference can reproduce it.
+    """A recipe the kernels run: ``recipe``, the very ``dmref.recipes.Recipe`` the emulated
+    reference ``dmref.tiled`` takes, and the kernels' tilings.
 
-    Scale rule everywhere (``pow2_floor``): for a block with ``amax = max |x|`` the multiplier is
-    ``2**k`` with ``k = floor(log2(fmt.max / amax))`` computed exactly from the bits of ``amax``
-    (``k = 0`` when ``amax == 0``; ``k`` clamped to [-126, 126]); codes are
-    ``cast_rne_satfinite(x * 2**k)``, dequantized as ``code * 2**-k``.
-
-    Accumulation: every ``tl.dot`` is one FP8 wgmma chain over its tile's contraction length with
-    Triton's default (no intermediate promotion); results are scaled and added into float32
-    registers once per tile (promotion per tile). QK^T and dO V^T contract over the head dim in one
-    chain.
+    ``recipe`` states every quantization point, the delta and the accumulation at the
+    hardware (HOPPER wgmma chains, promoted to float32 between backward tiles shorter than
+    128); :func:`unsupported` says what the kernels cannot run. The backward tiling decides the
+    dS block extents, the promotion interval and kbar's tile (:func:`fit_to_tiles`), so every
+    tiling of one KernelRecipe must agree with its recipe. Two kernel variants the Recipe cannot
+    express (:meth:`reference_recipe` refuses them): ``ds_tile_scales``, one dS scale per whole
+    backward tile instead of the recipe's per-row blocks, and a forward key tile ``block_n``
+    other than the recipe's 128 (the running-max granularity).
     """
 
     name: str
-    delta: DeltaStrategy
-    #: format of Q, K, V (all copies), P and dS
-    qkv_format: str = "float8_e4m3fn"
-    #: format of both dO copies
-    do_format: str = "float8_e4m3fn"
-    ds_format: str = "float8_e4m3fn"
-    #: ``"rowwise"``: one scale per row of dS and the whole contraction of its tile: per query
-    #: and ``block_n2`` keys for dQ, per key and ``block_m1`` queries for dK (with tiles of 128
-    #: this is the reference's 1x128 granularity); ``"tile"``: one scale per backward tile
-    ds_granularity: Literal["rowwise", "tile"] = "rowwise"
-    p_format: str = "float8_e4m3fn"
-    p_scale_log2: int = P_SCALE_LOG2
+    recipe: Recipe
     fwd: FwdTiles = field(default_factory=FwdTiles)
     #: forward tiling at head dim 64 (None: ``fwd``); same key tile (the recipe's running-max
     #: granularity), with a register cap of 168 so that three CTAs share an SM (H200, 2026-11-29:
@@ -151,26 +255,61 @@ class KernelRecipe:
     #: capping dkdv too was slower)
     bwd_d64: BwdTiles | None = field(
         default_factory=lambda: BwdTiles(64, 64, 64, 64, 4, 2, 4, 2, tma=False, maxnreg_dq=168))
+    ds_tile_scales: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("qkv_format", "ds_format", "p_format"):
-            if getattr(self, name) != "float8_e4m3fn":
-                raise ValueError(f"{name}={getattr(self, name)!r}: the kernels implement float8_e4m3fn only")
-        if self.do_format not in ("float8_e4m3fn", "float8_e5m2"):
-            raise ValueError(f"do_format={self.do_format!r} must be float8_e4m3fn or float8_e5m2")
-        if self.delta not in ("stale", "matched"):
-            raise ValueError(f"delta={self.delta!r} must be 'stale' or 'matched'")
-        if self.ds_granularity not in ("rowwise", "tile"):
-            raise ValueError(f"ds_granularity={self.ds_granularity!r} must be 'rowwise' or 'tile'")
+        for tiles in {self.bwd, self.bwd_d64 or self.bwd}:
+            reason = unsupported(self.recipe, tiles)
+            if reason is not None:
+                raise ValueError(f"kernel recipe {self.name!r}: {reason}")
         if self.fwd_d64 is not None and self.fwd_d64.block_n != self.fwd.block_n:
             raise ValueError(f"fwd_d64.block_n={self.fwd_d64.block_n} != fwd.block_n={self.fwd.block_n}: "
                              "the forward's key tile is the recipe's running-max granularity")
 
+    @staticmethod
+    def unsupported(recipe, bwd: BwdTiles | None = None) -> str | None:
+        """None if the kernels run ``recipe``, else why not (:func:`unsupported`)."""
+        return unsupported(recipe, bwd)
+
+    # ---- what the launchers read ---------------------------------------------------------------
+    @property
+    def matched(self) -> bool:
+        """Whether the delta is matched (the dq kernel's deferred dQ) rather than stale."""
+        return self.recipe.delta.deferred_dq is not None
+
+    @property
+    def delta(self) -> KernelDelta:
+        """``"matched"`` or ``"stale"``: the launchers' name for ``recipe.delta``."""
+        return "matched" if self.matched else "stale"
+
+    @property
+    def ds_granularity(self) -> Literal["rowwise", "tile"]:
+        """``"rowwise"`` (the recipe's 1 x tile dS blocks) or ``"tile"`` (``ds_tile_scales``)."""
+        return "tile" if self.ds_tile_scales else "rowwise"
+
+    @property
+    def p_scale_log2(self) -> int:
+        """log2 of P's fixed scale in both passes (``recipe.p_fwd.offset_log2``)."""
+        return self.recipe.p_fwd.offset_log2
+
+    @property
+    def qkv_format(self) -> str:
+        """Name of the format of Q, K, V (all copies)."""
+        return self.recipe.q.fmt.name
+
+    @property
+    def do_format(self) -> str:
+        """Name of the format of both dO copies."""
+        return self.recipe.do_dp.fmt.name
+
+    # ---- tilings -------------------------------------------------------------------------------
     def with_tiles(self, fwd: FwdTiles | None = None, bwd: BwdTiles | None = None) -> "KernelRecipe":
-        """The same recipe with these tilings (a given tiling applies to every head dim)."""
+        """The same recipe with these tilings (a given tiling applies to every head dim; a new
+        backward tiling refits the recipe's dS blocks, promotion and kbar tile to it)."""
         return dataclasses.replace(self, fwd=fwd or self.fwd, bwd=bwd or self.bwd,
                                    fwd_d64=None if fwd is not None else self.fwd_d64,
-                                   bwd_d64=None if bwd is not None else self.bwd_d64)
+                                   bwd_d64=None if bwd is not None else self.bwd_d64,
+                                   recipe=fit_to_tiles(self.recipe, bwd) if bwd is not None else self.recipe)
 
     def fwd_tiles(self, head_dim: int) -> FwdTiles:
         """The forward tiling used at ``head_dim``."""
@@ -180,118 +319,35 @@ class KernelRecipe:
         """The backward tiling used at ``head_dim``."""
         return self.bwd_d64 if (head_dim == 64 and self.bwd_d64 is not None) else self.bwd
 
-    def quantization_points(self) -> dict[str, str]:
-        """One line per quantization point, in the words the reference uses."""
-        b = self.bwd
-        p = f"2**{self.p_scale_log2}"
-        if self.ds_granularity == "rowwise":
-            ds_dk = f"{self.ds_format}, one pow2_floor scale per key and {b.block_m1} queries"
-            ds_dq = f"{self.ds_format}, one pow2_floor scale per query and {b.block_n2} keys"
-        else:
-            ds_dk = f"{self.ds_format}, one pow2_floor scale per {b.block_m1} x {b.block_n1} tile"
-            ds_dq = f"{self.ds_format}, one pow2_floor scale per {b.block_m2} x {b.block_n2} tile"
-        return {
-            "Q (QK^T, fwd and bwd)": f"{self.qkv_format}, 1 x D per token, pow2_floor, RNE satfinite",
-            "K (QK^T, fwd and bwd)": f"{self.qkv_format}, 1 x D per token, pow2_floor, RNE satfinite",
-            "V (PV, fwd)": f"{self.qkv_format}, {QUANT_BLOCK} tokens x 1 channel, pow2_floor",
-            "P (PV, fwd)": f"{self.p_format}, P * {p} against the running max of each "
-            f"{self.fwd.block_n}-key tile, normalizer l = sum of float32 P",
-            "V (dO V^T)": f"{self.qkv_format}, 1 x D per token, pow2_floor",
-            "dO (dO V^T)": f"{self.do_format}, 1 x D per token, pow2_floor",
-            "P (P^T dO)": f"{self.p_format}, P * {p} against LSE",
-            "dO (P^T dO)": f"{self.do_format}, {QUANT_BLOCK} tokens x 1 channel, pow2_floor",
-            "dS (dS^T Q)": ds_dk,
-            "Q (dS^T Q)": f"{self.qkv_format}, {QUANT_BLOCK} tokens x 1 channel, pow2_floor",
-            "dS (dS K)": ds_dq,
-            "K (dS K)": f"{self.qkv_format}, {QUANT_BLOCK} tokens x 1 channel, pow2_floor",
-            "delta": _DELTA_WORDS[self.delta],
-        }
-
-
     def reference_recipe(self, head_dim: int, accumulation: str = "hopper"):
-        """The ``dmref.recipes.Recipe`` that reproduces these kernels at ``head_dim``, for the
-        emulated reference ``dmref.tiled``.
+        """``recipe`` as the kernels run it at ``head_dim``, for the emulated reference
+        ``dmref.tiled``: ``accumulation="hopper"`` for the H200 (the recipe itself), ``"fp32"``
+        for Triton's interpreter (float32 matmuls everywhere).
 
-        ``accumulation``: ``"hopper"`` for the H200 (one wgmma chain per kernel tile, promoted
-        to float32 between tiles: ``hopper-p<tile>`` where a tile is shorter than the reference's
-        128-wide scale blocks), ``"fp32"`` for Triton's interpreter (float32 matmuls).
-
-        Raises ``ValueError`` where the reference cannot express the kernel: dS blocks other
-        than 1x32 (``Granularity.MX32`` with ``ScaleRule.POW2_DOWN``), 1x64 (``TILE_1x64``) or
-        1x128 (``TILE_1x128``), or a forward key tile other than the reference's 128. The
-        matched dQ is the reference's ``DeferredDq`` (kbar's float16 wgmma chain modelled as a
-        float32 tile sum rounded once to float16).
+        Raises ``ValueError`` for the kernel variants the Recipe cannot express: ``ds_tile_scales``
+        (no per-tile dS scale) and a forward key tile other than the recipe's 128 (the running
+        max is rescaled every ``Tiles.block_k`` keys).
         """
-        from dmref.recipes import Accumulation, Granularity, PReference, PScaling, QuantPoint, Recipe, ScaleRule
+        from dmref.recipes import MatmulModel, MatmulModels
 
-        b = self.bwd_tiles(head_dim)
+        if self.ds_tile_scales:
+            raise ValueError("ds_tile_scales: the reference has no per-tile dS scale")
         if self.fwd.block_n != QUANT_BLOCK:
             raise ValueError(f"forward block_n={self.fwd.block_n}: the reference rescales the "
                              f"running max every {QUANT_BLOCK} keys (Tiles.block_k)")
-        if self.ds_granularity != "rowwise":
-            raise ValueError("ds_granularity='tile': the reference has no per-tile dS scale")
+        r = fit_to_tiles(self.recipe, self.bwd_tiles(head_dim))
+        model = MatmulModel.get(accumulation)
+        if model != MatmulModel.get("hopper"):
+            r = dataclasses.replace(r, accumulation=MatmulModels.all(model))
+        return dataclasses.replace(r, name=f"kernels_{self.name}_d{head_dim}")
 
-        def ds_point(block: int) -> QuantPoint:
-            gran = {32: Granularity.MX32, 64: Granularity.TILE_1x64, QUANT_BLOCK: Granularity.TILE_1x128}.get(block)
-            if gran is None:
-                raise ValueError(f"dS blocks of 1x{block}: dmref.recipes.Granularity has 1x32 "
-                                 "(MX32), 1x64 and 1x128 only")
-            return QuantPoint(self.ds_format, gran, ScaleRule.POW2_DOWN)
-
-        row = QuantPoint(self.qkv_format, Granularity.ROW, ScaleRule.POW2_DOWN)
-        do_row = QuantPoint(self.do_format, Granularity.ROW, ScaleRule.POW2_DOWN)
-        tok = QuantPoint(self.qkv_format, Granularity.TILE_1x128, ScaleRule.POW2_DOWN)
-        do_tok = QuantPoint(self.do_format, Granularity.TILE_1x128, ScaleRule.POW2_DOWN)
-        p = QuantPoint(self.p_format, Granularity.TENSOR, ScaleRule.FIXED)
-
-        def acc(tile: int) -> str:
-            if accumulation != "hopper":
-                return accumulation
-            return "hopper" if tile >= QUANT_BLOCK else f"hopper-p{tile}"
-
-        return Recipe(
-            name=f"kernels_{self.name}_d{head_dim}",
-            q=row, k=row, v=tok, p=p, o=QuantPoint("bfloat16"),
-            do_dp=do_row, v_dp=row, p_dv=p, do_dv=do_tok,
-            ds_dq=ds_point(b.block_n2), k_dq=tok, ds_dk=ds_point(b.block_m1), q_dk=tok,
-            accumulation=Accumulation(
-                qk=acc(QUANT_BLOCK), pv=acc(QUANT_BLOCK), qk_bwd=acc(QUANT_BLOCK),
-                dp=acc(QUANT_BLOCK), dv=acc(b.block_m1), dq=acc(b.block_n2), dk=acc(b.block_m1)),
-            p_fwd=PScaling(PReference.RUNNING_MAX, self.p_scale_log2),
-            p_bwd=PScaling(PReference.LSE, self.p_scale_log2),
-            delta=self._reference_delta(b),
-        )
-
-    def _reference_delta(self, b: BwdTiles):
-        """The reference's delta strategy: STALE, or MATCHED with the dq kernel's deferred dQ."""
-        from dmref.recipes import STALE, DeferredDq, DeltaKind, DeltaStrategy, QuantPoint
-
-        if self.delta == "stale":
-            return STALE
-        fp16 = QuantPoint("float16", saturate=False)  # Triton's float32 -> float16: RNE, overflow to inf
-        deferred = DeferredDq(predictor=STALE, p=QuantPoint(self.p_format), p_offset_log2=KBAR_P_SCALE_LOG2,
-                              tile=b.block_n2, tile_result=fp16, accumulator=fp16)
-        return DeltaStrategy(DeltaKind.MATCHED, deferred_dq=deferred)
-
-
-_DELTA_WORDS = {
-    "stale": "D = rowsum(float32(dO_bf16) * float32(O_bf16)); dS = P (dP - D) in both kernels",
-    "matched": (
-        "D = sum_j P_ij dP_ij with the float32 P and dP of the backward (accumulated in the dq "
-        "kernel, which runs first; dmref's DeltaKind.MATCHED); dK: dS = P (dP - D) exactly; dQ "
-        "by deferred correction: dQ = tau [sum_tiles deq(Q8(P (dP - D_stale))) K - (D - D_stale) "
-        "* u kbar], kbar = sum_tiles fl16(kbar + fl16chain(Q8(2**4 P) K8) * k_scale / (2**4 u)) (float16 "
-        "wgmma chain per tile, float16 accumulator in units u = the head's largest K block scale; "
-        "dmref.recipes.DeferredDq)"
-    ),
-}
 
 #: The recipes the kernels implement, by name.
 #: The names are those of the reference presets they implement (``dmref.recipes``):
 #: ``naive_fp8`` is every matmul in block-scaled FP8 with the stale delta.
 RECIPES: dict[str, KernelRecipe] = {
-    "delta_matching": KernelRecipe(name="delta_matching", delta="matched"),
-    "naive_fp8": KernelRecipe(name="naive_fp8", delta="stale"),
+    "delta_matching": KernelRecipe(name="delta_matching", recipe=kernel_recipe("matched")),
+    "naive_fp8": KernelRecipe(name="naive_fp8", recipe=kernel_recipe("stale")),
 }
 
 

@@ -4,7 +4,7 @@ Every constant here is derived from a unit roundoff and a count, never typed in:
 for float32 (round to nearest), ``gamma(n) = n u / (1 - n u)`` (Higham, *Accuracy and Stability
 of Numerical Algorithms*, 2nd ed., Lemma 3.1), the half-subnormal ``eta`` for underflowing
 products, and for the Hopper tensor core the bit widths of the wgmma model in DESIGN.md section 4
-(:class:`HopperModel`).
+(:data:`dmref.emulation.gemm.HOPPER`, a :class:`~dmref.emulation.WgmmaRules`).
 
 Naming follows the Markdown: for one row ``i`` of dS,
 
@@ -24,6 +24,9 @@ import math
 from dataclasses import dataclass, replace
 
 import numpy as np
+
+from dmref.emulation.constants import FP32_EMIN, FP32_MANTISSA_BITS, FP64_MANTISSA_BITS, gamma
+from dmref.emulation.gemm import HOPPER, WgmmaRules
 
 #: Covers the float64 evaluation of a bound formula: (1 + 2**-53)**64 < 1 + 2**-46.
 EVALUATION_SLACK = 1.0 + 2.0**-46
@@ -71,22 +74,13 @@ class FloatModel:
 
 #: float32 with exp/log accurate to 1 ulp (SLEEF u10 in torch's vectorised CPU kernels,
 #: glibc expf/logf otherwise; tests/proofs checks the torch build at hand against float64).
-FP32 = FloatModel("float32", 23, -126)
+FP32 = FloatModel("float32", FP32_MANTISSA_BITS, FP32_EMIN)
 #: float64, exp/log accurate to 1 ulp.
-FP64 = FloatModel("float64", 52, -1022)
+FP64 = FloatModel("float64", FP64_MANTISSA_BITS, int(np.finfo(np.float64).minexp))
 
 
 def unit_roundoff(model: FloatModel = FP32) -> float:
     return model.u
-
-
-def gamma(n, u: float = FP32.u):
-    """gamma_n = n u / (1 - n u), the bound on |theta_n| for n roundings (requires n u < 1)."""
-    n = np.asarray(n, dtype=np.float64)
-    if np.any(n * u >= 1.0):
-        raise ValueError(f"gamma_n needs n*u < 1, got n={n.max()}, u={u}")
-    out = n * u / (1.0 - n * u)
-    return float(out) if out.ndim == 0 else out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -227,44 +221,37 @@ def matched_residual_coefficient(n, m_abs=0.0, model: FloatModel = FP32):
 # ----------------------------------------------------------------------------------------------
 # Hopper: Lemma 7 (one wgmma dot), Theorem 8 (operand-level matching)
 # ----------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class HopperModel:
-    """The FP8 wgmma accumulation model of DESIGN.md section 4 (MMA-Sim; Khattak & Mikaitis).
-
-    One k-step adds ``k_step`` exact products and the accumulator C: every term is truncated
-    toward zero to ``term_frac_bits`` fractional bits relative to 2**E (E = largest product
-    exponent or C's exponent), the truncated terms are added exactly, the sum is truncated toward
-    zero to ``result_sig_bits`` significant bits. Promotion every N products: a zeroed partial
-    accumulator runs N / k_step steps and is then added to the FP32 accumulator (round to
-    nearest).
-    """
-
-    k_step: int = 32
-    term_frac_bits: int = 13
-    result_sig_bits: int = 14
-
-    @property
-    def step_growth(self) -> float:
-        """w: one k-step errs by at most w times the running magnitude W_t (Lemma 7):
-        ``w = (k + 1) 2**-f + 2**-(s-1)`` (k products and C each truncated by less than
-        2**(E-f) <= 2**-f W_t, the sum by less than 2**-(s-1) of itself, itself <= W_t)."""
-        e_term = math.ldexp(1.0, -self.term_frac_bits)
-        e_result = math.ldexp(1.0, -(self.result_sig_bits - 1))
-        return (self.k_step + 1) * e_term + e_result
+def check_wgmma_rules(rules: WgmmaRules) -> WgmmaRules:
+    """The bounds are proved for the wgmma model of DESIGN.md section 4: truncation of terms
+    and result, the accumulator in the alignment and truncated like a product. Only the bit
+    counts (k_step, term_frac_bits, result_bits) may differ from :data:`HOPPER`."""
+    same = replace(rules, k_step=HOPPER.k_step, term_frac_bits=HOPPER.term_frac_bits,
+                    result_bits=HOPPER.result_bits)
+    if same != HOPPER:
+        raise ValueError(f"the wgmma bounds are proved for HOPPER's rounding rules; got {rules}")
+    return rules
 
 
-HOPPER = HopperModel()
+def step_growth(rules: WgmmaRules = HOPPER) -> float:
+    """w: one k-step errs by at most w times the running magnitude W_t (Lemma 7):
+    ``w = (k + 1) 2**-f + 2**-(s-1)`` (k products and C each truncated by less than
+    2**(E-f) <= 2**-f W_t, the sum by less than 2**-(s-1) of itself, itself <= W_t), with
+    k = ``rules.k_step``, f = ``rules.term_frac_bits``, s = ``rules.result_bits``."""
+    check_wgmma_rules(rules)
+    e_term = math.ldexp(1.0, -rules.term_frac_bits)
+    e_result = math.ldexp(1.0, -(rules.result_bits - 1))
+    return (rules.k_step + 1) * e_term + e_result
 
 
-def hopper_chain_growth(steps: int, model: HopperModel = HOPPER) -> float:
+def hopper_chain_growth(steps: int, model: WgmmaRules = HOPPER) -> float:
     """psi_t = t w: relative error bound (against W) of a chain of t k-steps started from a zero
     accumulator. Linear, because truncation toward zero never increases a magnitude, so every
     accumulator stays below the running sum of |products| <= W."""
-    return steps * model.step_growth
+    return steps * step_growth(model)
 
 
 def hopper_dot_error_bound(n: int, promote_every: int | None = None,
-                           model: HopperModel = HOPPER, acc: FloatModel = FP32) -> float:
+                           model: WgmmaRules = HOPPER, acc: FloatModel = FP32) -> float:
     """Lemma 7: beta such that ``|dot_hopper(a, b) - a.b| <= beta * W`` for a length-n dot of FP8
     values, ``W = sum_k mu(a_k) mu(b_k)`` with ``mu(x) = max(|x|, 2**e(x))`` (e() the FP8
     exponent, emin for subnormals), so W = sum_k |a_k b_k| when no operand is subnormal.

@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
-from dmref.emulation import get_format
+from dmref.emulation import FLOAT8_E4M3FN, FLOAT8_E5M2, ScaleRule, constants, get_format
 
 from .counterexamples import random_problem
 from .rational import (
@@ -44,7 +44,7 @@ from .rational import (
 )
 
 #: Rational stand-in for log2(e) (the float64 value); any positive rational would do.
-LOG2E = Fraction(math.log2(math.e))
+LOG2E = Fraction(constants.LOG2E)
 
 #: Each way the variant can break, with what it changes.
 FAILURES = {
@@ -99,8 +99,26 @@ class ConsistentPCase:
         return max((abs(r) for r in self.residuals), default=Fraction(0))
 
 
-def consistent_p_backward(q, k, v, do, *, tau=Fraction(1, 8), fmt_p="e4m3", fmt="e4m3",
-                          fmt_do="e5m2", fwd_scale_exp: int = 8, bwd_scale_exp: int = 8,
+def _quantize_v(v, fmt, block: int, v_blocking: str):
+    """(V^ of P V, V^ of dO Vᵀ, the tensor scale or None): ``same`` blocks along the head dim
+    for both, ``split`` along the sequence (the PV contraction) in the forward, ``tensor`` one
+    scale, constant along both contractions (the Hopper case)."""
+    v_bwd, _ = quantize_blocked_exact(to_fractions(v), fmt, block)  # blocks along the head dim
+    if v_blocking == "same":
+        return v_bwd, v_bwd, None
+    if v_blocking == "split":  # blocks along the sequence, the PV contraction dim
+        return transpose(quantize_blocked_exact(transpose(to_fractions(v)), fmt, block)[0]), v_bwd, None
+    if v_blocking == "tensor":  # one scale: constant along both contractions (Hopper case)
+        flat = [x for row in to_fractions(v) for x in row]
+        vq, (vs,) = quantize_blocked_exact([flat], fmt, len(flat))
+        d_v = len(v_bwd[0])
+        v_one = [vq[0][r * d_v:(r + 1) * d_v] for r in range(len(v_bwd))]
+        return v_one, v_one, vs[0]
+    raise ValueError(f"unknown {v_blocking=}")
+
+
+def consistent_p_backward(q, k, v, do, *, tau=Fraction(1, 8), fmt_p=FLOAT8_E4M3FN, fmt=FLOAT8_E4M3FN,
+                          fmt_do=FLOAT8_E5M2, fwd_scale_exp: int = 8, bwd_scale_exp: int = 8,
                           tile: int | None = None, rescale: str = "pow2",
                           normalizer: str = "quantized", bwd_grid: str = "mu",
                           saved_o: str | None = None, v_blocking: str = "same", block: int = 32,
@@ -111,19 +129,7 @@ def consistent_p_backward(q, k, v, do, *, tau=Fraction(1, 8), fmt_p="e4m3", fmt=
     qh, _ = quantize_blocked_exact(to_fractions(q), fmt, block)
     kh, _ = quantize_blocked_exact(to_fractions(k), fmt, block)
     doh, _ = quantize_blocked_exact(to_fractions(do), fmt_do, block)
-    v_bwd, _ = quantize_blocked_exact(to_fractions(v), fmt, block)  # blocks along the head dim
-    if v_blocking == "same":
-        v_fwd = v_bwd
-    elif v_blocking == "split":  # blocks along the sequence, the PV contraction dim
-        v_fwd = transpose(quantize_blocked_exact(transpose(to_fractions(v)), fmt, block)[0])
-    elif v_blocking == "tensor":  # one scale: constant along both contractions (Hopper case)
-        flat = [x for row in to_fractions(v) for x in row]
-        vq, (vs,) = quantize_blocked_exact([flat], fmt, len(flat))
-        d_v = len(v_bwd[0])
-        v_bwd = v_fwd = [vq[0][r * d_v:(r + 1) * d_v] for r in range(len(v_bwd))]
-        v_tensor_scale = vs[0]
-    else:
-        raise ValueError(f"unknown {v_blocking=}")
+    v_fwd, v_bwd, v_tensor_scale = _quantize_v(v, fmt, block, v_blocking)
     if accumulation not in ("exact", "hopper"):
         raise ValueError(f"unknown {accumulation=}")
     if accumulation == "hopper" and (v_blocking != "tensor" or block < len(v_bwd[0])
@@ -218,7 +224,7 @@ def _hopper_products(p_tilde, l_tilde, w_bwd, doh, vh, fmt_p, fmt_v, fmt_do, fwd
     s_p = Fraction(2) ** -fwd_scale_exp
     p_codes = np.array([[float(x / s_p) for x in row] for row in p_tilde])  # FP8 values
     v_codes = np.array([[float(x / v_scale) for x in row] for row in vh])
-    do_scale = [block_scale(max(abs(x) for x in row), fmt_do, "pow2_floor") for row in doh]
+    do_scale = [block_scale(max(abs(x) for x in row), fmt_do, ScaleRule.MX_OCP) for row in doh]
     do_codes = np.array([[float(x / sc) for x in row] for row, sc in zip(doh, do_scale)])
     pv = hopper_matmul(p_codes, v_codes.T, fmt_p, fmt_v, promote_every=promote_every)
     dpc = hopper_matmul(do_codes, v_codes, fmt_do, fmt_v, promote_every=promote_every)

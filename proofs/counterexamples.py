@@ -18,6 +18,8 @@ from fractions import Fraction
 
 import numpy as np
 
+from dmref.emulation import FLOAT8_E4M3FN, FLOAT8_E5M2, ScaleRule
+
 from .rational import (
     Matrix,
     exact_backward,
@@ -133,7 +135,7 @@ def counterexample_a1(seed: int = 0, n_q: int = 3, n_k: int = 4, d: int = 8,
     """A1 dropped: D uses the forward's P (FP8-quantized with a per-row power-of-two scale, then
     renormalized to unit mass), dS the recomputed P. r_i = sum_j (P_ij - P'_ij) dP_ij."""
     base = exact_backward(*random_problem(seed, n_q, n_k, d), mask=mask)
-    p_fwd, _ = quantize_blocked_exact(base.p, "e4m3", n_k, "pow2_ceil")
+    p_fwd, _ = quantize_blocked_exact(base.p, FLOAT8_E4M3FN, n_k, ScaleRule.POW2_DOWN)
     p_fwd = probabilities_from_weights(p_fwd)
     return _case_from(
         base, "A1", "D from the forward's quantized, renormalized P; dS from the recomputed P",
@@ -175,7 +177,7 @@ def counterexample_a3(seed: int = 0, n_q: int = 3, n_k: int = 4, d: int = 8,
     exactly 1 (a few draws in a hundred happen to, and would not drop A3)."""
     for s in range(seed, seed + 1000):
         base = exact_backward(*random_problem(s, n_q, n_k, d), mask=mask)
-        p_q, _ = quantize_blocked_exact(base.p, "e4m3", n_k, "pow2_ceil")
+        p_q, _ = quantize_blocked_exact(base.p, FLOAT8_E4M3FN, n_k, ScaleRule.POW2_DOWN)
         masses = [sum((x for x, m in zip(pr, mr) if m), Fraction(0)) for pr, mr in zip(p_q, base.mask)]
         if any(mass != 1 for mass, mr in zip(masses, base.mask) if any(mr)):
             break
@@ -205,7 +207,7 @@ def counterexample_a4_hopper(seed: int = 0, n_q: int = 3, n_k: int = 4, d: int =
     contraction of the same quantized operands (operand-level matching, e.g. D = dO_hat.(P
     V_hat)). r_i = sum_j P_ij (dP^H_ij - dP_ij). Wide exponent spreads make the truncation bite."""
     base = exact_backward(*random_problem(seed, n_q, n_k, d, spread=2.0), block=d)
-    dp_h = hopper_dp_exact(base.do, base.do_scales, base.v, base.v_scales, "e5m2", "e4m3",
+    dp_h = hopper_dp_exact(base.do, base.do_scales, base.v, base.v_scales, FLOAT8_E5M2, FLOAT8_E4M3FN,
                            promote_every)
     return _case_from(
         base, "A4", "dS from the Hopper-accumulated dP, D from the exact contraction",

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dmref.emulation import get_format, quantize
+from dmref.emulation import FLOAT8_E4M3FN, FLOAT8_E5M2, get_format, quantize
 
 from .bounds import (
     FP32,
@@ -193,7 +193,7 @@ def _rounded_up(x: np.ndarray, terms: int) -> np.ndarray:
 
 
 def fp32_backward(q, k, v, do, *, tau: float | None = None, causal: bool = False,
-                  padding: int = 0, fmt_qk="e4m3", fmt_v="e4m3", fmt_do="e5m2",
+                  padding: int = 0, fmt_qk=FLOAT8_E4M3FN, fmt_v=FLOAT8_E4M3FN, fmt_do=FLOAT8_E5M2,
                   block: int = 32, delta: str = "matched", dp_accumulation: str = "fp32",
                   promote_every: int | None = None) -> Fp32Backward:
     """Run the float32 backward of one batch of heads (see the module docstring)."""
@@ -273,6 +273,6 @@ def _fp8_forward_output(p: torch.Tensor, v: torch.Tensor, fmt_v, block: int) -> 
     """O of an FP8 forward for the stale strategies: P quantized to e4m3 against a 2**8 offset
     (FA3 style), V blocked along the sequence (the PV contraction dim), and the normalizer left
     unquantized (so the effective weights do not sum to 1: DESIGN.md sources 2-4)."""
-    p_q = quantize(p * 256.0, "e4m3", saturate=True) / 256.0
+    p_q = quantize(p * 256.0, FLOAT8_E4M3FN, saturate=True) / 256.0
     v_seq, _ = pow2_block_quantize(v.transpose(-1, -2), fmt_v, block)
     return p_q @ v_seq.transpose(-1, -2)

@@ -2,7 +2,7 @@
 
 It exists so that the bounds of ``rounding_bounds.md`` (Lemma 7, Theorem 8) can be checked
 against the model they are proved for, without depending on the full emulated GEMM of
-``dmref.emulation``. tests/proofs/test_hopper_model.py checks it bit for bit against the real
+``dmref.emulation`` (only its bit counts, :data:`dmref.emulation.gemm.HOPPER`, are shared). tests/proofs/test_hopper_model.py checks it bit for bit against the real
 H200 outputs in tests/data/h200_fp8_gemm.npz.
 
 The model, for ``out = a @ bt.T + c`` with FP8 values ``a (M, K)`` and ``bt (N, K)``:
@@ -28,7 +28,10 @@ import numpy as np
 
 from dmref.emulation import get_format
 
-from .bounds import HOPPER, HopperModel
+from dmref.emulation import WgmmaRules
+from dmref.emulation.constants import FP32_EMIN
+
+from .bounds import HOPPER, check_wgmma_rules
 
 _NO_EXPONENT = -(1 << 20)  # exponent given to zero terms: never the maximum
 
@@ -44,7 +47,7 @@ def fp8_exponents(values: np.ndarray, fmt) -> np.ndarray:
 
 def _float32_exponents(c: np.ndarray) -> np.ndarray:
     _, e = np.frexp(np.abs(c))
-    return np.where(c == 0, _NO_EXPONENT, np.maximum(e - 1, -126)).astype(np.int64)
+    return np.where(c == 0, _NO_EXPONENT, np.maximum(e - 1, FP32_EMIN)).astype(np.int64)
 
 
 def _truncate(x: np.ndarray, quantum: np.ndarray) -> np.ndarray:
@@ -52,7 +55,7 @@ def _truncate(x: np.ndarray, quantum: np.ndarray) -> np.ndarray:
 
 
 def wgmma_step(c: np.ndarray, products: np.ndarray, product_exponents: np.ndarray,
-               model: HopperModel = HOPPER) -> np.ndarray:
+               model: WgmmaRules = HOPPER) -> np.ndarray:
     """One k-step: ``c (...)`` float32 values, ``products (..., k)`` exact, their exponents."""
     product_exponents = np.where(products == 0, _NO_EXPONENT, product_exponents)
     big_e = np.maximum(product_exponents.max(axis=-1), _float32_exponents(c))
@@ -60,7 +63,7 @@ def wgmma_step(c: np.ndarray, products: np.ndarray, product_exponents: np.ndarra
     quantum = np.ldexp(1.0, np.where(empty, 0, big_e) - model.term_frac_bits)
     total = _truncate(c, quantum) + _truncate(products, quantum[..., None]).sum(axis=-1)
     _, e = np.frexp(np.abs(total))
-    result_quantum = np.ldexp(1.0, np.maximum(e - 1, -126) - (model.result_sig_bits - 1))
+    result_quantum = np.ldexp(1.0, np.maximum(e - 1, FP32_EMIN) - (model.result_bits - 1))
     out = _truncate(total, result_quantum)
     return np.where(empty, c, out)
 
@@ -71,10 +74,10 @@ def _padded(x: np.ndarray, k_step: int) -> np.ndarray:
 
 
 def hopper_matmul(a, bt, fmt_a, fmt_b, *, promote_every: int | None = None, c=None,
-                  model: HopperModel = HOPPER, max_block_bytes: int = 1 << 26) -> np.ndarray:
+                  model: WgmmaRules = HOPPER, max_block_bytes: int = 1 << 26) -> np.ndarray:
     """``a @ bt.T + c`` under the wgmma model, as float32. ``a`` and ``bt`` hold FP8 *values*
     (already decoded, unscaled); K is padded with zeros to a multiple of 32."""
-    k = model.k_step
+    k = check_wgmma_rules(model).k_step
     a = _padded(np.asarray(a, dtype=np.float64), k)
     bt = _padded(np.asarray(bt, dtype=np.float64), k)
     if a.shape[1] != bt.shape[1]:

@@ -28,7 +28,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from dmref.emulation import get_format
+from dmref.emulation import FLOAT8_E4M3FN, FLOAT8_E5M2, Rounding, ScaleRule, get_format
 from dmref.emulation.spec import decode_scalar, encode_scalar
 
 Matrix = list[list[Fraction]]
@@ -70,39 +70,44 @@ def floor_log2(a: Fraction) -> int:
 # ----------------------------------------------------------------------------------------------
 # Quantization with block scales, exactly
 # ----------------------------------------------------------------------------------------------
-SCALE_RULES = ("pow2_floor", "pow2_ceil", "amax")
+#: The scale rules of :func:`block_scale`: the emulation's rules, in exact arithmetic.
+SCALE_RULES = (ScaleRule.MX_OCP, ScaleRule.POW2_DOWN, ScaleRule.AMAX)
 
 
-def block_scale(amax: Fraction, fmt, rule: str) -> Fraction:
-    """The scale of one block with largest magnitude ``amax``.
+def block_scale(amax: Fraction, fmt, rule: ScaleRule | str) -> Fraction:
+    """The scale of one block with largest magnitude ``amax``, for the rules of
+    :class:`dmref.emulation.ScaleRule` in exact arithmetic (no float32 rounding of amax / max,
+    no exponent clamps):
 
-    - ``pow2_floor``: OCP MX, 2**(floor(log2 amax) - emax_elem) (values may saturate);
-    - ``pow2_ceil``: NVIDIA / TE style, the smallest power of two s with amax / s <= max;
-    - ``amax``: amax / max, an exact but non-power-of-two rational.
+    - ``MX_OCP``: OCP MX, 2**(floor(log2 amax) - emax_elem) (values may saturate);
+    - ``POW2_DOWN``: Transformer Engine, the smallest power of two s with amax / s <= max
+      (the multiplier max / amax rounded down to a power of two);
+    - ``AMAX``: amax / max, an exact but non-power-of-two rational.
     """
     fmt = get_format(fmt)
+    rule = ScaleRule.get(rule)
+    if rule not in SCALE_RULES:
+        raise ValueError(f"scale rule {rule.value!r} has no exact form here; known: "
+                         f"{', '.join(r.value for r in SCALE_RULES)}")
     if amax == 0:
         return Fraction(1)
     fmax = Fraction(fmt.max)
-    match rule:
-        case "pow2_floor":
-            return Fraction(2) ** (floor_log2(amax) - fmt.emax)
-        case "pow2_ceil":
-            e = floor_log2(amax / fmax)
-            s = Fraction(2) ** e
-            return s if amax / s <= fmax else s * 2
-        case "amax":
-            return amax / fmax
-    raise ValueError(f"unknown scale rule {rule!r}; known: {SCALE_RULES}")
+    if rule is ScaleRule.MX_OCP:
+        return Fraction(2) ** (floor_log2(amax) - fmt.emax)
+    if rule is ScaleRule.POW2_DOWN:
+        e = floor_log2(amax / fmax)
+        s = Fraction(2) ** e
+        return s if amax / s <= fmax else s * 2
+    return amax / fmax
 
 
-def quantize_exact(x: Fraction, fmt, rounding: str = "nearest_even") -> Fraction:
+def quantize_exact(x: Fraction, fmt, rounding: Rounding | str = Rounding.NEAREST_EVEN) -> Fraction:
     """decode(encode(x)) for one exact rational, saturating (finite results only)."""
     return Fraction(decode_scalar(encode_scalar(x, fmt, rounding=rounding, saturate=True), fmt))
 
 
-def quantize_blocked_exact(x: Matrix, fmt, block: int, rule: str = "pow2_floor",
-                           rounding: str = "nearest_even") -> tuple[Matrix, Matrix]:
+def quantize_blocked_exact(x: Matrix, fmt, block: int, rule: ScaleRule | str = ScaleRule.MX_OCP,
+                           rounding: Rounding | str = Rounding.NEAREST_EVEN) -> tuple[Matrix, Matrix]:
     """Quantize each row in blocks of ``block`` consecutive entries (the last block may be
     shorter). Returns (dequantized values, one scale per block)."""
     if block < 1:
@@ -222,8 +227,8 @@ class ExactBackward:
         return max((abs(r) for r in self.residuals), default=Fraction(0))
 
 
-def exact_backward(q, k, v, do, *, tau=Fraction(1, 8), fmt_qk="e4m3", fmt_v="e4m3",
-                   fmt_do="e5m2", block: int = 32, scale_rule: str = "pow2_floor",
+def exact_backward(q, k, v, do, *, tau=Fraction(1, 8), fmt_qk=FLOAT8_E4M3FN, fmt_v=FLOAT8_E4M3FN,
+                   fmt_do=FLOAT8_E5M2, block: int = 32, scale_rule: ScaleRule | str = ScaleRule.MX_OCP,
                    mask=None, mass: str = "normalize", dp_accumulation: str = "exact",
                    promote_every: int | None = None) -> ExactBackward:
     """Run the matched pipeline on float arrays q (n_q, d), k (n_k, d), v (n_k, d),

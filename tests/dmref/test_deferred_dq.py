@@ -67,11 +67,11 @@ def test_unquantized_deferred_dq_is_the_matched_dq_up_to_float32_rounding(shape,
     q64, k64, v64, do64 = (t.double() for t in (q, k, v, dout))
     out, lse, *_ = reference.attention_ref(q64, k64, v64, do64, causal=causal)
     shp = reference.check_attention_inputs(q64, k64, v64)
-    s = reference._scores(q64, k64, shp, causal, None)
+    s = reference.scores(q64, k64, shp, causal, None)
     lse_safe = torch.where(lse == -math.inf, torch.full_like(lse, math.inf), lse)[..., None]
     p = torch.exp(s - lse_safe)
-    kk = reference._expand_kv(k64, shp.groups).abs()
-    dp = do64 @ reference._expand_kv(v64, shp.groups).transpose(-1, -2)
+    kk = reference.expand_kv(k64, shp.groups).abs()
+    dp = do64 @ reference.expand_kv(v64, shp.groups).transpose(-1, -2)
     d = b_direct.rowsum.delta[..., None]
     d_st = (do64 * out).sum(-1, keepdim=True)
     mag = (p * (dp - d).abs()) @ kk + (p * (dp - d_st).abs()) @ kk + (d - d_st).abs() * (p @ kk)
@@ -101,3 +101,22 @@ def test_deferred_dq_refuses_what_it_cannot_mean():
     with pytest.raises(ValueError, match="MATCHED"):
         DeltaStrategy(DeltaKind.STALE, deferred_dq=KERNEL_LIKE)
     assert KERNEL_RECIPE.delta.name == "matched_deferred"
+
+
+def test_kernels_run_their_own_recipes_and_say_why_not_for_the_presets():
+    """KernelRecipe.unsupported: None for the Recipe a KernelRecipe holds (at its tiling), a
+    reason naming the first differing point for a preset or a changed point."""
+    from dmref.emulation import ScaleRule
+    from dmref.kernels.config import KernelRecipe
+
+    for kr in RECIPES.values():
+        assert KernelRecipe.unsupported(kr.recipe, kr.bwd) is None
+        assert kr.reference_recipe(64, "hopper").accumulation == kr.recipe.accumulation
+    assert "q:" in KernelRecipe.unsupported(PRESETS["naive_fp8"])
+    kr = RECIPES["naive_fp8"]
+    amax_k = replace(kr.recipe, k=replace(kr.recipe.k, scale_rule=ScaleRule.AMAX))
+    reason = KernelRecipe.unsupported(amax_k)
+    assert reason.startswith("k:") and "amax" in reason
+    with pytest.raises(ValueError, match="kernel recipe 'x': k:"):
+        KernelRecipe(name="x", recipe=amax_k)
+    assert "tiles" in KernelRecipe.unsupported(kr.recipe, replace(kr.bwd, block_n2=128))

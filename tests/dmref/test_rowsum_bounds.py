@@ -128,7 +128,7 @@ def test_stale_delta_moves_dq_by_minus_tau_delta_kbar():
     observed = b_stale.dq.double() - b_matched.dq.double()
 
     out, lse = reference.attention_forward(q64, k64, v64, causal=True)
-    s = reference._scores(q64, k64, reference.check_attention_inputs(q64, k64, v64), True, None)
+    s = reference.scores(q64, k64, reference.check_attention_inputs(q64, k64, v64), True, None)
     p = torch.exp(s - torch.where(torch.isinf(lse), math.inf, lse)[..., None])
     dp_mag = do64.abs() @ v64.abs().transpose(-1, -2)  # >= |dP^| up to 2^-4 (E4M3 dO)
     d_mag = b_stale.rowsum.delta.abs().maximum(b_matched.rowsum.delta.abs())[..., None]

@@ -17,6 +17,7 @@ from dmref.diagnostics import U_FP32, U_FP64, attention_error_bound
 from dmref.emulation.blocked import dequantize_blocked, quantize_blocked
 from dmref.recipes import (
     PRESETS,
+    MatmulModel,
     Granularity,
     PReference,
     PScaling,
@@ -54,7 +55,7 @@ def test_decode_table_matches_emulation_decode_on_every_code(fmt):
 @pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
 def test_torch_fp8_widening_used_on_cuda_matches_emulation_decode(fmt):
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    widened = codes.view(tiled._TORCH_FP8[fmt]).to(torch.float32)
+    widened = codes.view(tiled._TORCH_FP8[emulation.get_format(fmt)]).to(torch.float32)
     assert _same_values(widened, emulation.decode(codes, fmt))
 
 
@@ -223,7 +224,7 @@ def test_hopper_hook_equals_emulated_gemm_on_the_original_codes_and_scales():
     want = gemm.matmul(ca, cb, fa="e4m3", fb="e4m3", model="hopper", scale_a=sa, scale_b=sb, scale_block_k=128)
     a_deq = dequantize_blocked(ca, sa, "e4m3", block="1x128").float()
     b_deq = dequantize_blocked(cb, sb, "e4m3", block="1x128").float()
-    got = tiled._matmul(a_deq, b_deq.transpose(-1, -2), "hopper", torch.float32, (point, point))
+    got = tiled._matmul(a_deq, b_deq.transpose(-1, -2), MatmulModel.get("hopper"), torch.float32, (point, point))
     assert _same_values(got, want)
 
 

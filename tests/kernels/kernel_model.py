@@ -2,7 +2,7 @@
 
 Until the emulated reference (``dmref.tiled``) can be driven with a kernel's recipe, the kernel
 tests compare against this model. It follows ``dmref.kernels.config.KernelRecipe``: the same
-block scales (``pow2_floor``, from ``frexp``), the same casts (``dmref.emulation.encode`` with
+block scales (``ScaleRule.POW2_DOWN``, from ``frexp``), the same casts (``dmref.emulation.encode`` with
 RNE and saturation), the same running-max P in the forward, the same dS blocks and the same
 deferred dQ correction. The two matmuls whose results are quantized again (QK^T, dO V^T) are
 computed by ``dot``: ``exact_dot`` (float64 rounded once to float32) or ``hopper_dot`` (the
@@ -30,7 +30,7 @@ def exact_dot(a: torch.Tensor, b: torch.Tensor, **_formats) -> torch.Tensor:
     return (a.double() @ b.double()).float()
 
 
-def pow2_floor_exponent(amax: torch.Tensor, fmt: str) -> torch.Tensor:
+def pow2_down_exponent(amax: torch.Tensor, fmt: str) -> torch.Tensor:
     """k = floor(log2(fmt.max / amax)), 0 where amax == 0, clamped to [-126, 126]."""
     f = get_format(fmt)
     mant, exp = torch.frexp(amax.float())  # amax = mant * 2**exp, mant in [0.5, 1)
@@ -42,7 +42,7 @@ def pow2_floor_exponent(amax: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def quantize_blocks(x: torch.Tensor, fmt: str, dim: int):
     """One scale per slice along ``dim`` (amax over ``dim``): codes and dequantization factors."""
-    k = pow2_floor_exponent(x.abs().amax(dim=dim, keepdim=True), fmt)
+    k = pow2_down_exponent(x.abs().amax(dim=dim, keepdim=True), fmt)
     codes = encode((x * torch.exp2(k.float())).float(), fmt, saturate=True)
     return codes, torch.exp2(-k.float())
 
@@ -115,13 +115,13 @@ def forward(q, k, v, *, causal: bool, scale: float, recipe: KernelRecipe, dot=ex
         alpha = torch.exp2(m - m_sub)
         l_ = l_ * alpha + p.sum(-1)
         # Q-point P: float32 -> E4M3, scale 2**8 against the running max, RNE, satfinite
-        p8 = encode(p * p_scale, recipe.p_format, saturate=True)
+        p8 = encode(p * p_scale, recipe.recipe.p.fmt.name, saturate=True)
         if p_codes_in is not None:
             p8 = p_codes_in[:, :, sl].to(p8.device)
         p_codes[:, :, sl] = p8
         vt = decode(vt8[:, :, sl], fmt).transpose(1, 2)  # (BH, tile, D)
         v_scale = vts[:, start // QUANT_BLOCK, :]
-        acc = acc * alpha[..., None] + exact_dot(decode(p8, recipe.p_format), vt) * v_scale[:, None, :]
+        acc = acc * alpha[..., None] + exact_dot(decode(p8, recipe.recipe.p.fmt.name), vt) * v_scale[:, None, :]
         m = m_new
     o = acc / (l_ * p_scale)[..., None]
     return o.view(b, h, n, d), m + torch.log2(l_), p_codes
@@ -144,7 +144,7 @@ def _quantize_ds(ds: torch.Tensor, fmt: str, along: int, block: int, other_block
         ob = other_block
         amax = amax.view(bh, npad // ob, ob, npad // block, 1).amax(2, keepdim=True)
         amax = amax.expand(bh, npad // ob, ob, npad // block, 1).reshape(bh, npad, npad // block, 1)
-    k = pow2_floor_exponent(amax, fmt)
+    k = pow2_down_exponent(amax, fmt)
     codes = encode((xb * torch.exp2(k.float())).float(), fmt, saturate=True)
     inv = torch.exp2(-k.float()).expand_as(xb)
     codes, inv = codes.reshape(bh, npad, npad), inv.reshape(bh, npad, npad)
@@ -158,7 +158,7 @@ def backward(q, k, v, o, lse2, do, *, causal: bool, scale: float, recipe: Kernel
     """Gradients and the debug quantities of the backward kernels (see ``bwd.backward``)."""
     b, h, n, d = q.shape
     hkv = k.shape[1]
-    fmt, dfmt, pf, sf = recipe.qkv_format, recipe.do_format, recipe.p_format, recipe.ds_format
+    fmt, dfmt, pf, sf = recipe.qkv_format, recipe.do_format, recipe.recipe.p.fmt.name, recipe.recipe.ds_dq.fmt.name
     dev = q.device
     qf = q.reshape(b * h, n, d).float()
     dof = do.reshape(b * h, n, d).float()
@@ -230,7 +230,7 @@ def kbar(p: torch.Tensor, k: torch.Tensor, heads: int, recipe: KernelRecipe, blo
     at the end. (BH, N, D) float32."""
     from dmref.kernels.config import KBAR_P_SCALE_LOG2
 
-    fmt, pf = recipe.qkv_format, recipe.p_format
+    fmt, pf = recipe.qkv_format, recipe.recipe.p.fmt.name
     kbar_scale = float(2**KBAR_P_SCALE_LOG2)
     p8 = decode(encode(p * kbar_scale, pf, saturate=True), pf).double()
     kt_codes, kt_inv = cols(_flat(k, heads), fmt)  # (BH, D, NPAD), (BH, NPAD / 128, D)
@@ -356,7 +356,7 @@ class Case(ProblemShape):
             import dataclasses
 
             fwd, bwd, gran = self.tiles
-            r = dataclasses.replace(r, fwd=fwd, fwd_d64=None, bwd=bwd, bwd_d64=None, ds_granularity=gran)
+            r = dataclasses.replace(r.with_tiles(fwd, bwd), ds_tile_scales=gran == "tile")
         return r
 
     def __str__(self) -> str:

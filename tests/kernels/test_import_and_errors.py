@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from dmref.kernels.config import RECIPES, BwdTiles, FwdTiles, KernelRecipe, get_recipe
+from dmref.kernels.config import RECIPES, BwdTiles, FwdTiles, KernelRecipe, get_recipe, kernel_recipe
 
 _SCRIPT = """
 import sys
@@ -41,10 +41,10 @@ def test_recipes_name_their_reference_presets_and_validate_tiles():
         FwdTiles(block_n=48)
     with pytest.raises(ValueError, match="block_m1"):
         BwdTiles(block_m1=256)
-    with pytest.raises(ValueError, match="do_format"):
-        KernelRecipe(name="x", delta="matched", do_format="float16")
-    points = get_recipe("delta_matching").quantization_points()
-    assert "delta" in points and "P (PV, fwd)" in points
+    with pytest.raises(ValueError, match="do_dp"):
+        KernelRecipe(name="x", recipe=kernel_recipe("matched", do_format="float16"))
+    described = get_recipe("delta_matching").recipe.describe()
+    assert "delta  matched_deferred" in described and "ds_dq  E4M3, 1x64, pow2_down" in described
 
 
 def test_backward_runs_kernels_by_name_and_rejects_unknown_names():

@@ -9,6 +9,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dmref.emulation import ScaleRule
 from dmref.proofs import checks
 from dmref.proofs.counterexamples import (
     GENERATORS,
@@ -22,7 +23,7 @@ from dmref.proofs.counterexamples import (
 from dmref.proofs.rational import exact_backward, quantize_blocked_exact, to_fractions
 
 FORMATS = st.sampled_from(["e4m3", "e5m2"])
-SCALE_RULES = st.sampled_from(["pow2_floor", "pow2_ceil", "amax"])
+SCALE_RULES = st.sampled_from([ScaleRule.MX_OCP, ScaleRule.POW2_DOWN, ScaleRule.AMAX])
 
 
 @st.composite
@@ -75,7 +76,7 @@ def test_quantized_values_are_scale_times_format_value(problem):
     q = to_fractions(problem[0])
     fmt = get_format("e4m3")
     values = {Fraction(v) for v, _ in fmt._positive_finite}
-    qh, scales = quantize_blocked_exact(q, fmt, 3, "pow2_floor")
+    qh, scales = quantize_blocked_exact(q, fmt, 3, ScaleRule.MX_OCP)
     for row, srow in zip(qh, scales):
         for j, x in enumerate(row):
             assert abs(x) / srow[j // 3] in values

@@ -204,5 +204,5 @@ def test_matched_bound_reduces_to_gamma_terms_when_mass_is_one():
 
 def test_hopper_step_growth_is_derived_from_the_bit_widths():
     m = bounds.HOPPER
-    assert m.step_growth == (32 + 1) * 2.0**-m.term_frac_bits + 2.0**-(m.result_sig_bits - 1)
-    assert bounds.hopper_chain_growth(4) == 4 * m.step_growth
+    assert bounds.step_growth(m) == (32 + 1) * 2.0**-m.term_frac_bits + 2.0**-(m.result_bits - 1)
+    assert bounds.hopper_chain_growth(4) == 4 * bounds.step_growth(m)

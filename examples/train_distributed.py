@@ -96,6 +96,35 @@ def parse_args(argv):
     return args
 
 
+def gamma(n: int, u: float) -> float:
+    """Higham's gamma_n = n u / (1 - n u): the relative error bound of n roundings."""
+    if not n * u < 1:
+        raise ValueError(f"{n=} roundings of unit roundoff {u=} have no bound (n u >= 1)")
+    return n * u / (1 - n * u)
+
+
+def first_step_loss_bound(loss: float, tokens: int, parts: int, u: float = 2.0 ** -24) -> float:
+    """Bound on |L_parts - L_one| for the first step's loss (identical weights), where L_one is the
+    float32 mean of ``tokens`` per-token losses l_i >= 0 in one reduction and L_parts the mean of
+    ``parts`` equal shards' float32 means (ranks x micro-batches: summed, then divided by parts).
+
+    Any order of summing m non-negative terms errs by at most gamma_(m-1) times their exact sum,
+    and each division adds one rounding, so with L the exact mean
+    |L_one - L| <= gamma_tokens L and |L_parts - L| <= gamma_(tokens / parts + parts) L; with
+    L <= L_one / (1 - gamma_tokens) (``loss`` = L_one) the two add up to the bound returned.
+
+    Precondition: every l_i is the same float32 number whether the forward sees the whole batch
+    or a shard (checked by tests/test_distributed.py): batch rows are independent in the model,
+    and the recipes' scales are per row or block (not per tensor, as cudnn_fp8's are). From the
+    second step on the weights differ by the gradients' other summation order, amplified by the
+    optimizer; that part is measured, not bounded.
+    """
+    if tokens % parts:
+        raise ValueError(f"{tokens=} is not a multiple of {parts=}")
+    g_one = gamma(tokens, u)
+    return (g_one + gamma(tokens // parts + parts, u)) * loss / (1 - g_one)
+
+
 def setup(args):
     """(rank, world, device): a process group for ddp / fsdp2 (NCCL on cuda, gloo on cpu)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))

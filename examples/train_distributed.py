@@ -22,13 +22,16 @@ and the step, written with torch.distributed.checkpoint (DCP) from
 ``torch.distributed.checkpoint.state_dict.get_state_dict``: every rank writes its own shards (no
 gather of FSDP2's parameters onto one rank), the keys are the plain module's names in every mode,
 and loading reshards, so a checkpoint written by one mode or world size loads in another.
-``--resume --ckpt DIR`` continues from it to ``--steps``. ``--out`` writes the loss curve as JSON.
+``--resume --ckpt DIR`` continues from it to ``--steps``. ``--out`` writes the loss curve as JSON;
+``python examples/train_distributed.py --compare ref.json a.json ...`` compares curves (see
+docs/distributed.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -178,7 +181,8 @@ def wrap(model, mode: str, device):
     """DDP or FSDP2 around ``model``; the plain module for single."""
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        device_ids = [device.index] if device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids)
     if mode == "fsdp2":
         from torch.distributed.fsdp import fully_shard
         for block in model.blocks:
@@ -223,7 +227,44 @@ def train_step(model, opt, windows, world: int, accumulate: int, max_grad_norm: 
     return total / (world * accumulate)
 
 
+def float32_ulp(x: float) -> float:
+    """The spacing of float32 numbers at |x| (normal range)."""
+    return 2.0 ** (math.frexp(abs(x))[1] - 24)
+
+
+def compare(paths: list[str]) -> dict:
+    """Loss curves of ``paths`` against the first (one process, whole batch): per step |difference|
+    in float32 ulps of the reference loss, the first step's bound, and which curves are
+    bit-identical."""
+    runs = {Path(p).stem: json.loads(Path(p).read_text()) for p in paths}
+    names = list(runs)
+    ref = runs[names[0]]
+    tokens = ref["global_batch"] * ref["context"]
+    summary = {"reference": names[0], "runs": {}}
+    for name in names[1:]:
+        run = runs[name]
+        parts = run["world_size"] * run["accumulate"]
+        pairs = list(zip(ref["losses"], run["losses"]))
+        summary["runs"][name] = {
+            "mode": run["mode"], "world_size": run["world_size"], "accumulate": run["accumulate"],
+            "max_grad_norm": run["max_grad_norm"],
+            "first_step_diff": abs(pairs[0][1] - pairs[0][0]),
+            "first_step_bound": first_step_loss_bound(pairs[0][0], tokens, parts),
+            "diff_ulps": [abs(b - a) / float32_ulp(a) for a, b in pairs],
+            "bit_identical_to": [other for other in names if other != name
+                                 and runs[other]["losses"] == run["losses"]],
+        }
+    return summary
+
+
 def main(argv=None) -> list[float]:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--compare"]:
+        if len(argv) < 3 or not all(Path(p).is_file() for p in argv[1:]):
+            fail(f"--compare takes two or more loss-curve JSON files (reference first), got {argv[1:]}")
+        print(json.dumps(compare(argv[1:]), indent=1))
+        return []
     args = parse_args(argv)
     rank, world, device = setup(args)
     use_kernels = device.type == "cuda" and train_tiny.hopper_available() and \
@@ -243,7 +284,8 @@ def main(argv=None) -> list[float]:
     shard = args.batch // world
     losses = []
     for step in range(first, args.steps):
-        windows = global_batch(data, step, args.batch, args.context, args.seed)[rank * shard:(rank + 1) * shard]
+        windows = global_batch(data, step, args.batch, args.context, args.seed)
+        windows = windows[rank * shard:(rank + 1) * shard]
         losses.append(train_step(model, opt, windows, world, args.accumulate, args.max_grad_norm).item())
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             print(f"step {step:4d}  loss {losses[-1]:.6f}", flush=True)
@@ -251,11 +293,11 @@ def main(argv=None) -> list[float]:
             save_checkpoint(args.ckpt, model, opt, step + 1)
     if rank == 0 and args.out:
         record = {"mode": args.mode, "world_size": world, "accumulate": args.accumulate,
-                  "device": device.type, "backend": dist.get_backend() if world > 1 or args.mode != "single" else None,
+                  "device": device.type, "backend": dist.get_backend() if dist.is_initialized() else None,
                   "attention": where, "recipe": args.recipe, "global_batch": args.batch,
                   "context": args.context, "d_model": args.d_model, "heads": args.heads,
-                  "layers": args.layers, "lr": args.lr, "max_grad_norm": args.max_grad_norm, "seed": args.seed, "first_step": first,
-                  "losses": losses}
+                  "layers": args.layers, "lr": args.lr, "max_grad_norm": args.max_grad_norm,
+                  "seed": args.seed, "first_step": first, "losses": losses}
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -166,6 +166,28 @@ def test_bad_input_exits_with_status_2(td, one_thread, capsys, argv, named):
     assert len(err.splitlines()) == 1 and named in err
 
 
+def test_compare_reports_ulps_bound_and_identical_curves(td, tmp_path, capsys):
+    base = {"mode": "single", "world_size": 1, "accumulate": 1, "max_grad_norm": 1.0,
+            "global_batch": 4, "context": 16, "losses": [5.0, 4.0]}
+    ulp = td.float32_ulp(5.0)
+    assert ulp == 2.0 ** -21
+    curves = {"one": base, "acc": {**base, "accumulate": 2, "losses": [5.0 + ulp, 4.0]},
+              "ddp": {**base, "mode": "ddp", "world_size": 2, "losses": [5.0 + ulp, 4.0]}}
+    paths = []
+    for name, record in curves.items():
+        paths.append(str(tmp_path / f"{name}.json"))
+        Path(paths[-1]).write_text(json.dumps(record))
+    td.main(["--compare"] + paths)
+    summary = json.loads(capsys.readouterr().out)
+    ddp = summary["runs"]["ddp"]
+    assert summary["reference"] == "one" and ddp["bit_identical_to"] == ["acc"]
+    assert ddp["diff_ulps"] == [1.0, 0.0] and ddp["first_step_diff"] == ulp
+    assert ddp["first_step_bound"] == td.first_step_loss_bound(5.0, 64, 2)
+    with pytest.raises(SystemExit) as exit_info:
+        td.main(["--compare", paths[0], str(tmp_path / "missing.json")])
+    assert exit_info.value.code == 2 and "missing.json" in capsys.readouterr().err
+
+
 # ---- two GPUs, NCCL ------------------------------------------------------------------------
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")

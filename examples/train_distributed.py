@@ -21,7 +21,8 @@ Checkpoints (``--save-at S --ckpt DIR``: the state after S steps) hold the model
 and the step, written with torch.distributed.checkpoint (DCP) from
 ``torch.distributed.checkpoint.state_dict.get_state_dict``: every rank writes its own shards (no
 gather of FSDP2's parameters onto one rank), the keys are the plain module's names in every mode,
-and loading reshards, so a checkpoint written by one mode or world size loads in another.
+and loading reshards, so a checkpoint written by one mode or world size loads in another (tested:
+a 2-rank FSDP2 checkpoint resumed by one process).
 ``--resume --ckpt DIR`` continues from it to ``--steps``. ``--out`` writes the loss curve as JSON;
 ``python examples/train_distributed.py --compare ref.json a.json ...`` compares curves (see
 docs/distributed.md).
@@ -195,7 +196,8 @@ def save_checkpoint(path: str, model, opt, step: int):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     model_sd, opt_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": opt_sd, "step": step}, checkpoint_id=path)
+    dcp.save({"model": model_sd, "optim": opt_sd, "step": step}, checkpoint_id=path,
+             no_dist=not dist.is_initialized())
 
 
 def load_checkpoint(path: str, model, opt) -> int:
@@ -203,7 +205,7 @@ def load_checkpoint(path: str, model, opt) -> int:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     model_sd, opt_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": opt_sd, "step": -1}
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return int(state["step"])
 

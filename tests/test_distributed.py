@@ -12,7 +12,8 @@ What is checked:
 - against one process on the whole global batch, the first step's loss is within
   ``first_step_loss_bound`` (reduction order only); the later steps are recorded, not bounded;
 - a run resumed from a torch.distributed.checkpoint checkpoint gives the same losses, bit for
-  bit, as the uninterrupted run, for DDP and for FSDP2.
+  bit, as the uninterrupted run, for DDP and for FSDP2, and FSDP2's sharded checkpoint resumes
+  in one process.
 
 The torchrun tests share one fixture of four launches (about 2 minutes on a loaded 2-core CPU,
 most of it starting processes), so they are marked ``slow``:
@@ -101,6 +102,9 @@ def runs(td, one_thread, tmp_path_factory):
     curves.update({mode: finish(proc, tmp / f"{mode}.json") for mode, proc in first.items()})
     second = {mode: start(TINY + ["--mode", mode, "--ckpt", str(tmp / mode), "--resume"] + extra[mode],
                           tmp / f"{mode}_resumed.json") for mode in extra}
+    # FSDP2's sharded checkpoint, loaded into one process (resharded by DCP)
+    curves["fsdp2_into_accumulate"] = td.main(TINY + ["--mode", "single", "--accumulate", "2", "--ckpt",
+                                                      str(tmp / "fsdp2"), "--resume"] + noclip)
     curves.update({f"{mode}_resumed": finish(proc, tmp / f"{mode}_resumed.json")
                    for mode, proc in second.items()})
     return curves
@@ -149,6 +153,13 @@ def test_resume_from_checkpoint_continues_exactly(runs, mode):
     resumed, uninterrupted = runs[f"{mode}_resumed"], runs[mode]
     assert len(resumed) == len(uninterrupted) - SAVE_AT
     assert resumed == uninterrupted[SAVE_AT:]
+
+
+@pytest.mark.slow
+def test_fsdp2_checkpoint_resumes_in_one_process(runs):
+    """Resharding: the 2-rank FSDP2 checkpoint, loaded by one process that accumulates the same 2
+    micro-batches, continues the FSDP2 run bit for bit."""
+    assert runs["fsdp2_into_accumulate"] == runs["fsdp2"][SAVE_AT:]
 
 
 @pytest.mark.parametrize("argv,named", [

@@ -35,6 +35,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see train_tiny.py
@@ -205,7 +206,9 @@ def load_checkpoint(path: str, model, opt) -> int:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     model_sd, opt_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": opt_sd, "step": -1}
-    dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    with warnings.catch_warnings():  # dcp.load warns whenever it loads in one process, as meant here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return int(state["step"])
 

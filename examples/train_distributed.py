@@ -50,6 +50,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_tiny  # noqa: E402  (the model, the text and make_attention)
+from dmref.recipes import get_recipe  # noqa: E402
 
 MODES = ("single", "ddp", "fsdp2")
 
@@ -88,6 +89,10 @@ def parse_args(argv):
             fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.d_model % args.heads:
         fail(f"--d-model {args.d_model} is not a multiple of --heads {args.heads}")
+    try:
+        get_recipe(args.recipe)
+    except ValueError as err:
+        fail(f"--recipe: {err}")
     if not args.max_grad_norm >= 0:
         fail(f"--max-grad-norm must be >= 0, got {args.max_grad_norm}")
     if args.accumulate > 1 and args.mode != "single":
@@ -244,6 +249,12 @@ def compare(paths: list[str]) -> dict:
     runs = {Path(p).stem: json.loads(Path(p).read_text()) for p in paths}
     names = list(runs)
     ref = runs[names[0]]
+    same = ("recipe", "global_batch", "context", "d_model", "heads", "layers", "lr", "seed")
+    for name, run in runs.items():
+        differ = [key for key in same if run.get(key) != ref.get(key)]
+        if differ or run.get("first_step") != 0 or len(run["losses"]) != len(ref["losses"]):
+            fail(f"--compare: {name} is not the same training from step 0 as {names[0]} "
+                 f"(differs in {differ or ['first_step or the number of steps']})")
     tokens = ref["global_batch"] * ref["context"]
     summary = {"reference": names[0], "runs": {}}
     for name in names[1:]:

@@ -168,6 +168,7 @@ def test_fsdp2_checkpoint_resumes_in_one_process(runs):
     (["--mode", "single", "--save-at", "9", "--ckpt", "x"], "--save-at 9"),
     (["--mode", "single", "--resume", "--ckpt", "/nonexistent/ckpt"], "/nonexistent/ckpt"),
     (["--mode", "single", "--max-grad-norm", "-1"], "--max-grad-norm"),
+    (["--mode", "single", "--recipe", "fp9"], "'fp9'"),
 ])
 def test_bad_input_exits_with_status_2(td, one_thread, capsys, argv, named):
     with pytest.raises(SystemExit) as exit_info:
@@ -178,8 +179,9 @@ def test_bad_input_exits_with_status_2(td, one_thread, capsys, argv, named):
 
 
 def test_compare_reports_ulps_bound_and_identical_curves(td, tmp_path, capsys):
-    base = {"mode": "single", "world_size": 1, "accumulate": 1, "max_grad_norm": 1.0,
-            "global_batch": 4, "context": 16, "losses": [5.0, 4.0]}
+    base = {"mode": "single", "world_size": 1, "accumulate": 1, "max_grad_norm": 1.0, "recipe": "exact",
+            "global_batch": 4, "context": 16, "d_model": 32, "heads": 2, "layers": 1, "lr": 3e-3,
+            "seed": 0, "first_step": 0, "losses": [5.0, 4.0]}
     ulp = td.float32_ulp(5.0)
     assert ulp == 2.0 ** -21
     curves = {"one": base, "acc": {**base, "accumulate": 2, "losses": [5.0 + ulp, 4.0]},
@@ -197,6 +199,10 @@ def test_compare_reports_ulps_bound_and_identical_curves(td, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         td.main(["--compare", paths[0], str(tmp_path / "missing.json")])
     assert exit_info.value.code == 2 and "missing.json" in capsys.readouterr().err
+    Path(paths[2]).write_text(json.dumps({**curves["ddp"], "seed": 1}))
+    with pytest.raises(SystemExit) as exit_info:
+        td.main(["--compare"] + paths)
+    assert exit_info.value.code == 2 and "['seed']" in capsys.readouterr().err
 
 
 # ---- two GPUs, NCCL ------------------------------------------------------------------------

@@ -27,7 +27,6 @@ import importlib.util
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -205,7 +204,7 @@ def test_compare_reports_ulps_bound_and_identical_curves(td, tmp_path, capsys):
     assert exit_info.value.code == 2 and "['seed']" in capsys.readouterr().err
 
 
-# ---- two GPUs, NCCL ------------------------------------------------------------------------
+# ---- the same inputs on two ranks give the same bits ----------------------------------------
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 
@@ -214,27 +213,37 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def _kernel_worker(rank: int, world: int, init: str, out: str):
-    """One NCCL rank: the kernels on the same inputs; rank 0 writes every rank's SHA-256 digests."""
+def _attention_digests_worker(kind: str, out: str):
+    """One rank under torchrun: attention forward and backward on the same seeded inputs, the
+    SHA-256 of the bytes of q, out, dq, dk, dv gathered with all_gather_object; rank 0 writes
+    them. ``kind``: "kernels" (NCCL, dmref.kernels.attention on cuda:LOCAL_RANK, BF16) or
+    "emulated" (gloo, dmref.attention on the CPU, float32, small)."""
     import torch.distributed as dist
 
-    from dmref.kernels import attention
-
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world, device_id=device)
-    digests = {"device": f"{rank}:{torch.cuda.current_device()}"}
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if kind == "kernels":
+        from dmref.kernels import attention
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+        shape, dtype, where = (2, 4, 384, 64), torch.bfloat16, f"cuda:{torch.cuda.current_device()}"
+    else:
+        from dmref import attention
+        torch.set_num_threads(1)
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+        shape, dtype, where = (1, 2, 32, 16), torch.float32, f"cpu pid {os.getpid()}"
+    digests = {"where": where}
     for recipe in ("delta_matching", "naive_fp8"):
         for causal in (False, True):
             gen = torch.Generator().manual_seed(1234)
-            q, k, v, dout = (torch.randn(2, 4, 384, 64, generator=gen).to(device, torch.bfloat16)
-                             for _ in range(4))
+            q, k, v, dout = (torch.randn(*shape, generator=gen).to(device, dtype) for _ in range(4))
             q, k, v = (t.requires_grad_() for t in (q, k, v))
-            out = attention(q, k, v, causal=causal, recipe=recipe)
-            dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
-            assert all(torch.isfinite(t).all() for t in (out, dq, dk, dv))
+            o = attention(q, k, v, causal=causal, recipe=recipe)
+            dq, dk, dv = torch.autograd.grad(o, (q, k, v), dout)
+            assert all(torch.isfinite(t).all() for t in (o, dq, dk, dv))
             digests[f"{recipe} causal={causal}"] = {name: _digest(t) for name, t in
-                                                    (("q", q), ("out", out), ("dq", dq), ("dk", dk), ("dv", dv))}
+                                                    (("q", q), ("out", o), ("dq", dq), ("dk", dk), ("dv", dv))}
     gathered = [None] * world
     dist.all_gather_object(gathered, digests)
     if rank == 0:
@@ -242,21 +251,31 @@ def _kernel_worker(rank: int, world: int, init: str, out: str):
     dist.destroy_process_group()
 
 
+def check_digests(kind: str, tmp_path: Path):
+    out = tmp_path / f"{kind}_digests.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           __file__, kind, str(out)]
+    done = subprocess.run(cmd, env={**os.environ, **NO_MULTICAST}, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    ranks = json.loads(out.read_text())
+    where = [r.pop("where") for r in ranks]
+    assert len(set(where)) == 2, where  # two processes (two GPUs for the kernels)
+    assert ranks[0] == ranks[1]
+    assert len(ranks[0]) == 4
+    return where
+
+
+def test_emulated_attention_gives_bit_identical_results_on_two_gloo_ranks(tmp_path):
+    """The harness of the two-GPU test, run here: two gloo processes, dmref.attention."""
+    check_digests("emulated", tmp_path)
+
+
 @pytest.mark.gpu
 @two_gpus
 def test_kernels_give_bit_identical_results_on_two_gpus(tmp_path):
-    import torch.multiprocessing as mp
-
-    os.environ.update(NO_MULTICAST)  # inherited by the spawned NCCL processes
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / "digests.json"
-    mp.spawn(_kernel_worker, args=(2, f"tcp://127.0.0.1:{port}", str(out)), nprocs=2, join=True)
-    ranks = json.loads(out.read_text())
-    assert [r.pop("device") for r in ranks] == ["0:0", "1:1"]  # two processes on two GPUs
-    assert ranks[0] == ranks[1]
-    assert len(ranks[0]) == 4
+    """Two NCCL processes on two GPUs, dmref.kernels.attention on the same inputs."""
+    assert check_digests("kernels", tmp_path) == ["cuda:0", "cuda:1"]
 
 
 @pytest.mark.gpu
@@ -279,3 +298,10 @@ def test_training_on_two_gpus_is_accumulation(td, tmp_path):
         resumed = torchrun(gpu + ["--mode", mode, "--ckpt", str(tmp_path / mode), "--resume"],
                            tmp_path / f"{mode}_resumed.json")
         assert resumed == curve[3:], mode
+
+
+if __name__ == "__main__":  # a rank of check_digests, started by torchrun
+    # run as a script, tests/ leads sys.path, and tests/dmref would shadow the dmref package
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
+    _attention_digests_worker(sys.argv[1], sys.argv[2])

@@ -13,9 +13,12 @@ What is checked:
   ``first_step_loss_bound`` (reduction order only); the later steps are recorded, not bounded;
 - a run resumed from a torch.distributed.checkpoint checkpoint gives the same losses, bit for
   bit, as the uninterrupted run, for DDP and for FSDP2, and FSDP2's sharded checkpoint resumes
-  in one process.
+  in one process;
+- the attention (dmref.kernels.attention on two GPUs with NCCL, ``gpu``; dmref.attention on two
+  gloo CPU processes here) gives the same bytes on both ranks for the same inputs (SHA-256 of
+  the outputs and gradients, gathered with all_gather_object).
 
-The torchrun tests share one fixture of four launches (about 2 minutes on a loaded 2-core CPU,
+The training tests share one fixture of four torchrun launches (about 2 minutes on a loaded 2-core CPU,
 most of it starting processes), so they are marked ``slow``:
 ``python -m pytest tests/test_distributed.py -m "slow and not gpu"``.
 """

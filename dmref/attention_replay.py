@@ -35,7 +35,6 @@ dK's is rounded once. Every FP8 cast is round-to-nearest-even with saturation (s
 from __future__ import annotations
 
 import json
-import math
 import os
 import zipfile
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ import numpy as np
 import torch
 
 from . import emulation
-from .emulation import gemm
+from .emulation import constants, gemm
 from .recipes import Recipe, get_recipe
 
 __all__ = ["CaptureError", "CODES", "GOALS", "ReplayOptions", "SCALARS", "TENSORS", "TensorMatch", "code_steps",
@@ -66,8 +65,8 @@ NAN_STEPS = 256
 _GRAD_FORMATS = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
 _E4M3 = emulation.get_format("float8_e4m3fn")
 _F32 = np.float32
-_LOG2E = _F32(1.0 / math.log(2.0))
-_LN2 = _F32(math.log(2.0))
+_LOG2E = _F32(constants.LOG2E)
+_LN2 = _F32(constants.LN2)
 _DQ_KEY_BLOCK = 128  # dQ: one wgmma chain per 128-key block, the partials added in float32
 
 

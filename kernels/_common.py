@@ -21,7 +21,7 @@ def _max_fraction_field(fmt) -> int:
     return int((fmt.max / 2.0**fmt.emax - 1.0) * 2**_FLOAT32_MANTISSA_BITS)
 
 
-# pow2_floor_exponent compares every amax's mantissa field against one value: both formats'
+# pow2_down_exponent compares every amax's mantissa field against one value: both formats'
 # max is 1.75 * 2**EMAX (field 0x600000)
 if _max_fraction_field(_E4M3) != _max_fraction_field(_E5M2):  # pragma: no cover - format tables
     raise RuntimeError(f"E4M3 max {_E4M3.max} and E5M2 max {_E5M2.max} differ in their mantissa")
@@ -98,7 +98,7 @@ def mul_rn(a, b, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def pow2_floor_exponent(amax, IS_E5M2: tl.constexpr):
+def pow2_down_exponent(amax, IS_E5M2: tl.constexpr):
     """k = floor(log2(fmax / amax)) exactly, from the bits of amax >= 0; 0 where amax == 0.
 
     With amax = m * 2**e (1 <= m < 2) and fmax = 1.75 * 2**EMAX: k = EMAX - e, less one when
@@ -123,19 +123,19 @@ def exp2_int(k):
 
 @triton.jit
 def quantize_tile(x, IS_E5M2: tl.constexpr, INTERPRET: tl.constexpr):
-    """One pow2_floor scale for the whole 2-D tile: returns (codes, dequantization factor,
+    """One POW2_DOWN scale for the whole 2-D tile: returns (codes, dequantization factor,
     the scaled float32 tile the cast received)."""
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    k = pow2_floor_exponent(amax, IS_E5M2)
+    k = pow2_down_exponent(amax, IS_E5M2)
     scaled = x * exp2_int(k)
     return to_fp8(scaled, IS_E5M2, INTERPRET), exp2_int(-k), scaled
 
 
 @triton.jit
 def quantize_rows(x, IS_E5M2: tl.constexpr, INTERPRET: tl.constexpr):
-    """One pow2_floor scale per row of the 2-D tile: returns (codes, dequantization factors,
+    """One POW2_DOWN scale per row of the 2-D tile: returns (codes, dequantization factors,
     the scaled float32 tile the cast received)."""
-    k = pow2_floor_exponent(tl.max(tl.abs(x), axis=1), IS_E5M2)
+    k = pow2_down_exponent(tl.max(tl.abs(x), axis=1), IS_E5M2)
     scaled = x * exp2_int(k)[:, None]
     return to_fp8(scaled, IS_E5M2, INTERPRET), exp2_int(-k), scaled
 

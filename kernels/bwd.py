@@ -99,7 +99,7 @@ def _dot_rn(a8, b8, a_scale, b_scale, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _quantize_ds(ds, ROWS: tl.constexpr, DS_ROWWISE: tl.constexpr, INTERPRET: tl.constexpr):
-    """Q-point dS: float32 -> E4M3 with one pow2_floor scale per row of the tile (``rowwise``:
+    """Q-point dS: float32 -> E4M3 with one POW2_DOWN scale per row of the tile (``rowwise``:
     per row and the whole contraction of the tile) or per tile. Returns (codes, the
     dequantization factor of each of the ``ROWS`` rows, the scaled float32 tile the cast
     received)."""

@@ -15,7 +15,6 @@ wgmma reads both operands K-major.
 
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
@@ -24,9 +23,9 @@ import triton.language as tl
 from ._common import mul_rn, to_bf16, to_fp8
 from ._runtime import interpreting, register_cap
 from .config import QUANT_BLOCK, FwdTiles, KernelRecipe
+from ..emulation.constants import LN2, LOG2E  # noqa: F401  (bwd and api take them from here)
 
-#: log2(e): the kernels compute exp2(S * log2(e)) = exp(S); tau * log2(e) rides on Q's scale
-LOG2E = math.log2(math.e)
+# log2(e): the kernels compute exp2(S * log2(e)) = exp(S); tau * log2(e) rides on Q's scale
 
 
 @triton.jit
@@ -229,4 +228,3 @@ def fp8_codes(dump: torch.Tensor, fmt: str = "float8_e4m3fn") -> torch.Tensor:
     return encode(dump, fmt, saturate=True)
 
 
-LN2 = math.log(2.0)

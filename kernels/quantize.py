@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import exp2_int, pow2_floor_exponent, to_fp8
+from ._common import exp2_int, pow2_down_exponent, to_fp8
 from ._runtime import interpreting
 from .config import QUANT_BLOCK
 
@@ -70,14 +70,14 @@ def _quantize_kernel(
     # padding tokens read as 0: they get code 0 in the transposed copy and do not move its amax
     x = tl.load(x_ptrs, mask=in_seq[:, None], other=0.0).to(tl.float32)
     if EMIT_ROWS:
-        # Q-point row copy: one pow2_floor scale per token over the head dim
-        k_row = pow2_floor_exponent(tl.max(tl.abs(x), axis=1), IS_E5M2)
+        # Q-point row copy: one POW2_DOWN scale per token over the head dim
+        k_row = pow2_down_exponent(tl.max(tl.abs(x), axis=1), IS_E5M2)
         codes = to_fp8(x * exp2_int(k_row)[:, None], IS_E5M2, INTERPRET)
         tl.store(XR + offs_t[:, None] * HEAD_DIM + offs_d[None, :], codes, mask=in_seq[:, None])
         tl.store(XR_SCALE + offs_t, exp2_int(-k_row), mask=in_seq)
     if EMIT_COLS:
-        # Q-point transposed copy: one pow2_floor scale per channel over BLOCK_T tokens
-        k_col = pow2_floor_exponent(tl.max(tl.abs(x), axis=0), IS_E5M2)
+        # Q-point transposed copy: one POW2_DOWN scale per channel over BLOCK_T tokens
+        k_col = pow2_down_exponent(tl.max(tl.abs(x), axis=0), IS_E5M2)
         codes_t = to_fp8(x * exp2_int(k_col)[None, :], IS_E5M2, INTERPRET)
         # NPAD is a multiple of BLOCK_T: padding is written as 0
         tl.store(XT + offs_d[None, :] * NPAD + offs_t[:, None], codes_t)

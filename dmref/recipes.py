@@ -25,6 +25,7 @@ Everything here is plain frozen dataclasses and enums: no torch import.
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field, replace
 
 __all__ = [
@@ -471,14 +472,56 @@ PRESETS: dict[str, Recipe] = {
 }
 
 
+#: Accumulation models a preset name may ask for after "@" (see :class:`Accumulation` and
+#: dmref.tiled._matmul); "hopper-p<N>" is hopper with float32 promotion every N products.
+ACCUMULATION_MODELS = ("fp32", "float64", "exact", "hopper", "hopper-p<N>")
+
+#: The two operands of each matmul, by the names of :data:`MATMULS`.
+_MATMUL_OPERANDS = {
+    "qk": ("q", "k"), "pv": ("p", "v"), "qk_bwd": ("q", "k"), "dp": ("do_dp", "v_dp"),
+    "dv": ("p_dv", "do_dv"), "dq": ("ds_dq", "k_dq"), "dk": ("ds_dk", "q_dk"),
+}
+
+#: The k-step of an FP8 wgmma: promotion intervals are multiples of it.
+_WGMMA_K_STEP = 32
+
+
+def _check_model(preset: Recipe, model: str, name: str) -> None:
+    """Raise ValueError unless ``model`` is an accumulation model ``preset`` can run under."""
+    promote = re.fullmatch(r"hopper-p(\d+)", model)
+    if model not in ACCUMULATION_MODELS[:4] and not promote:
+        raise ValueError(f"recipe {name!r}: unknown accumulation model {model!r} after '@'; "
+                         f"accepted: {', '.join(ACCUMULATION_MODELS)} (N a positive multiple of "
+                         f"{_WGMMA_K_STEP})")
+    if promote and (int(promote[1]) <= 0 or int(promote[1]) % _WGMMA_K_STEP):
+        raise ValueError(f"recipe {name!r}: promotion interval {promote[1]} must be a positive "
+                         f"multiple of the wgmma k-step {_WGMMA_K_STEP}")
+    if model.startswith("hopper"):
+        # the emulated wgmma multiplies FP8 codes whose block scales are powers of two
+        points = {n: getattr(preset, n) for ops in _MATMUL_OPERANDS.values() for n in ops}
+        bad = [n for n, p in points.items() if not (p.fmt or "").startswith(("float8", "e4m3", "e5m2"))
+               or p.scale_rule is ScaleRule.AMAX]
+        if bad:
+            raise ValueError(f"recipe {name!r}: the {model!r} model emulates FP8 tensor cores, whose "
+                             f"operands are FP8 with power-of-two scales; preset {preset.name!r} has "
+                             f"other operands: {', '.join(bad)} ({bad[0]}: {points[bad[0]].describe()})")
+
+
 def get_recipe(recipe: Recipe | str) -> Recipe:
     """A :class:`Recipe`, or a preset by name (``"delta_matching"``; ``"naive_fp8@hopper"`` for
-    a preset with every matmul under another accumulation model)."""
+    a preset with every matmul under another accumulation model, one of
+    :data:`ACCUMULATION_MODELS`). Raises TypeError for other types, ValueError for an unknown
+    preset or model, and for a hopper model on a preset with operands that are not FP8 with
+    power-of-two scales."""
     if isinstance(recipe, Recipe):
         return recipe
     if not isinstance(recipe, str):
         raise TypeError(f"recipe must be a Recipe or a preset name, got {type(recipe).__name__}")
-    base, _, model = recipe.partition("@")
+    base, at, model = recipe.partition("@")
     if base not in PRESETS:
-        raise ValueError(f"unknown recipe {recipe!r}; presets: {', '.join(PRESETS)}")
-    return PRESETS[base].with_accumulation(model) if model else PRESETS[base]
+        raise ValueError(f"unknown recipe {recipe!r}; presets: {', '.join(PRESETS)} "
+                         f"(NAME@MODEL for another accumulation model)")
+    if not at:
+        return PRESETS[base]
+    _check_model(PRESETS[base], model, recipe)
+    return PRESETS[base].with_accumulation(model)

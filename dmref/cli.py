@@ -115,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers.required = True
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
+    parser.commands = subparsers.choices  # name -> sub-command parser
     return parser
 
 
@@ -124,7 +125,9 @@ def _one_line(e: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # reported by the sub-command, so that the message names it
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     prog = f"dmref {args.command}"
     try:
         return int(args.func(args) or 0)

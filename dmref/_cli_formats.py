@@ -101,6 +101,9 @@ def _formats(args) -> int:
     return 0
 
 
+_FLOAT64_MAX = Fraction(sys.float_info.max)
+
+
 def _is_odd(x: float) -> bool:
     """Whether the last significand bit of the float64 ``x`` is 1."""
     return bool(struct.unpack("<q", struct.pack("<d", x))[0] & 1)
@@ -108,8 +111,10 @@ def _is_odd(x: float) -> bool:
 
 def round_to_odd(d: Fraction) -> float:
     """``d`` rounded to float64 by round-to-odd: ``d`` itself when it is a float64, else the one
-    of its two float64 neighbours whose last significand bit is 1. ``|d|`` must not exceed
-    float64's max."""
+    of its two float64 neighbours whose last significand bit is 1; above float64's max (whose
+    last bit is 1), that max."""
+    if abs(d) > _FLOAT64_MAX:
+        return math.copysign(sys.float_info.max, d)
     f = float(d)  # correctly rounded: one of the two neighbours
     if Fraction(f) == d:
         return f

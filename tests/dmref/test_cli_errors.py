@@ -142,7 +142,7 @@ def test_demo_prints_its_results_when_the_plot_cannot_be_written(tmp_path, monke
     assert "Traceback" not in err and str(png) in last and "No space left" in last and "printed" in last
 
 
-def test_demo_checks_the_plot_folder_by_writing_in_it(tmp_path, monkeypatch):
+def test_demo_checks_the_plot_folder_by_writing_in_it(tmp_path):
     """The check creates and removes a temporary file: nothing is left behind."""
     _cli_demo.check_out_path(str(tmp_path / "a.png"))
     assert list(tmp_path.iterdir()) == []

@@ -11,6 +11,7 @@ import torch
 
 from . import tiled
 from .recipes import Recipe, get_recipe
+from .reference import check_causal
 
 __all__ = ["attention"]
 
@@ -41,7 +42,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         q: ``(batch, heads, seqlen_q, head_dim)``, float16 / bfloat16 / float32 / float64.
         k: ``(batch, kv_heads, seqlen_k, head_dim)``; ``heads`` a multiple of ``kv_heads``.
         v: ``(batch, kv_heads, seqlen_k, head_dim_v)``.
-        causal: keep key j for query i iff ``j <= i + seqlen_k - seqlen_q``.
+        causal: True or False (a bool or numpy.bool_; anything else is a TypeError): keep key j
+            for query i iff ``j <= i + seqlen_k - seqlen_q``.
         scale: softmax scale; default ``1 / sqrt(head_dim)``.
         mask: boolean (True = attend) or additive, broadcastable to
             ``(batch, heads, seqlen_q, seqlen_k)``; it gets no gradient.
@@ -54,10 +56,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         get zero gradients. Non-finite inputs propagate (see :mod:`dmref.tiled`).
 
     Raises:
-        TypeError / ValueError: bad shapes, dtypes, devices, mask or scale, unknown recipe
-            (messages name the values).
+        TypeError / ValueError: bad shapes, dtypes, devices, mask, scale or causal, unknown
+            recipe (messages name the values).
     """
+    causal = check_causal(causal)
     recipe = get_recipe(recipe)
     if mask is not None and isinstance(mask, torch.Tensor) and mask.requires_grad:
         mask = mask.detach()
-    return _EmulatedAttention.apply(q, k, v, mask, bool(causal), scale, recipe)
+    return _EmulatedAttention.apply(q, k, v, mask, causal, scale, recipe)

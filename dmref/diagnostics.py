@@ -272,7 +272,16 @@ class Exact:
     kbar: torch.Tensor
 
 
+def _check_dout(dout) -> None:
+    if not isinstance(dout, torch.Tensor):
+        raise TypeError(f"dout must be a torch.Tensor of the output's shape (batch, heads, seqlen_q, "
+                        f"head_dim_v): the diagnostics need the backward; got {type(dout).__name__}")
+
+
 def exact_results(q, k, v, dout, *, causal=False, scale=None, mask=None) -> Exact:
+    """The float64 reference forward and backward of one problem, and kbar = P K. ``dout`` is
+    required (a tensor of the output's shape); ``causal`` a bool."""
+    _check_dout(dout)
     out, lse, dq, dk, dv = reference.attention_ref(q, k, v, dout, causal=causal, scale=scale, mask=mask)
     kbar, _ = reference.attention_forward(q, k, k, causal=causal, scale=scale, mask=mask)  # P K
     return Exact(out, lse, dq, dk, dv, kbar)
@@ -286,7 +295,16 @@ def _relative_rows(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
 def evaluate(q, k, v, dout, recipe, *, causal=False, scale=None, mask=None,
              exact: Exact | None = None) -> tuple[Report, "tiled.RowsumStats"]:
     """Run ``recipe`` (tiled forward and backward with diagnostics) and compare with the exact
-    reference (computed here unless given). Returns the report and the per-row statistics."""
+    reference (computed here unless given). Returns the report and the per-row statistics.
+
+    ``dout`` is required (a tensor of the output's shape), ``causal`` a bool, ``recipe`` a Recipe
+    or a preset name, ``exact`` None or :func:`exact_results` of this very problem; TypeError or
+    ValueError otherwise, naming the argument."""
+    _check_dout(dout)
+    causal = reference.check_causal(causal)
+    if exact is not None and not isinstance(exact, Exact):
+        raise TypeError(f"exact must be None or dmref.diagnostics.exact_results(...) of this problem, "
+                        f"got {type(exact).__name__}")
     recipe = get_recipe(recipe)
     if exact is None:
         exact = exact_results(q, k, v, dout, causal=causal, scale=scale, mask=mask)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 
 from .emulation.blocked import Block, ScaleRule
 from .emulation.formats import BFLOAT16, FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT16, Format, Rounding, get_format, get_rounding
-from .emulation.gemm import MatmulModel
+from .emulation.gemm import Accumulation, MatmulModel
 
 __all__ = [
     "DeferredDq",
@@ -497,14 +497,49 @@ PRESETS: dict[str, Recipe] = {
 }
 
 
+#: Accumulation models a preset name may ask for after "@" (:meth:`MatmulModel.get` reads them);
+#: "hopper-p<N>" is hopper with float32 promotion every N products.
+ACCUMULATION_MODELS = ("fp32", "float64", "exact", "hopper", "hopper-p<N>")
+
+#: The two operands of each matmul, by the names of :data:`MATMULS`.
+_MATMUL_OPERANDS = {
+    "qk": ("q", "k"), "pv": ("p", "v"), "qk_bwd": ("q", "k"), "dp": ("do_dp", "v_dp"),
+    "dv": ("p_dv", "do_dv"), "dq": ("ds_dq", "k_dq"), "dk": ("ds_dk", "q_dk"),
+}
+
+
+def _check_model(preset: Recipe, model: str, name: str) -> None:
+    """Raise ValueError unless ``model`` names an accumulation model ``preset`` can run under."""
+    try:
+        parsed = MatmulModel.get(model)
+    except ValueError as e:
+        raise ValueError(f"recipe {name!r}: {e} (after '@')") from None
+    if parsed.accumulation is Accumulation.HOPPER:
+        # the emulated wgmma multiplies FP8 codes whose block scales are powers of two
+        points = {n: getattr(preset, n) for ops in _MATMUL_OPERANDS.values() for n in ops}
+        bad = [n for n, p in points.items()
+               if p.fmt is None or not p.fmt.is_fp8 or p.scale_rule is ScaleRule.AMAX]
+        if bad:
+            raise ValueError(f"recipe {name!r}: the {model!r} model emulates FP8 tensor cores, whose "
+                             f"operands are FP8 with power-of-two scales; preset {preset.name!r} has "
+                             f"other operands: {', '.join(bad)} ({bad[0]}: {points[bad[0]].describe()})")
+
+
 def get_recipe(recipe: Recipe | str) -> Recipe:
     """A :class:`Recipe`, or a preset by name (``"delta_matching"``; ``"naive_fp8@hopper"`` for
-    a preset with every matmul under another accumulation model)."""
+    a preset with every matmul under another accumulation model, one of
+    :data:`ACCUMULATION_MODELS`). Raises TypeError for other types, ValueError for an unknown
+    preset or model, and for a hopper model on a preset with operands that are not FP8 with
+    power-of-two scales."""
     if isinstance(recipe, Recipe):
         return recipe
     if not isinstance(recipe, str):
         raise TypeError(f"recipe must be a Recipe or a preset name, got {type(recipe).__name__}")
-    base, _, model = recipe.partition("@")
+    base, at, model = recipe.partition("@")
     if base not in PRESETS:
-        raise ValueError(f"unknown recipe {recipe!r}; presets: {', '.join(PRESETS)}")
-    return PRESETS[base].with_accumulation(model) if model else PRESETS[base]
+        raise ValueError(f"unknown recipe {recipe!r}; presets: {', '.join(PRESETS)} "
+                         f"(NAME@MODEL for another accumulation model)")
+    if not at:
+        return PRESETS[base]
+    _check_model(PRESETS[base], model, recipe)
+    return PRESETS[base].with_accumulation(model)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "attention_forward",
     "attention_ref",
     "check_attention_inputs",
+    "check_causal",
     "expand_kv",
     "keep_mask",
     "mask_window",
@@ -79,6 +81,15 @@ def _check_scale(scale, head_dim: int) -> float:
     if not math.isfinite(scale) or scale <= 0.0:
         raise ValueError(f"scale={scale!r} must be finite and positive")
     return scale
+
+
+def check_causal(causal) -> bool:
+    """``causal`` as a bool. Raises TypeError unless it is a bool or a numpy.bool_: a string
+    ("yes", "False"), a number or a tensor would otherwise be taken by its truth value."""
+    if isinstance(causal, (bool, np.bool_)):
+        return bool(causal)
+    text = repr(causal) if isinstance(causal, (str, int, float)) else type(causal).__name__
+    raise TypeError(f"causal must be True or False (bool or numpy.bool_), got {text[:60]}")
 
 
 def check_attention_inputs(q, k, v, *, scale=None, mask=None, dout=None) -> AttentionShape:
@@ -150,6 +161,7 @@ def keep_mask(seqlen_q: int, seqlen_k: int, *, causal: bool, mask=None, device=N
               rows: slice | None = None, cols: slice | None = None):
     """Boolean "attend" mask of the (rows, cols) window from ``causal`` and a *boolean* mask,
     broadcastable to (B, H, rows, cols); None when every position is kept."""
+    causal = check_causal(causal)
     rows = rows or slice(0, seqlen_q)
     cols = cols or slice(0, seqlen_k)
     keep = None
@@ -196,6 +208,7 @@ def scores(q64, k64, shape: AttentionShape, causal: bool, mask):
 def attention_forward(q, k, v, *, causal: bool = False, scale=None, mask=None):
     """Exact forward. Returns ``(out, lse)`` in float64: ``out = softmax(S) V``,
     ``lse_i = log sum_j exp(S_ij)`` (natural log; ``-inf`` for fully masked rows)."""
+    causal = check_causal(causal)
     shape = check_attention_inputs(q, k, v, scale=scale, mask=mask)
     q64, k64, v64 = (t.to(torch.float64) for t in (q, k, v))
     s = scores(q64, k64, shape, causal, mask)
@@ -217,6 +230,7 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale=N
         dV = Pᵀ dO      dP = dO Vᵀ      D_i = sum_d dO_id O_id      dS = P ∘ (dP - D)
         dQ = scale dS K                 dK = scale dSᵀ Q
     """
+    causal = check_causal(causal)
     shape = check_attention_inputs(q, k, v, scale=scale, mask=mask, dout=dout)
     q64, k64, v64 = (t.to(torch.float64) for t in (q, k, v))
     do64, o64 = dout.to(torch.float64), out.to(torch.float64)
@@ -236,7 +250,8 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale=N
 
 
 def attention_ref(q, k, v, dout=None, *, causal: bool = False, scale=None, mask=None):
-    """Forward, and backward when ``dout`` is given: ``(out, lse)`` or ``(out, lse, dq, dk, dv)``."""
+    """Forward, and backward when ``dout`` is given: ``(out, lse)`` or ``(out, lse, dq, dk, dv)``.
+    ``causal`` must be a bool (:func:`check_causal`)."""
     out, lse = attention_forward(q, k, v, causal=causal, scale=scale, mask=mask)
     if dout is None:
         return out, lse

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from dmref_problems import make_inputs
@@ -87,6 +88,71 @@ def test_unknown_recipe_and_bad_input_are_clear_errors():
         dmref.attention(q.to(torch.int32), k, v)
     with pytest.raises(ValueError, match="head_dim of q"):
         dmref.attention(q[..., :16], k, v, recipe="naive_fp8")
+
+
+_TINY = dict(batch=1, heads=2, kv_heads=1, seqlen_q=9, seqlen_k=7, head_dim=8, head_dim_v=8)
+
+
+@pytest.mark.parametrize("causal", ["yes", "False", 1, 0, None, 1.0, torch.tensor(True), np.array([True])])
+def test_causal_that_is_not_a_bool_is_a_type_error(causal):
+    """A truthy string ("False" included) or number would otherwise be taken as True."""
+    q, k, v, dout = make_inputs(_TINY, 4, dtype=torch.float32)
+    calls = {
+        "dmref.attention": lambda: dmref.attention(q, k, v, causal=causal, recipe="naive_fp8"),
+        "dmref.evaluate": lambda: dmref.evaluate(q, k, v, dout, "naive_fp8", causal=causal),
+        "attention_ref": lambda: reference.attention_ref(q, k, v, dout, causal=causal),
+        "attention_forward": lambda: reference.attention_forward(q, k, v, causal=causal),
+        "keep_mask": lambda: reference.keep_mask(9, 7, causal=causal),
+    }
+    for name, call in calls.items():
+        with pytest.raises(TypeError, match="causal must be True or False") as info:
+            call()
+        assert type(causal).__name__ in str(info.value) or repr(causal) in str(info.value), name
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_numpy_bool_causal_is_the_bool(flag):
+    q, k, v, dout = make_inputs(_TINY, 5, dtype=torch.float32)
+    want = dmref.attention(q, k, v, causal=flag, recipe="naive_fp8")
+    assert torch.equal(dmref.attention(q, k, v, causal=np.bool_(flag), recipe="naive_fp8"), want)
+    report, _ = dmref.evaluate(q, k, v, dout, "naive_fp8", causal=np.bool_(flag))
+    assert report.as_dict() == dmref.evaluate(q, k, v, dout, "naive_fp8", causal=flag)[0].as_dict()
+
+
+def test_evaluate_names_a_missing_dout_and_a_bad_exact():
+    q, k, v, dout = make_inputs(_TINY, 6, dtype=torch.float32)
+    with pytest.raises(TypeError, match="dout must be a torch.Tensor.*got NoneType"):
+        dmref.evaluate(q, k, v, None, "naive_fp8")
+    with pytest.raises(TypeError, match="exact must be None or .*got tuple"):
+        dmref.evaluate(q, k, v, dout, "naive_fp8", exact=reference.attention_ref(q, k, v, dout))
+    with pytest.raises(ValueError, match=r"dout must have the output's shape \(1, 2, 9, 8\)"):
+        dmref.evaluate(q, k, v, dout[..., :3], "naive_fp8")
+
+
+@pytest.mark.parametrize("name, named", [
+    ("naive_fp8@volta", ["'volta'", "fp32, float64, exact, hopper, hopper-p<N>"]),
+    ("naive_fp8@", ["''", "hopper"]),
+    ("naive_fp8@hopper-p48", ["48", "multiple of the wgmma k-step 32"]),
+    ("naive_fp8@hopper-p0", ["0", "positive multiple"]),
+    ("bf16@hopper", ["'bf16'", "FP8", "q, k"]),
+    ("cudnn_fp8@hopper", ["'cudnn_fp8'", "power-of-two", "amax"]),
+])
+def test_get_recipe_rejects_an_accumulation_model_it_cannot_run(name, named):
+    with pytest.raises(ValueError) as info:
+        dmref.get_recipe(name)
+    for text in named:
+        assert text in str(info.value), (text, str(info.value))
+
+
+@pytest.mark.parametrize("name", ["naive_fp8@hopper", "delta_matching@hopper-p128", "mxfp8_stale@hopper",
+                                  "consistent_p@hopper-p32", "bf16@fp32", "exact@float64", "naive_fp8@exact"])
+def test_get_recipe_accepts_the_accumulation_models_it_can_run(name):
+    recipe = dmref.get_recipe(name)
+    model = name.partition("@")[2]
+    assert recipe.name == name and recipe.accumulation.models() == {model}
+    q, k, v, dout = make_inputs(_TINY, 7, dtype=torch.float32)
+    fwd, bwd = tiled.attention(q, k, v, dout, recipe=recipe, causal=True)
+    assert all(bool(torch.isfinite(t).all()) for t in (fwd.out, bwd.dq, bwd.dk, bwd.dv))
 
 
 def test_import_dmref_does_not_import_torch():

@@ -130,9 +130,9 @@ def test_evaluate_names_a_missing_dout_and_a_bad_exact():
 
 
 @pytest.mark.parametrize("name, named", [
-    ("naive_fp8@volta", ["'volta'", "fp32, float64, exact, hopper, hopper-p<N>"]),
+    ("naive_fp8@volta", ["'volta'", "'fp32'", "'hopper-p<N>'"]),
     ("naive_fp8@", ["''", "hopper"]),
-    ("naive_fp8@hopper-p48", ["48", "multiple of the wgmma k-step 32"]),
+    ("naive_fp8@hopper-p48", ["48", "multiple of the k-step 32"]),
     ("naive_fp8@hopper-p0", ["0", "positive multiple"]),
     ("bf16@hopper", ["'bf16'", "FP8", "q, k"]),
     ("cudnn_fp8@hopper", ["'cudnn_fp8'", "power-of-two", "amax"]),
@@ -149,7 +149,7 @@ def test_get_recipe_rejects_an_accumulation_model_it_cannot_run(name, named):
 def test_get_recipe_accepts_the_accumulation_models_it_can_run(name):
     recipe = dmref.get_recipe(name)
     model = name.partition("@")[2]
-    assert recipe.name == name and recipe.accumulation.models() == {model}
+    assert recipe.name == name and {m.name for m in recipe.accumulation.models()} == {model}
     q, k, v, dout = make_inputs(_TINY, 7, dtype=torch.float32)
     fwd, bwd = tiled.attention(q, k, v, dout, recipe=recipe, causal=True)
     assert all(bool(torch.isfinite(t).all()) for t in (fwd.out, bwd.dq, bwd.dk, bwd.dv))

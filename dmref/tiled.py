@@ -47,7 +47,7 @@ from .emulation.blocked import Block, dequantize_blocked, quantize_blocked, scal
 from .emulation.constants import LN2, LOG2E
 from .recipes import (DeltaKind, DeltaStrategy, Granularity, Normalizer, PReference, QuantPoint, Recipe, ScaleRule,
                       get_recipe)
-from .reference import AttentionShape, check_attention_inputs, expand_kv, keep_mask, mask_window, reduce_kv
+from .reference import AttentionShape, check_attention_inputs, check_causal, expand_kv, keep_mask, mask_window, reduce_kv
 
 __all__ = ["BackwardResult", "ForwardResult", "RowsumStats", "SoftmaxStats", "attention", "backward", "forward",
            "global_amax_points", "group_amax"]
@@ -332,7 +332,7 @@ def _problem(q, k, v, recipe, causal, scale, mask, dout=None) -> _Problem:
                     f"recipe {recipe.name!r}: P * 2^{offset} does not fit {fmt.name} (max {fmt.max}); "
                     "P = 1 would saturate"
                 )
-    return _Problem(shape, recipe, bool(causal), mask, dtype, c)
+    return _Problem(shape, recipe, check_causal(causal), mask, dtype, c)
 
 
 def _logits(pb: _Problem, q_hat, k_hat, i0: int, j0: int, j1: int, model: MatmulModel) -> torch.Tensor:

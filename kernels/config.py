@@ -82,9 +82,8 @@ class BwdTiles:
     ``block_n2`` keys for dQ (the contraction of the tile): tiles of 128 give the reference
     presets' 1x128 granularity, tiles of 64 and 32 the 1x64 and 1x32 ones; all are expressible in
     ``dmref.recipes`` (``KernelRecipe.reference_recipe``). Tiles of 128 spill at head
-    dim 128. The defaults (D = 128) are the fastest of the H200 sweeps in
-    benchmarks/results/2026-11-29_nvidia-h200_bench_attention_v2.json (tiles) and ``..._v7_whole_
-    accumulators.json`` (TMA loads).
+    dim 128. The defaults (D = 128) are the fastest tiling and loads of the H200 sweeps that
+    ``benchmarks/bench_attention.py`` runs (docs/kernels.md; benchmarks/results/h200_bench_attention.json).
     """
 
     block_m1: int = 64
@@ -243,16 +242,13 @@ class KernelRecipe:
     recipe: Recipe
     fwd: FwdTiles = field(default_factory=FwdTiles)
     #: forward tiling at head dim 64 (None: ``fwd``); same key tile (the recipe's running-max
-    #: granularity), with a register cap of 168 so that three CTAs share an SM (H200, 2026-11-29:
-    #: +5-7% at D = 64 in ..._bench_fwd_tiles_maxnreg.json, +5% in the v9 sweep, +3% after
-    #: mul_rn in ..._sweep_d64_mul_rn.json; at D = 128 the cap spills and loses)
+    #: granularity), with a register cap of 168 so that three CTAs share an SM (H200: 3% faster
+    #: at D = 64, benchmarks/results/h200_sweep_d64.json; at D = 128 the cap spills and loses)
     fwd_d64: FwdTiles | None = field(default_factory=lambda: FwdTiles(maxnreg=168))
     bwd: BwdTiles = field(default_factory=BwdTiles)
-    #: backward tiling at head dim 64 (None: ``bwd``); the H200 sweeps of 2026-11-29 picked
-    #: 64 x 64 tiles on 4 warps there, pointer loads, whole accumulators, and the defaults above
-    #: at head dim 128; the matched dq capped at 168 registers (3 CTAs per SM instead of 2) runs
-    #: 5% faster (..._bench_attention_v9_register_caps.json; the stale dq needs 158 anyway, and
-    #: capping dkdv too was slower)
+    #: backward tiling at head dim 64 (None: ``bwd``): the H200 sweep picks 64 x 64 tiles on 4
+    #: warps, pointer loads, and the matched dq capped at 168 registers (3 CTAs per SM instead of
+    #: 2; capping dkdv too is slower; benchmarks/results/h200_sweep_d64.json)
     bwd_d64: BwdTiles | None = field(
         default_factory=lambda: BwdTiles(64, 64, 64, 64, 4, 2, 4, 2, tma=False, maxnreg_dq=168))
     ds_tile_scales: bool = False

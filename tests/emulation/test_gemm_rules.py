@@ -118,7 +118,7 @@ def test_changing_a_rule_breaks_a_case_of_the_second_capture(rule, change, decid
 def test_triton_schedule_rejects_imprecise_acc_above_block_k():
     """Triton 3.6 refuses max_num_imprecise_acc > BK at compile time ("max_num_imprecise_acc
     (128) must be <= K (64)": the 12 such cases of the capture plan failed to compile on the
-    H200, benchmarks/results/2026-11-29_h200_gemm_capture_report.json), so no kernel can run
+    H200, benchmarks/results/h200_gemm_capture_report.json), so no kernel can run
     that schedule and the schedule helper says so instead of modelling it."""
     with pytest.raises(ValueError, match="max_num_imprecise_acc=128 > block_k=64"):
         triton_dot_schedule(64, 128)

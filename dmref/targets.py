@@ -142,6 +142,12 @@ def _bshd_empty(shape, dtype, device) -> torch.Tensor:
     return torch.empty(b, s, h, d, dtype=dtype, device=device).transpose(1, 2)
 
 
+def _bshd_output(shape, dtype, device) -> torch.Tensor:
+    """Like :func:`_bshd_empty`, filled with NaN: an element cuDNN does not write reads NaN (the
+    oracle and the capture see it) instead of whatever the allocator left there."""
+    return _bshd_empty(shape, dtype, device).fill_(float("nan"))
+
+
 def _bshd_stride(shape) -> list[int]:
     b, h, s, d = shape
     return [s * h * d, d, h * d, 1]
@@ -335,7 +341,7 @@ def cudnn_fp8_forward(q, k, v, *, causal: bool = False, scale: float | None = No
         else:
             r["scale_o"] = _scale_from_amax(r["amax_o_calibration"], _FWD_FORMAT)
         r["descale_o"] = _reciprocal(r["scale_o"])
-        out = {"o": _bshd_empty(o_shape, _FORMATS[_FWD_FORMAT][0], dev),
+        out = {"o": _bshd_output(o_shape, _FORMATS[_FWD_FORMAT][0], dev),
                "stats": torch.empty(*o_shape[:3], 1, dtype=torch.float32, device=dev),
                "amax_s": _scalar(float("nan"), dev), "amax_o": _scalar(float("nan"), dev)}
         g.run("fwd", {"q": r["q_fp8"], "k": r["k_fp8"], "v": r["v_fp8"], **{n: r[n] for n in _FWD_SCALARS},
@@ -370,7 +376,7 @@ def cudnn_fp8_backward(fwd: dict, do: torch.Tensor) -> dict:
         if run == "final":
             for n in ("dQ", "dK", "dV"):
                 sc[f"scale_{n}"] = _scale_from_amax(r[f"amax_{n}_calibration"], gf)
-        out = {n: _bshd_empty(g.geo[n[1].lower()], _FORMATS[gf][0], dev) for n in ("dQ", "dK", "dV")}
+        out = {n: _bshd_output(g.geo[n[1].lower()], _FORMATS[gf][0], dev) for n in ("dQ", "dK", "dV")}
         out.update({n: _scalar(float("nan"), dev) for n in _BWD_OUTPUTS[3:]})
         g.run("bwd", {**inputs, **given, "descale_dO": r["descale_dO"], "descale_dP": _reciprocal(sc["scale_dP"]),
                       **sc, **out})

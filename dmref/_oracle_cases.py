@@ -119,7 +119,7 @@ def as_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
         return t.clone(memory_format=torch.contiguous_format)
     if layout == "strided":
         b, h, n, d = t.shape
-        storage = torch.empty(1 + t.numel(), dtype=t.dtype, device=t.device)
+        storage = torch.zeros(1 + t.numel(), dtype=t.dtype, device=t.device)
         view = storage[1:].view(b, n, h, d).transpose(1, 2)
         view.copy_(t)
         return view.detach()

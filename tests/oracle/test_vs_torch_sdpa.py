@@ -32,10 +32,14 @@ def _bf16(x: torch.Tensor) -> torch.Tensor:
 def torch_cpu_flash_model(q, k, v, do, *, causal, scale, bf16_accumulation=True):
     """dK, dV as torch's CPU flash-attention backward computes them for BF16 inputs
     (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp): float32 matmuls on BF16 P and dS, and
-    dK, dV accumulated over blocks of queries (32 for fewer than 192 queries, 64 below 768, else
-    256) directly in the BF16 gradient tensors, the running sum rounded to BF16 after every block.
-    ``bf16_accumulation=False``: the same in float32, rounded once (FlashAttention-2's numerics)."""
-    q32, k32, v32, do32 = (t.float() for t in (q, k, v, do))
+    dK, dV accumulated directly in the BF16 gradient tensors: for every query head reading the
+    key/value head (one, or the GQA group with ``enable_gqa``), for every block of queries (32 for
+    fewer than 192 queries, 64 below 768, else 256), the running sum is rounded to BF16.
+    ``bf16_accumulation=False``: the same sums in float32, rounded once (FlashAttention-2's
+    numerics)."""
+    q32, do32 = q.float(), do.float()
+    groups = q.shape[1] // k.shape[1]
+    k32, v32 = k.float().repeat_interleave(groups, 1), v.float().repeat_interleave(groups, 1)
     nq, nk = q.shape[-2], k.shape[-2]
     s = scale * q32 @ k32.transpose(-1, -2)
     if causal:
@@ -45,25 +49,29 @@ def torch_cpu_flash_model(q, k, v, do, *, causal, scale, bf16_accumulation=True)
     ds = p * (do32 @ v32.transpose(-1, -2) - (do32 * out).sum(-1, keepdim=True))
     p_b, ds_b = _bf16(p), _bf16(ds)
     block = 256 if nq >= 768 else 64 if nq >= 192 else 32
-    dk, dv = torch.zeros_like(k32), torch.zeros_like(v32)
-    for m in range(0, nq, block):
-        dv = dv + p_b[..., m:m + block, :].transpose(-1, -2) @ do32[..., m:m + block, :]
-        dk = dk + scale * ds_b[..., m:m + block, :].transpose(-1, -2) @ q32[..., m:m + block, :]
-        if bf16_accumulation:
-            dk, dv = _bf16(dk), _bf16(dv)
+    dk, dv = torch.zeros_like(k.float()), torch.zeros_like(v.float())
+    for h in range(q.shape[1]):
+        j = h // groups
+        for m in range(0, nq, block):
+            rows = slice(m, m + block)
+            dv[:, j] += p_b[:, h, rows].transpose(-1, -2) @ do32[:, h, rows]
+            dk[:, j] += scale * ds_b[:, h, rows].transpose(-1, -2) @ q32[:, h, rows]
+            if bf16_accumulation:
+                dk[:, j], dv[:, j] = _bf16(dk[:, j]), _bf16(dv[:, j])
     return _bf16(dk), _bf16(dv)
 
 
 def test_torch_cpu_bf16_sdpa_rounds_dk_and_dv_to_bf16_after_every_block_of_queries():
-    """The evidence behind docs/oracle.md's explanation: the model with dV rounded to BF16 after
-    every block of 32 queries reproduces torch's dV in almost every element, and its largest error
-    exactly; the same model accumulating in float32 (one rounding) does not, and has about half
-    torch's largest error."""
+    """The evidence behind docs/oracle.md's explanation: the model that rounds dV's running sum to
+    BF16 after every block of queries of every query head reproduces torch's dV in almost every
+    element, and its largest error exactly, with and without GQA; the same model accumulating in
+    float32 (one rounding) does not, and has a smaller largest error."""
     from torch.nn.functional import scaled_dot_product_attention
 
-    for case in oracle.make_cases("quick", names=["realistic", "peaked_rows"]):
+    for case in oracle.make_cases("quick", names=["realistic", "peaked_rows", "gqa", "gqa_ratio_2"]):
         q, k, v = (t.clone().requires_grad_(True) for t in (case.q, case.k, case.v))
-        scaled_dot_product_attention(q, k, v, is_causal=case.causal, scale=case.scale).backward(case.dout)
+        scaled_dot_product_attention(q, k, v, is_causal=case.causal, scale=case.scale,
+                                     **oracle.gqa_kwargs(q, k)).backward(case.dout)
         ex = oracle._exact(case)
         dv_torch = v.grad.float()
         err_torch = oracle._max(oracle._ratio((dv_torch.double() - ex.dv).abs(), ex.mags["dv"]))
@@ -75,4 +83,4 @@ def test_torch_cpu_bf16_sdpa_rounds_dk_and_dv_to_bf16_after_every_block_of_queri
             if bf16_acc:
                 assert same > 0.97 and err == err_torch, (case.name, same, err, err_torch)
             else:
-                assert same < 0.8 and err < 0.75 * err_torch, (case.name, same, err, err_torch)
+                assert same < 0.8 and err < err_torch, (case.name, same, err, err_torch)

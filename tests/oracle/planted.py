@@ -240,7 +240,8 @@ def _plain(q, k, v, causal, scale, bug=None):
         k, v = k[:, index], v[:, index]
     nq, nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     rows = min(nq, nk) if bug == "more_queries" else nq  # query tiles sized by seqlen_k
-    qk = q[..., :rows, :64] @ k[..., :64].transpose(-1, -2) if bug == "head_dim" else q[..., :rows, :] @ k.transpose(-1, -2)
+    channels = 64 if bug == "head_dim" else d  # the bug: one head-dim tile of 64 channels
+    qk = q[..., :rows, :channels] @ k[..., :channels].transpose(-1, -2)
     s = scale * qk
     if causal:
         keep = torch.ones(rows, nk, dtype=torch.bool).tril(nk - nq)

@@ -279,9 +279,34 @@ def test_a_case_that_outlives_the_timeout_fails_and_stops_the_check():
     assert second.passed is None and "timed out" in second.detail
 
 
-def test_a_zero_baseline_excess_still_admits_one_rounding_to_the_dtype():
+def test_a_zero_baseline_excess_still_admits_rounding_to_the_dtype():
+    """An implementation equal to the exact result rounded to BF16, plus one more BF16 rounding
+    step on every element, passes where the baseline's error lies within the float32 floor (a
+    bound of 2 x 0); one that errs by 4 roundings on one element of dK fails."""
     import torch
 
-    assert oracle.error_bound(0.0, torch.bfloat16) == 2.0**-8
-    assert oracle.error_bound(0.0, torch.float32) == 2.0**-24
-    assert oracle.error_bound(0.01, torch.bfloat16) == 2 * 0.01
+    (case,) = _cases(names=["realistic"])
+    ex = oracle._exact(case)
+
+    def rounded(extra):
+        class Fixed(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, q, k, v):
+                return ex.out.to(torch.bfloat16)
+
+            @staticmethod
+            def backward(ctx, g):
+                dk = ex.dk.clone()
+                dk.view(-1)[dk.abs().argmax()] *= 1 + extra
+                return tuple(t.to(torch.bfloat16) for t in (ex.dq, dk, ex.dv))
+
+        def fn(q, k, v, *, causal, scale):
+            return Fixed.apply(q, k, v)
+
+        return fn
+
+    u = oracle.rounding_allowance(torch.bfloat16)
+    assert u == 2.0**-8
+    oracle.check(rounded(u), cases=[case], probe=False).raise_for_failures()
+    report = oracle.check(rounded(8 * u), cases=[case], probe=False)
+    assert report.failed_names() == {"dk"}, report.summary()

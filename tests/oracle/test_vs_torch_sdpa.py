@@ -68,7 +68,7 @@ def test_torch_cpu_bf16_sdpa_rounds_dk_and_dv_to_bf16_after_every_block_of_queri
     float32 (one rounding) does not, and has a smaller largest error."""
     from torch.nn.functional import scaled_dot_product_attention
 
-    for case in oracle.make_cases("quick", names=["realistic", "peaked_rows", "gqa", "gqa_ratio_2"]):
+    for case in oracle.make_cases("quick", names=["realistic", "peaked_rows", "more_queries", "gqa", "gqa_ratio_2"]):
         q, k, v = (t.clone().requires_grad_(True) for t in (case.q, case.k, case.v))
         scaled_dot_product_attention(q, k, v, is_causal=case.causal, scale=case.scale,
                                      **oracle.gqa_kwargs(q, k)).backward(case.dout)

@@ -35,6 +35,7 @@ def summarize(report, seconds: float) -> dict:
     return {
         "target": report.target, "mode": report.mode, "passed": report.passed,
         "checks_passed": sum(bool(c.passed) for c in ran), "checks_run": len(ran), "skipped": len(report.skipped),
+        "unsupported": sorted({f"{c.case} ({c.unsupported})" for c in report.unsupported}),
         "failed_checks": sorted(report.failed_names()), "failed_cases": sorted(report.failed_cases()),
         "rowsum_rms_median": statistics.median(rms) if rms else None,
         "rowsum_rms_max": max(rms) if rms else None,

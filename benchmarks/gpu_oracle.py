@@ -7,7 +7,10 @@
   (``delta_matching``), each at BF16 bounds, as a claim of the recipe it declares
   (``KernelRecipe.reference_recipe`` under the Hopper model) and of the dmref preset it is named
   after; the stale kernel also as a claim of the matched kernel's recipe (the probe must see its
-  stale delta from outside).
+  stale delta from outside);
+- ``dmref.targets.cudnn_fp8`` (cuDNN's FP8 attention, head dim 128 only) at head dim 128: at BF16
+  bounds, as a claim of the ``cudnn_fp8`` recipe and as a claim of ``delta_matching``; skipped
+  with a message when dmref.targets or cuDNN's FP8 attention is not available.
 
     python benchmarks/gpu_oracle.py --out DIR [--cases quick|standard] [--skip-kernels]
 
@@ -70,6 +73,26 @@ def _kernel(recipe: str):
     return fn
 
 
+def _cudnn_fp8_targets(cases: str) -> list[Target]:
+    """dmref.targets.cudnn_fp8 at head dim 128 (its only head dim), imported lazily."""
+    try:
+        from dmref.targets import cudnn_fp8
+    except Exception as e:  # noqa: BLE001 - the target is optional: say why and go on
+        print(f"skipping dmref.targets.cudnn_fp8: {type(e).__name__}: {e}", file=sys.stderr)
+        return []
+    from dmref import oracle
+
+    fcases = oracle.make_cases(cases, dtype=torch.bfloat16, head_dim=128)
+    return [
+        Target("cudnn_fp8", cudnn_fp8, cases=fcases, device="cuda",
+               note="exact attention at BF16 bounds (an FP8 kernel is expected to fail these)"),
+        Target("cudnn_fp8 claims cudnn_fp8", cudnn_fp8, recipe="cudnn_fp8", cases=fcases, device="cuda",
+               note="held to the dmref preset it names"),
+        Target("cudnn_fp8 claims delta_matching", cudnn_fp8, recipe="delta_matching", cases=fcases, device="cuda",
+               note="held to Delta-Matching: the probe must see cuDNN's stale delta from outside"),
+    ]
+
+
 def targets(cases: str, skip_kernels: bool) -> list[Target]:
     from dmref import oracle
 
@@ -95,7 +118,7 @@ def targets(cases: str, skip_kernels: bool) -> list[Target]:
         out.append(Target("kernels naive_fp8 claims delta_matching", _kernel("naive_fp8"),
                           recipe=declared["delta_matching"], cases=kcases, device="cuda",
                           note="the stale kernel held to the matched kernel's declared recipe"))
-    return out
+    return out + _cudnn_fp8_targets(cases)
 
 
 def main(argv=None) -> int:

@@ -1,14 +1,16 @@
 """``dmref check package.module:function``: run the oracle on an attention implementation.
 
-Exit status: 0 when every check passed, 1 when a check failed, 2 when the function could not be
-imported or has the wrong signature (the message says which). The table and the progress go to
-the terminal; with ``--json`` stdout holds only the report as JSON (progress on stderr).
+Exit status: 0 when every check passed (cases of an optional feature fn cannot do are reported
+UNSUPPORTED and do not count unless ``--require``d), 1 when a check failed or a case timed out
+(``--timeout SECONDS``, per case), 2 when the command cannot run: the target cannot be imported,
+is not callable or has the wrong signature, the device is not available, an option is invalid
+(one line on stderr says which). The table and the progress go to the terminal; with ``--json``
+stdout holds only the report as strict JSON (progress on stderr).
 """
 
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import sys
 
@@ -37,6 +39,15 @@ def register(subparsers) -> None:
                    help="case set (default standard)")
     p.add_argument("--case", action="append", default=None, metavar="NAME",
                    help="run only this case of the set (repeatable)")
+    p.add_argument("--head-dim", type=int, default=None, metavar="D",
+                   help="run every case at head dim D (even, >= 16); default 64, and 96 for the other_head_dim "
+                        "case")
+    p.add_argument("--require", action="append", default=[], choices=("gqa", "mask"),
+                   help="an optional feature fn must do (repeatable): its cases fail instead of being reported "
+                        "UNSUPPORTED when fn raises")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="limit per case (fn's calls and the oracle's work on it); a case that takes longer "
+                        "fails and the remaining cases are not run")
     p.add_argument("--device", default="cpu", help="device fn runs on (default cpu)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-probe", action="store_true", help="skip the row-sum probe (one fn call per case)")
@@ -71,6 +82,24 @@ def load_target(spec: str):
     return obj
 
 
+def device_problem(device: str) -> str | None:
+    """Why ``device`` cannot run fn here, or None when it can."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        return f"--device {device!r} is not a torch device ({e})"
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        return (f"--device {device!r}: no CUDA device on this machine (torch.cuda.is_available() is False, torch "
+                f"{torch.__version__}); accepted here: cpu")
+    try:
+        torch.empty(1, device=dev)
+    except Exception as e:  # noqa: BLE001 - whatever torch says about the device
+        return f"--device {device!r} cannot hold a tensor here: {type(e).__name__}: {str(e).splitlines()[0]}"
+    return None
+
+
 def _run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -86,10 +115,16 @@ def _run(args) -> int:
         oracle.validate_signature(fn)
         if args.recipe is not None:
             get_recipe(args.recipe)
+        problem = device_problem(args.device)
+        if problem:
+            raise ValueError(problem)
+        if args.timeout is not None and not args.timeout > 0:
+            raise ValueError(f"--timeout {args.timeout}: must be a positive number of seconds")
         dtype = getattr(torch, _DTYPES[args.dtype])
-        cases = oracle.make_cases(args.cases, dtype=dtype, seed=args.seed, names=args.case, probe=not args.no_probe)
+        cases = oracle.make_cases(args.cases, dtype=dtype, seed=args.seed, names=args.case, probe=not args.no_probe,
+                                  head_dim=args.head_dim)
     except (ValueError, TypeError) as e:
-        err.print(f"[bold red]dmref check: error:[/bold red] {e}")
+        print(f"dmref check: error: {' '.join(str(e).split())}", file=sys.stderr)
         return EXIT_USAGE
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -100,11 +135,18 @@ def _run(args) -> int:
             progress.update(task, completed=index, description=f"case {name}")
 
         report = oracle.check(fn, recipe=args.recipe, cases=cases, dtype=dtype, device=args.device,
-                              probe=not args.no_probe, progress=step, target=args.target)
+                              probe=not args.no_probe, progress=step, target=args.target, require=args.require,
+                              timeout=args.timeout)
         progress.update(task, completed=len(cases))
 
     if args.json:
-        print(json.dumps(report.as_dict(), indent=1))
+        print(report.to_json(indent=1))
     else:
         Console(width=max(Console().width, 160)).print(report.table())
-    return EXIT_PASSED if report.passed else EXIT_FAILED
+    code = EXIT_PASSED if report.passed else EXIT_FAILED
+    if args.timeout is not None and any(c.detail.startswith("timed out") for c in report.failed):
+        err.print(report.summary())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # a timed-out case may still be running in a thread that cannot be stopped
+    return code

@@ -10,9 +10,17 @@ Causal cases have ``seqlen_q == seqlen_k``: there the top-left alignment of
 FlashAttention >= 2.1 (and :mod:`dmref.reference`) agree. Rows with no key left (only through an
 explicit mask) are run only when the implementation takes a ``mask`` argument.
 
-Two cases leave the plain multi-head, unmasked problem:
+The cases together vary every axis an attention bug can live on (docs/oracle.md lists the axes
+and a planted bug for each): batch, heads, key/value heads and the GQA ratio, seqlen_q and
+seqlen_k separately (1, tails, block multiples, more queries than keys), head dim, the values'
+range up to the dtype's limits and the logits' range, causal or not, boolean and additive masks
+with fully masked rows, the softmax scale, and the memory layout (non-contiguous views, a storage
+offset, a non-contiguous dO). ``Case.feature`` names the optional feature a case exercises
+(``"gqa"``, ``"mask"``), None for the core cases.
 
-- ``gqa``: grouped-query attention. k and v (and so dK, dV) have ``kv_heads`` heads, q and dO
+Two kinds of case leave the plain multi-head, unmasked problem:
+
+- ``gqa``, ``gqa_ratio_2``: grouped-query attention. k and v (and so dK, dV) have ``kv_heads`` heads, q and dO
   ``4 * kv_heads``; query head h reads key/value head ``h // 4`` (``repeat_interleave``, SDPA's
   ``enable_gqa``). At least two key/value heads, so that a wrong grouping (``repeat`` instead of
   ``repeat_interleave``) is a different problem.
@@ -31,7 +39,14 @@ import torch
 
 from . import probe as _probe
 
-__all__ = ["CASE_SETS", "Case", "make_cases"]
+__all__ = ["CASE_SETS", "DEFAULT_HEAD_DIM", "LAYOUTS", "OTHER_HEAD_DIM", "Case", "as_layout", "extreme_magnitude",
+           "make_cases"]
+
+#: the head dim of every case but ``other_head_dim`` when the caller gives none
+DEFAULT_HEAD_DIM = 64
+#: the head dim of the ``other_head_dim`` case when the caller gives none (not a power of two,
+#: more than one 64-channel tile)
+OTHER_HEAD_DIM = 96
 
 
 @dataclass
@@ -52,10 +67,25 @@ class Case:
     mask: torch.Tensor | None = None
     probe: _probe.ProbeSetup | None = None
     tags: tuple[str, ...] = field(default_factory=tuple)
+    layout: str = "contiguous"  #: how fn receives q, k, v and dO: see :func:`as_layout`
 
     @property
     def kv_heads(self) -> int:
         return self.k.shape[1]
+
+    @property
+    def feature(self) -> str | None:
+        """The optional feature the case exercises: ``"gqa"`` (fewer key/value heads than query
+        heads), ``"mask"`` (an explicit boolean or additive mask), or None."""
+        if self.mask is not None:
+            return "mask"
+        if self.kv_heads != self.q.shape[1]:
+            return "gqa"
+        return None
+
+    def leaf(self, t: torch.Tensor, device=None) -> torch.Tensor:
+        """A fresh leaf tensor with t's values in this case's memory layout (on ``device``)."""
+        return as_layout(t.detach().to(device) if device is not None else t.detach(), self.layout)
 
     @property
     def shape(self) -> str:
@@ -70,7 +100,30 @@ class Case:
     def to(self, device) -> "Case":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return Case(self.name, self.description, move(self.q), move(self.k), move(self.v), move(self.dout),
-                    self.causal, self.scale, move(self.mask), self.probe, self.tags)
+                    self.causal, self.scale, move(self.mask), self.probe, self.tags, self.layout)
+
+
+#: the memory layouts a case can give fn its tensors in
+LAYOUTS = ("contiguous", "strided")
+
+
+def as_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """A new leaf tensor equal to ``t`` (``(batch, heads, seqlen, head_dim)``) in ``layout``:
+
+    - ``contiguous``: a contiguous copy;
+    - ``strided``: a ``(batch, seqlen, heads, head_dim)`` buffer seen through ``transpose(1, 2)``
+      (the layout of a projection's output split into heads: not contiguous), starting one
+      element into its storage (storage offset 1: the data pointer is not 16-byte aligned).
+    """
+    if layout == "contiguous":
+        return t.clone(memory_format=torch.contiguous_format)
+    if layout == "strided":
+        b, h, n, d = t.shape
+        storage = torch.zeros(1 + t.numel(), dtype=t.dtype, device=t.device)
+        view = storage[1:].view(b, n, h, d).transpose(1, 2)
+        view.copy_(t)
+        return view.detach()
+    raise ValueError(f"{layout=} is not one of {LAYOUTS}")
 
 
 def _randn(g, *shape):
@@ -109,7 +162,7 @@ def _gaussian(g, b, h, nq, nk, d):
     return _randn(g, b, h, nq, d), _randn(g, b, h, nk, d), _randn(g, b, h, nk, d), _token_scaled_dout(g, b, h, nq, d, 1.0)
 
 
-def _gqa(g, b, h, hkv, n, d):
+def _gqa(g, b, h, hkv, nq, nk, d):
     """Gaussian q (h heads), k, v (hkv heads) with four outlier channels (x3 in Q and K, x8 in V,
     as dmref.demo), the query heads of a group sharing a mean direction (|mu| about half a
     token's norm); dO per-token scaled."""
@@ -120,10 +173,10 @@ def _gqa(g, b, h, hkv, n, d):
     qk_scale[outliers], v_scale[outliers] = 3.0, 8.0
     mu = _randn(g, b, hkv, 1, d)
     mu = 0.5 * math.sqrt(d) * mu / mu.norm(dim=-1, keepdim=True)
-    q = _randn(g, b, h, n, d) * qk_scale + mu.repeat_interleave(groups, dim=1)
-    k = _randn(g, b, hkv, n, d) * qk_scale
-    v = _randn(g, b, hkv, n, d) * v_scale
-    return q, k, v, _token_scaled_dout(g, b, h, n, d, 1.0)
+    q = _randn(g, b, h, nq, d) * qk_scale + mu.repeat_interleave(groups, dim=1)
+    k = _randn(g, b, hkv, nk, d) * qk_scale
+    v = _randn(g, b, hkv, nk, d) * v_scale
+    return q, k, v, _token_scaled_dout(g, b, h, nq, d, 1.0)
 
 
 def _additive_mask(g, h, nq, nk) -> torch.Tensor:
@@ -157,13 +210,15 @@ class _Spec:
     additive_mask: bool = False  # floating mask (see _additive_mask)
     kv_heads: int | None = None  # None: as many as query heads
     tags: tuple[str, ...] = ()
+    layout: str = "contiguous"
+    extreme: int = 0  # +1: q, k, v, dO at the dtype's huge magnitude m, -1 at 1/m (scale m^-2 / m^2)
 
 
 def _specs(size: str) -> list[_Spec]:
     n = {"quick": 128, "standard": 256, "thorough": 512}[size]
     long_n = {"quick": 512, "standard": 1024, "thorough": 4096}[size]
-    h = {"quick": 1, "standard": 2, "thorough": 4}[size]
-    d = 64
+    h = {"quick": 2, "standard": 2, "thorough": 4}[size]
+    d = DEFAULT_HEAD_DIM
     kv = max(2, h)  # GQA: at least two key/value heads, so that the grouping matters
     return [
         _Spec("realistic", "outlier channels x3/x8, sink key, peaked rows (dmref.demo)", 1, h, n, n, d, False, "realistic",
@@ -192,7 +247,36 @@ def _specs(size: str) -> list[_Spec]:
         _Spec("additive_mask", "float mask: ALiBi-like bias per head, 10% -inf, every 9th row all -inf (needs "
               "fn(..., mask=))", 1, h, n, n, d, False, "gaussian", additive_mask=True,
               tags=("adversarial", "mask", "additive")),
+        # appended (each case is seeded by its position: the cases above keep their inputs)
+        _Spec("batch_heads", f"batch 3, {h + 1} heads, causal", 3, h + 1, n, n, d, True, "gaussian",
+              tags=("axes", "causal")),
+        _Spec("strided_inputs", "q, k, v, dO non-contiguous (transposed (batch, seqlen, heads, head_dim) views) "
+              "at storage offset 1", 2, h, n, n, d, False, "gaussian", layout="strided", tags=("axes", "layout")),
+        _Spec("more_queries", "203 queries x 77 keys, not causal", 1, h, 203, 77, d, False, "gaussian",
+              tags=("axes", "cross")),
+        _Spec("single_query", "1 query x 203 keys (decoding), batch 2", 2, h, 1, 203, d, False, "gaussian",
+              tags=("axes", "cross")),
+        _Spec("gqa_ratio_2", "GQA: 6 query heads on 3 key/value heads, 113 queries x 203 keys, batch 2", 2, 6,
+              113, 203, d, False, "gqa", kv_heads=3, tags=("axes", "gqa", "cross")),
+        _Spec("other_head_dim", f"head dim {OTHER_HEAD_DIM} (the caller's head dim when one is given), causal", 1,
+              h, n, n, OTHER_HEAD_DIM, True, "gaussian", tags=("axes", "causal")),
+        _Spec("huge_values", "q, k, v, dO at m = 2^(e/4), e = min(max exponent of the dtype, 128) (bf16: 2^32), "
+              "scale / m^2", 1, h, n, n, d, False, "gaussian", extreme=1, tags=("axes", "range")),
+        _Spec("tiny_values", "q, k, v, dO at 1/m (bf16: 2^-32), scale x m^2, causal", 1, h, n, n, d, True,
+              "gaussian", extreme=-1, tags=("axes", "range", "causal")),
+        _Spec("huge_logits", "scale 32/sqrt(d): logits of standard deviation 32, beyond exp's float32 range "
+              "without the row maximum subtracted", 1, h, n, n, d, False, "gaussian", scale_factor=32.0,
+              tags=("axes", "range")),
     ]
+
+
+def extreme_magnitude(dtype: torch.dtype) -> float:
+    """m = 2^(e/4) with e = min(the dtype's largest binary exponent, 128): q, k, v, dO of
+    magnitude m (scale m^-2 keeps the logits of order 1) give dP = dO Vᵀ ~ m^2 sqrt(d) and dQ,
+    dK of order m, finite in float32 accumulation for every dtype with e >= 16 (float16: m = 2^4,
+    bfloat16, float32, float64: m = 2^32)."""
+    e = math.frexp(torch.finfo(dtype).max)[1]  # the largest binary exponent + 1: 128 for float32, 16 for float16
+    return 2.0 ** (min(e, 128) // 4)
 
 
 #: The case sets by name; ``quick`` is what the test suites run, ``standard`` what ``dmref
@@ -204,9 +288,14 @@ def make_cases(size: str = "standard", *, dtype: torch.dtype = torch.bfloat16, s
                names: list[str] | None = None, head_dim: int | None = None, probe: bool = True) -> list[Case]:
     """The oracle's cases (module docstring), inputs in ``dtype``.
 
-    ``names`` keeps only those cases (in this order); ``head_dim`` replaces the default 64."""
+    ``names`` keeps only those cases (in this order). ``head_dim``: every case at that head dim
+    (at least 16, even); None: :data:`DEFAULT_HEAD_DIM`, and ``other_head_dim`` at
+    :data:`OTHER_HEAD_DIM`."""
     if size not in CASE_SETS:
         raise ValueError(f"unknown case set {size!r}; known: {', '.join(CASE_SETS)}")
+    if head_dim is not None and (head_dim < _probe.GROUP or head_dim % 2):
+        raise ValueError(f"{head_dim=} must be even and at least {_probe.GROUP} (the probe's two null channels "
+                         f"live in an aligned group of {_probe.GROUP})")
     specs = _specs(size)
     # each case is seeded by its place in the full list, so a case picked by name sees the same inputs
     position = {s.name: i for i, s in enumerate(specs)}
@@ -226,10 +315,11 @@ def make_cases(size: str = "standard", *, dtype: torch.dtype = torch.bfloat16, s
         elif s.make == "outliers":
             q, k, v, dout = _outliers(g, s.batch, s.heads, s.seqlen_q, d)
         elif s.make == "gqa":
-            q, k, v, dout = _gqa(g, s.batch, s.heads, s.kv_heads, s.seqlen_q, d)
+            q, k, v, dout = _gqa(g, s.batch, s.heads, s.kv_heads, s.seqlen_q, s.seqlen_k, d)
         else:
             q, k, v, dout = _gaussian(g, s.batch, s.heads, s.seqlen_q, s.seqlen_k, d)
-        q, k, v, dout = (t * m for t, m in zip((q, k, v, dout), s.magnitude))
+        m = extreme_magnitude(dtype) ** s.extreme
+        q, k, v, dout = (t * f * m for t, f in zip((q, k, v, dout), s.magnitude))
         q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
         mask = None
         if s.masked_rows:
@@ -241,6 +331,6 @@ def make_cases(size: str = "standard", *, dtype: torch.dtype = torch.bfloat16, s
         setup = None
         if probe and d >= _probe.GROUP:
             q, k, setup = _probe.prepare(q, k)
-        scale = s.scale_factor / math.sqrt(d)
-        cases.append(Case(s.name, s.description, q, k, v, dout, s.causal, scale, mask, setup, s.tags))
+        scale = s.scale_factor * m**-2 / math.sqrt(d)
+        cases.append(Case(s.name, s.description, q, k, v, dout, s.causal, scale, mask, setup, s.tags, s.layout))
     return cases

@@ -1,87 +1,52 @@
-"""The oracle: is *your* attention implementation right?
+"""The oracle: checks an attention implementation against float64 attention.
 
-``dmref.oracle.check(fn, recipe=None, cases="standard", dtype=torch.bfloat16)`` runs
-``fn(q, k, v, *, causal, scale) -> out`` (any differentiable torch attention) forward and,
-through autograd, backward on the problems of :func:`dmref._oracle_cases.make_cases` (realistic
-inputs, outlier channels, peaked and flat rows, a long sequence, tail lengths, extreme
-magnitudes, GQA, fully masked rows, an additive mask), and compares against the float64
-reference. It returns a
-:class:`OracleReport`: every check passed or failed with its bound, the error statistics and
-the implementation's row-sum residual measured by the black-box probe (:mod:`dmref.probe`).
+How to call it::
 
-What fn is given (SDPA's conventions):
+    report = dmref.oracle.check(fn)                       # exact attention at BF16 bounds
+    report = dmref.oracle.check(fn, recipe="delta_matching", cases="quick", head_dim=128)
+    report.raise_for_failures()                           # AssertionError naming each failure
 
-- q, dO ``(batch, heads, seqlen_q, head_dim)``; k, v ``(batch, kv_heads, seqlen_k, head_dim)``
-  with ``heads % kv_heads == 0`` (the ``gqa`` case has kv_heads < heads): query head h reads
-  key/value head ``h // (heads // kv_heads)``, as ``repeat_interleave`` and SDPA's
-  ``enable_gqa``; k.grad and v.grad have kv_heads heads.
-- ``mask`` (only if fn has a parameter of that name; without one the masked cases are skipped)
-  is boolean (True = attend; ``fully_masked_rows``) or floating in the input dtype, added to the
-  scaled scores with -inf removing a position (``additive_mask``: SDPA's float ``attn_mask``).
-  Both have rows with no key left: their output and every gradient must be exactly zero.
-- An implementation that cannot do a case (no GQA, no float mask, ...) raises
-  ``NotImplementedError``: the case is recorded as skipped, not failed.
+(or ``dmref check package.module:fn`` from the shell, or the pytest fixture ``dmref_oracle``).
 
-Errors are componentwise, each element against its own magnitude from the exact problem (the
-condition-number-like factor of that element)::
+What fn must be: ``fn(q, k, v, *, causal, scale[, mask]) -> out``, differentiable through
+autograd, with SDPA's conventions: q, dO ``(batch, heads, seqlen_q, head_dim)``; k, v
+``(batch, kv_heads, seqlen_k, head_dim)``, query head h reading key/value head
+``h // (heads // kv_heads)``; ``mask`` boolean (True = attend) or floating (added to the scaled
+scores, -inf removes a position); rows with no key left give zero output and gradients.
 
-    out:  |O - O*|_id  / (P |V|)_id             dV: |dV - dV*|_jd / (Pᵀ |dO|)_jd
-    dQ:   |dQ - dQ*|_id / tau (W |K|)_id         dK: |dK - dK*|_jd / tau (Wᵀ |Q|)_jd
-    W_ij = P_ij (|dP_ij| + |D_i|)
+What is checked, per case (:func:`dmref._oracle_cases.make_cases`: every axis an attention bug
+can live on, docs/oracle.md), after one forward and one backward of fn on the case's inputs
+(given in the case's memory layout):
 
-(0/0 counts as 0: an element whose magnitude is zero, e.g. a fully masked row, must be exactly
-zero.) The statistic of a check is the largest such ratio over the case.
+- ``runs``: fn returned a tensor of the right shape and gradients reached q, k, v.
+- ``finite``: no NaN or inf in out, dq, dk, dv.
+- ``out``, ``dq``, ``dk``, ``dv``: the largest componentwise error beyond ``floor`` (the
+  rigorous bound of any float32 implementation on that element), in units of the element's
+  magnitude M (:func:`_exact`), is at most twice the baseline's own statistic
+  (:data:`BASELINE_FACTOR`); where the baseline's excess is 0, two roundings of the element's
+  value to the dtype are not counted against fn (:func:`rounding_allowance`).
+- ``rowsum``: the probe's reading of sum_j dS_ij (:mod:`dmref.probe`), rms over rows relative to
+  sum_j |P_ij dP_ij|, is at most the baseline's (:func:`_rowsum_check`); an unvouched reading
+  fails.
+- ``agree_*`` (a recipe claim only): fn makes the recipe's rounding errors, not others of the
+  same size (:func:`_agreement_checks`).
 
-Bounds (module constant :data:`BASELINE_FACTOR` = 2, FlashAttention's test convention). Every
-statistic is an *excess*: the part of each element's error beyond ``floor``, the rigorous
-a-priori bound of any float32 implementation of attention on that element
-(:func:`dmref.diagnostics.attention_error_bound` with u = 2^-24), so an error float32 rounding
-can explain never counts, and ill-conditioned elements are judged by their own floor.
+The baseline runs in the same call on the same inputs: with ``recipe=None`` dmref's model of a
+correct implementation in ``dtype`` (:func:`baseline_recipe`: FlashAttention-2's numerics for
+BF16 and FP16), with ``recipe=R`` the emulated R.
 
-- *No recipe* (the implementation claims only to compute attention in its input dtype): the
-  baseline is dmref's model of a correct implementation in that dtype, run in the same call on
-  the same inputs -- the ``bf16`` preset for bfloat16 (FlashAttention-2's numerics: every matmul
-  operand, P, dS and O rounded to BF16, D from the BF16 O), the same with float16, ``fp32`` for
-  float32, ``exact`` for float64 -- with outputs rounded to the dtype. A check passes when
+Guarantees:
 
-      max_e (|X - X*|_e - floor_e)+ / M_e  <=  2 max_e (|X_base - X*|_e - floor_e)+ / M_e.
-
-  In this mode the floor of dQ and dK also holds the delta from the output rounded to the dtype
-  (FlashAttention's D_i = dO_i . O_i with its own BF16 O): |D_i - D*_i| <= u a_i,
-  a_i = sum_d |dO_id| (|O*_id| + floor_out_id), u the dtype's unit roundoff, which moves dQ_i by
-  tau (D_i - D*_i) (P K)_i and dK_j by tau sum_i (D_i - D*_i) P_ij Q_i. Its size and sign depend
-  on how each implementation's O happens to round: the baseline realizes one instance (on the
-  H200, torch's flash backend rounds 19 of 64 channels of one peaked row of O the other way
-  than the bf16 preset, so its D error there is 0.023 against the preset's 0.002, within
-  u a_i = 0.12; docs/oracle.md), so it is a bound, not a baseline statistic.
-
-- *Row-sum residual* (both modes): the probe's r^_i = sum_j dS_ij relative to
-  A_i = sum_j |P_ij dP_ij| (exact), as a root mean square over the rows, against the
-  baseline's residual read from the inside of :mod:`dmref.tiled` (``RowsumStats.residual_dq``:
-  dS as the dQ matmul sees it, the same quantity the probe reads), plus the probe's own noise
-  as measured by the spread of its two readings (``noise`` = rms_i |r^_a,i - r^_b,i| / A_i)::
-
-      no recipe:  rms_i |r^_i| / A_i <= 2 rms_i |r^base_i| / A_i + noise + gamma_{2n+d+4}(2^-24)
-      recipe R:   rms_i |r^_i| / A_i <= rms_R (1 + 3 sigma_rel) + noise
-
-  where sigma_rel is the relative sampling error of an rms over that many rows, from R's own
-  rows (:data:`ROWSUM_SAMPLING_SIGMAS`): an implementation of R rounds dS like R, so its
-  residual is R's up to sampling, and a stale delta of any size above that shows. A reading the
-  probe cannot vouch for (its worst-case bound, :mod:`dmref.probe`) fails the check.
-- *Recipe* (``recipe=R``: the implementation claims R's quantization): the baseline is the
-  emulated R. The error checks are as above with that baseline. In addition, the
-  ``agree_*`` checks ask whether fn makes *R's* rounding errors rather than errors of the same
-  size elsewhere (a wrong block axis, a different delta):
-
-      rms_e d(X, X_R)_e <= 2 rms_e d(X_R', X_R)_e + 1/2 rms_e d(X_R, X*)_e,
-      d(A, B)_e = (|A - B|_e - floor_e)+ / M_e,
-
-  where R' is R with every matmul accumulated exactly (float64, rounded once): the spread
-  between two faithful implementations of R that differ only in accumulation, and the last term
-  (:data:`AGREEMENT_FRACTION`) admits the rare FP8 rounding flips another accumulation order or
-  exp2 causes, while an implementation whose errors are independent of R's (distance sqrt(2)
-  times R's error) fails. Claim ``"name@hopper"`` for an implementation on Hopper FP8 tensor
-  cores, whose accumulation is far from float32.
+- Nothing is reported as checked that was not: a check that did not run is ``skipped`` or
+  ``unsupported`` with the reason, and a report with no check run does not pass.
+- An exception in a case exercising an optional feature (:data:`OPTIONAL_FEATURES`: GQA,
+  masks), or a mask case for an fn without ``mask``, marks that case ``unsupported`` (named in
+  the summary with the exception's message) and does not fail the verdict, unless the feature
+  is in ``require``. Any other exception, ``NotImplementedError`` included, fails ``runs``.
+- With ``timeout``, a case that runs longer fails ``runs`` ("timed out"), and the cases after it
+  are not run (reported as skipped): the hung call cannot be stopped.
+- Every bound is derived from the dtype, the recipe and the inputs (no typed tolerance); the
+  derivations and their evidence are in docs/oracle.md.
 """
 
 from __future__ import annotations
@@ -99,6 +64,7 @@ from ._oracle_cases import CASE_SETS, Case, make_cases
 __all__ = [
     "AGREEMENT_FRACTION",
     "BASELINE_FACTOR",
+    "OPTIONAL_FEATURES",
     "ROWSUM_SAMPLING_SIGMAS",
     "CASE_SETS",
     "Case",
@@ -110,6 +76,7 @@ __all__ = [
     "emulated",
     "gqa_kwargs",
     "make_cases",
+    "rounding_allowance",
     "sdpa",
     "sdpa_math",
     "validate_signature",
@@ -131,6 +98,10 @@ AGREEMENT_FRACTION = 0.5
 #: that many rows (the sampling error of the statistic, measured from the recipe's own rows).
 ROWSUM_SAMPLING_SIGMAS = 3.0
 
+#: optional features of an implementation; a case exercising one that fn cannot do is reported
+#: ``unsupported`` unless the feature is required (``check(..., require=...)``)
+OPTIONAL_FEATURES = ("gqa", "mask")
+
 _U_FP32 = 2.0**-24
 _CHECK_ORDER = ("runs", "finite", "out", "dq", "dk", "dv", "rowsum", "agree_out", "agree_dq", "agree_dk", "agree_dv")
 
@@ -142,7 +113,8 @@ _CHECK_ORDER = ("runs", "finite", "out", "dq", "dk", "dv", "rowsum", "agree_out"
 
 @dataclass
 class Check:
-    """One check of one case. ``passed`` is None for a skipped check."""
+    """One check of one case. ``passed`` is None for a check that did not run: skipped, or
+    ``unsupported`` (the case exercises an optional feature fn cannot do)."""
 
     case: str
     name: str  #: "runs", "finite", "out", "dq", "dk", "dv", "rowsum", "agree_out", ...
@@ -151,6 +123,14 @@ class Check:
     bound: float = math.nan  #: the bound it is held to
     baseline: float = math.nan  #: the baseline's own statistic the bound is derived from
     detail: str = ""
+    unsupported: str = ""  #: the optional feature fn cannot do ("gqa", "mask"), when it cannot
+
+    @property
+    def status(self) -> str:
+        """"passed", "FAILED", "unsupported" or "skipped"."""
+        if self.passed is not None:
+            return "passed" if self.passed else "FAILED"
+        return "unsupported" if self.unsupported else "skipped"
 
     @property
     def id(self) -> str:
@@ -198,7 +178,12 @@ class OracleReport:
 
     @property
     def skipped(self) -> list[Check]:
+        """Checks that did not run, the unsupported ones included."""
         return [c for c in self.checks if c.passed is None]
+
+    @property
+    def unsupported(self) -> list[Check]:
+        return [c for c in self.checks if c.unsupported and c.passed is None]
 
     def failed_names(self) -> set[str]:
         """The names of the checks that failed in any case ("rowsum", "dk", ...)."""
@@ -209,9 +194,12 @@ class OracleReport:
         return {c.case for c in self.failed if name is None or c.name == name}
 
     def as_dict(self) -> dict:
+        """The report as strict-JSON data: a float that is not finite becomes the string
+        ``"NaN"``, ``"Infinity"`` or ``"-Infinity"`` (JSON has no such numbers; the finite floats
+        round-trip exactly through ``json.dumps``, which writes the shortest repr)."""
         def clean(x):
             if isinstance(x, float) and not math.isfinite(x):
-                return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
+                return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
             if isinstance(x, dict):
                 return {k: clean(v) for k, v in x.items()}
             if isinstance(x, list):
@@ -221,17 +209,28 @@ class OracleReport:
         return clean({
             "target": self.target, "mode": self.mode, "dtype": self.dtype, "recipe": self.recipe,
             "passed": self.passed, "failed": [c.id for c in self.failed],
+            "unsupported": [{"case": c.case, "feature": c.unsupported, "detail": c.detail} for c in self.unsupported],
             "checks": [asdict(c) for c in self.checks], "cases": [asdict(c) for c in self.cases],
         })
+
+    def to_json(self, **kwargs) -> str:
+        """:meth:`as_dict` as strict JSON (``allow_nan=False``)."""
+        import json
+
+        return json.dumps(self.as_dict(), allow_nan=False, **kwargs)
 
     def summary(self) -> str:
         """One line: verdict, counts, the failed checks."""
         ran = [c for c in self.checks if c.passed is not None]
         verdict = "PASSED" if self.passed else "FAILED"
+        unsupported = self.unsupported
         line = (f"{verdict}: {self.target} ({self.mode}): {sum(bool(c.passed) for c in ran)}/{len(ran)} checks "
-                f"passed, {len(self.skipped)} skipped")
+                f"passed, {len(self.skipped) - len(unsupported)} skipped")
         if self.failed:
             line += "; failed: " + ", ".join(c.id for c in self.failed)
+        if unsupported:
+            line += "; UNSUPPORTED (not counted): " + "; ".join(
+                f"{c.case} ({c.unsupported}: {c.detail[:120]})" for c in unsupported)
         return line
 
     def table(self, *, title: str | None = None):
@@ -258,6 +257,8 @@ class OracleReport:
                 c = checks.get(n)
                 if c is None:
                     row.append("")
+                elif c.passed is None and c.unsupported:
+                    row.append(f"[yellow]UNSUPPORTED[/yellow] {c.detail[:40]}")
                 elif c.passed is None:
                     row.append("[dim]skip[/dim]")
                 elif n in ("runs", "finite"):
@@ -323,8 +324,10 @@ def _name(fn) -> str:
     return f"{module}:{qual}" if module else qual
 
 
-def _call(fn, case: Case, k, device):
-    q_, k_, v_ = (t.detach().clone().to(device).requires_grad_(True) for t in (case.q, k, case.v))
+def _call(fn, case: Case, device):
+    """One forward and backward of fn on the case, inputs and dO in the case's memory layout.
+    Returns (out, dq, dk, dv) detached, on fn's device."""
+    q_, k_, v_ = (case.leaf(t, device).requires_grad_(True) for t in (case.q, case.k, case.v))
     kwargs = dict(causal=case.causal, scale=case.scale)
     if case.mask is not None:
         kwargs["mask"] = case.mask.to(device)
@@ -334,7 +337,7 @@ def _call(fn, case: Case, k, device):
     expected = (*case.q.shape[:-1], case.v.shape[-1])
     if tuple(out.shape) != expected:
         raise ValueError(f"fn returned shape {tuple(out.shape)}, expected {expected}")
-    out.backward(case.dout.to(device=device, dtype=out.dtype))
+    out.backward(case.leaf(case.dout.to(dtype=out.dtype), device))
     grads = (q_.grad, k_.grad, v_.grad)
     if any(g is None for g in grads):
         missing = [n for n, g in zip("qkv", grads) if g is None]
@@ -486,30 +489,72 @@ def _dq_accumulation_u(claimed) -> float:
     return 2.0**-13 if fp8 else _U_FP32
 
 
+def rounding_allowance(dtype: torch.dtype) -> float:
+    """The unit roundoff u of ``dtype``: an implementation rounds each result to its output
+    dtype, an error of up to u |X*_e|. On the elements where the baseline's error lies within the
+    float32 floor (its excess is exactly 0, a bound of 2 x 0), the error checks do not count
+    2 u |X*_e| of fn's error (:data:`BASELINE_FACTOR` roundings of the element's own value), so
+    that an implementation that rounds as its dtype allows passes there."""
+    return torch.finfo(dtype).eps / 2
+
+
+@dataclass
+class _Plan:
+    """What :func:`check` holds every case to."""
+
+    base: object  #: the baseline recipe
+    claimed: object  #: the claimed recipe or None
+    spread_recipe: object  #: the claimed recipe accumulated exactly (agreement checks) or None
+    dtype: torch.dtype
+    device: object
+    takes_mask: bool
+    probe: bool
+    u_acc: float
+    require: frozenset
+
+
+def _case_list(cases, dtype, seed, probe, head_dim) -> list[Case]:
+    if isinstance(cases, str):
+        return make_cases(cases, dtype=dtype, seed=seed, probe=probe, head_dim=head_dim)
+    if cases and all(isinstance(c, str) for c in cases):
+        return make_cases("standard", dtype=dtype, seed=seed, names=list(cases), probe=probe, head_dim=head_dim)
+    return list(cases)
+
+
+def _check_require(require) -> frozenset:
+    require = frozenset([require] if isinstance(require, str) else (require or ()))
+    unknown = sorted(require - set(OPTIONAL_FEATURES))
+    if unknown:
+        raise ValueError(f"require={unknown} names no optional feature; known: {', '.join(OPTIONAL_FEATURES)}")
+    return require
+
+
 def check(fn, *, recipe=None, cases="standard", dtype: torch.dtype = torch.bfloat16, device="cpu",
           seed: int = 0, probe: bool = True, accumulation_u: float | None = None, progress=None,
-          target: str | None = None) -> OracleReport:
-    """Run the oracle on ``fn(q, k, v, *, causal, scale[, mask]) -> out``.
+          target: str | None = None, head_dim: int | None = None, require=(),
+          timeout: float | None = None) -> OracleReport:
+    """Run the oracle on ``fn(q, k, v, *, causal, scale[, mask]) -> out`` (module docstring).
 
     Args:
-        fn: a differentiable attention; tensors ``(batch, heads, seqlen, head_dim)``, k and v
-            possibly with fewer heads (GQA); ``mask``, if fn takes it, boolean (True = attend) or
-            floating (additive, in the input dtype). fn raises ``NotImplementedError`` for a
-            case it cannot do (the case is skipped). See the module docstring.
+        fn: a differentiable attention (module docstring: what fn must be).
         recipe: a :class:`dmref.recipes.Recipe` or preset name the implementation claims to
             implement (``"naive_fp8@hopper"`` ...), or None: exact attention at ``dtype``'s bounds.
         cases: a case-set name (``"quick"``, ``"standard"``, ``"thorough"``), a list of case
             names of the standard set, or a list of :class:`Case`.
         dtype: the input dtype (bfloat16 by default; every case is rounded to it).
         device: where fn runs (the reference runs on the CPU in float64).
-        probe: measure the row-sum residual with :mod:`dmref.probe` (two more fn calls per case
-            become one: the probe reuses the main run).
+        probe: measure the row-sum residual with :mod:`dmref.probe` (one more fn call per case).
         accumulation_u: unit roundoff of fn's dQ accumulation for the probe's error bound
             (default: 2^-13, the Hopper FP8 tensor core's 13 kept fractional bits, when the
-            claimed recipe feeds FP8 dS and K to the dQ matmul, whatever accumulation model it
-            names; else float32's 2^-24).
+            claimed recipe feeds FP8 dS and K to the dQ matmul; else float32's 2^-24).
         progress: called as ``progress(case_name, index, total)`` before each case.
         target: the name shown in the report (default: fn's module and name).
+        head_dim: every case at this head dim (cases given by name or set only); None: 64,
+            and 96 for the ``other_head_dim`` case.
+        require: optional features (:data:`OPTIONAL_FEATURES`) fn must do: a case exercising
+            one fails instead of being reported unsupported.
+        timeout: seconds per case (fn's calls and the oracle's work on that case); a case that
+            takes longer fails ``runs`` and the remaining cases are not run.
 
     Returns:
         :class:`OracleReport`; ``report.raise_for_failures()`` turns it into an assertion.
@@ -518,129 +563,188 @@ def check(fn, *, recipe=None, cases="standard", dtype: torch.dtype = torch.bfloa
 
     takes_mask = validate_signature(fn)
     claimed = get_recipe(recipe) if recipe is not None else None
-    base = claimed if claimed is not None else baseline_recipe(dtype)
-    spread_recipe = None
-    if claimed is not None:
-        spread_recipe = claimed.with_accumulation("exact")
-    if accumulation_u is None:
-        accumulation_u = _dq_accumulation_u(claimed)
-    if isinstance(cases, str):
-        case_list = make_cases(cases, dtype=dtype, seed=seed, probe=probe)
-    elif cases and all(isinstance(c, str) for c in cases):
-        case_list = make_cases("standard", dtype=dtype, seed=seed, names=list(cases), probe=probe)
-    else:
-        case_list = list(cases)
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"{timeout=} must be a positive number of seconds")
+    plan = _Plan(claimed if claimed is not None else baseline_recipe(dtype), claimed,
+                 claimed.with_accumulation("exact") if claimed is not None else None, dtype, device, takes_mask,
+                 probe, _dq_accumulation_u(claimed) if accumulation_u is None else accumulation_u,
+                 _check_require(require))
+    case_list = _case_list(cases, dtype, seed, probe, head_dim)
     dtype_name = str(dtype).replace("torch.", "")
     mode = f"recipe {claimed.name}" if claimed is not None else f"exact at {dtype_name} bounds"
     report = OracleReport(target or _name(fn), mode, dtype_name, claimed.name if claimed else None)
 
+    stopped = ""
     for index, case in enumerate(case_list):
         if progress is not None:
             progress(case.name, index, len(case_list))
-        t0 = time.perf_counter()
         cr = CaseResult(case.name, case.description, case.shape, case.causal, case.scale)
         report.cases.append(cr)
-        checks = _check_case(fn, case, base, claimed, spread_recipe, dtype, device, takes_mask, probe,
-                             accumulation_u, cr)
-        report.checks.extend(checks)
+        if stopped:
+            report.checks.append(Check(case.name, "runs", None, detail=f"not run: {stopped}"))
+            continue
+        t0 = time.perf_counter()
+        checks = _run_case(fn, case, plan, cr, timeout)
         cr.seconds = time.perf_counter() - t0
+        report.checks.extend(checks)
+        if checks and checks[0].detail.startswith("timed out"):
+            stopped = f"case {case.name} timed out and may still be running"
     return report
 
 
-def _check_case(fn, case, base, claimed, spread_recipe, dtype, device, takes_mask, probe, u_acc, cr):
-    checks: list[Check] = []
-    add = lambda name, passed, **kw: checks.append(Check(case.name, name, passed, **kw))  # noqa: E731
-    if case.mask is not None and not takes_mask:
-        add("runs", None, detail="fn takes no mask argument")
-        return checks
+def _run_case(fn, case, plan, cr, timeout):
+    """:func:`_check_case`, in a worker thread when there is a timeout."""
+    if timeout is None:
+        return _check_case(fn, case, plan, cr)
+    import threading
+
+    result: dict = {}
+
+    def work():
+        try:
+            result["checks"] = _check_case(fn, case, plan, cr)
+        except BaseException as e:  # noqa: BLE001 - handed to the calling thread
+            result["error"] = e
+
+    worker = threading.Thread(target=work, name=f"dmref-oracle-{case.name}", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        return [Check(case.name, "runs", False, detail=f"timed out after {timeout:g} s (the per-case limit)")]
+    if "error" in result:
+        raise result["error"]
+    return result["checks"]
+
+
+def _unsupported(case, plan, detail) -> Check | None:
+    """An ``unsupported`` runs check when the case exercises an optional feature that is not
+    required, else None."""
+    feature = case.feature
+    if feature is None or feature in plan.require:
+        return None
+    return Check(case.name, "runs", None, detail=detail, unsupported=feature)
+
+
+def _check_case(fn, case, plan, cr) -> list[Check]:
+    """Every check of one case (module docstring)."""
+    if case.mask is not None and not plan.takes_mask:
+        detail = "fn takes no mask argument"
+        return [_unsupported(case, plan, detail) or Check(case.name, "runs", False, detail=detail + " (required)")]
     try:
-        got = _call(fn, case, case.k, device)
-    except NotImplementedError as e:
-        add("runs", None, detail=f"fn raised NotImplementedError: {e}")
-        return checks
+        got = _call(fn, case, plan.device)
     except Exception as e:  # noqa: BLE001 - any failure of the implementation is a finding
-        add("runs", False, detail=f"{type(e).__name__}: {e}")
-        return checks
-    add("runs", True)
+        detail = f"{type(e).__name__}: {e}"
+        return [_unsupported(case, plan, detail) or Check(case.name, "runs", False, detail=detail)]
+    checks = [Check(case.name, "runs", True)]
     got64 = tuple(_cpu64(t) for t in got)
     ex = _exact(case)
-    exact = (ex.out, ex.dq, ex.dk, ex.dv)
-    finite = all(bool(torch.isfinite(t).all()) for t in got64)
-    add("finite", finite, detail="" if finite else "NaN or inf in " + ", ".join(
-        n for n, t in zip(("out", "dq", "dk", "dv"), got64) if not bool(torch.isfinite(t).all())))
+    bad = [n for n, t in zip(("out", "dq", "dk", "dv"), got64) if not bool(torch.isfinite(t).all())]
+    checks.append(Check(case.name, "finite", not bad, detail="NaN or inf in " + ", ".join(bad) if bad else ""))
+    base_outs, base_rows = _run_recipe(case, plan.base, plan.dtype)
+    checks += _error_checks(case, plan, ex, got64, base_outs, cr)
+    if plan.claimed is not None:
+        spread_outs, _ = _run_recipe(case, plan.spread_recipe, plan.dtype)
+        checks += _agreement_checks(case, ex, got64, base_outs, spread_outs)
+    # dQ's error along kbar_i (a stale delta puts it there)
+    _, _, cr.dq_bias_fraction = diagnostics.dq_bias_split(got64[1], ex.dq, ex.kbar)
+    if plan.probe and case.probe is not None:
+        checks.append(_rowsum_check(fn, case, plan, ex, got, base_rows, cr))
+    return checks
 
-    base_outs, base_rows = _run_recipe(case, base, dtype)
-    u_out = torch.finfo(dtype).eps / 2
+
+def _error_checks(case, plan, ex, got64, base_outs, cr) -> list[Check]:
+    """out, dq, dk, dv: the largest excess error against twice the baseline's (beyond the floor,
+    and beyond two roundings of the element to the dtype where the baseline's excess is 0:
+    :func:`rounding_allowance`)."""
+    checks = []
+    u_out = rounding_allowance(plan.dtype)
+    exact = (ex.out, ex.dq, ex.dk, ex.dv)
     for name, x, b, e in zip(("out", "dq", "dk", "dv"), got64, base_outs, exact):
         mag, floor = ex.mags[name], ex.floors[name]
-        if claimed is None and name in ex.stale_per_u:
+        if plan.claimed is None and name in ex.stale_per_u:
             floor = floor + u_out * ex.stale_per_u[name]  # D from the output rounded to the dtype
-        err = _max(_excess(x - e, floor, mag))
-        err_base = _max(_excess(b - e, floor, mag))
+        base_excess = _excess(b - e, floor, mag)
+        # where the baseline's error lies within the floor (excess exactly 0), the bound 2 x 0
+        # would let no rounding through: there fn's rounding of the element to the dtype, up to
+        # BASELINE_FACTOR roundings of its value, is not counted
+        slack = torch.where(base_excess == 0, BASELINE_FACTOR * u_out * e.abs(), torch.zeros_like(e))
+        err = _max(_excess(x - e, floor + slack, mag))
+        err_base = _max(base_excess)
         bound = BASELINE_FACTOR * err_base
         cr.errors[name] = _max(_ratio((x - e).abs(), mag))
-        add(name, bool(err <= bound), value=err, bound=bound, baseline=err_base)
-
-    if claimed is not None:
-        spread_outs, _ = _run_recipe(case, spread_recipe, dtype)
-        for name, x, b, s, e in zip(("out", "dq", "dk", "dv"), got64, base_outs, spread_outs, exact):
-            mag, floor = ex.mags[name], ex.floors[name]
-            dist = _rms(_excess(x - b, floor, mag))
-            spread = _rms(_excess(s - b, floor, mag))
-            own = _rms(_excess(b - e, floor, mag))
-            bound = BASELINE_FACTOR * spread + AGREEMENT_FRACTION * own
-            add(f"agree_{name}", bool(dist <= bound), value=dist, bound=bound, baseline=own)
-
-    # dQ's error along kbar_i (a stale delta puts it there)
-    _, _, frac = diagnostics.dq_bias_split(got64[1], ex.dq, ex.kbar)
-    cr.dq_bias_fraction = frac
-
-    if probe and case.probe is not None:
-        try:
-            pr = _probe.run_probe(
-                fn, case.q.to(device), case.k.to(device), case.v.to(device), case.dout.to(device),
-                case.probe, causal=case.causal, scale=case.scale,
-                mask=case.mask.to(device) if case.mask is not None else None, base=got,
-                abs_ds_bound=2 * ex.abs_ds, u_acc=u_acc)
-        except Exception as e:  # noqa: BLE001
-            add("rowsum", False, detail=f"probe run failed: {type(e).__name__}: {e}")
-            return checks
-        active = ex.abs_pdp > 0
-        a = ex.abs_pdp[active]
-        rel = pr.residual.cpu()[active] / a
-        rel_base = base_rows.residual_dq[active] / a
-        # the probe's own noise, measured: two null channels read the same sum with different
-        # roundings (the worst-case bound pe_i only decides whether the reading is valid)
-        noise = _rms(pr.spread.cpu()[active] / a)
-        cr.rowsum_rms, cr.rowsum_max = _rms(rel), _max(rel.abs())
-        cr.rowsum_mean_signed = rel.mean().item() if rel.numel() else 0.0
-        cr.probe_valid = pr.valid
-        notes = []
-        if not pr.zero_before:
-            notes.append("dQ was not zero on the null channels")
-        if not pr.consistent:
-            notes.append("the two null channels disagree beyond the bound")
-        if pr.invariance_detail:
-            notes.append("shifting K changed " + pr.invariance_detail)
-        cr.probe_note = "; ".join(notes)
-        base_rms = _rms(rel_base)
-        if claimed is None:
-            # plus the float32 floor every correct float32-accumulating implementation may reach
-            # (as the error checks count only the excess over the rigorous float32 bound): per
-            # row, relative to A_i, |1 - sigma_i| + gamma_c sigma_i + 2 gamma_2 with D summed
-            # over at most n keys of P V and d channels of dO O: below gamma_{2n + d + 4}
-            n_keys, head_dim = case.k.shape[-2], case.q.shape[-1]
-            fp32_floor = diagnostics.gamma(2 * n_keys + head_dim + 4, _U_FP32)
-            bound = BASELINE_FACTOR * base_rms + noise + fp32_floor
-        else:
-            bound = base_rms * (1 + ROWSUM_SAMPLING_SIGMAS * _rms_sampling_rel_std(rel_base)) + noise
-        value = cr.rowsum_rms
-        if pr.valid:
-            add("rowsum", bool(value <= bound), value=value, bound=bound, baseline=base_rms, detail=cr.probe_note)
-        else:
-            add("rowsum", False, value=value, bound=bound, baseline=base_rms,
-                detail="probe not valid for this implementation: " + cr.probe_note)
+        checks.append(Check(case.name, name, bool(err <= bound), value=err, bound=bound, baseline=err_base))
     return checks
+
+
+def _agreement_checks(case, ex, got64, base_outs, spread_outs) -> list[Check]:
+    """agree_*: rms distance to the emulated recipe within twice the spread of two faithful
+    implementations plus :data:`AGREEMENT_FRACTION` of the recipe's own error."""
+    checks = []
+    exact = (ex.out, ex.dq, ex.dk, ex.dv)
+    for name, x, b, s, e in zip(("out", "dq", "dk", "dv"), got64, base_outs, spread_outs, exact):
+        mag, floor = ex.mags[name], ex.floors[name]
+        dist = _rms(_excess(x - b, floor, mag))
+        spread = _rms(_excess(s - b, floor, mag))
+        own = _rms(_excess(b - e, floor, mag))
+        bound = BASELINE_FACTOR * spread + AGREEMENT_FRACTION * own
+        checks.append(Check(case.name, f"agree_{name}", bool(dist <= bound), value=dist, bound=bound, baseline=own))
+    return checks
+
+
+def _probe_notes(pr) -> str:
+    notes = []
+    if not pr.zero_before:
+        notes.append("dQ was not zero on the null channels")
+    if not pr.consistent:
+        notes.append("the two null channels disagree beyond the bound")
+    if pr.invariance_detail:
+        notes.append("shifting K changed " + pr.invariance_detail)
+    return "; ".join(notes)
+
+
+def _rowsum_bound(case, plan, rel_base: torch.Tensor, noise: float) -> float:
+    """The rowsum bound: twice the baseline's rms plus the probe's noise and the float32 floor
+    (exact mode), or the claimed recipe's rms up to its sampling error plus the noise."""
+    base_rms = _rms(rel_base)
+    if plan.claimed is None:
+        # the float32 floor every correct float32-accumulating implementation may reach (as the
+        # error checks count only the excess over the rigorous float32 bound): per row, relative
+        # to A_i, |1 - sigma_i| + gamma_c sigma_i + 2 gamma_2 with D summed over at most n keys
+        # of P V and d channels of dO O: below gamma_{2n + d + 4}
+        n_keys, head_dim = case.k.shape[-2], case.q.shape[-1]
+        return BASELINE_FACTOR * base_rms + noise + diagnostics.gamma(2 * n_keys + head_dim + 4, _U_FP32)
+    return base_rms * (1 + ROWSUM_SAMPLING_SIGMAS * _rms_sampling_rel_std(rel_base)) + noise
+
+
+def _rowsum_check(fn, case, plan, ex, got, base_rows, cr) -> Check:
+    """rowsum: the probe's reading of sum_j dS_ij against :func:`_rowsum_bound`."""
+    device = plan.device
+    try:
+        pr = _probe.run_probe(
+            fn, case.q.to(device), case.k.to(device), case.v.to(device), case.dout.to(device),
+            case.probe, causal=case.causal, scale=case.scale,
+            mask=case.mask.to(device) if case.mask is not None else None, base=got,
+            abs_ds_bound=2 * ex.abs_ds, u_acc=plan.u_acc, leaf=case.leaf)
+    except Exception as e:  # noqa: BLE001
+        return Check(case.name, "rowsum", False, detail=f"probe run failed: {type(e).__name__}: {e}")
+    active = ex.abs_pdp > 0
+    a = ex.abs_pdp[active]
+    rel = pr.residual.cpu()[active] / a
+    rel_base = base_rows.residual_dq[active] / a
+    # the probe's own noise, measured: two null channels read the same sum with different
+    # roundings (the worst-case bound pe_i only decides whether the reading is valid)
+    noise = _rms(pr.spread.cpu()[active] / a)
+    cr.rowsum_rms, cr.rowsum_max = _rms(rel), _max(rel.abs())
+    cr.rowsum_mean_signed = rel.mean().item() if rel.numel() else 0.0
+    cr.probe_valid = pr.valid
+    cr.probe_note = _probe_notes(pr)
+    bound = _rowsum_bound(case, plan, rel_base, noise)
+    value, base_rms = cr.rowsum_rms, _rms(rel_base)
+    if pr.valid:
+        return Check(case.name, "rowsum", bool(value <= bound), value=value, bound=bound, baseline=base_rms,
+                     detail=cr.probe_note)
+    return Check(case.name, "rowsum", False, value=value, bound=bound, baseline=base_rms,
+                 detail="probe not valid for this implementation: " + cr.probe_note)
 
 
 # ==============================================================================================

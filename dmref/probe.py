@@ -217,16 +217,20 @@ class ProbeResult:
         return self.invariant and self.consistent and self.zero_before
 
 
-def _run(fn, q, k, v, dout, kwargs):
-    q_, k_, v_ = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone()
+
+
+def _run(fn, q, k, v, dout, kwargs, leaf=_copy):
+    q_, k_, v_ = (leaf(t).requires_grad_(True) for t in (q, k, v))
     out = fn(q_, k_, v_, **kwargs)
-    out.backward(dout)
+    out.backward(leaf(dout))
     return out.detach(), q_.grad, k_.grad, v_.grad
 
 
 def run_probe(fn, q, k, v, dout, setup: ProbeSetup, *, causal: bool = False, scale: float | None = None,
               mask=None, base=None, abs_ds_bound: torch.Tensor | None = None,
-              u_acc: float = 2.0**-24) -> ProbeResult:
+              u_acc: float = 2.0**-24, leaf=_copy) -> ProbeResult:
     """Run ``fn`` on (q, k) and on (q, k + 1 cᵀ) and read r_i = sum_j dS_ij off dQ.
 
     ``q``, ``k`` must come from :func:`prepare` (zero on ``setup.channels``). ``base``: the
@@ -235,7 +239,9 @@ def run_probe(fn, q, k, v, dout, setup: ProbeSetup, *, causal: bool = False, sca
     bound. ``u_acc``: the accumulation unit roundoff of the implementation's dQ matmul.
     ``fn(q, k, v, *, causal, scale[, mask])`` returns the attention output; the backward is
     taken through autograd with ``dout``. k and v may have fewer heads than q (GQA); ``mask``
-    (boolean or additive) is passed to fn in both runs.
+    (boolean or additive) is passed to fn in both runs. ``leaf(t)``: the tensor fn is given for
+    each of q, k, v and dout (default a contiguous copy; the oracle passes its case's memory
+    layout, so that both runs see the layout of ``base``).
     """
     kwargs = dict(causal=causal, scale=scale)
     if mask is not None:
@@ -243,8 +249,8 @@ def run_probe(fn, q, k, v, dout, setup: ProbeSetup, *, causal: bool = False, sca
     head_dim = q.shape[-1]
     tau = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     if base is None:
-        base = _run(fn, q, k, v, dout, kwargs)
-    shifted = _run(fn, q, setup.shifted(k), v, dout, kwargs)
+        base = _run(fn, q, k, v, dout, kwargs, leaf)
+    shifted = _run(fn, q, setup.shifted(k), v, dout, kwargs, leaf)
     ch = list(setup.channels)
     others = [d for d in range(head_dim) if d not in setup.channels]
 

@@ -4,8 +4,11 @@ Fixture ``dmref_oracle``: a function ``dmref_oracle(fn, **kwargs)`` that runs
 :func:`dmref.oracle.check` on ``fn`` and fails the test with the oracle's list of failed checks
 (the full table is printed to the captured output). It returns the report.
 
-Marker ``@pytest.mark.dmref_attention(recipe=..., dtype=..., cases=..., device=...)``: defaults
-for ``dmref_oracle`` in that test (keyword arguments of the call win).
+Marker ``@pytest.mark.dmref_attention(recipe=..., dtype=..., cases=..., device=..., head_dim=...,
+require=..., timeout=...)``: defaults for ``dmref_oracle`` in that test, any keyword argument of
+:func:`dmref.oracle.check` (keyword arguments of the call win). ``head_dim=128`` runs every case
+at head dim 128; ``require=("gqa",)`` fails the GQA cases of an implementation that raises on
+them instead of reporting them unsupported.
 
 Command-line option ``--dmref-cases {quick,standard,thorough}``: the case set when neither the
 marker nor the call names one (default ``quick``, so that a user's suite stays fast).
@@ -35,8 +38,9 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
-        f"{MARKER}(recipe=None, dtype=torch.bfloat16, cases=None, device='cpu'): defaults for the "
-        "dmref_oracle fixture (dmref's attention oracle)",
+        f"{MARKER}(recipe=None, dtype=torch.bfloat16, cases=None, device='cpu', head_dim=None, require=(), "
+        "timeout=None): defaults for the dmref_oracle fixture (dmref's attention oracle; any keyword of "
+        "dmref.oracle.check)",
     )
 
 

@@ -203,3 +203,117 @@ def naive_fp8_wrong_axis(q, k, v, *, causal=False, scale=None):
 def wrong_signature(q, k):
     """Not an attention: the CLI must say so."""
     return q
+
+
+# ----------------------------------------------------------------------------------------------
+# One planted bug per axis of the problem (docs/oracle.md, "Every axis a bug can live on"): each
+# is a plain float32 attention through autograd (correct at BF16 bounds, as the math backend of
+# SDPA) with one mistake that only a case varying that axis shows.
+# ----------------------------------------------------------------------------------------------
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def _plain(q, k, v, causal, scale, bug=None):
+    """softmax(scale Q Kᵀ) V in float32 through autograd, output in the input dtype, GQA by
+    repeat_interleave; ``bug`` plants one mistake."""
+    if bug == "layout":  # reads the storage as if the tensors were contiguous
+        q, k, v = (t.as_strided(t.shape, _contiguous_strides(t.shape), t.storage_offset()) for t in (q, k, v))
+    if bug == "offset":  # ignores the storage offset
+        q, k, v = (t.as_strided(t.shape, t.stride(), 0) for t in (q, k, v))
+    dtype = q.dtype
+    q, k, v = q.float(), k.float(), v.float()
+    h, hkv = q.shape[1], k.shape[1]
+    if bug == "batch":  # every batch element reads batch 0's keys and values
+        k, v = k[:1].expand_as(k), v[:1].expand_as(v)
+    if bug == "heads":  # query head h reads the values of head h + 1
+        v = v.roll(1, dims=1)
+    if h != hkv:
+        # the bug: a group size of 4 written in, right only when heads = 4 kv_heads
+        index = (torch.arange(h) // 4).clamp(max=hkv - 1) if bug == "gqa_ratio" else torch.arange(h) // (h // hkv)
+        k, v = k[:, index], v[:, index]
+    nq, nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    rows = min(nq, nk) if bug == "more_queries" else nq  # query tiles sized by seqlen_k
+    channels = 64 if bug == "head_dim" else d  # the bug: one head-dim tile of 64 channels
+    qk = q[..., :rows, :channels] @ k[..., :channels].transpose(-1, -2)
+    s = scale * qk
+    if causal:
+        keep = torch.ones(rows, nk, dtype=torch.bool).tril(nk - nq)
+        s = s.masked_fill(~keep, -math.inf)
+    if bug == "tail":  # keys beyond the last full block of 64 are dropped
+        s = s.masked_fill(torch.arange(nk) >= nk // 64 * 64, -math.inf) if nk >= 64 else s
+    if bug == "no_max":  # softmax without the row maximum subtracted
+        e = torch.exp(s)
+        p = e / e.sum(-1, keepdim=True)
+    else:
+        p = torch.softmax(s, dim=-1)
+    out = (p.half() @ v.half()).float() if bug == "fp16_pv" else p @ v
+    if rows < nq:
+        out = torch.cat([out, out.new_zeros(*out.shape[:-2], nq - rows, out.shape[-1])], dim=-2)
+    return out.to(dtype)
+
+
+class _DoutContiguous(torch.autograd.Function):
+    """Identity whose backward reads dO's storage as if dO were contiguous."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return dout.as_strided(dout.shape, _contiguous_strides(dout.shape), dout.storage_offset())
+
+
+def _make_axis(bug):
+    def fn(q, k, v, *, causal=False, scale=None):
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        if bug == "dout_layout":
+            return _DoutContiguous.apply(_plain(q, k, v, causal, scale))
+        return _plain(q, k, v, causal, scale, bug)
+
+    fn.__name__ = fn.__qualname__ = f"plain_{bug}" if bug else "plain"
+    return fn
+
+
+plain = _make_axis(None)
+
+#: axis -> (implementation with a bug on that axis, the quick case that must fail it, what is wrong)
+AXIS_BUGS = {
+    "batch": (_make_axis("batch"), "batch_heads", "every batch element reads batch 0's keys and values"),
+    "heads": (_make_axis("heads"), "realistic", "query head h reads the values of head h + 1"),
+    "gqa_ratio": (_make_axis("gqa_ratio"), "gqa_ratio_2", "the query heads per key/value head written in as 4"),
+    "seqlen_q_vs_k": (_make_axis("more_queries"), "more_queries",
+                      "query rows beyond seqlen_k left zero (query tiles sized by seqlen_k)"),
+    "head_dim": (_make_axis("head_dim"), "other_head_dim", "Q Kᵀ over the first 64 channels only"),
+    "tails": (_make_axis("tail"), "tail_lengths", "keys beyond the last full block of 64 dropped"),
+    "value_range": (_make_axis("fp16_pv"), "huge_values", "P V computed in float16"),
+    "logit_range": (_make_axis("no_max"), "huge_logits", "softmax without the row maximum subtracted"),
+    "layout": (_make_axis("layout"), "strided_inputs", "q, k, v read as if contiguous"),
+    "offset": (_make_axis("offset"), "strided_inputs", "the storage offset of q, k, v ignored"),
+    "dout_layout": (_make_axis("dout_layout"), "strided_inputs", "dO read as if contiguous in the backward"),
+}
+
+
+def mha_only(q, k, v, *, causal=False, scale=None):
+    """A correct float32 attention that knows nothing of GQA: on fewer key/value heads than
+    query heads its matmul raises a shape RuntimeError."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = scale * (q.float() @ k.float().transpose(-1, -2))
+    if causal:
+        s = _causal_fill(s)
+    return (torch.softmax(s, dim=-1) @ v.float()).to(q.dtype)
+
+
+def hangs(q, k, v, *, causal=False, scale=None):
+    """Never returns in a check's lifetime: the CLI's --timeout must stop the check."""
+    import time
+
+    time.sleep(3600)
+    return q

@@ -60,3 +60,65 @@ def test_check_explains_a_bad_target_with_exit_status_2(target, message):
     res = _dmref(target)
     assert res.returncode == 2
     assert message in " ".join(res.stderr.split())
+
+
+def test_an_implementation_without_gqa_passes_with_the_case_unsupported_and_fails_when_required():
+    few = ["--cases", "quick", "--case", "realistic", "--case", "gqa"]
+    res = _dmref("planted:mha_only", *few)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr
+    assert "UNSUPPORTED" in res.stdout
+    res = _dmref("planted:mha_only", *few, "--require", "gqa", "--json")
+    assert res.returncode == 1
+    assert "gqa:runs" in json.loads(res.stdout)["failed"]
+
+
+def test_a_wrong_grouping_fails_on_the_command_line_too():
+    res = _dmref("planted:flash_kv_grouping", "--cases", "quick", "--case", "gqa")
+    assert res.returncode == 1
+
+
+def test_head_dim_128():
+    res = _dmref("dmref.oracle:sdpa_math", "--head-dim", "128", "--cases", "quick", "--case", "realistic",
+                 "--case", "gqa", "--json")
+    assert res.returncode == 0, res.stderr
+    assert {c["shape"].split("x")[-1] for c in json.loads(res.stdout)["cases"]} == {"128"}
+
+
+def test_json_is_strict_and_lossless():
+    res = _dmref("planted:mha_only", "--cases", "quick", "--case", "realistic", "--case", "gqa", "--json")
+
+    def reject(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    report = json.loads(res.stdout, parse_constant=reject)
+    values = [c["value"] for c in report["checks"]]
+    assert "NaN" in values  # the runs check has no statistic: spelled out, not dropped
+    assert all(isinstance(v, float) or v in ("NaN", "Infinity", "-Infinity") for v in values)
+
+
+def test_a_hanging_target_is_stopped_by_the_timeout():
+    res = _dmref("planted:hangs", "--cases", "quick", "--case", "realistic", "--case", "tail_lengths", "--timeout",
+                 "2")
+    assert res.returncode == 1
+    assert "timed out after 2 s" in " ".join(res.stdout.split())
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--head-dim", "7"], "head_dim=7 must be even"),
+    (["--timeout", "0"], "--timeout 0.0: must be a positive number"),
+    (["--device", "nosuchdevice"], "is not a torch device"),
+])
+def test_bad_options_give_one_line_and_exit_status_2(args, message):
+    res = _dmref("dmref.oracle:sdpa_math", *args)
+    assert res.returncode == 2
+    assert message in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_a_cuda_device_without_a_gpu_is_refused_at_once():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    res = _dmref("dmref.oracle:sdpa_math", "--device", "cuda")
+    assert res.returncode == 2
+    assert "no CUDA device" in res.stderr and len(res.stderr.strip().splitlines()) == 1

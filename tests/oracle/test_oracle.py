@@ -229,3 +229,84 @@ def test_report_round_trips_through_json_and_renders_a_table():
     assert "FAIL" in console.export_text()
     with pytest.raises(AssertionError, match="realistic:dk"):
         report.raise_for_failures()
+
+
+# ----------------------------------------------------------------------------------------------
+# Optional features: unsupported, not failed, unless required
+# ----------------------------------------------------------------------------------------------
+
+
+def test_an_exception_in_an_optional_feature_case_is_unsupported_not_a_failure():
+    report = oracle.check(planted.mha_only, cases=_cases(names=["realistic", "gqa"]))
+    assert report.passed, report.summary()
+    (unsupported,) = report.unsupported
+    assert unsupported.case == "gqa" and unsupported.unsupported == "gqa"
+    assert "RuntimeError" in unsupported.detail
+    assert "UNSUPPORTED" in report.summary() and "gqa (gqa: RuntimeError" in report.summary()
+    data = json.loads(report.to_json())
+    assert data["unsupported"][0]["feature"] == "gqa"
+
+
+def test_a_required_feature_fails_when_the_implementation_cannot_do_it():
+    report = oracle.check(planted.mha_only, cases=_cases(names=["realistic", "gqa", "additive_mask"]),
+                          require=("gqa", "mask"))
+    assert report.failed_cases("runs") == {"gqa", "additive_mask"}
+    assert not report.unsupported
+    with pytest.raises(ValueError, match="require"):
+        oracle.check(planted.mha_only, cases=_cases(names=["realistic"]), require=("sliding_window",))
+
+
+def test_wrong_grouping_still_fails_where_gqa_is_optional():
+    """The kv_grouping bug runs (no exception): a numerical failure, never unsupported."""
+    report = oracle.check(planted.flash_kv_grouping, cases=_cases(names=["gqa"]))
+    assert {"dk", "dv"} <= report.failed_names() and not report.unsupported
+
+
+def test_not_implemented_in_a_core_case_fails():
+    def no_causal(q, k, v, *, causal, scale):
+        if causal:
+            raise NotImplementedError("no causal")
+        return oracle.sdpa_math(q, k, v, causal=causal, scale=scale)
+
+    report = oracle.check(no_causal, cases=_cases(names=["realistic_causal"]))
+    assert report.failed_cases("runs") == {"realistic_causal"}
+
+
+def test_a_case_that_outlives_the_timeout_fails_and_stops_the_check():
+    report = oracle.check(planted.hangs, cases=_cases(names=["realistic", "tail_lengths"]), timeout=0.5)
+    first, second = report.checks
+    assert first.passed is False and first.detail.startswith("timed out after 0.5 s")
+    assert second.passed is None and "timed out" in second.detail
+
+
+def test_a_zero_baseline_excess_still_admits_rounding_to_the_dtype():
+    """An implementation equal to the exact result rounded to BF16, plus one more BF16 rounding
+    step on every element, passes where the baseline's error lies within the float32 floor (a
+    bound of 2 x 0); one that errs by 4 roundings on one element of dK fails."""
+    import torch
+
+    (case,) = _cases(names=["realistic"])
+    ex = oracle._exact(case)
+
+    def rounded(extra):
+        class Fixed(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, q, k, v):
+                return ex.out.to(torch.bfloat16)
+
+            @staticmethod
+            def backward(ctx, g):
+                dk = ex.dk.clone()
+                dk.view(-1)[dk.abs().argmax()] *= 1 + extra
+                return tuple(t.to(torch.bfloat16) for t in (ex.dq, dk, ex.dv))
+
+        def fn(q, k, v, *, causal, scale):
+            return Fixed.apply(q, k, v)
+
+        return fn
+
+    u = oracle.rounding_allowance(torch.bfloat16)
+    assert u == 2.0**-8
+    oracle.check(rounded(u), cases=[case], probe=False).raise_for_failures()
+    report = oracle.check(rounded(8 * u), cases=[case], probe=False)
+    assert report.failed_names() == {"dk"}, report.summary()

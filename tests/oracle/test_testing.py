@@ -99,3 +99,13 @@ def test_pytest_plugin_gives_a_user_test_the_oracle_in_three_lines(tmp_path):
                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert "1 failed, 1 passed" in res.stdout, res.stdout[-3000:]
     assert "realistic:dk" in res.stdout
+
+
+@pytest.mark.dmref_attention(head_dim=128, require=("gqa",), cases=["realistic", "gqa"])
+def test_the_marker_passes_head_dim_and_require_to_the_fixture(dmref_oracle):
+    import planted
+
+    report = dmref_oracle(oracle.sdpa_math)
+    assert {c.shape.split("x")[-1] for c in report.cases} == {"128"} and not report.unsupported
+    with pytest.raises(AssertionError, match="gqa:runs"):
+        dmref_oracle(planted.mha_only)

@@ -1,0 +1,58 @@
+"""Every axis an attention bug can live on is varied by some case of each case set, and a bug
+planted on that axis (planted.AXIS_BUGS) fails the case that varies it, while the same
+implementation without the bug passes."""
+
+from __future__ import annotations
+
+import planted
+import pytest
+
+from dmref import oracle
+from dmref._oracle_cases import LAYOUTS
+
+_AXIS_CASES = sorted({case for _, case, _ in planted.AXIS_BUGS.values()})
+
+
+def test_the_plain_attention_without_a_bug_passes_every_axis_case():
+    report = oracle.check(planted.plain, cases=oracle.make_cases("quick", names=_AXIS_CASES))
+    report.raise_for_failures()
+
+
+@pytest.mark.parametrize("axis", sorted(planted.AXIS_BUGS))
+def test_a_bug_on_each_axis_fails_the_case_that_varies_it(axis):
+    fn, case, what = planted.AXIS_BUGS[axis]
+    report = oracle.check(fn, cases=oracle.make_cases("quick", names=[case]))
+    assert case in report.failed_cases(), f"{axis} ({what}): {report.summary()}"
+
+
+@pytest.mark.parametrize("size", oracle.CASE_SETS)
+def test_every_case_set_varies_every_axis(size):
+    cases = {c.name: c for c in oracle.make_cases(size, probe=False)}
+    assert set(_AXIS_CASES) <= set(cases)
+    shapes = [(c.q.shape, c.k.shape) for c in cases.values()]
+    assert len({q[0] for q, _ in shapes}) > 1  # batch
+    assert len({q[1] for q, _ in shapes}) > 1  # heads
+    assert len({q[1] // k[1] for q, k in shapes}) > 2  # GQA ratio: 1 and two more
+    assert any(q[2] > k[2] for q, k in shapes) and any(q[2] < k[2] for q, k in shapes)
+    assert any(q[2] == 1 for q, _ in shapes)  # a single query
+    assert len({q[3] for q, _ in shapes}) > 1  # head dim
+    assert {c.layout for c in cases.values()} == set(LAYOUTS)
+    assert {c.causal for c in cases.values()} == {True, False}
+    assert len({round(c.scale * c.q.shape[-1] ** 0.5, 12) for c in cases.values()}) > 3  # softmax scale
+
+
+def test_a_given_head_dim_holds_for_every_case():
+    cases = oracle.make_cases("quick", head_dim=128, probe=False)
+    assert {c.q.shape[-1] for c in cases} == {128}
+    fn, _, _ = planted.AXIS_BUGS["head_dim"]  # Q Kᵀ over the first 64 channels
+    report = oracle.check(fn, cases=["realistic"], head_dim=128)
+    assert "realistic" in report.failed_cases()
+    correct = oracle.check(planted.plain, cases=oracle.make_cases("quick", names=["realistic"], head_dim=128))
+    correct.raise_for_failures()
+
+
+def test_strided_inputs_are_not_contiguous_and_start_at_an_offset():
+    (case,) = oracle.make_cases("quick", names=["strided_inputs"])
+    q = case.leaf(case.q)
+    assert not q.is_contiguous() and q.storage_offset() == 1 and q.is_leaf
+    assert bool((q == case.q).all())

@@ -59,6 +59,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from . import diagnostics, probe as _probe, reference
+from .emulation.constants import U_FP32, U_WGMMA
 from ._oracle_cases import CASE_SETS, Case, make_cases
 
 __all__ = [
@@ -102,7 +103,6 @@ ROWSUM_SAMPLING_SIGMAS = 3.0
 #: ``unsupported`` unless the feature is required (``check(..., require=...)``)
 OPTIONAL_FEATURES = ("gqa", "mask")
 
-_U_FP32 = 2.0**-24
 _CHECK_ORDER = ("runs", "finite", "out", "dq", "dk", "dv", "rowsum", "agree_out", "agree_dq", "agree_dk", "agree_dv")
 
 
@@ -409,7 +409,7 @@ def _exact(case: Case) -> _Exact:
         "dk": reference.reduce_kv(tau * (w.transpose(-1, -2) @ q.abs()), g),
         "dv": reference.reduce_kv(p.transpose(-1, -2) @ do.abs(), g),
     }
-    bounds = diagnostics.attention_error_bound(q, k, v, do, u=_U_FP32, causal=case.causal, scale=case.scale,
+    bounds = diagnostics.attention_error_bound(q, k, v, do, u=U_FP32, causal=case.causal, scale=case.scale,
                                                mask=mask, n_tiles=k.shape[-2])
     kbar, _ = reference.attention_forward(q, k, k, causal=case.causal, scale=case.scale, mask=mask)
     # a delta from the output rounded to the dtype: |D_i - D*_i| <= u_out a_i with
@@ -483,10 +483,10 @@ def _run_recipe(case: Case, recipe, dtype):
 def _dq_accumulation_u(claimed) -> float:
     """The probe's accumulation unit roundoff for a claim (see :func:`check`)."""
     if claimed is None:
-        return _U_FP32
+        return U_FP32
     fp8 = [p for p in (claimed.ds_dq, claimed.k_dq)
            if p.quantized and p.fmt.is_fp8]
-    return 2.0**-13 if fp8 else _U_FP32
+    return U_WGMMA if fp8 else U_FP32
 
 
 def rounding_allowance(dtype: torch.dtype) -> float:
@@ -712,7 +712,7 @@ def _rowsum_bound(case, plan, rel_base: torch.Tensor, noise: float) -> float:
         # to A_i, |1 - sigma_i| + gamma_c sigma_i + 2 gamma_2 with D summed over at most n keys
         # of P V and d channels of dO O: below gamma_{2n + d + 4}
         n_keys, head_dim = case.k.shape[-2], case.q.shape[-1]
-        return BASELINE_FACTOR * base_rms + noise + diagnostics.gamma(2 * n_keys + head_dim + 4, _U_FP32)
+        return BASELINE_FACTOR * base_rms + noise + diagnostics.gamma(2 * n_keys + head_dim + 4, U_FP32)
     return base_rms * (1 + ROWSUM_SAMPLING_SIGMAS * _rms_sampling_rel_std(rel_base)) + noise
 
 

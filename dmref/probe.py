@@ -79,6 +79,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .emulation.constants import U_BF16, U_FP16, U_FP32, U_FP64
+
 __all__ = [
     "GROUP",
     "ProbeResult",
@@ -95,10 +97,10 @@ __all__ = [
 GROUP = 16
 
 _UNIT_ROUNDOFF = {
-    torch.float64: 2.0**-53,
-    torch.float32: 2.0**-24,
-    torch.bfloat16: 2.0**-8,
-    torch.float16: 2.0**-11,
+    torch.float64: U_FP64,
+    torch.float32: U_FP32,
+    torch.bfloat16: U_BF16,
+    torch.float16: U_FP16,
 }
 
 
@@ -230,7 +232,7 @@ def _run(fn, q, k, v, dout, kwargs, leaf=_copy):
 
 def run_probe(fn, q, k, v, dout, setup: ProbeSetup, *, causal: bool = False, scale: float | None = None,
               mask=None, base=None, abs_ds_bound: torch.Tensor | None = None,
-              u_acc: float = 2.0**-24, leaf=_copy) -> ProbeResult:
+              u_acc: float = U_FP32, leaf=_copy) -> ProbeResult:
     """Run ``fn`` on (q, k) and on (q, k + 1 cᵀ) and read r_i = sum_j dS_ij off dQ.
 
     ``q``, ``k`` must come from :func:`prepare` (zero on ``setup.channels``). ``base``: the
@@ -268,7 +270,7 @@ def run_probe(fn, q, k, v, dout, setup: ProbeSetup, *, causal: bool = False, sca
     residual = readings.mean(dim=-1)
     n_keys = k.shape[-2]
     u_out = unit_roundoff_of(shifted[1].dtype)
-    eps = 2 * u_acc + u_out + 2.0**-24  # the scale multiply, the output rounding, c^ = c (1 + eps)
+    eps = 2 * u_acc + u_out + U_FP32  # the scale multiply, the output rounding, c^ = c (1 + eps)
     rel = eps / (1 - eps)
     if abs_ds_bound is not None:
         per = accumulation_bound(n_keys, u_acc) * abs_ds_bound.to("cpu", torch.float64)[..., None] + rel * readings.abs()

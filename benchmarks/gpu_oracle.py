@@ -12,7 +12,7 @@
   bounds, as a claim of the ``cudnn_fp8`` recipe and as a claim of ``delta_matching``; skipped
   with a message when dmref.targets or cuDNN's FP8 attention is not available.
 
-    python benchmarks/gpu_oracle.py --out DIR [--cases quick|standard] [--skip-kernels]
+    python benchmarks/gpu_oracle.py --out DIR [--cases quick|standard] [--skip-kernels | --only-cudnn]
 
 The reference, the baselines and the emulated recipes run on the CPU in float64 / float32; the
 targets run on the GPU. Writes DIR/gpu_oracle.json and prints the tables. A target that cannot
@@ -22,8 +22,11 @@ run (no backend, no Triton) is recorded as an error and the others still run.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -93,9 +96,11 @@ def _cudnn_fp8_targets(cases: str) -> list[Target]:
     ]
 
 
-def targets(cases: str, skip_kernels: bool) -> list[Target]:
+def targets(cases: str, skip_kernels: bool, only_cudnn: bool = False) -> list[Target]:
     from dmref import oracle
 
+    if only_cudnn:
+        return _cudnn_fp8_targets(cases)
     out = [
         Target("sdpa flash bf16", _sdpa("FLASH_ATTENTION"), cases=cases, device="cuda"),
         Target("sdpa cudnn bf16", _sdpa("CUDNN_ATTENTION"), cases=cases, device="cuda"),
@@ -126,6 +131,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="directory for gpu_oracle.json")
     ap.add_argument("--cases", default="standard", choices=("quick", "standard"))
     ap.add_argument("--skip-kernels", action="store_true", help="only the SDPA backends")
+    ap.add_argument("--only-cudnn", action="store_true", help="only dmref.targets.cudnn_fp8")
+    ap.add_argument("--target-index", type=int, help=argparse.SUPPRESS)  # one target, in this process
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -133,8 +140,38 @@ def main(argv=None) -> int:
         return 2
     torch.set_num_threads(max(1, min(16, os.cpu_count() or 1)))
     os.makedirs(args.out, exist_ok=True)
-    run(targets(args.cases, args.skip_kernels), os.path.join(args.out, "gpu_oracle.json"),
-        title=f"dmref oracle, {torch.cuda.get_device_name()} ({args.cases})", seed=args.seed)
+    name = "gpu_oracle_cudnn.json" if args.only_cudnn else "gpu_oracle.json"
+    all_targets = targets(args.cases, args.skip_kernels, args.only_cudnn)
+    title = f"dmref oracle, {torch.cuda.get_device_name()} ({args.cases})"
+    if args.target_index is not None:
+        run([all_targets[args.target_index]], os.path.join(args.out, name), title=title, seed=args.seed)
+        return 0
+    # Each target runs in a process of its own: a device-side fault (an illegal or misaligned
+    # access) leaves the CUDA context unusable, and would otherwise fail every later target.
+    merged = {"meta": None, "summary": [], "reports": []}
+    for i, t in enumerate(all_targets):
+        with tempfile.TemporaryDirectory() as tmp:
+            argv_i = [sys.executable, os.path.abspath(__file__), "--out", tmp, "--cases", args.cases,
+                      "--seed", str(args.seed), "--target-index", str(i)]
+            argv_i += ["--skip-kernels"] * args.skip_kernels + ["--only-cudnn"] * args.only_cudnn
+            proc = subprocess.run(argv_i)
+            try:
+                with open(os.path.join(tmp, name)) as f:
+                    part = json.load(f)
+            except OSError:
+                part = {"meta": None, "reports": [],
+                        "summary": [{"target": t.label, "error": f"its process ended with status {proc.returncode}"}]}
+        merged["meta"] = merged["meta"] or part["meta"]
+        merged["summary"] += part["summary"]
+        merged["reports"] += part["reports"]
+    path = os.path.join(args.out, name)
+    with open(path, "w") as f:
+        json.dump(merged, f, indent=1)
+    print(f"{title}: written {path}")
+    for r in merged["summary"]:
+        verdict = r.get("error") or ("pass" if r["passed"] else "FAIL " + ", ".join(r["failed_checks"]))
+        checks = "" if "error" in r else f"{r['checks_passed']}/{r['checks_run']}"
+        print(f"  {r['target']:55s} {checks:>9s}  {verdict}")
     return 0
 
 

@@ -44,7 +44,8 @@ Guarantees:
   the summary with the exception's message) and does not fail the verdict, unless the feature
   is in ``require``. Any other exception, ``NotImplementedError`` included, fails ``runs``.
 - With ``timeout``, a case that runs longer fails ``runs`` ("timed out"), and the cases after it
-  are not run (reported as skipped): the hung call cannot be stopped.
+  are not run (reported as skipped): the hung call cannot be stopped. Likewise after a case whose
+  call faulted on the device (a CUDA error): the process's CUDA context is lost.
 - Every bound is derived from the dtype, the recipe and the inputs (no typed tolerance); the
   derivations and their evidence are in docs/oracle.md.
 """
@@ -589,7 +590,21 @@ def check(fn, *, recipe=None, cases="standard", dtype: torch.dtype = torch.bfloa
         report.checks.extend(checks)
         if checks and checks[0].detail.startswith("timed out"):
             stopped = f"case {case.name} timed out and may still be running"
+        elif checks and checks[0].detail.startswith(_DEVICE_FAULT):
+            stopped = (f"case {case.name} left the device in an error state (a device-side fault), "
+                       "so no later case can run in this process")
     return report
+
+
+#: How a failed ``runs`` check that was a device-side fault begins (see :func:`_is_device_fault`).
+_DEVICE_FAULT = "device-side fault: "
+
+
+def _is_device_fault(e: BaseException) -> bool:
+    """A CUDA error raised by the implementation (an illegal or misaligned access, a device-side
+    assert): it leaves the process's CUDA context unusable, so every later call fails too."""
+    accelerator_error = getattr(torch, "AcceleratorError", ())
+    return (isinstance(e, accelerator_error) if accelerator_error else False) or "CUDA error" in str(e)
 
 
 def _run_case(fn, case, plan, cr, timeout):
@@ -634,6 +649,8 @@ def _check_case(fn, case, plan, cr) -> list[Check]:
         got = _call(fn, case, plan.device)
     except Exception as e:  # noqa: BLE001 - any failure of the implementation is a finding
         detail = f"{type(e).__name__}: {e}"
+        if _is_device_fault(e):  # a crash, never an unsupported feature
+            return [Check(case.name, "runs", False, detail=_DEVICE_FAULT + detail)]
         return [_unsupported(case, plan, detail) or Check(case.name, "runs", False, detail=detail)]
     checks = [Check(case.name, "runs", True)]
     got64 = tuple(_cpu64(t) for t in got)

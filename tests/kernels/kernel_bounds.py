@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-#: float32 unit roundoff.
-U32 = 2.0**-24
+from dmref.emulation.constants import U_FP16, U_FP32 as U32, gamma  # noqa: F401  (the tests import them here)
 
 #: Issue 5: quantized P and dS codes of kernel and reference agree on at least 99.9% of elements.
 #: Measured on the H200 (benchmarks/gpu_code_agreement.py): P codes all equal, dS codes
@@ -18,11 +17,6 @@ CODE_AGREEMENT = 0.999
 #: recipe's own FP8 quantization error. A difference of a quarter of that error (measured in the
 #: same run against float64 attention) would mean a different recipe, so that is the bound.
 RECIPE_NOISE_FRACTION = 0.25
-
-
-def gamma(n: int | float, u: float = U32) -> float:
-    """Higham's gamma_n = n u / (1 - n u): the relative error bound of an n-term float sum."""
-    return n * u / (1 - n * u)
 
 
 def bf16_ulp(x: torch.Tensor) -> torch.Tensor:

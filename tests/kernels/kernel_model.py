@@ -195,7 +195,12 @@ def backward(q, k, v, o, lse2, do, *, causal: bool, scale: float, recipe: Kernel
     dsq_codes, dsq_inv = _quantize_ds(ds_q, sf, along=2, block=t.block_n2, other_block=t.block_m2,
                                       granularity=recipe.ds_granularity)
     dq = exact_dot(decode(dsq_codes, sf) * dsq_inv, k_t)
+    # scales of the two accumulations that kernel and model order differently: the float32 sum
+    # of dS K (abs terms) and, matched, the float16 roundings of kbar (abs terms times |D - D_stale|)
+    dq_abs = exact_dot((decode(dsq_codes, sf) * dsq_inv).abs(), k_t.abs()) * scale
+    dq_corr_abs = torch.zeros_like(dq_abs)
     if recipe.delta == "matched":
+        dq_corr_abs = (d_matched - d_stale).abs()[..., None] * kbar(p, k, h, recipe, t.block_n2, absolute=True) * scale
         # deferred correction: dQ -= (D - D_stale) * kbar (second order, float16)
         dq = dq - (d_matched - d_stale)[..., None] * kbar(p, k, h, recipe, t.block_n2)
     dq = dq * scale
@@ -210,6 +215,9 @@ def backward(q, k, v, o, lse2, do, *, causal: bool, scale: float, recipe: Kernel
         "s2_abs": s2_abs,
         "dp_abs": dp_abs,
         "dq": dq.view(b, h, n, d),
+        "dq_abs": dq_abs.view(b, h, n, d),
+        "dq_corr_abs": dq_corr_abs.view(b, h, n, d),
+        "kbar_roundings": 2 * -(-n // t.block_n2),
         "dk": dk.view(b, hkv, group, n, d).sum(2),
         "dv": dv.view(b, hkv, group, n, d).sum(2),
         "delta": delta,
@@ -223,11 +231,13 @@ def backward(q, k, v, o, lse2, do, *, causal: bool, scale: float, recipe: Kernel
     }
 
 
-def kbar(p: torch.Tensor, k: torch.Tensor, heads: int, recipe: KernelRecipe, block_n: int):
+def kbar(p: torch.Tensor, k: torch.Tensor, heads: int, recipe: KernelRecipe, block_n: int,
+         absolute: bool = False):
     """kbar_i = sum_j deq(Q8(2**4 P_ij)) K_j / 2**4 as the dq kernel forms it: per key tile a
     float16 chain over the K codes (modelled as the exact sum rounded to float16), scaled to
     units u of the head's largest K scale in float32, added to a float16 accumulator, times u
-    at the end. (BH, N, D) float32."""
+    at the end. (BH, N, D) float32. With ``absolute``: sum_j deq(Q8(2**4 P_ij)) |K_j| / 2**4,
+    unrounded (the scale of kbar's float16 roundings)."""
     from dmref.kernels.config import KBAR_P_SCALE_LOG2
 
     fmt, pf = recipe.qkv_format, recipe.recipe.p.fmt.name
@@ -236,6 +246,9 @@ def kbar(p: torch.Tensor, k: torch.Tensor, heads: int, recipe: KernelRecipe, blo
     kt_codes, kt_inv = cols(_flat(k, heads), fmt)  # (BH, D, NPAD), (BH, NPAD / 128, D)
     kt = decode(kt_codes, fmt).double().transpose(1, 2)  # (BH, NPAD, D) codes' values
     n = p.shape[-1]
+    if absolute:
+        k_abs = kt[:, :n].abs() * kt_inv.repeat_interleave(QUANT_BLOCK, dim=1)[:, :n].double()
+        return (p8 @ k_abs).float() / kbar_scale
     unit = kt_inv.amax(dim=(1, 2))[:, None, None]  # (BH, 1, 1): the head's largest block scale
     acc = torch.zeros(p.shape[0], p.shape[1], kt.shape[-1], dtype=torch.float16, device=p.device)
     for j0 in range(0, n, block_n):

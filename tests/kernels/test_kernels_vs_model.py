@@ -20,6 +20,7 @@ from kernel_bounds import (
     CODE_AGREEMENT,
     RECIPE_NOISE_FRACTION,
     U32,
+    U_FP16,
     bf16_ulp,
     delta_matching_rowsum_bound,
     gamma,
@@ -241,9 +242,14 @@ def test_outputs_and_gradients_match_model_within_recipe_noise(backend, case):
         if backend == "interpreter":
             # float32 accumulation there, and every code agrees: the kernel's BF16 outputs are
             # the model's values rounded to BF16, up to one BF16 ulp where the float32 values
-            # straddle a rounding boundary
-            excess = ((kern[name].float() - mod[name]).abs() - bf16_ulp(mod[name])).max().item()
-            assert excess <= 0, f"{name}: kernel and model differ by more than one BF16 ulp"
+            # straddle a rounding boundary, plus, for dQ, what another order of the float32 sum
+            # of dS K (2 gamma_N of its |terms|) and of kbar's float16 roundings can move
+            allowed = bf16_ulp(mod[name])
+            if name == "dq":
+                allowed = allowed + 2 * gamma(case.n) * mod["dq_abs"] + \
+                    2 * gamma(mod["kbar_roundings"], U_FP16) * mod["dq_corr_abs"]
+            excess = ((kern[name].float() - mod[name]).abs() - allowed).max().item()
+            assert excess <= 0, f"{name}: kernel and model differ by more than one BF16 ulp ({excess:.3e} beyond)"
     # LSE: the same float32 online softmax, up to exp2/log2 rounding and accumulation order
     lse_tol = gamma(case.n + 4) * mod["lse2"].abs().max().item() + 2 * gamma(case.head_dim) * \
         mod["s2_abs"].abs().max().item()

@@ -310,3 +310,24 @@ def test_a_zero_baseline_excess_still_admits_rounding_to_the_dtype():
     oracle.check(rounded(u), cases=[case], probe=False).raise_for_failures()
     report = oracle.check(rounded(8 * u), cases=[case], probe=False)
     assert report.failed_names() == {"dk"}, report.summary()
+
+
+def test_a_device_fault_fails_its_case_and_stops_the_rest_instead_of_blaming_them():
+    """A CUDA error (misaligned or illegal access) leaves the process's CUDA context unusable:
+    the faulting case fails ``runs``, is never taken for an unsupported feature, and the cases
+    after it are reported as not run rather than failed."""
+    calls = {"n": 0}
+
+    def faults_once(q, k, v, *, causal, scale):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise RuntimeError("CUDA error: misaligned address")
+        return oracle.sdpa_math(q, k, v, causal=causal, scale=scale)
+
+    report = oracle.check(faults_once, cases="quick")
+    runs = [c for c in report.checks if c.name == "runs"]
+    failed = [c for c in runs if c.passed is False]
+    assert len(failed) == 1 and failed[0].detail.startswith("device-side fault: RuntimeError: CUDA error")
+    later = runs[runs.index(failed[0]) + 1:]
+    assert later and all(c.passed is None and c.detail.startswith("not run: ") for c in later)
+    assert not report.passed

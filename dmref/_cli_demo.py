@@ -25,7 +25,9 @@ def register(subparsers) -> None:
     p.add_argument("--sweep", nargs="*", type=int, default=None, metavar="N",
                    help="sequence lengths of the error-vs-length sweep (default 128 256 512 1024; "
                         "give none to skip it)")
-    p.add_argument("--sweep-heads", type=int, default=2)
+    p.add_argument("--sweep-heads", type=int, default=None, help="heads of the sweep's problems (default: --heads)")
+    p.add_argument("--draws", type=int, default=256, metavar="T",
+                   help="largest number of roundings dQ's error is averaged over (default 256; 0 skips it)")
     p.set_defaults(func=_run)
 
 

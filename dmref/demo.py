@@ -40,10 +40,12 @@ JSON_KEYS = (
 #: Keys every object carries whose value is a float or null: ``dq_bias_fraction`` is null where
 #: dQ's error is at the float64 reference's own rounding level (:func:`dq_rounding_level`).
 JSON_NULLABLE_KEYS = ("dq_bias_fraction",)
-#: Recipes averaged by :func:`accumulate` by default: the three stale FP8 presets and
-#: Delta-Matching (naive_fp8 and delta_matching quantize every operand alike and differ only in
-#: the delta).
-ACCUMULATION_RECIPES = ("naive_fp8", "cudnn_fp8", "mxfp8_stale", "delta_matching")
+#: Recipes averaged by :func:`accumulate` by default: the two stale FP8 presets whose bias the
+#: default 256 draws resolve, and Delta-Matching. naive_fp8 (Delta-Matching's quantization with
+#: a stale delta) is left out to keep the demo under half a minute of CPU: at 256 draws its
+#: error ends 1.16x its noise-only value, within its noise band (about 1.34x), so its stale bias
+#: is below this problem's resolution (DemoConfig.accum_recipes adds it back).
+ACCUMULATION_RECIPES = ("cudnn_fp8", "mxfp8_stale", "delta_matching")
 
 
 def make_problem(batch: int = 1, heads: int = 4, seqlen: int = 1024, head_dim: int = 64, *,
@@ -321,12 +323,20 @@ def run_demo(config: DemoConfig, progress=None) -> DemoResult:
 
 
 def _sweep(config: DemoConfig, recipes, result: DemoResult, progress) -> None:
+    """The main problem's errors again at each sweep length (same seed and statistics); the
+    length of the main problem reuses its reports when the head count is the same."""
     if not config.sweep_seqlens:
         return
     heads = config.sweep_heads or config.heads
     task = progress.add_task("sequence-length sweep", total=len(recipes) * len(config.sweep_seqlens)) if progress else None
     for n in config.sweep_seqlens:
-        problem = make_problem(config.batch, heads, n, config.head_dim, seed=config.seed + 1)
+        if (n, heads) == (config.seqlen, config.heads):
+            for report in result.reports:
+                result.sweep.setdefault(report.recipe, []).append((n, report))
+            if progress:
+                progress.advance(task, len(recipes))
+            continue
+        problem = make_problem(config.batch, heads, n, config.head_dim, seed=config.seed)
         exact_n = diagnostics.exact_results(*problem, causal=config.causal)
         for recipe in recipes:
             if progress:
@@ -335,6 +345,7 @@ def _sweep(config: DemoConfig, recipes, result: DemoResult, progress) -> None:
             result.sweep.setdefault(recipe.name, []).append((n, report))
             if progress:
                 progress.advance(task)
+
 
 def _colors(names) -> dict:
     """One colour per recipe, the same in every panel (by position in PRESETS)."""

@@ -14,7 +14,8 @@ from dmref import demo
 matplotlib.use("Agg")
 
 _SMALL = dict(batch=1, heads=1, seqlen=128, head_dim=32, sweep_seqlens=(64, 128), accum_draws=2,
-              accum_seqlen=64, recipes=("exact", "fp32", "naive_fp8", "delta_matching"))
+              accum_seqlen=64, recipes=("exact", "fp32", "naive_fp8", "delta_matching"),
+              accum_recipes=("naive_fp8", "delta_matching"))
 
 
 @pytest.fixture(scope="module")

@@ -46,22 +46,34 @@ def test_dither_is_one_grid_step_of_gaussian_noise_and_keeps_zeros():
     assert abs(z.std().item() - 1) <= 5 * math.sqrt(2 / m) + 2 ** -24 * 4 ** bits  # + float32 storage
 
 
-def test_stale_error_stays_above_its_noise_line_while_delta_matching_follows_it(averaged):
+def _plateaus(series, name) -> bool:
+    """Whether ``name``'s averaged error ends above its noise band around the noise-only line
+    (which falls exactly like 1/sqrt(T) times the draws' root-mean-square error): a bias that
+    averaging does not remove."""
+    band = demo.noise_ratio_band(series.sq_norms[name])
+    return series.err[name][-1] > band * series.noise_only[name][-1]
+
+
+def _follows_noise(series, name) -> bool:
+    """Whether ``name``'s averaged error stays within its noise band around the noise-only
+    (1/sqrt(T)) line at every recorded T."""
+    band = demo.noise_ratio_band(series.sq_norms[name])
+    return all(1 / band <= e / n <= band for e, n in zip(series.err[name], series.noise_only[name]))
+
+
+def test_stale_error_plateaus_while_delta_matching_falls_like_noise(averaged):
     """Noise averages like 1/sqrt(T): the error of the averaged dQ stays within the noise band
     around its noise-only value (:func:`dmref.demo.noise_ratio_band`, derived from the single
-    draws); a bias does not: the stale recipes end above their bands, and above their own
-    1/sqrt(T) extrapolation from T = 1, while Delta-Matching stays within its band at every T."""
-    t_max = averaged.draws[-1]
-    assert t_max == demo.DemoConfig.accum_draws
-    dm_band = demo.noise_ratio_band(averaged.sq_norms["delta_matching"])
-    for err, noise in zip(averaged.err["delta_matching"], averaged.noise_only["delta_matching"]):
-        assert 1 / dm_band <= err / noise <= dm_band
+    draws); a bias does not. On the demo's peaked problem cudnn_fp8 (stale delta) ends above its
+    band and above its 1/sqrt(T) extrapolation, also in the part along kbar_i (the stale delta's
+    direction), while Delta-Matching follows its noise line at every T. The two predicates are
+    exclusive, so substituting one recipe for the other fails the test."""
+    assert averaged.draws[-1] == demo.DemoConfig.accum_draws
+    assert _follows_noise(averaged, "delta_matching") and not _plateaus(averaged, "delta_matching")
+    assert _plateaus(averaged, "cudnn_fp8") and not _follows_noise(averaged, "cudnn_fp8")
+    band = demo.noise_ratio_band(averaged.sq_norms["cudnn_fp8"])
+    assert averaged.err_along_kbar["cudnn_fp8"][-1] > band * averaged.noise_only_along_kbar["cudnn_fp8"][-1]
     for stale in ("cudnn_fp8", "mxfp8_stale"):
-        band = demo.noise_ratio_band(averaged.sq_norms[stale])
-        err = averaged.err[stale]
-        assert err[-1] > band * averaged.noise_only[stale][-1], (stale, err, averaged.noise_only[stale])
-        assert err[-1] > band * err[0] / math.sqrt(t_max)
-        assert err[-1] > averaged.err["delta_matching"][-1]
         assert demo.bias_estimate(averaged, stale) > demo.bias_estimate(averaged, "delta_matching")
 
 

@@ -401,7 +401,7 @@ def _plot_accumulation(ax, ax_ratio, result: DemoResult, colors) -> tuple[list, 
                  f"{rows} attends sharply to one key (logit ~{make_problem.__kwdefaults__['peak_logit']:g} above the rest), as in trained models", fontsize=11)
     ax.legend(loc="lower left", fontsize=8, title=f"at T={t_max}, of ||dQ*||", title_fontsize=8)
     ax_ratio.axhline(1.0, color="k", linewidth=0.8)
-    ax_ratio.set_ylabel("error / noise-only\n(dotted: 4-sigma band;\ndashed: part along kbar_i)")
+    ax_ratio.set_ylabel("error / noise-only\n(dotted: 4-sigma band)")
     ax_ratio.set_xlabel("T: number of independent roundings averaged (like T training steps)")
     top = max(max(e / n for e, n in zip(acc.err[x] + acc.err_along_kbar[x], acc.noise_only[x] + acc.noise_only_along_kbar[x]))
               for x in acc.err)

@@ -53,7 +53,9 @@ def register(subparsers) -> None:
     p.add_argument("--sweep", nargs="*", type=positive, default=None, metavar="N",
                    help="sequence lengths of the error-vs-length sweep (default 128 256 512 1024; "
                         "give none to skip it)")
-    p.add_argument("--sweep-heads", type=positive, default=2)
+    p.add_argument("--sweep-heads", type=positive, default=None, help="heads of the sweep's problems (default: --heads)")
+    p.add_argument("--draws", type=int_at_least(0), default=256, metavar="T",
+                   help="largest number of roundings dQ's error is averaged over (default 256; 0 skips it)")
     p.set_defaults(func=_run)
 
 
@@ -72,7 +74,7 @@ def _config(args):
         batch=args.batch, heads=args.heads, seqlen=args.seqlen, head_dim=args.head_dim,
         causal=not args.no_causal, seed=args.seed, recipes=names,
         sweep_seqlens=tuple(args.sweep) if args.sweep is not None else DemoConfig.sweep_seqlens,
-        sweep_heads=args.sweep_heads,
+        sweep_heads=args.sweep_heads, accum_draws=args.draws,
     )
 
 
@@ -106,11 +108,15 @@ def _run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    import torch
+
     from dmref import demo
 
     config = _config(args)
     if args.out:
         check_out_path(args.out)
+    # One thread: on a 2-core CPU, intra-op threads on these small matrices cost more than they save
+    torch.set_num_threads(1)
     err = Console(stderr=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=err, transient=args.json) as progress:

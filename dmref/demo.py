@@ -5,28 +5,44 @@ a few outlier channels in Q, K and V, an attention-sink key, query rows that att
 one key, and output gradients whose scale varies by token. For each preset the demo runs the
 tiled forward and backward with diagnostics (:func:`dmref.diagnostics.evaluate`) and reports the
 row-sum residual of dS (before and after dS's quantization), the output and gradient errors
-against the float64 reference, and the share of dQ's error along kbar. It then repeats the
-errors over sequence lengths and draws both in one PNG.
+against the float64 reference, and the share of dQ's error along kbar. It repeats the errors
+over sequence lengths, and it measures whether dQ's error averages away (:func:`accumulate`).
+
+Why the last part: in one step the stale-delta recipes and Delta-Matching have dQ errors of the
+same size (about 1e-1, FP8 rounding). What differs is their kind. A stale delta adds
+-scale * delta_i * kbar_i to dQ (DESIGN.md section 1); where delta_i keeps its sign from step to
+step this is a bias, and a bias survives averaging over many training steps, while rounding
+noise averages away like 1/sqrt(T). :func:`accumulate` therefore averages dQ's error over T
+independent roundings of one problem and reports the relative error of that average against T.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass, field
 
 import torch
 
-from . import diagnostics, emulation
+from . import diagnostics, emulation, reference, tiled
 from .recipes import PRESETS, get_recipe
 
-__all__ = ["DemoConfig", "DemoResult", "make_problem", "run_demo", "write_plot"]
+__all__ = [
+    "AccumulationSeries", "DemoConfig", "DemoResult", "accumulate", "dither", "dq_rounding_level",
+    "bias_estimate", "make_problem", "noise_ratio_band", "run_demo", "write_plot",
+]
 
-#: Keys every ``dmref demo --json`` object carries.
+#: Keys every ``dmref demo --json`` object carries, with float values.
 JSON_KEYS = (
     "recipe", "rowsum_residual_max", "rowsum_residual_mean", "rowsum_residual_after_quant_max",
-    "dq_rel_err", "dk_rel_err", "dv_rel_err", "out_rel_err", "dq_bias_fraction",
+    "dq_rel_err", "dk_rel_err", "dv_rel_err", "out_rel_err", "dq_rounding_level",
 )
+#: Keys every object carries whose value is a float or null: ``dq_bias_fraction`` is null where
+#: dQ's error is at the float64 reference's own rounding level (:func:`dq_rounding_level`).
+JSON_NULLABLE_KEYS = ("dq_bias_fraction",)
+#: Recipes averaged by :func:`accumulate` by default: two stale FP8 presets and Delta-Matching.
+#: naive_fp8 (Delta-Matching's quantization with a stale delta) is left out to keep the demo near
+#: half a minute of CPU (DemoConfig.accum_recipes adds it back).
+ACCUMULATION_RECIPES = ("cudnn_fp8", "mxfp8_stale", "delta_matching")
 
 
 def make_problem(batch: int = 1, heads: int = 4, seqlen: int = 1024, head_dim: int = 64, *,
@@ -87,7 +103,46 @@ class DemoConfig:
     seed: int = 0
     recipes: tuple[str, ...] = tuple(PRESETS)
     sweep_seqlens: tuple[int, ...] = (128, 256, 512, 1024)
-    sweep_heads: int = 2
+    sweep_heads: int | None = None  #: heads of the sweep's problems; None: ``heads``
+    accum_draws: int = 256  #: T_max of :func:`accumulate`; 0 skips it
+    accum_seqlen: int = 256  #: sequence length of the averaged problem
+    accum_heads: int = 1  #: heads of the averaged problem (``batch`` and ``head_dim`` as above)
+    #: share of the averaged problem's query rows that attend sharply to one key
+    #: (:func:`make_problem`'s ``peaked_fraction``): low-entropy rows, as in trained models, where
+    #: most P_ij are tiny and the stale delta's systematic part is largest
+    accum_peaked_fraction: float = 1.0
+    accum_recipes: tuple[str, ...] = ACCUMULATION_RECIPES
+
+
+@dataclass
+class AccumulationSeries:
+    """dQ's error averaged over T independent roundings of one problem (:func:`accumulate`).
+
+    For each recipe and each T in ``draws``, with e_t = dQ_t - dQ*_t the error of draw t against
+    the float64 reference of that draw:
+
+    - ``err``: || (1/T) sum_t e_t ||_F / || (1/T) sum_t dQ*_t ||_F, the error of the averaged dQ;
+    - ``err_along_kbar``: the part of it along kbar_i = sum_j P_ij K_j (row by row);
+    - ``noise_only``: sqrt(sum_t ||e_t||^2) / T / || (1/T) sum_t dQ*_t ||_F, what ``err`` is
+      expected to be if the e_t were independent with mean zero (E||sum_t e_t||^2 =
+      sum_t E||e_t||^2): it falls exactly like 1/sqrt(T) times the typical one-draw error;
+    - ``noise_only_along_kbar``: the same for the parts along kbar;
+    - ``sq_norms``: ||e_t||_F^2 / ||dQ*_t||_F^2 of every single draw (for :func:`noise_ratio_band`).
+    """
+
+    shape: tuple[int, int, int, int]  #: (batch, heads, seqlen, head_dim) of the averaged problem
+    draws: list[int] = field(default_factory=list)
+    err: dict = field(default_factory=dict)
+    err_along_kbar: dict = field(default_factory=dict)
+    noise_only: dict = field(default_factory=dict)
+    noise_only_along_kbar: dict = field(default_factory=dict)
+    sq_norms: dict = field(default_factory=dict)
+
+    def as_dict(self, recipe: str) -> dict:
+        return dict(shape=list(self.shape), draws=list(self.draws), err=self.err[recipe],
+                    err_along_kbar=self.err_along_kbar[recipe], noise_only=self.noise_only[recipe],
+                    noise_only_along_kbar=self.noise_only_along_kbar[recipe],
+                    single_draw_sq_err=self.sq_norms[recipe])
 
 
 @dataclass
@@ -97,9 +152,25 @@ class DemoResult:
     residuals: dict = field(default_factory=dict)  #: recipe -> per-row |r_i| / A_i (numpy)
     residuals_after_quant: dict = field(default_factory=dict)
     sweep: dict = field(default_factory=dict)  #: recipe -> list of (seqlen, Report)
+    dq_rounding_level: float = 0.0  #: :func:`dq_rounding_level` of the main problem
+    accumulation: AccumulationSeries | None = None
+
+    def bias_fraction(self, report) -> float | None:
+        """The report's dq_bias_fraction, or None where its dQ error is at most twice the float64
+        reference's own rounding level (the recipe's float64 rounding plus the reference's): an
+        error that small is rounding of the reference, and its direction says nothing."""
+        return None if report.dq_rel_err <= 2 * self.dq_rounding_level else report.dq_bias_fraction
 
     def json_rows(self) -> list[dict]:
-        return [r.as_dict() for r in self.reports]
+        rows = []
+        for r in self.reports:
+            row = r.as_dict()
+            row["dq_bias_fraction"] = self.bias_fraction(r)
+            row["dq_rounding_level"] = self.dq_rounding_level
+            if self.accumulation is not None and r.recipe in self.accumulation.err:
+                row["accumulation"] = self.accumulation.as_dict(r.recipe)
+            rows.append(row)
+        return rows
 
 
 def _relative_rows(stats, which: str):
@@ -109,15 +180,133 @@ def _relative_rows(stats, which: str):
     return (num[keep] / den[keep]).flatten().numpy()
 
 
+def dq_rounding_level(q, k, v, dout, dq_exact, *, causal: bool) -> float:
+    """How far the float64 reference's dQ may be from exact arithmetic, relative:
+    || B ||_F / || dQ ||_F with B = :func:`dmref.diagnostics.attention_error_bound` at the float64
+    unit roundoff (2^-53 times the problem's condition: the sums of |P||dP| and |dS||K| that the
+    bound carries). Below about this level a measured error is rounding, not a property of the
+    recipe."""
+    bound = diagnostics.attention_error_bound(q, k, v, dout, u=diagnostics.U_FP64, causal=causal)["dq"]
+    den = dq_exact.to(torch.float64).norm().item()
+    return bound.norm().item() / den if den > 0 else math.inf
+
+
+def _coarsest_mantissa_bits(recipes) -> int:
+    """The fewest mantissa bits among the formats the recipes round to (2 when one uses E5M2)."""
+    bits = []
+    for r in recipes:
+        points = [*r.points().values(), r.delta.do, r.delta.o]
+        bits += [emulation.get_format(p.fmt).mantissa_bits for p in points if p.fmt is not None]
+    return min(bits) if bits else emulation.get_format("float8_e4m3fn").mantissa_bits
+
+
+def dither(x: torch.Tensor, generator: torch.Generator, mantissa_bits: int) -> torch.Tensor:
+    """x + z w(x), z standard normal, w(x) = 2^(floor(log2|x|) - mantissa_bits): one grid step, at
+    x's binade, of a format with ``mantissa_bits`` bits (0 stays 0), as float32.
+
+    Why this gives independent roundings of one problem whose errors average to zero: the
+    rounding error of x + z w against x + z w has a mean that is periodic in x with the grid
+    step, and a Gaussian dither of standard deviation one step damps that period by
+    exp(-2 pi^2) ~ 3e-9 (the classical dither result; it holds whatever the grid's offset, so
+    for power-of-two and other scales alike, and a step of the coarsest format covers several
+    steps of every finer one). What is left is second order in the step: a floating-point grid
+    doubles its step at each binade edge. The exact answer is recomputed for every draw, so the
+    dither is not an error; quantities formed inside a recipe (P, dS) are re-rounded because
+    they move with the inputs by many grid steps. A uniform dither one step wide is unbiased
+    only on a uniform grid; at the binade edges it left Delta-Matching's averaged dQ error at
+    1.8x its noise-only value after 256 draws, the Gaussian at 1.2x. Cheaper transformations
+    give the same codes every time, not new draws: power-of-two rescalings (Q(2^k x) = 2^k Q(x)),
+    sign flips and permutations; stochastic rounding is not in dmref.tiled; and a rotation of the
+    head dimension would remove the outlier channels that make the problem hard. The price: each
+    draw moves the inputs by about one coarse grid step (12-25% of |x| for E5M2), so the draws
+    are like T training steps on the same kind of data rather than T roundings of identical
+    numbers.
+    """
+    x64 = x.to(torch.float64)
+    _, e = torch.frexp(x64)  # x = m 2^e with 1/2 <= |m| < 1: the binade starts at 2^(e - 1)
+    step = torch.where(x64 == 0, torch.zeros_like(x64), torch.ldexp(torch.ones_like(x64), e - 1 - mantissa_bits))
+    u = torch.randn(x.shape, generator=generator, dtype=torch.float64)
+    return (x64 + u * step).to(torch.float32)
+
+
+def accumulate(config: DemoConfig, progress=None) -> AccumulationSeries:
+    """dQ's error averaged over T = 1 .. ``config.accum_draws`` independent roundings of one
+    problem (:func:`make_problem` at ``config.accum_seqlen``), each draw :func:`dither`-ed, for
+    every recipe of ``config.accum_recipes`` that is also in ``config.recipes``. Records at
+    T = 1, 2, 4, ... and at T_max. Like T training steps accumulating a gradient: a part of the
+    error that keeps its sign from draw to draw (a bias) stays, the rest falls like 1/sqrt(T)."""
+    recipes = [get_recipe(r) for r in config.accum_recipes if r in config.recipes]
+    shape = (config.batch, config.accum_heads, config.accum_seqlen, config.head_dim)
+    series = AccumulationSeries(shape)
+    if not recipes or config.accum_draws <= 0:
+        return series
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # many small problems: intra-op threads cost more than they save
+    try:
+        _accumulate(config, recipes, series, progress)
+    finally:
+        torch.set_num_threads(threads)
+    return series
+
+
+def _accumulate(config: DemoConfig, recipes, series: AccumulationSeries, progress) -> None:
+    shape = series.shape
+    base = make_problem(*shape, seed=config.seed + 2, peaked_fraction=config.accum_peaked_fraction)
+    kbar = diagnostics.exact_results(*base, causal=config.causal).kbar
+    bits = _coarsest_mantissa_bits(recipes)
+    g = torch.Generator().manual_seed(config.seed + 3)
+    err_sum = {r.name: torch.zeros(base[0].shape, dtype=torch.float64) for r in recipes}
+    sq = {r.name: [] for r in recipes}
+    sq_abs = dict.fromkeys(err_sum, 0.0)
+    sq_along = dict.fromkeys(err_sum, 0.0)
+    dq_sum = torch.zeros(base[0].shape, dtype=torch.float64)
+    task = progress.add_task("averaging over roundings", total=config.accum_draws) if progress else None
+    for t in range(1, config.accum_draws + 1):
+        problem = tuple(dither(x, g, bits) for x in base)
+        dq_exact = reference.attention_ref(*problem, causal=config.causal)[2]
+        dq_sum += dq_exact
+        for r in recipes:
+            _, bwd = tiled.attention(*problem, recipe=r, causal=config.causal)
+            e = bwd.dq.to(torch.float64) - dq_exact
+            err_sum[r.name] += e
+            sq[r.name].append((e.norm().item() / dq_exact.norm().item()) ** 2)
+            sq_abs[r.name] += e.norm().item() ** 2
+            sq_along[r.name] += diagnostics.dq_bias_split(e, torch.zeros_like(e), kbar)[0].norm().item() ** 2
+        if t & (t - 1) == 0 or t == config.accum_draws:
+            series.draws.append(t)
+            den = dq_sum.norm().item() / t
+            for r in recipes:
+                mean = err_sum[r.name] / t
+                along, _, _ = diagnostics.dq_bias_split(mean, torch.zeros_like(mean), kbar)
+                series.err.setdefault(r.name, []).append(mean.norm().item() / den)
+                series.err_along_kbar.setdefault(r.name, []).append(along.norm().item() / den)
+                series.noise_only.setdefault(r.name, []).append(math.sqrt(sq_abs[r.name]) / t / den)
+                series.noise_only_along_kbar.setdefault(r.name, []).append(math.sqrt(sq_along[r.name]) / t / den)
+        if progress:
+            progress.advance(task)
+    series.sq_norms = sq
+
+
+def noise_ratio_band(sq_norms, sigmas: float = 4.0) -> float:
+    """How far err / noise_only may stray from 1 at any T if the draws are noise only: for
+    independent Gaussian errors of covariance C, ||sum_t e_t||^2 / T has the distribution of one
+    draw's ||e||^2 (mean tr C, relative standard deviation s = sqrt(2 tr C^2) / tr C), so
+    (err / noise_only)^2 = 1 +- s, and s is estimated from the single draws' squared errors.
+    Returns sqrt(1 + ``sigmas`` s): a ratio above it is a bias, not chance."""
+    x = torch.tensor(sq_norms, dtype=torch.float64)
+    s = (x.std() / x.mean()).item() if len(sq_norms) > 1 else math.inf
+    return math.sqrt(1 + sigmas * s)
+
+
 def run_demo(config: DemoConfig, progress=None) -> DemoResult:
-    """Run every recipe of ``config`` on the main problem, then the sequence-length sweep.
-    ``progress``: a rich Progress (or None)."""
+    """Run every recipe of ``config`` on the main problem, then the sequence-length sweep and the
+    averaging over roundings. ``progress``: a rich Progress (or None)."""
     result = DemoResult(config)
     recipes = [get_recipe(r) for r in config.recipes]
     q, k, v, dout = make_problem(config.batch, config.heads, config.seqlen, config.head_dim, seed=config.seed)
-    sweep_steps = len(recipes) * len(config.sweep_seqlens) if config.sweep_seqlens else 0
     task = progress.add_task("main problem", total=len(recipes) + 1) if progress else None
     exact = diagnostics.exact_results(q, k, v, dout, causal=config.causal)
+    result.dq_rounding_level = dq_rounding_level(q, k, v, dout, exact.dq, causal=config.causal)
     if progress:
         progress.advance(task)
     for recipe in recipes:
@@ -129,62 +318,220 @@ def run_demo(config: DemoConfig, progress=None) -> DemoResult:
         result.residuals_after_quant[recipe.name] = _relative_rows(stats, "residual_dq")
         if progress:
             progress.advance(task)
-    if sweep_steps:
-        task2 = progress.add_task("sequence-length sweep", total=sweep_steps) if progress else None
-        for n in config.sweep_seqlens:
-            problem = make_problem(config.batch, config.sweep_heads, n, config.head_dim, seed=config.seed + 1)
-            exact_n = diagnostics.exact_results(*problem, causal=config.causal)
-            for recipe in recipes:
-                if progress:
-                    progress.update(task2, description=f"{recipe.name} (N={n})")
-                report, _ = diagnostics.evaluate(*problem, recipe, causal=config.causal, exact=exact_n)
-                result.sweep.setdefault(recipe.name, []).append((n, report))
-                if progress:
-                    progress.advance(task2)
+    _sweep(config, recipes, result, progress)
+    result.accumulation = accumulate(config, progress)
     return result
 
 
+def _sweep(config: DemoConfig, recipes, result: DemoResult, progress) -> None:
+    """The main problem's errors again at each sweep length (same seed and statistics); the
+    length of the main problem reuses its reports when the head count is the same."""
+    if not config.sweep_seqlens:
+        return
+    heads = config.sweep_heads or config.heads
+    task = progress.add_task("sequence-length sweep", total=len(recipes) * len(config.sweep_seqlens)) if progress else None
+    for n in config.sweep_seqlens:
+        if (n, heads) == (config.seqlen, config.heads):
+            for report in result.reports:
+                result.sweep.setdefault(report.recipe, []).append((n, report))
+            if progress:
+                progress.advance(task, len(recipes))
+            continue
+        problem = make_problem(config.batch, heads, n, config.head_dim, seed=config.seed)
+        exact_n = diagnostics.exact_results(*problem, causal=config.causal)
+        for recipe in recipes:
+            if progress:
+                progress.update(task, description=f"{recipe.name} (N={n})")
+            report, _ = diagnostics.evaluate(*problem, recipe, causal=config.causal, exact=exact_n)
+            result.sweep.setdefault(recipe.name, []).append((n, report))
+            if progress:
+                progress.advance(task)
+
+
+def _colors(names) -> dict:
+    """One colour per recipe, the same in every panel (by position in PRESETS)."""
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab10"]
+    order = list(PRESETS)
+    return {n: cmap(order.index(n.partition("@")[0]) % 10 if n.partition("@")[0] in order else 9) for n in names}
+
+
+def bias_estimate(series: AccumulationSeries, recipe: str) -> float:
+    """sqrt(err^2 - noise_only^2) at T_max, 0 where err is below its noise-only value: the size
+    (relative to ||dQ*||) of the part of dQ's error that averaging does not remove, since
+    E||mean error||^2 = ||bias||^2 + (noise-only value)^2."""
+    e, n = series.err[recipe][-1], series.noise_only[recipe][-1]
+    return math.sqrt(e * e - n * n) if e > n else 0.0
+
+
+def _plot_accumulation(ax, ax_ratio, result: DemoResult, colors) -> tuple[list, list]:
+    """Panel A: above, the error of the T-averaged dQ against T with each recipe's noise-only
+    line; below, their ratio with each recipe's noise band (:func:`noise_ratio_band`). Returns
+    the recipes that end above their band and those within it."""
+    acc = result.accumulation
+    ts, t_max = acc.draws, acc.draws[-1]
+    above, within = [], []
+    for name in acc.err:
+        err, noise = acc.err[name], acc.noise_only[name]
+        band = noise_ratio_band(acc.sq_norms[name])
+        ratio = err[-1] / noise[-1]
+        (above if ratio > band else within).append(name)
+        verdict = (f"{ratio:.2f}x noise-only: a bias of {bias_estimate(acc, name):.1e}" if ratio > band
+                   else f"{ratio:.2f}x noise-only: within its band, no bias resolved")
+        ax.plot(ts, err, marker="o", color=colors[name], linewidth=2, label=f"{name}: {verdict}")
+        ax.plot(ts, noise, linestyle=":", color=colors[name], linewidth=1.5)
+        ax_ratio.plot(ts, [e / n for e, n in zip(err, noise)], marker="o", color=colors[name], linewidth=2)
+        ax_ratio.plot(ts, [e / n for e, n in zip(acc.err_along_kbar[name], acc.noise_only_along_kbar[name])],
+                      linestyle="--", color=colors[name], linewidth=1.2)
+        ax_ratio.axhline(band, color=colors[name], linestyle=":", linewidth=1.2)
+    ax.plot([], [], linestyle=":", color="gray", label="dotted: if the draws were noise only (falls like 1/sqrt(T))")
+    for a in (ax, ax_ratio):
+        a.set_xscale("log", base=2)
+        a.grid(True, which="both", alpha=0.25)
+    ax.set_yscale("log")
+    ax.tick_params(labelbottom=False)
+    ax.set_ylabel("relative error of the averaged dQ\n||mean_t (dQ_t - dQ*_t)||_F / ||dQ*||_F")
+    b, h, n, d = acc.shape
+    peaked = result.config.accum_peaked_fraction
+    rows = "every query row" if peaked >= 1 else f"{peaked:.0%} of query rows"
+    ax.set_title("A. Does dQ's error average away over T steps?  One problem re-rounded T times\n"
+                 f"(Gaussian dither of one FP8 grid step, exact dQ* per draw), B={b} H={h} N={n} D={d} causal;\n"
+                 f"{rows} attends sharply to one key (logit ~{make_problem.__kwdefaults__['peak_logit']:g} above the rest), as in trained models", fontsize=11)
+    ax.legend(loc="lower left", fontsize=8, title=f"at T={t_max}, of ||dQ*||", title_fontsize=8)
+    ax_ratio.axhline(1.0, color="k", linewidth=0.8)
+    ax_ratio.set_ylabel("error / noise-only\n(dotted: 4-sigma band)")
+    ax_ratio.set_xlabel("T: number of independent roundings averaged (like T training steps)")
+    top = max(max(e / n for e, n in zip(acc.err[x] + acc.err_along_kbar[x], acc.noise_only[x] + acc.noise_only_along_kbar[x]))
+              for x in acc.err)
+    top = max(top, *(noise_ratio_band(acc.sq_norms[x]) for x in acc.err))
+    ax_ratio.set_ylim(top=1 + 1.45 * (top - 1))
+    ax_ratio.text(0.02, 0.95, "1 = noise only;  above a recipe's dotted band = a bias that averaging does not remove;\n"
+                  "dashed: the same ratio for the error's part along kbar_i = sum_j P_ij K_j, the stale delta's direction",
+                  transform=ax_ratio.transAxes, va="top", fontsize=8.5)
+    return above, within
+
+
+def _plot_residuals(ax, result: DemoResult, colors) -> None:
+    """Panel B: per recipe, the distribution over rows of log10 |r_i| / A_i; rows whose residual
+    is exactly 0 have no logarithm and are counted in a marker at the bottom of the axis."""
+    import numpy as np
+
+    cfg = result.config
+    names = [r.recipe for r in result.reports]
+    logs = {n: np.log10(result.residuals[n][result.residuals[n] > 0]) for n in names}
+    zeros = {n: int((result.residuals[n] == 0).sum()) for n in names}
+    with_data = [i for i, n in enumerate(names) if logs[n].size]
+    parts = ax.violinplot([logs[names[i]] for i in with_data], positions=[i + 1 for i in with_data],
+                          showmedians=True, showextrema=True)
+    for i, body in zip(with_data, parts["bodies"]):
+        body.set_facecolor(colors[names[i]])
+        body.set_alpha(0.6)
+    lows = [logs[n].min() for n in names if logs[n].size]
+    bottom = math.floor(min(lows)) - 1.5 if lows else -18
+    by_name = {r.recipe: r for r in result.reports}
+    ref = by_name.get("delta_matching", result.reports[0])
+    ax.axhline(math.log10(ref.rowsum_bound_max), color="k", linestyle="--", linewidth=1,
+               label=f"FP32 rounding bound that Delta-Matching meets (largest row): {ref.rowsum_bound_max:.1e}")
+    for i, n in enumerate(names):
+        if zeros[n]:
+            ax.plot(i + 1, bottom + 0.4, marker="v", color=colors[n], markersize=9)
+            ax.text(i + 1, bottom + 0.9, f"{zeros[n]} rows\nexactly 0", ha="center", fontsize=7)
+    ax.plot([], [], "v", color="gray", label="rows whose residual is exactly 0 (no log; counted)")
+    ax.set_ylim(bottom=bottom)
+    ax.set_xticks(range(1, len(names) + 1), names, rotation=25, ha="right")
+    ax.set_ylabel("log10 of  |sum_j dS_ij| / sum_j |P_ij dP_ij|   (one value per query row)")
+    ax.set_title("B. Why: do the rows of dS sum to zero, as the exact gradient's do?\n"
+                 f"FP32 dS before its quantization, B={cfg.batch} H={cfg.heads} N={cfg.seqlen} "
+                 f"D={cfg.head_dim}{' causal' if cfg.causal else ''}")
+    ax.legend(loc="upper left", fontsize=8)
+    ax.grid(True, axis="y", alpha=0.25)
+
+
+def _plot_sweep(ax, result: DemoResult, colors, key: str, title: str, ylabel: str) -> None:
+    """Panels C and D: one report field against N; a value that is exactly 0 is drawn as a
+    marker at the bottom of the axis."""
+    cfg = result.config
+    zero_points = []
+    for name, rows in result.sweep.items():
+        ns = [n for n, _ in rows]
+        ys = [getattr(r, key) for _, r in rows]
+        ax.plot([n for n, y in zip(ns, ys) if y > 0], [y for y in ys if y > 0], marker="o",
+                color=colors[name], label=name)
+        zero_points += [(n, name) for n, y in zip(ns, ys) if y == 0]
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    if zero_points:
+        low, high = ax.get_ylim()
+        ax.set_ylim(low, high)  # fixed: the zero markers sit on the bottom edge, below every value
+        for n, name in zero_points:
+            ax.plot(n, low, marker="v", color=colors[name], clip_on=False, markersize=9)
+        ax.plot([], [], "v", color="gray", label="exactly 0 (drawn at the axis bottom)")
+    ax.set_xlabel("sequence length N (keys per query row)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{title}\nB={cfg.batch} H={cfg.sweep_heads or cfg.heads} D={cfg.head_dim}, same statistics")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(True, which="both", alpha=0.25)
+
+
+def _caption(result: DemoResult, above, within) -> str:
+    """The figure's caption: the mechanism, then what panel A measured (from the data)."""
+    first = ("dQ* = float64 reference. A stale delta leaves the rows of dS summing to -delta_i (B), which "
+             "adds -scale delta_i kbar_i to dQ, kbar_i = sum_j P_ij K_j; in one step (C) this hides in FP8 "
+             "rounding of the same size.")
+    acc = result.accumulation
+    if acc is None or not acc.draws:
+        return first
+    t_max = acc.draws[-1]
+    parts = [f"{n} {acc.err[n][-1] / acc.noise_only[n][-1]:.2f}x" for n in above + within]
+    second = (f"Averaged over T={t_max} roundings (A), error / noise-only: {', '.join(parts)}. "
+              + (f"Above the band ({', '.join(above)}): the part of delta_i that keeps its sign is a bias, "
+                 "and averaging removes only noise." if above else "No recipe ends above its noise band.")
+              + (f" Within their bands ({', '.join(within)}): no bias resolved at T={t_max}; a bias smaller "
+                 "than the draws' scatter allows is not excluded." if within else ""))
+    import textwrap
+
+    return "\n".join(textwrap.wrap(first + " " + second, 190))
+
+
 def write_plot(result: DemoResult, path: str) -> None:
-    """Three panels: per recipe, the distribution over rows of |r_i| / A_i of the FP32 dS (with
-    the FP32 bound Delta-Matching meets, dashed); then dQ's error and the largest row-sum
-    residual against sequence length."""
+    """Four panels: A, dQ's error averaged over T roundings against T (a bias stays, noise falls
+    like 1/sqrt(T)); B, the row-sum residual of dS per recipe (where the bias comes from);
+    C and D, dQ's one-step error and the largest row-sum residual against sequence length."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     names = [r.recipe for r in result.reports]
-    cfg = result.config
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(18, 5.5), gridspec_kw=dict(width_ratios=[1.4, 1, 1]))
-    floor = 1e-18
-    data = [np.log10(np.maximum(result.residuals[n], floor)) for n in names]
-    parts = ax1.violinplot(data, showmedians=True, showextrema=True)
-    for body in parts["bodies"]:
-        body.set_alpha(0.5)
-    by_name = {r.recipe: r for r in result.reports}
-    reference = by_name.get("delta_matching", result.reports[0])
-    bound = reference.rowsum_bound_max
-    ax1.axhline(math.log10(bound), color="k", linestyle="--", linewidth=1,
-                label=f"FP32 bound met by Delta-Matching (largest row) {bound:.1e}")
-    ax1.set_xticks(range(1, len(names) + 1), names, rotation=30, ha="right")
-    ax1.set_ylabel("log10 |sum_j dS_ij| / sum_j |P_ij dP_ij|   (one value per row)")
-    ax1.set_title(f"row-sum residual of FP32 dS, before its quantization\n"
-                  f"B={cfg.batch} H={cfg.heads} N={cfg.seqlen} D={cfg.head_dim}"
-                  f"{' causal' if cfg.causal else ''} (zero residuals drawn at 1e-18)")
-    ax1.legend(loc="lower left", fontsize=8)
-    for name, rows in result.sweep.items():
-        ns = [n for n, _ in rows]
-        ax2.plot(ns, [max(r.dq_rel_err, floor) for _, r in rows], marker="o", label=name)
-        ax3.plot(ns, [max(r.rowsum_residual_max, floor) for _, r in rows], marker="o", label=name)
-    for ax, what in ((ax2, "dQ relative error (Frobenius)"), (ax3, "largest row-sum residual of FP32 dS")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length N")
-        ax.set_title(f"{what}\nagainst N (H={cfg.sweep_heads}, same statistics)")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    colors = _colors(names)
+    fig, axes = plt.subplots(2, 2, figsize=(17, 12.5))
+    (ax_a, ax_b), (ax_c, ax_d) = axes
+    acc = result.accumulation
+    if acc is not None and acc.draws:
+        spec = ax_a.get_subplotspec().subgridspec(2, 1, height_ratios=(2.2, 1), hspace=0.06)
+        ax_a.remove()
+        ax_a = fig.add_subplot(spec[0])
+        ax_ratio = fig.add_subplot(spec[1], sharex=ax_a)
+        above, within = _plot_accumulation(ax_a, ax_ratio, result, colors)
+    else:
+        ax_a.set_axis_off()
+        ax_a.text(0.5, 0.5, "averaging over roundings skipped (--draws 0)", ha="center")
+        above, within = [], []
+    _plot_residuals(ax_b, result, colors)
+    if result.sweep:
+        _plot_sweep(ax_c, result, colors, "dq_rel_err",
+                    "C. One step: dQ's error is about the same for every FP8 recipe",
+                    "relative error of dQ:  ||dQ - dQ*||_F / ||dQ*||_F")
+        _plot_sweep(ax_d, result, colors, "rowsum_residual_max",
+                    "D. Largest row-sum residual of dS against N",
+                    "max_i |sum_j dS_ij| / sum_j |P_ij dP_ij|")
+    else:
+        ax_c.set_axis_off()
+        ax_d.set_axis_off()
+    fig.text(0.5, 0.004, _caption(result, above, within), ha="center", va="bottom", fontsize=10)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -203,42 +550,22 @@ def print_table(result: DemoResult, console) -> None:
         table.add_column(title, justify="left" if title == "recipe" else "right")
     for r in result.reports:
         d = r.as_dict()
-        table.add_row(*[d["recipe"]] + [f"{d[key]:.2e}" if key != "dq_bias_fraction" else f"{d[key]:.2f}"
-                                        for _, key in cols[1:]])
+        frac = result.bias_fraction(r)
+        table.add_row(d["recipe"], *[f"{d[key]:.2e}" for _, key in cols[1:-1]],
+                      "—" if frac is None else f"{frac:.2f}")
     console.print(table)
     console.print("rowsum: |sum_j dS_ij| / sum_j |P_ij dP_ij| of the FP32 dS before its quantization; "
                   "'max / FP32 bound' <= 1 means every row is within Delta-Matching's FP32 bound "
                   "(dmref.diagnostics.matched_rowsum_bound); errors are relative Frobenius norms "
                   "against the float64 reference; dQ bias frac: share of dQ's squared error along "
-                  "kbar_i = sum_j P_ij K_j.")
+                  "kbar_i = sum_j P_ij K_j; '—': dQ's error is at most twice the float64 reference's "
+                  f"own rounding level ({result.dq_rounding_level:.1e}, dmref.demo.dq_rounding_level), "
+                  "so its direction means nothing.")
+    acc = result.accumulation
+    if acc is not None and acc.draws:
+        t = acc.draws[-1]
+        parts = [f"{n} {acc.err[n][0]:.2e} -> {acc.err[n][-1]:.2e} (noise only {acc.noise_only[n][-1]:.2e})"
+                 for n in acc.err]
+        console.print(f"dQ error averaged over T roundings, T=1 -> T={t}: " + "; ".join(parts) +
+                      ". Above its noise-only value = a bias that averaging does not remove.")
 
-
-def main(args) -> int:
-    import json
-
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    config = DemoConfig(
-        batch=args.batch, heads=args.heads, seqlen=args.seqlen, head_dim=args.head_dim,
-        causal=not args.no_causal, seed=args.seed,
-        recipes=tuple(args.recipes) if args.recipes else tuple(PRESETS),
-        sweep_seqlens=tuple(args.sweep) if args.sweep is not None else DemoConfig.sweep_seqlens,
-        sweep_heads=args.sweep_heads,
-    )
-    err = Console(stderr=True)
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=err, transient=args.json) as progress:
-        result = run_demo(config, progress)
-    if args.out:
-        write_plot(result, args.out)
-    if args.json:
-        json.dump(result.json_rows(), sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        out = Console(width=None if sys.stdout.isatty() else 200)  # no wrapped rows in a log file
-        print_table(result, out)
-        if args.out:
-            out.print(f"plot written to {args.out}")
-    return 0

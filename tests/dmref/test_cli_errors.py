@@ -17,7 +17,7 @@ import pytest
 from dmref import _cli_demo, _cli_formats, cli, demo
 from dmref.recipes import PRESETS
 
-_SMALL = ["--seqlen", "64", "--heads", "1", "--head-dim", "16", "--sweep"]
+_SMALL = ["--seqlen", "64", "--heads", "1", "--head-dim", "16", "--sweep", "--draws", "2"]
 
 
 def run_cli(argv: list[str]) -> tuple[int, str, str]:

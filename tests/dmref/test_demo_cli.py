@@ -10,7 +10,7 @@ from dmref import cli
 from dmref.demo import JSON_KEYS
 from dmref.recipes import PRESETS
 
-_SMALL = ["--seqlen", "256", "--heads", "2", "--head-dim", "32"]
+_SMALL = ["--seqlen", "256", "--heads", "2", "--head-dim", "32", "--draws", "2"]
 
 
 def _run(argv) -> str:

@@ -134,9 +134,15 @@ def _run(args) -> int:
         def step(name, index, total):
             progress.update(task, completed=index, description=f"case {name}")
 
-        report = oracle.check(fn, recipe=args.recipe, cases=cases, dtype=dtype, device=args.device,
-                              probe=not args.no_probe, progress=step, target=args.target, require=args.require,
-                              timeout=args.timeout)
+        try:
+            report = oracle.check(fn, recipe=args.recipe, cases=cases, dtype=dtype, device=args.device,
+                                  probe=not args.no_probe, progress=step, target=args.target,
+                                  require=args.require, timeout=args.timeout)
+        except oracle.TargetUnavailable as e:
+            progress.stop()
+            print(f"dmref check: error: {args.target} cannot run here: {' '.join(str(e).split())}",
+                  file=sys.stderr)
+            return EXIT_USAGE
         progress.update(task, completed=len(cases))
 
     if args.json:

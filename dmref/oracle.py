@@ -596,6 +596,13 @@ def check(fn, *, recipe=None, cases="standard", dtype: torch.dtype = torch.bfloa
     return report
 
 
+class TargetUnavailable(RuntimeError):
+    """Raised by an implementation that cannot run on this machine at all (a package or the GPU
+    is missing): :func:`check` stops and re-raises it instead of failing every case; the message
+    is one line and says what is missing. A subclass that is also a ``NotImplementedError``
+    declines one problem only (dmref.targets.CaseUnsupported) and is recorded per case."""
+
+
 #: How a failed ``runs`` check that was a device-side fault begins (see :func:`_is_device_fault`).
 _DEVICE_FAULT = "device-side fault: "
 
@@ -649,6 +656,8 @@ def _check_case(fn, case, plan, cr) -> list[Check]:
         got = _call(fn, case, plan.device)
     except Exception as e:  # noqa: BLE001 - any failure of the implementation is a finding
         detail = f"{type(e).__name__}: {e}"
+        if isinstance(e, TargetUnavailable) and not isinstance(e, NotImplementedError):
+            raise
         if _is_device_fault(e):  # a crash, never an unsupported feature
             return [Check(case.name, "runs", False, detail=_DEVICE_FAULT + detail)]
         return [_unsupported(case, plan, detail) or Check(case.name, "runs", False, detail=detail)]

@@ -45,6 +45,8 @@ import math
 
 import torch
 
+from .oracle import TargetUnavailable
+
 __all__ = ["TargetUnavailable", "CaseUnsupported", "GRAD_FORMATS", "require_cudnn_fp8", "cudnn_fp8",
            "cudnn_fp8_forward", "cudnn_fp8_backward", "dequantize"]
 
@@ -57,11 +59,6 @@ GRAD_FORMATS = tuple(_FORMATS)
 _FWD_FORMAT = "e4m3"  # Q, K, V, O, P and dS
 _HEAD_DIM = 128  # cuDNN's Hopper FP8 backward: d_qk == d_v == 128 only
 _GRAPH_CACHE_SIZE = 32
-
-
-class TargetUnavailable(RuntimeError):
-    """The target cannot run on this machine (a package or the GPU is missing); the message is
-    one line and says what is missing."""
 
 
 class CaseUnsupported(TargetUnavailable, NotImplementedError):

@@ -127,3 +127,23 @@ def test_quantize_of_zeros_uses_scale_one():
     codes, scale, descale, amax = targets._quantize(torch.zeros(1, 1, 3, 4), "e4m3")
     assert amax.item() == 0.0 and scale.item() == 1.0 and descale.item() == 1.0
     assert (codes.view(torch.uint8) == 0).all()
+
+
+@pytest.mark.parametrize("extra", [[], ["--head-dim", "128"]])
+def test_check_of_cudnn_fp8_where_it_cannot_run_is_one_line_and_status_2(no_frontend, capsys, extra):
+    """Where the frontend (or the GPU) is missing, `dmref check dmref.targets:cudnn_fp8` stops at
+    once with what is missing, instead of failing every case and blaming the implementation."""
+    from dmref.cli import main
+
+    code = main(["check", "dmref.targets:cudnn_fp8", "--cases", "quick", *extra])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and "nvidia-cudnn-frontend" in err and "Traceback" not in err
+
+
+def test_the_oracle_stops_on_a_target_that_cannot_run_here():
+    def unavailable(q, k, v, *, causal, scale):
+        raise targets.TargetUnavailable("needs a thing this machine lacks")
+
+    with pytest.raises(targets.TargetUnavailable, match="needs a thing"):
+        oracle.check(unavailable, cases="quick")

@@ -33,10 +33,11 @@ def test_encode_matches_ml_dtypes_and_torch_on_all_float32_bit_patterns(fmt):
 def test_float64_next_to_midpoints_is_rounded_once_where_the_libraries_round_twice(fmt):
     census = sweep.double_rounding_census(fmt)
     assert census.ours_wrong == 0
-    # the libraries round through float32: the float64 just off each midpoint collapses onto it
-    # and ties go to even, so about half are wrong (DESIGN.md 4b); pin that they still are
-    assert census.ml_dtypes_wrong > census.inputs // 4
-    assert census.torch_wrong > census.inputs // 4
+    # a library that rounds through float32 collapses the float64 just off each midpoint onto it
+    # and ties to even, so about half come out wrong (docs/casts.md; torch, ml_dtypes < 0.7);
+    # one that rounds once gets none wrong (ml_dtypes 0.7): either behaviour, nothing between
+    for wrong in (census.ml_dtypes_wrong, census.torch_wrong):
+        assert wrong == 0 or wrong > census.inputs // 4
 
 
 def test_library_disagreements_are_pinned_on_a_few_inputs():

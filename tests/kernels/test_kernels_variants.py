@@ -42,7 +42,8 @@ def test_load_and_register_variants_equal_the_pointer_variant_bit_for_bit(backen
     capped = base.with_tiles(fwd=dataclasses.replace(base.fwd_tiles(hd), maxnreg=168),
                              bwd=dataclasses.replace(base.bwd_tiles(hd), maxnreg_dq=168, maxnreg_dkdv=168))
     variants = [_variant(base, hd, tma=tma) for tma in (False, True)]
-    for r in variants + [base, capped]:
+    # register caps exist only for the compiler: the interpreter runs the same code without them
+    for r in variants + ([base, capped] if backend == "gpu" else []):
         o, lse, saved, _ = api.attention_forward(q, k, v, causal=causal, recipe=r)
         grads = api.attention_backward(saved, o, do, shape=api.Shape.of(q, k, v), causal=causal,
                                        scale=case.head_dim**-0.5, recipe=r)[:3]

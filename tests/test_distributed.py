@@ -269,6 +269,7 @@ def check_digests(kind: str, tmp_path: Path):
     return where
 
 
+@pytest.mark.slow
 def test_emulated_attention_gives_bit_identical_results_on_two_gloo_ranks(tmp_path):
     """The harness of the two-GPU test, run here: two gloo processes, dmref.attention."""
     check_digests("emulated", tmp_path)

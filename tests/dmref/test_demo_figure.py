@@ -61,6 +61,7 @@ def _follows_noise(series, name) -> bool:
     return all(1 / band <= e / n <= band for e, n in zip(series.err[name], series.noise_only[name]))
 
 
+@pytest.mark.slow
 def test_stale_error_plateaus_while_delta_matching_falls_like_noise(averaged):
     """Noise averages like 1/sqrt(T): the error of the averaged dQ stays within the noise band
     around its noise-only value (:func:`dmref.demo.noise_ratio_band`, derived from the single

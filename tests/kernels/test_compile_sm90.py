@@ -33,6 +33,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_backward_kernels_compile_for_sm90_within_shared_memory():
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

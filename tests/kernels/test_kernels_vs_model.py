@@ -286,6 +286,7 @@ def test_stale_delta_ds_rowsums_visibly_outside_delta_matching_bound(backend, ca
     assert rel_err(kern["ds_rowsum"], predicted) <= RECIPE_NOISE_FRACTION
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["interpreter", pytest.param("gpu", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("recipe", ["delta_matching", "naive_fp8"])
 def test_autograd_function_gives_the_backward_kernels_gradients(backend, recipe):

@@ -77,6 +77,7 @@ def test_a_wrong_grouping_fails_on_the_command_line_too():
     assert res.returncode == 1
 
 
+@pytest.mark.slow
 def test_head_dim_128():
     res = _dmref("dmref.oracle:sdpa_math", "--head-dim", "128", "--cases", "quick", "--case", "realistic",
                  "--case", "gqa", "--json")

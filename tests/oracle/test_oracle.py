@@ -47,6 +47,7 @@ def _attention_f64(q, k, v, *, causal, scale, mask=None):
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_float64_autograd_attention_passes_at_float64_bounds():
     report = oracle.check(_attention_f64, cases=oracle.make_cases("quick", dtype=torch.float64), dtype=torch.float64)
     report.raise_for_failures()

@@ -79,6 +79,7 @@ def test_assert_within_bound_names_the_worst_element():
         testing.assert_within_bound(torch.tensor([1.0, 2.0]), torch.tensor([1.1, 3.0]), 0.2, what="x")
 
 
+@pytest.mark.slow
 def test_pytest_plugin_gives_a_user_test_the_oracle_in_three_lines(tmp_path):
     here = os.path.dirname(os.path.abspath(__file__))
     (tmp_path / "test_user.py").write_text(textwrap.dedent("""

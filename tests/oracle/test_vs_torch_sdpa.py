@@ -61,6 +61,7 @@ def torch_cpu_flash_model(q, k, v, do, *, causal, scale, bf16_accumulation=True)
     return _bf16(dk), _bf16(dv)
 
 
+@pytest.mark.slow
 def test_torch_cpu_bf16_sdpa_rounds_dk_and_dv_to_bf16_after_every_block_of_queries():
     """The evidence behind docs/oracle.md's explanation: the model that rounds dV's running sum to
     BF16 after every block of queries of every query head reproduces torch's dV in almost every

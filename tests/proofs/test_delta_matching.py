@@ -3,6 +3,8 @@ assumption."""
 
 from __future__ import annotations
 
+import pytest
+
 from fractions import Fraction
 
 import numpy as np
@@ -140,6 +142,7 @@ def test_residual_with_A2_dropped_is_minus_do_error_dot_pv(seed, n_q, n_k, d):
 @settings(max_examples=20)  # exact rational arithmetic: about 1 s an example on 2 cores
 @given(seed=st.integers(0, 2**20), n_q=st.integers(1, 4), n_k=st.integers(1, 5),
        d=st.integers(1, 9))
+@pytest.mark.slow
 def test_residual_with_A3_dropped_is_delta_times_mass_defect(seed, n_q, n_k, d):
     case = counterexample_a3(seed, n_q, n_k, d)
     assert case.residuals == case.predicted

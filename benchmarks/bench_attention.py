@@ -15,7 +15,12 @@ Measures, per shape B·H·N·D and causal or not, medians of ``triton.testing.do
   backward with stale delta (``naive_fp8``) and with matched delta (``delta_matching``), each incl.
   the preprocess (dO quantization + stale delta) and split into the dq and dkdv kernels;
   end to end (quantization + forward + backward through ``torch.autograd``);
+- the warp-specialized Gluon forward (``dmref.kernels.fwd_ws``, the ``folded`` scales): kernel
+  alone and incl. its quantization of K and V (it quantizes Q inside);
 - SDPA cuDNN and flash backends, BF16: forward, backward, end to end;
+- cuDNN's FP8 attention (per-tensor scales, stale delta; ``dmref.targets``' frontend graphs,
+  built once and re-executed on fixed FP8 inputs, so its quantization is not timed) at head dim
+  128, where its Hopper backward runs: forward, backward, end to end;
 - registers, spills and shared memory of every compiled kernel variant (``compiled``).
 
 Without ``--no-sweep`` the tilings of ``FWD_CANDIDATES`` and ``BWD_CANDIDATES`` are timed first on
@@ -162,6 +167,24 @@ def _kernel_stats(fn_kernel):
     return out
 
 
+def cudnn_fp8_timers(q, k, v, do, causal):
+    """(forward, backward) closures that re-execute cuDNN's FP8 graphs (``dmref.targets``) on the
+    FP8 inputs, scales and output buffers of one calibrated call."""
+    from dmref import targets
+
+    fwd = targets.cudnn_fp8_forward(q, k, v, causal=causal)
+    bwd = targets.cudnn_fp8_backward(fwd, do)
+    g = fwd["graphs"]
+    f_in = {"q": fwd["q_fp8"], "k": fwd["k_fp8"], "v": fwd["v_fp8"], "o": fwd["o_fp8"], "stats": fwd["stats"],
+            "amax_s": fwd["amax_s"], "amax_o": fwd["amax_o"], **{n: fwd[n] for n in targets._FWD_SCALARS}}
+    b_in = {"q": fwd["q_fp8"], "k": fwd["k_fp8"], "v": fwd["v_fp8"], "o": fwd["o_fp8"], "dO": bwd["do_fp8"],
+            "stats": fwd["stats"], "dQ": bwd["dq_fp8"], "dK": bwd["dk_fp8"], "dV": bwd["dv_fp8"],
+            **{n: fwd[n] for n in ("descale_q", "descale_k", "descale_v", "descale_o", "descale_s", "scale_s")},
+            **{n: bwd[n] for n in ("descale_dO", "descale_dP", "scale_dP", "scale_dQ", "scale_dK", "scale_dV",
+                                   "amax_dQ", "amax_dK", "amax_dV", "amax_dP")}}
+    return (lambda: g.run("fwd", f_in)), (lambda: g.run("bwd", b_in))
+
+
 def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -188,6 +211,14 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
     ms["ours_fwd_incl_quant_for_bwd"] = _bench(lambda: api.attention_forward(
         q, k, v, causal=causal, scale=scale, recipe=r_dm, for_backward=True))
     ms["ours_quant_qkv_for_bwd"] = _bench(lambda: [quantize(t, "float8_e4m3fn") for t in (q, k, v)])
+    # --- ours: the warp-specialized forward (folded scales)
+    from dmref.kernels import fwd_ws
+
+    _, _, kv = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale)
+    ms["ours_fwd_ws_kernel"] = _bench(lambda: fwd_ws.forward(q, kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=h,
+                                                             causal=causal, scale=scale))
+    ms["ours_fwd_ws_incl_quant"] = _bench(lambda: fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale))
+    del kv
     # --- ours: backward
     do8, d_stale = quantize(do, "float8_e4m3fn", rows=True, cols=True, delta_with=o)
     ms["ours_bwd_preprocess"] = _bench(lambda: quantize(do, "float8_e4m3fn", rows=True, cols=True,
@@ -222,6 +253,15 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
                 del out
         except Exception as exc:
             res[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    # --- cuDNN FP8 (head dim 128: its Hopper backward's only one)
+    if d == 128:
+        try:
+            f8, b8 = cudnn_fp8_timers(q, k, v, do, causal)
+            ms["cudnn_fp8_fwd"] = _bench(f8)
+            ms["cudnn_fp8_bwd"] = _bench(b8)
+            ms["cudnn_fp8_e2e"] = ms["cudnn_fp8_fwd"] + ms["cudnn_fp8_bwd"]
+        except Exception as exc:
+            res["cudnn_fp8_error"] = f"{type(exc).__name__}: {exc}"[:300]
     res["ms"] = ms
     tf = {}
     for key, t in ms.items():
@@ -243,6 +283,19 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
             "bwd_matched": ms["cudnn_bwd"] / ms["ours_bwd_matched"],
             "bwd_stale": ms["cudnn_bwd"] / ms["ours_bwd_stale"],
             "e2e_matched": ms["cudnn_e2e"] / ms["ours_e2e_matched"],
+            "fwd_ws_kernel": c / ms["ours_fwd_ws_kernel"],
+            "fwd_ws_incl_quant": c / ms["ours_fwd_ws_incl_quant"],
+        }
+    c8 = ms.get("cudnn_fp8_fwd")
+    if c8:
+        res["speedup_vs_cudnn_fp8"] = {
+            "fwd_kernel": c8 / ms["ours_fwd_kernel"],
+            "fwd_incl_quant": c8 / ms["ours_fwd_incl_quant"],
+            "bwd_matched": ms["cudnn_fp8_bwd"] / ms["ours_bwd_matched"],
+            "bwd_stale": ms["cudnn_fp8_bwd"] / ms["ours_bwd_stale"],
+            "e2e_matched": ms["cudnn_fp8_e2e"] / ms["ours_e2e_matched"],
+            "fwd_ws_kernel": c8 / ms["ours_fwd_ws_kernel"],
+            "fwd_ws_incl_quant": c8 / ms["ours_fwd_ws_incl_quant"],
         }
     res["matched_over_stale"] = ms["ours_bwd_matched"] / ms["ours_bwd_stale"] - 1
     res["matched_over_stale_kernels"] = ms["ours_bwd_matched_kernels"] / ms["ours_bwd_stale_kernels"] - 1

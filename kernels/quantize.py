@@ -142,3 +142,90 @@ def quantize(
         num_warps=8,
     )
     return out, delta
+
+
+# ---------------------------------------------------------------------------------------------
+# Folded scales (the warp-specialized forward, fwd_ws): K per head, V per head and channel
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _kv_amax_kernel(K, V, stride_b, stride_h, stride_n, stride_d, AMAX, H, N,
+                    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Per head: max |K| over all tokens and channels (``AMAX[bh, 0]``) and max |V| of each
+    channel over all tokens (``AMAX[bh, 1 + d]``), as int32 bit patterns. Each program reduces one
+    tile of BLOCK_T tokens and merges with atomic_max (AMAX starts at 0; for |x| >= 0 integer
+    order is float order, and NaN, the largest pattern, wins)."""
+    pid_t = tl.program_id(0)
+    bh = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, HEAD_DIM)
+    off = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
+    ptrs = offs_t[:, None] * stride_n + offs_d[None, :] * stride_d
+    in_seq = (offs_t < N)[:, None]
+    k = tl.abs(tl.load(K + off + ptrs, mask=in_seq, other=0.0).to(tl.float32)).to(tl.int32, bitcast=True)
+    v = tl.abs(tl.load(V + off + ptrs, mask=in_seq, other=0.0).to(tl.float32)).to(tl.int32, bitcast=True)
+    AMAX += bh.to(tl.int64) * (1 + HEAD_DIM)
+    tl.atomic_max(AMAX, tl.max(tl.max(k, axis=1), axis=0))
+    tl.atomic_max(AMAX + 1 + offs_d, tl.max(v, axis=0))
+
+
+@triton.jit
+def _kv_quantize_folded_kernel(K, V, stride_b, stride_h, stride_n, stride_d, AMAX, K8, K_SCALE, VT8, V_SCALE,
+                               H, N, NPAD, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
+                               INTERPRET: tl.constexpr):
+    """Codes under the amaxes of ``_kv_amax_kernel`` (POW2_DOWN, E4M3): K's row copy with one
+    scale per head, V's transposed copy with one per head and channel; the first tile of each
+    head writes the dequantization factors 2**-k."""
+    pid_t = tl.program_id(0)
+    bh = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, HEAD_DIM)
+    off = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
+    ptrs = offs_t[:, None] * stride_n + offs_d[None, :] * stride_d
+    in_seq = offs_t < N
+    bh64 = bh.to(tl.int64)
+    AMAX += bh64 * (1 + HEAD_DIM)
+    # Q-point K (QK^T): one POW2_DOWN scale per head
+    k_head = pow2_down_exponent(tl.load(AMAX).to(tl.float32, bitcast=True), False)
+    k = tl.load(K + off + ptrs, mask=in_seq[:, None], other=0.0).to(tl.float32)
+    tl.store(K8 + bh64 * N * HEAD_DIM + offs_t[:, None] * HEAD_DIM + offs_d[None, :],
+             to_fp8(k * exp2_int(k_head), False, INTERPRET), mask=in_seq[:, None])
+    # Q-point V (PV): one POW2_DOWN scale per head and channel; padding tokens (0) get code 0
+    k_chan = pow2_down_exponent(tl.load(AMAX + 1 + offs_d).to(tl.float32, bitcast=True), False)
+    v = tl.load(V + off + ptrs, mask=in_seq[:, None], other=0.0).to(tl.float32)
+    tl.store(VT8 + bh64 * HEAD_DIM * NPAD + offs_d[None, :] * NPAD + offs_t[:, None],
+             to_fp8(v * exp2_int(k_chan)[None, :], False, INTERPRET))
+    if pid_t == 0:
+        tl.store(K_SCALE + bh, exp2_int(-k_head))
+        tl.store(V_SCALE + bh64 * HEAD_DIM + offs_d, exp2_int(-k_chan))
+
+
+@dataclass
+class FoldedKV:
+    """K and V with folded scales (the warp-specialized forward's operands)."""
+
+    k8: torch.Tensor  #: (B*HKV, N, D) E4M3 codes
+    k_scale: torch.Tensor  #: (B*HKV,) dequantization factor of each head
+    vt8: torch.Tensor  #: (B*HKV, D, NPAD) E4M3 codes, tokens contiguous
+    v_scale: torch.Tensor  #: (B*HKV, D) dequantization factor of each head and channel
+
+
+def quantize_kv_folded(k: torch.Tensor, v: torch.Tensor) -> FoldedKV:
+    """Quantize ``k, v: (B, HKV, N, D)`` (BF16, the same strides) to E4M3 with folded scales, in
+    two launches: the amaxes of both, then the codes of both."""
+    if k.shape != v.shape or k.stride() != v.stride() or k.ndim != 4:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be (B, HKV, N, D) of one shape and strides")
+    bsz, heads, n, d = k.shape
+    npad = triton.cdiv(n, QUANT_BLOCK) * QUANT_BLOCK
+    dev = k.device
+    amax = torch.zeros((bsz * heads, 1 + d), device=dev, dtype=torch.int32)
+    grid = (npad // QUANT_BLOCK, bsz * heads)
+    _kv_amax_kernel[grid](k, v, *k.stride(), amax, heads, n, HEAD_DIM=d, BLOCK_T=QUANT_BLOCK, num_warps=8)
+    out = FoldedKV(k8=torch.empty((bsz * heads, n, d), device=dev, dtype=torch.float8_e4m3fn),
+                   k_scale=torch.empty(bsz * heads, device=dev, dtype=torch.float32),
+                   vt8=torch.empty((bsz * heads, d, npad), device=dev, dtype=torch.float8_e4m3fn),
+                   v_scale=torch.empty((bsz * heads, d), device=dev, dtype=torch.float32))
+    _kv_quantize_folded_kernel[grid](k, v, *k.stride(), amax, out.k8, out.k_scale, out.vt8, out.v_scale, heads, n,
+                                     npad, HEAD_DIM=d, BLOCK_T=QUANT_BLOCK, INTERPRET=interpreting(), num_warps=8)
+    return out

@@ -1,0 +1,192 @@
+"""H200: the warp-specialized forward (kernels/fwd_ws.py) against float64 and the Triton forward,
+and its speed beside cuDNN BF16 and cuDNN FP8 in one process. One JSON line per result."""
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from dmref.kernels import api, fwd as fwd_mod, fwd_ws
+from dmref.kernels.config import RECIPES
+
+OUT = os.environ.get("OUT", ".")
+LOG = open(os.path.join(OUT, "fwd_ws_probe.jsonl"), "a")
+
+
+def emit(**r):
+    line = json.dumps(r)
+    print(line, flush=True)
+    LOG.write(line + "\n")
+    LOG.flush()
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def inputs(b, h, hkv, n, d, seed=0, wide=True):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, h, n, d, device="cuda", generator=g)
+    k = torch.randn(b, hkv, n, d, device="cuda", generator=g)
+    v = torch.randn(b, hkv, n, d, device="cuda", generator=g)
+    if wide:  # outlier channels and per-head magnitudes over a wide exponent range
+        q[..., ::16] *= 8
+        k[..., 3::16] *= 8
+        q *= torch.exp2(torch.randint(-6, 6, (1, h, 1, 1), device="cuda", generator=g).float())
+        v *= torch.exp2(torch.randint(-10, 10, (1, hkv, 1, 1), device="cuda", generator=g).float())
+    return q.bfloat16(), k.bfloat16(), v.bfloat16()
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def cudnn_fp8_timers(q, k, v, causal):
+    """(forward, backward) closures that re-run cuDNN's FP8 graphs on fixed inputs and scales."""
+    from dmref import targets
+
+    fwd = targets.cudnn_fp8_forward(q, k, v, causal=causal)
+    g = fwd["graphs"]
+    do = torch.randn_like(q)
+    bwd = targets.cudnn_fp8_backward(fwd, do)
+    f_in = {"q": fwd["q_fp8"], "k": fwd["k_fp8"], "v": fwd["v_fp8"], "o": fwd["o_fp8"], "stats": fwd["stats"],
+            "amax_s": fwd["amax_s"], "amax_o": fwd["amax_o"], **{n: fwd[n] for n in targets._FWD_SCALARS}}
+    b_in = {"q": fwd["q_fp8"], "k": fwd["k_fp8"], "v": fwd["v_fp8"], "o": fwd["o_fp8"], "dO": bwd["do_fp8"],
+            "stats": fwd["stats"], "dQ": bwd["dq_fp8"], "dK": bwd["dk_fp8"], "dV": bwd["dv_fp8"],
+            **{n: fwd[n] for n in ("descale_q", "descale_k", "descale_v", "descale_o", "descale_s", "scale_s")},
+            "descale_dO": bwd["descale_dO"], "descale_dP": bwd["descale_dP"],
+            **{n: bwd[n] for n in ("scale_dP", "scale_dQ", "scale_dK", "scale_dV")},
+            **{n: bwd[n] for n in ("amax_dQ", "amax_dK", "amax_dV", "amax_dP")}}
+    return (lambda: g.run("fwd", f_in)), (lambda: g.run("bwd", b_in))
+
+
+def speed(shapes, variants):
+    for (b, h, hkv, n, d) in shapes:
+        for causal in (False, True):
+            fl = 4 * b * h * n * n * d / (2 if causal else 1)
+            tf = lambda ms: fl / ms / 1e9
+            q, k, v = inputs(b, h, hkv, n, d, wide=False)
+            r = dict(check="speed", shape=[b, h, hkv, n, d], causal=causal)
+            g = h // hkv
+            try:
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+                    r["cudnn_bf16_fwd"] = tf(bench(lambda: F.scaled_dot_product_attention(q, kk, vv, is_causal=causal)))
+            except Exception as e:
+                r["cudnn_bf16_error"] = repr(e)[:200]
+            if d == 128 and g == 1:
+                try:
+                    ff, fb = cudnn_fp8_timers(q, k, v, causal)
+                    r["cudnn_fp8_fwd"] = tf(bench(ff))
+                    r["cudnn_fp8_bwd"] = 2.5 * tf(bench(fb))
+                except Exception as e:
+                    r["cudnn_fp8_error"] = repr(e)[:300]
+            try:
+                o, lse, saved, _ = api.attention_forward(q, k, v, causal=causal, recipe="delta_matching")
+                dims = dict(batch=b, heads=h, kv_heads=hkv, n=n, head_dim=d)
+                r["triton_fwd_kernel"] = tf(bench(lambda: fwd_mod.forward(saved.q, saved.k, saved.v, causal=causal,
+                                                                         scale=d ** -0.5, recipe=RECIPES["delta_matching"], **dims)))
+                r["triton_fwd_incl_quant"] = tf(bench(lambda: api.attention_forward(
+                    q, k, v, causal=causal, recipe="delta_matching", for_backward=False)))
+            except Exception as e:
+                r["triton_error"] = repr(e)[:200]
+            for vname in variants:
+                tiles = tiles_for(vname, d)
+                tag = vname
+                try:
+                    o, lse2, kv = fwd_ws.attention_forward(q, k, v, causal=causal, **tiles)
+                    r[tag + "_kernel"] = tf(bench(lambda: fwd_ws.forward(
+                        q, kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=hkv, causal=causal, scale=d ** -0.5,
+                        **tiles)))
+                    r[tag + "_incl_quant"] = tf(bench(lambda: fwd_ws.attention_forward(q, k, v, causal=causal, **tiles)))
+                except Exception as e:
+                    r[tag + "_error"] = f"{type(e).__name__}: {e}"[:300]
+            emit(**r)
+            torch.cuda.empty_cache()
+
+
+VARIANTS = {
+    "v1_serial_promoted": dict(stages=2),
+    "promoted_s3": dict(stages=3),
+    "v2_serial_chained": dict(stages=2, chain=True),
+}
+
+
+def tiles_for(name, d):
+    return dict(VARIANTS[name])
+
+
+def check_variant(name):
+    """Outputs of one variant against v1 and float64 on small cases (run in a process of its own)."""
+    for (b, h, hkv, n, d, causal) in [(2, 4, 4, 1000, 128, False), (1, 8, 2, 777, 64, True),
+                                      (1, 2, 1, 203, 128, True), (1, 4, 4, 4096, 128, True), (1, 2, 2, 64, 64, False)]:
+        q, k, v = inputs(b, h, hkv, n, d)
+        o1, l1, _ = fwd_ws.attention_forward(q, k, v, causal=causal, **tiles_for("v1_serial_promoted", d))
+        o, l2, _ = fwd_ws.attention_forward(q, k, v, causal=causal, **tiles_for(name, d))
+        torch.cuda.synchronize()
+        g = h // hkv
+        ref = F.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(g, 1),
+                                             v.double().repeat_interleave(g, 1), is_causal=causal)
+        emit(check="variant", variant=name, shape=[b, h, hkv, n, d], causal=causal, vs_v1=rel(o, o1),
+             lse_vs_v1=(l1 - l2).abs().max().item(), o_err=rel(o, ref), o_err_v1=rel(o1, ref),
+             finite=bool(torch.isfinite(o).all()))
+
+
+def accuracy():
+    """O against float64: promoted and chained PV, the Triton forward, cuDNN FP8, on one input."""
+    from dmref import targets
+
+    for (b, h, n, d, causal) in [(1, 8, 4096, 128, False), (1, 4, 16384, 128, True), (1, 4, 16384, 128, False)]:
+        q, k, v = inputs(b, h, h, n, d, wide=False)
+        q[..., ::16] *= 4
+        k[..., ::16] *= 4
+        ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
+        r = dict(check="accuracy", shape=[b, h, n, d], causal=causal)
+        for name in ("v1_serial_promoted", "v2_serial_chained"):
+            o, _, _ = fwd_ws.attention_forward(q, k, v, causal=causal, **tiles_for(name, d))
+            r[name] = rel(o, ref)
+            r[name + "_mean_ratio"] = (o.double() * ref).sum().item() / (ref * ref).sum().item()
+        o, _, _, _ = api.attention_forward(q, k, v, causal=causal, recipe="delta_matching", for_backward=False)
+        r["triton_fine"] = rel(o, ref)
+        try:
+            f = targets.cudnn_fp8_forward(q, k, v, causal=causal)
+            o = targets.dequantize(f["o_fp8"], f["descale_o"], torch.float32)
+            r["cudnn_fp8"] = rel(o, ref)
+            r["cudnn_fp8_mean_ratio"] = (o.double() * ref).sum().item() / (ref * ref).sum().item()
+        except Exception as e:
+            r["cudnn_fp8_error"] = repr(e)[:200]
+        emit(**r)
+
+
+if __name__ == "__main__":
+    import subprocess
+
+    if len(sys.argv) > 2 and sys.argv[1] == "--check":
+        check_variant(sys.argv[2])
+        raise SystemExit(0)
+    t0 = time.time()
+    emit(check="env", torch=torch.__version__, triton=triton.__version__, gpu=torch.cuda.get_device_name())
+    ok = []
+    for name in VARIANTS:
+        try:
+            p = subprocess.run([sys.executable, __file__, "--check", name], timeout=90, capture_output=True, text=True)
+            print(p.stdout[-3000:], p.stderr[-1500:] if p.returncode else "", flush=True)
+            if p.returncode == 0:
+                ok.append(name)
+            else:
+                emit(check="variant", variant=name, error=p.stderr[-800:])
+        except subprocess.TimeoutExpired:
+            emit(check="variant", variant=name, error="timed out (deadlock?)")
+    LOG.close()
+    LOG = open(os.path.join(OUT, "fwd_ws_probe.jsonl"), "a")
+    emit(check="time", seconds=time.time() - t0, ok=ok)
+    accuracy()
+    emit(check="time", seconds=time.time() - t0)
+    speed([(4, 16, 16, 4096, 128), (1, 16, 16, 16384, 128), (4, 32, 32, 4096, 64), (1, 32, 8, 8192, 128)],
+          ok)
+    emit(check="time", seconds=time.time() - t0)

@@ -1,0 +1,298 @@
+"""Warp-specialized FP8 attention forward for Hopper, in Gluon (the ``folded`` recipe).
+
+One CTA per ``BLOCK_M = 64`` queries of one head: a consumer warp group (the default partition,
+four warps) quantizes its Q tile, runs the wgmmas and the softmax; a one-warp producer (a worker
+partition whose registers ``setmaxnreg`` lowers to 24) streams K and V tiles into a ring of
+``STAGES`` shared-memory buffers through TMA. Two CTAs share an SM (128 registers a thread at
+launch; the consumer rises to 232), so one CTA's softmax overlaps the other's wgmmas.
+
+The consumer, for its Q tile and then for every key tile of ``BLOCK_N`` keys:
+
+    Q8 = Q(Q * 2**k_i), q_scale_i = 2**-k_i                 # Q-point Q: E4M3, per token, POW2_DOWN
+    S  = wgmma(Q8, K8^T)                                    # float32, Hopper's FP8 chain
+    S2 = S * (q_scale_i * k_scale * tau * log2 e)           # one rounded multiply (mul.rn)
+    m  = max(m, rowmax(S2));  P = exp2(S2 - m)              # against the running max
+    l  = l * alpha + rowsum(P)                              # float32 P
+    T  = wgmma(Q(P * 2**8), V8)                             # Q-point P: E4M3, fixed 2**8
+    acc = acc * alpha + T                                   # one float32 promotion per tile
+    O  = acc / (l * 2**8) * v_scale_d;  LSE2 = m + log2(l)
+
+K is scaled per (batch, key/value head) and V per (batch, key/value head, channel) over all
+tokens (``quantize.quantize_kv_folded``), so every scale folds into a per-row factor of S or a
+per-column factor of O and the loop loads no scales. Barriers, in the order each role uses them:
+
+- ``k_ready[s]`` / ``v_ready[s]``: the producer arms them (``expect``) and TMA completes them;
+  the consumer waits on them with phase ``(i // STAGES) & 1`` for tile i.
+- ``k_free[s]`` / ``v_free[s]``: the consumer arrives once the wgmma that read the buffer has
+  been waited on; the producer waits on them before it overwrites the buffer (phase flipped, so
+  the first round passes).
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from . import _common
+
+#: queries per CTA: one m64 wgmma row block for the consumer warp group
+BLOCK_M = gl.constexpr(64)
+#: registers per thread of the producer warp (setmaxnreg's minimum)
+PRODUCER_REGS = gl.constexpr(24)
+#: registers per thread at launch: two CTAs of 256 threads (the consumer warp group and the
+#: producer warp, padded to a warp group) share an SM's 65,536. The producer gives up 128 - 24,
+#: which lifts the consumer to 128 + 104 = 232 (what Gluon's setmaxnreg asks for)
+LAUNCH_REGS = 128
+
+# The kernels' power-of-two scale rule and FP8 cast (Triton helpers, compiled here as Gluon)
+_pow2_down_exponent = gluon.jit(_common.pow2_down_exponent.fn)
+_exp2_int = gluon.jit(_common.exp2_int.fn)
+_to_fp8 = gluon.jit(_common.to_fp8.fn)
+
+
+@gluon.jit
+def _mul_rn(a, b):
+    """float32 ``a * b`` rounded on its own (never fused into the following subtraction)."""
+    return gl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=gl.float32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, kv_row, kv_col, n_tiles,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """TMA loads of K (``(BLOCK_N, D)`` row tiles) and V^T (``(D, BLOCK_N)`` tiles) for key tiles
+    0..n_tiles. Waits on ``*_free[s]`` (phase flipped: the first round passes), arms ``*_ready[s]``."""
+    for i in range(n_tiles):
+        s = i % STAGES
+        ph = ((i // STAGES) & 1) ^ 1
+        mbarrier.wait(k_free.index(s), ph)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [kv_row + i * BLOCK_N, 0], k_ready.index(s), k_bufs.index(s))
+        mbarrier.wait(v_free.index(s), ph)
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [kv_col, i * BLOCK_N], v_ready.index(s), v_bufs.index(s))
+
+
+@gluon.jit
+def _quantize_q(Q, stride_qn, q_smem, start_m, N, HEAD_DIM: gl.constexpr):
+    """Q-point Q: the consumer's 64 x D BF16 tile -> E4M3 codes in shared memory, one POW2_DOWN
+    scale per token (the rule of ``quantize.quantize``'s row copy); returns the dequantization
+    factors 2**-k. Rows past N read as 0 (code 0, factor 1)."""
+    TPW_D: gl.constexpr = HEAD_DIM // 8
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [4, 1], [1, 0])
+    rows = start_m + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    x = gl.load(Q + gl.expand_dims(rows, 1) * stride_qn + gl.expand_dims(cols, 0),
+                mask=gl.expand_dims(rows < N, 1), other=0.0).to(gl.float32)
+    k = _pow2_down_exponent(gl.max(gl.abs(x), axis=1), False)
+    q_smem.store(_to_fp8(x * gl.expand_dims(_exp2_int(k), 1), False, False))
+    fence_async_shared()
+    gl.thread_barrier()  # every warp's codes are in shared memory before the warp group's wgmma
+    return _exp2_int(-k)
+
+
+@gluon.jit
+def _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_old, t_old, m_i, l_i, cs,
+          offs_m, N, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+          P_SCALE: gl.constexpr, CHAIN: gl.constexpr):
+    """Key tile i: QK^T, the softmax, PV, each waited on. ``s_old`` / ``t_old`` are the previous
+    tile's dead registers, passed as the wgmmas' ignored accumulators (``use_acc=False``) so that
+    no zero tile is written. Returns (acc, S, T, m, l)."""
+    s = i % STAGES
+    ph = (i // STAGES) & 1
+    # QK^T
+    mbarrier.wait(k_ready.index(s), ph)
+    sc = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), s_old, use_acc=False, is_async=True)
+    sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
+    mbarrier.arrive(k_free.index(s), count=1)
+    # S2 rounded before m is subtracted (no fused multiply-add into exp2's argument)
+    s2 = _mul_rn(sc, gl.expand_dims(cs, 1))
+    if MASK:
+        offs_n = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        valid = gl.expand_dims(offs_n, 0) < N
+        if CAUSAL:
+            valid = valid & (gl.expand_dims(offs_m, 1) >= gl.expand_dims(offs_n, 0))
+        s2 = gl.where(valid, s2, float("-inf"))
+    # softmax against the running max
+    m_new = gl.maximum(m_i, gl.max(s2, axis=1))
+    if MASK:
+        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with every key masked so far
+    else:
+        m_sub = m_new
+    p = gl.exp2(s2 - gl.expand_dims(m_sub, 1))
+    alpha = gl.exp2(m_i - m_sub)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    # Q-point P: float32 -> E4M3, fixed scale 2**8 against the running max, RNE, satfinite
+    p8 = gl.convert_layout((p * P_SCALE).to(gl.float8e4nv), p_layout)
+    alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    # PV
+    mbarrier.wait(v_ready.index(s), ph)
+    if CHAIN:
+        # the wgmma chain runs on across tiles, its accumulator rescaled by alpha in float32
+        t = t_old
+        acc = warpgroup_mma(p8, v_bufs.index(s).permute((1, 0)), acc * alpha_o, use_acc=True, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    else:
+        # promoted: the wgmma chain covers one tile, then one float32 multiply-add
+        t = warpgroup_mma(p8, v_bufs.index(s).permute((1, 0)), t_old, use_acc=False, is_async=True)
+        t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
+        acc = acc * alpha_o + t
+    mbarrier.arrive(v_free.index(s), count=1)
+    return acc, sc, t, m_new, l_i
+
+
+@gluon.jit
+def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, V_SCALE, O, LSE2,
+              cs_head, bh, kv, start_m, n_plain, n_tiles, N,
+              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, CHAIN: gl.constexpr):
+    """The consumer warp group: Q, the key tiles (masked from n_plain on), the epilogue."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 32])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    q_scale = _quantize_q(Q, stride_qn, q_smem, start_m, N, HEAD_DIM)
+    # tau * log2(e) and the head's K scale ride on the query's scale: one factor per row
+    cs = gl.convert_layout(q_scale, row_s) * cs_head
+    offs_m = start_m + gl.arange(0, 64, layout=row_s)
+    m_i = gl.full([64], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([64], gl.float32, row_s)
+    acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
+    s_old = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
+    t_old = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
+    for i in range(0, n_plain):
+        acc, s_old, t_old, m_i, l_i = _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_old,
+                                            t_old, m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N,
+                                            STAGES, False, CAUSAL, P_SCALE, CHAIN)
+    for i in range(n_plain, n_tiles):
+        acc, s_old, t_old, m_i, l_i = _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_old,
+                                            t_old, m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N,
+                                            STAGES, True, CAUSAL, P_SCALE, CHAIN)
+    # epilogue: O = acc / (l * 2**8) * v_scale (per channel), LSE2 = m + log2(l)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    v_scale = gl.load(V_SCALE + kv.to(gl.int64) * HEAD_DIM + offs_d)
+    l_o = gl.convert_layout(l_i, row_o)
+    o = gl.div_rn(acc, gl.expand_dims(l_o * P_SCALE, 1)) * gl.expand_dims(v_scale, 0)
+    offs_mo = start_m + gl.arange(0, 64, layout=row_o)
+    o_ptrs = O + bh.to(gl.int64) * N * HEAD_DIM + gl.expand_dims(offs_mo, 1) * HEAD_DIM + gl.expand_dims(offs_d, 0)
+    gl.store(o_ptrs, o.to(gl.bfloat16), mask=gl.expand_dims(offs_mo < N, 1))
+    gl.store(LSE2 + bh.to(gl.int64) * N + offs_m, m_i + gl.log2(l_i), mask=offs_m < N)
+
+
+@gluon.jit
+def _fwd_ws_kernel(Q, stride_qb, stride_qh, stride_qn, K8, K_SCALE, VT8, V_SCALE, O, LSE2,
+                   qk_scale, H, GROUP, N, NPAD, ROWS_KV,
+                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, CHAIN: gl.constexpr):
+    n_m = gl.cdiv(N, 64)
+    # causal: the longest rows first (the grid's tail is then the short work)
+    pid_m = (n_m - 1 - gl.program_id(0)) if CAUSAL else gl.program_id(0)
+    start_m = pid_m * 64
+    bh = gl.program_id(1)
+    kv = (bh // H) * (H // GROUP) + (bh % H) // GROUP
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], gl.float8e4nv)
+    k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float8e4nv)
+    v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], gl.float8e4nv)
+    # K rows (B*HKV*N, D) and V^T (B*HKV*D, NPAD): a key tile past this head's N reads the next
+    # head's rows, masked in the softmax; V^T's padding columns hold code 0
+    k_desc = tma.make_tensor_descriptor(K8, [ROWS_KV, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM], k_layout)
+    v_desc = tma.make_tensor_descriptor(VT8, [ROWS_KV // N * HEAD_DIM, NPAD], [NPAD, 1], [HEAD_DIM, BLOCK_N],
+                                        v_layout)
+    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [64, HEAD_DIM], q_layout)
+    k_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], k_layout)
+    v_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_N], v_layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_free.index(i), count=1)
+        mbarrier.init(v_free.index(i), count=1)
+    fence_async_shared()
+    if CAUSAL:
+        n_tiles = gl.cdiv(gl.minimum(start_m + 64, N), BLOCK_N)
+        n_plain = start_m // BLOCK_N  # key tiles wholly at or below the diagonal
+    else:
+        n_tiles = gl.cdiv(N, BLOCK_N)
+        n_plain = N // BLOCK_N  # full key tiles
+    cs_head = gl.load(K_SCALE + kv) * qk_scale
+    q_ptr = Q + (bh // H).to(gl.int64) * stride_qb + (bh % H).to(gl.int64) * stride_qh
+    gl.warp_specialize([
+        (_consumer, (q_ptr, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, V_SCALE, O, LSE2,
+                     cs_head, bh, kv, start_m, n_plain, n_tiles, N, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, P_SCALE,
+                     CHAIN)),
+        (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, kv * N, kv * HEAD_DIM,
+                     n_tiles, BLOCK_N, STAGES)),
+    ], [1], [PRODUCER_REGS])
+
+
+def _constexprs(head_dim: int, block_n: int, stages: int, causal: bool, chain: bool) -> dict:
+    return dict(HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), P_SCALE=256.0,
+                CHAIN=bool(chain))
+
+
+def compile_sm90(head_dim: int = 128, block_n: int = 128, stages: int = 2, causal: bool = False,
+                 chain: bool = False):
+    """Compile the kernel for sm_90a without a GPU (ptxas included); returns the compiled kernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    consts = _constexprs(head_dim, block_n, stages, causal, chain)
+    sig = {"Q": "*bf16", "stride_qb": "i32", "stride_qh": "i32", "stride_qn": "i32", "K8": "*fp8e4nv",
+           "K_SCALE": "*fp32", "VT8": "*fp8e4nv", "V_SCALE": "*fp32", "O": "*bf16", "LSE2": "*fp32",
+           "qk_scale": "fp32", "H": "i32", "GROUP": "i32", "N": "i32", "NPAD": "i32", "ROWS_KV": "i32",
+           **{name: "constexpr" for name in consts}}
+    src = GluonASTSource(_fwd_ws_kernel, sig, constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=LAUNCH_REGS))
+
+
+def _allocator(size: int, alignment: int, stream):
+    import torch
+
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale: float,
+            block_n: int = 128, stages: int = 2, chain: bool = False):
+    """Run the warp-specialized forward: ``q (B, H, N, D)`` BF16 (quantized inside, per token;
+    its last dim contiguous), ``k8 (B*HKV, N, D)`` with ``k_scale (B*HKV,)``, ``vt8 (B*HKV, D,
+    NPAD)`` with ``v_scale (B*HKV, D)`` (:func:`quantize.quantize_kv_folded`). Returns O
+    ``(B, H, N, D)`` BF16 and LSE2 ``(B*H, N)`` float32 (base 2)."""
+    import torch
+
+    from ..emulation.constants import LOG2E
+
+    b, h, n, d = q.shape
+    if q.stride(-1) != 1:
+        raise ValueError(f"q's last dim must be contiguous, got strides {q.stride()}")
+    triton.set_allocator(_allocator)
+    o = torch.empty((b, h, n, d), device=q.device, dtype=torch.bfloat16)
+    lse2 = torch.empty((b * h, n), device=q.device, dtype=torch.float32)
+    grid = (triton.cdiv(n, 64), b * h)
+    _fwd_ws_kernel[grid](q, q.stride(0), q.stride(1), q.stride(2), k8, k_scale, vt8, v_scale, o, lse2,
+                         scale * LOG2E, h, h // kv_heads, n, vt8.shape[-1], b * kv_heads * n,
+                         **_constexprs(d, block_n, stages, causal, chain), num_warps=4, maxnreg=LAUNCH_REGS)
+    return o, lse2
+
+
+def attention_forward(q, k, v, *, causal: bool = False, scale: float | None = None, **tiles):
+    """Quantize k (per head) and v (per head and channel), then :func:`forward` (which quantizes q).
+    Returns (O, LSE2, the FP8 operands of K and V as a dict)."""
+    from .quantize import quantize_kv_folded
+
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    kv = quantize_kv_folded(k, v)
+    o, lse2 = forward(q, kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=k.shape[1], causal=causal, scale=scale,
+                      **tiles)
+    return o, lse2, kv

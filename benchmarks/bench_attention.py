@@ -12,6 +12,7 @@ replaces the file that docs/kernels.md cites.
 Measures, per shape B·H·N·D and causal or not, medians of ``triton.testing.do_bench``:
 
 - ours: forward kernel alone (pre-quantized operands); forward incl. its fused quantization;
+  end to end also with ``folded_delta_matching`` (the warp-specialized forward, the same backward);
   backward with stale delta (``naive_fp8``) and with matched delta (``delta_matching``), each incl.
   the preprocess (dO quantization + stale delta) and split into the dq and dkdv kernels;
   end to end (quantization + forward + backward through ``torch.autograd``);
@@ -232,7 +233,8 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
                 **dims))
     # --- ours: end to end through autograd
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    for tag, r in (("stale", r_st), ("matched", r_dm)):
+    r_fdm = _recipe("folded_delta_matching", fwd_c, bwd_c)
+    for tag, r in (("stale", r_st), ("matched", r_dm), ("matched_folded", r_fdm)):
         def step(r=r):
             out = api.attention(qg, kg, vg, causal=causal, scale=scale, recipe=r)
             out.backward(do)
@@ -285,6 +287,7 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
             "e2e_matched": ms["cudnn_e2e"] / ms["ours_e2e_matched"],
             "fwd_ws_kernel": c / ms["ours_fwd_ws_kernel"],
             "fwd_ws_incl_quant": c / ms["ours_fwd_ws_incl_quant"],
+            "e2e_matched_folded": ms["cudnn_e2e"] / ms["ours_e2e_matched_folded"],
         }
     c8 = ms.get("cudnn_fp8_fwd")
     if c8:
@@ -296,6 +299,7 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
             "e2e_matched": ms["cudnn_fp8_e2e"] / ms["ours_e2e_matched"],
             "fwd_ws_kernel": c8 / ms["ours_fwd_ws_kernel"],
             "fwd_ws_incl_quant": c8 / ms["ours_fwd_ws_incl_quant"],
+            "e2e_matched_folded": ms["cudnn_fp8_e2e"] / ms["ours_e2e_matched_folded"],
         }
     res["matched_over_stale"] = ms["ours_bwd_matched"] / ms["ours_bwd_stale"] - 1
     res["matched_over_stale_kernels"] = ms["ours_bwd_matched_kernels"] / ms["ours_bwd_stale_kernels"] - 1

@@ -92,11 +92,13 @@ def main(argv=None):
         with open(args.compare) as f:
             other = {(tuple(r["shape"]), r["causal"], r["recipe"]): r["digests"]
                      for r in json.load(f)["rows"]}
-        diff = [(tuple(r["shape"]), r["causal"], r["recipe"], name)
-                for r in rows for name, h in r["digests"].items()
-                if other.get((tuple(r["shape"]), r["causal"], r["recipe"]), {}).get(name) != h]
-        print(f"compared {len(rows)} problems x 4 tensors with {args.compare}: "
-              f"{len(diff)} differ" + (f": {diff}" if diff else ""))
+        key = lambda r: (tuple(r["shape"]), r["causal"], r["recipe"])  # noqa: E731
+        new = sorted({r["recipe"] for r in rows if key(r) not in other})
+        diff = [(*key(r), name) for r in rows if key(r) in other for name, h in r["digests"].items()
+                if other[key(r)].get(name) != h]
+        print(f"compared {len(rows) - sum(key(r) not in other for r in rows)} problems x 4 tensors with "
+              f"{args.compare}: {len(diff)} differ" + (f": {diff}" if diff else "")
+              + (f"; recipes not in it (not compared): {new}" if new else ""))
         return 1 if diff else 0
     return 0
 

@@ -67,6 +67,7 @@ class Granularity(enum.Enum):
     (rows, contraction) for the matmul it enters; batch and heads are always separate rows."""
 
     TENSOR = "tensor"  #: one scale for the whole operand, across batch and heads (cuDNN per-tensor)
+    HEAD = "head"  #: one scale per batch element and head, over all its rows and contraction (FA3's descales)
     ROW = "row"  #: one scale per row, over the whole contraction
     TILE_1x128 = "1x128"  #: one scale per row and 128 consecutive contraction elements (DeepSeek-V3 activations)
     TILE_1x64 = "1x64"  #: one scale per row and 64 consecutive contraction elements (dmref.kernels' dS at 64-wide tiles)
@@ -79,6 +80,8 @@ class Granularity(enum.Enum):
         laid out as (rows, contraction)."""
         if self is Granularity.TENSOR:
             return Block.tensor()
+        if self is Granularity.HEAD:
+            return Block.matrix()
         if self is Granularity.ROW:
             return Block.rows()
         return Block.tile(*_TILE_EXTENTS[self])
@@ -86,7 +89,7 @@ class Granularity(enum.Enum):
     @property
     def contraction_extent(self) -> int | None:
         """Contraction elements per scale block; None for TENSOR and ROW (the whole contraction)."""
-        return self.block.block_cols if self not in (Granularity.TENSOR, Granularity.ROW) else None
+        return self.block.block_cols if self not in (Granularity.TENSOR, Granularity.HEAD, Granularity.ROW) else None
 
 
 _TILE_EXTENTS = {
@@ -348,9 +351,14 @@ class Recipe:
             raise ValueError(f"Recipe.p_fwd.reference={self.p_fwd.reference} is not a forward reference")
         if self.p_bwd.reference not in (PReference.LSE, PReference.SAVED_MAX):
             raise ValueError(f"Recipe.p_bwd.reference={self.p_bwd.reference} is not a backward reference")
+        # HEAD blocks are whole operands of one head: Q, K, V and the backward's copies of them
+        for name in ("p", "p_dv", "ds_dq", "ds_dk"):
+            if getattr(self, name).granularity is Granularity.HEAD:
+                raise ValueError(f"recipe {self.name!r}: {name} is formed one tile at a time; "
+                                 "Granularity.HEAD is for Q, K, V and dO")
         # The forward sees one key tile at a time: P's scale cannot depend on the whole row.
         if self.p.quantized and self.p.scale_rule.is_dynamic and self.p.granularity in (
-            Granularity.TENSOR, Granularity.ROW
+            Granularity.TENSOR, Granularity.HEAD, Granularity.ROW
         ):
             raise ValueError(
                 f"recipe {self.name!r}: P in the forward is quantized with {self.p.granularity.value} "

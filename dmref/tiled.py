@@ -272,7 +272,10 @@ def _emulated_gemm(a_deq: torch.Tensor, b_deq: torch.Tensor, model: MatmulModel,
             f"matmul must be FP8 quantization points, got {points}"
         )
     blocks = [b for b in (_k_block(p) for p in points) if b is not None]
-    block = min(blocks) if blocks else a_deq.shape[-1]
+    # no scale block along the contraction: one tile of the whole contraction, padded to whole
+    # k-steps (the scale of a padded tile is a power of two, which the model's result ignores)
+    k_step = model.rules.k_step
+    block = min(blocks) if blocks else -(-a_deq.shape[-1] // k_step) * k_step
     fa, fb = (p.fmt for p in points)
     a, sa = _pow2_blocks(a_deq, fa, block)
     bt, sb = _pow2_blocks(b_deq.transpose(-1, -2), fb, block)

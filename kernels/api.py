@@ -80,6 +80,8 @@ def attention_forward(
     r = get_recipe(recipe)
     s = Shape.of(q, k, v)
     scale = 1.0 / math.sqrt(s.head_dim) if scale is None else float(scale)
+    if r.folded:
+        return _folded_forward(q, k, v, s, causal=causal, scale=scale, for_backward=for_backward, debug=debug)
     fmt = r.qkv_format
     q8, _ = quantize(q, fmt, rows=True, cols=for_backward)
     k8, _ = quantize(k, fmt, rows=True, cols=for_backward)
@@ -89,6 +91,33 @@ def attention_forward(
     lse = (lse2 * fwd.LN2).view(s.batch, s.heads, s.n)
     saved = SavedForward(q8, k8, v8, lse2) if for_backward else None
     return o, lse, saved, ({"p_codes": p_codes} if debug else {})
+
+
+def _folded_forward(q, k, v, s: Shape, *, causal: bool, scale: float, for_backward: bool, debug: bool):
+    """The folded recipes' forward: the warp-specialized Gluon kernel (``fwd_ws``, which
+    quantizes Q itself) on K and V with folded scales; for the backward, the copies its kernels
+    read, K's rows with its head's scale for every token (the same codes and scale)."""
+    from . import fwd_ws
+    from ._runtime import interpreting
+    from .fwd import LN2
+    from .quantize import Quantized, quantize, quantize_kv_folded
+
+    if interpreting():
+        raise RuntimeError("the folded recipes' forward is a Gluon kernel, which Triton's interpreter does not run")
+    if debug:
+        raise ValueError("debug dumps exist for the Triton forward only (recipes delta_matching, naive_fp8)")
+    kv = quantize_kv_folded(k, v)
+    o, lse2 = fwd_ws.forward(q.contiguous(), kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=s.kv_heads,
+                             causal=causal, scale=scale)
+    saved = None
+    if for_backward:
+        q8, _ = quantize(q, "float8_e4m3fn", rows=True, cols=True)
+        k_cols, _ = quantize(k, "float8_e4m3fn", rows=False, cols=True)
+        k8 = Quantized(n=s.n, rows=kv.k8, row_scale=kv.k_scale[:, None].expand(-1, s.n).contiguous(),
+                       cols=k_cols.cols, col_scale=k_cols.col_scale)
+        v8, _ = quantize(v, "float8_e4m3fn", rows=True, cols=False)
+        saved = SavedForward(q8, k8, v8, lse2)
+    return o, (lse2 * LN2).view(s.batch, s.heads, s.n), saved, {}
 
 
 def attention_backward(
@@ -143,8 +172,9 @@ def attention(
     """FP8 attention with Delta-Matching (or stale delta), forward and backward.
 
     q: (B, H, N, D), k and v: (B, HKV, N, D), all BF16 on a Hopper GPU; D in {64, 128};
-    ``scale`` defaults to 1/sqrt(D); ``recipe`` is ``"delta_matching"``, ``"naive_fp8"`` (stale delta) or a
-    ``config.KernelRecipe``. Returns O (B, H, N, D) BF16. Fails with a clear message where no
+    ``scale`` defaults to 1/sqrt(D); ``recipe`` is a name of ``config.RECIPES`` (``"delta_matching"``,
+    ``"naive_fp8"`` with the stale delta, and their ``folded_`` forms, whose forward is the
+    warp-specialized Gluon kernel) or a ``config.KernelRecipe``. Returns O (B, H, N, D) BF16. Fails with a clear message where no
     Hopper GPU is available (unless Triton's interpreter is switched on).
     """
     require_runnable(q, k, v)

@@ -162,7 +162,12 @@ def unsupported(recipe, bwd: BwdTiles | None = None) -> str | None:
     row, tok, tensor = (Granularity.ROW,), (Granularity.TILE_1x128,), (Granularity.TENSOR,)
     ds_grans = (Granularity.MX32, Granularity.TILE_1x64, Granularity.TILE_1x128)
     do_fmt = (recipe.do_dp.fmt,) if recipe.do_dp.fmt in (e4m3, e5m2) else (e4m3, e5m2)
-    checks = [point("q", (e4m3,), row), point("k", (e4m3,), row), point("v", (e4m3,), tok),
+    # K and V: the Triton forward's (per token, per 128-token block and channel) or the
+    # warp-specialized forward's folded pair (per head, per head and channel)
+    folded = recipe.k.granularity is Granularity.HEAD
+    k_v = ((point("k", (e4m3,), (Granularity.HEAD,)), point("v", (e4m3,), row)) if folded
+           else (point("k", (e4m3,), row), point("v", (e4m3,), tok)))
+    checks = [point("q", (e4m3,), row), *k_v,
               point("p", (e4m3,), tensor, ScaleRule.FIXED), point("do_dp", do_fmt, row),
               point("v_dp", (e4m3,), row), point("p_dv", (e4m3,), tensor, ScaleRule.FIXED),
               point("do_dv", do_fmt, tok), point("ds_dq", (e4m3,), ds_grans), point("k_dq", (e4m3,), tok),
@@ -201,12 +206,18 @@ def _deferred(tile: int):
                       tile=tile, tile_result=fp16, accumulator=fp16)
 
 
-def kernel_recipe(delta: KernelDelta, bwd: BwdTiles | None = None, do_format: str = "float8_e4m3fn"):
+def kernel_recipe(delta: KernelDelta, bwd: BwdTiles | None = None, do_format: str = "float8_e4m3fn",
+                  folded: bool = False):
     """The ``dmref.recipes.Recipe`` the kernels run for ``delta`` (``"stale"`` or
     ``"matched"``) with the backward tiling ``bwd``: the ``naive_fp8`` preset with Q, K, dO
     and V (dP) scaled per token over the whole head dim (ROW), dS in 1 x tile blocks, O in
     BF16, the Hopper accumulation with promotion per kernel tile, and for ``"matched"`` the
-    matched delta with the kernels' deferred dQ."""
+    matched delta with the kernels' deferred dQ.
+
+    ``folded``: the warp-specialized forward's scales (``fwd_ws``), which fold out of its loop:
+    K with one POW2_DOWN scale per (batch, key/value head) (``Granularity.HEAD``, in QK^T and
+    in the backward's recomputation of it), V in PV with one per (batch, key/value head,
+    channel) over all tokens (``Granularity.ROW`` of V laid out for PV)."""
 
     if delta not in ("stale", "matched"):
         raise ValueError(f"delta={delta!r} must be 'stale' or 'matched'")
@@ -220,6 +231,10 @@ def kernel_recipe(delta: KernelDelta, bwd: BwdTiles | None = None, do_format: st
         do_dv=dataclasses.replace(base.do_dv, fmt=do_fmt), accumulation=MatmulModels.all("hopper"),
         delta=(base.delta if delta == "stale" else DeltaStrategy(DeltaKind.MATCHED, deferred_dq=_deferred(bwd.block_n2))),
     )
+    if folded:
+        recipe = dataclasses.replace(recipe, name=recipe.name.replace("kernels_", "kernels_folded_"),
+                                     k=QuantPoint(base.k.fmt, Granularity.HEAD, ScaleRule.POW2_DOWN),
+                                     v=QuantPoint(base.v.fmt, Granularity.ROW, ScaleRule.POW2_DOWN))
     return fit_to_tiles(recipe, bwd)
 
 
@@ -272,6 +287,11 @@ class KernelRecipe:
     def matched(self) -> bool:
         """Whether the delta is matched (the dq kernel's deferred dQ) rather than stale."""
         return self.recipe.delta.deferred_dq is not None
+
+    @property
+    def folded(self) -> bool:
+        """Whether the forward is the warp-specialized one (``fwd_ws``) with folded K and V scales."""
+        return self.recipe.k.granularity is Granularity.HEAD
 
     @property
     def delta(self) -> KernelDelta:
@@ -344,6 +364,9 @@ class KernelRecipe:
 RECIPES: dict[str, KernelRecipe] = {
     "delta_matching": KernelRecipe(name="delta_matching", recipe=kernel_recipe("matched")),
     "naive_fp8": KernelRecipe(name="naive_fp8", recipe=kernel_recipe("stale")),
+    # the warp-specialized Gluon forward (fwd_ws), the same backward kernels
+    "folded_delta_matching": KernelRecipe(name="folded_delta_matching", recipe=kernel_recipe("matched", folded=True)),
+    "folded_naive_fp8": KernelRecipe(name="folded_naive_fp8", recipe=kernel_recipe("stale", folded=True)),
 }
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from dmref.emulation.constants import U_FP16, U_FP32 as U32, gamma  # noqa: F401  (the tests import them here)
@@ -63,3 +65,19 @@ def delta_matching_rowsum_bound(p, dp, delta, *, s2_abs=None, dp_abs=None, head_
         p_err = p * (torch.exp2(g * s2_abs.double()) - 1)
         bound = bound + (p_err * ((dp - delta).abs() + dp_err) + p * dp_err).sum(-1)
     return bound
+
+
+#: E4M3 has 3 mantissa bits: two neighbouring codes differ by at most 2**-3 relative.
+E4M3_ULP_REL = 2.0**-3
+#: BF16 outputs: rounding to 8 significant bits, 2**-8 relative at most.
+BF16_REL = 2.0**-8
+
+
+def code_flip_rel_bound(n_fp8_operands: int) -> float:
+    """Normwise relative difference two implementations of one recipe may show when they agree
+    on all but a fraction 1 - CODE_AGREEMENT of the FP8 codes of each operand quantized from
+    float32 data they computed separately (P, dS): each differing code moves its element by one
+    E4M3 step, randomly signed, so the difference of a product is at most
+    E4M3_ULP_REL * sqrt(1 - CODE_AGREEMENT) of it per such operand; plus the BF16 rounding of
+    the output."""
+    return n_fp8_operands * E4M3_ULP_REL * math.sqrt(1 - CODE_AGREEMENT) + BF16_REL

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import subprocess
 import sys
@@ -34,9 +36,13 @@ def test_import_does_not_load_triton_and_cpu_call_fails_with_a_clear_message():
 
 
 def test_recipes_name_their_reference_presets_and_validate_tiles():
-    assert set(RECIPES) == {"delta_matching", "naive_fp8"}
-    assert get_recipe("delta_matching").delta == "matched"
-    assert get_recipe("naive_fp8").delta == "stale"
+    for name, r in RECIPES.items():
+        assert r.delta == ("matched" if name.endswith("delta_matching") else "stale"), name
+        assert r.folded == name.startswith("folded_"), name
+    # a folded K without the folded V is no forward the kernels have
+    half = dataclasses.replace(kernel_recipe("stale"), k=RECIPES["folded_naive_fp8"].recipe.k)
+    with pytest.raises(ValueError, match="v: "):
+        KernelRecipe(name="x", recipe=half)
     with pytest.raises(ValueError, match="block_n"):
         FwdTiles(block_n=48)
     with pytest.raises(ValueError, match="block_m1"):

@@ -1,0 +1,130 @@
+"""The warp-specialized Gluon forward (``dmref.kernels.fwd_ws``) and its folded quantization.
+
+- its K/V quantization (a Triton kernel: interpreter and GPU) gives the codes and scales of
+  ``dmref.emulation.quantize_blocked`` with one block per head (K) and per head and channel (V);
+- it compiles for sm_90a on a machine without a GPU, with the register budget its docstring
+  states and no spills (Gluon kernels do not run in Triton's interpreter);
+- on the H200 its O and LSE equal the emulated reference ``dmref.tiled`` on its recipe
+  (``config.RECIPES["folded_naive_fp8"]``), with the Hopper wgmma model, up to the bounds of the other kernels'
+  differential tests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernel_bounds import EXP2_APPROX_REL, U32, code_flip_rel_bound, gamma, rel_err
+from kernel_model import ProblemShape, outlier_inputs, require_backend
+
+
+def _wide_inputs(shape: ProblemShape, device: str):
+    """Outlier inputs with per-head magnitudes spread over 2**-6 .. 2**5 (K, Q) and per-channel
+    magnitudes of V over 2**-9 .. 2**9, plus one all-zero V channel (a zero-amax block)."""
+    q, k, v, _ = outlier_inputs(shape, "cpu")
+    g = torch.Generator().manual_seed(1)
+    q = q.float() * torch.exp2(torch.randint(-6, 6, (1, shape.heads, 1, 1), generator=g).float())
+    k = k.float() * torch.exp2(torch.randint(-6, 6, (1, shape.kv_heads, 1, 1), generator=g).float())
+    v = v.float() * torch.exp2(torch.randint(-9, 10, (1, 1, 1, shape.head_dim), generator=g).float())
+    v[..., 3] = 0
+    return [t.to(torch.bfloat16).to(device) for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("backend", ["interpreter", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_folded_quantization_equals_the_emulation(backend):
+    from dmref.emulation import Block, quantize_blocked
+    from dmref.kernels.quantize import quantize_kv_folded
+
+    device = require_backend(backend)
+    shape = ProblemShape(2, 3, 3, 203, 64)
+    _, k, v = _wide_inputs(shape, device)
+    got = quantize_kv_folded(k, v)
+    bh = shape.batch * shape.kv_heads
+    k_codes, k_scales = quantize_blocked(k.cpu().float().reshape(bh, shape.n, -1), "float8_e4m3fn",
+                                         block=Block.matrix(), scale_rule="pow2_down")
+    v_codes, v_scales = quantize_blocked(v.cpu().float().reshape(bh, shape.n, -1), "float8_e4m3fn",
+                                         block=Block.cols(), scale_rule="pow2_down")
+    vt = got.vt8.cpu().view(torch.uint8)
+    assert torch.equal(got.k8.cpu().view(torch.uint8), torch.as_tensor(k_codes).to(torch.uint8))
+    assert torch.equal(vt[..., :shape.n].transpose(1, 2), torch.as_tensor(v_codes).to(torch.uint8))
+    assert int(vt[..., shape.n:].max()) == 0  # padding tokens: code 0
+    # dequantization factors: the emulation's scales (x ~= scale * decode(code))
+    assert torch.equal(got.k_scale.cpu(), torch.as_tensor(k_scales).reshape(bh).float())
+    assert torch.equal(got.v_scale.cpu(), torch.as_tensor(v_scales).reshape(bh, -1).float())
+
+
+#: The register budget of fwd_ws's docstring: producer 24, consumer 232, 128 at launch.
+_SCRIPT = """
+import json, re
+from dmref.kernels import fwd_ws
+from dmref.kernels.compile_check import resource_usage
+out = []
+for d, causal in ((128, True), (64, False)):
+    k = fwd_ws.compile_sm90(head_dim=d, causal=causal)
+    ptx = k.asm["ptx"]
+    regs, spills, shared = resource_usage(k)
+    out.append(dict(d=d, regs=regs, spills=spills, shared=shared,
+                    setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)}),
+                    threads=int(re.search(r"\\.reqntid (\\d+)", ptx).group(1))))
+print(json.dumps(out))
+"""
+
+#: Hopper: 227 KB of shared memory per block; two CTAs an SM need at most half of 228 KB each.
+MAX_SHARED_TWO_CTAS = 228 * 1024 // 2
+
+
+def test_fwd_ws_compiles_for_sm90_with_its_register_budget():
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from dmref.kernels.fwd_ws import LAUNCH_REGS, PRODUCER_REGS
+
+    for u in json.loads(proc.stdout.strip().splitlines()[-1]):
+        assert u["spills"] == 0, u
+        assert u["regs"] == LAUNCH_REGS, u
+        assert u["threads"] == 256, u  # the consumer warp group and the producer's, padded
+        assert PRODUCER_REGS.value in u["setmaxnreg"] and 2 * LAUNCH_REGS - PRODUCER_REGS.value in u["setmaxnreg"], u
+        assert u["shared"] <= MAX_SHARED_TWO_CTAS, u
+
+
+_GPU_CASES = [
+    (ProblemShape(2, 4, 2, 1000, 128), False),
+    (ProblemShape(2, 4, 2, 1000, 128), True),
+    (ProblemShape(1, 4, 4, 777, 64), True),
+    (ProblemShape(1, 4, 1, 777, 64), False),
+    (ProblemShape(1, 2, 1, 203, 128), True),
+    (ProblemShape(1, 2, 2, 64, 64), False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,causal", _GPU_CASES, ids=[f"{s.batch}x{s.heads}x{s.kv_heads}x{s.n}x{s.head_dim}"
+                                                         f"{'-causal' if c else ''}" for s, c in _GPU_CASES])
+def test_fwd_ws_equals_the_reference_on_its_recipe(shape, causal):
+    device = require_backend("gpu")
+    from dmref import tiled
+    from dmref.kernels import fwd_ws
+    from dmref.kernels.config import RECIPES
+
+    q, k, v = _wide_inputs(shape, device)
+    scale = 1.0 / math.sqrt(shape.head_dim)
+    o, lse2, _ = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale)
+    ref = tiled.forward(q.float(), k.float(), v.float(), recipe=RECIPES["folded_naive_fp8"].recipe, causal=causal, scale=scale)
+    # O: one FP8 operand (P) that each side quantizes from float32 it computed itself
+    diff = rel_err(o.float(), ref.out)
+    assert diff <= code_flip_rel_bound(1), f"O: kernel vs reference {diff:.3e}"
+    # LSE2 = m + log2(l): the same running max of the same logits (the Hopper model reproduces
+    # the wgmma bit for bit), l a float32 sum of n exp2 values in another order with exp2's
+    # error (log2(1 + e) <= 2e), and the final rounding
+    want = ref.stats.lse2.double()
+    finite = torch.isfinite(want)
+    tol = 2 * (gamma(shape.n) + EXP2_APPROX_REL) + 2 * U32 * want[finite].abs().max().item()
+    got = lse2.view_as(want).double()
+    assert (got - want)[finite].abs().max().item() <= tol

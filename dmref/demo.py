@@ -28,7 +28,7 @@ from .recipes import PRESETS, get_recipe
 
 __all__ = [
     "AccumulationSeries", "DemoConfig", "DemoResult", "accumulate", "dither", "dq_rounding_level",
-    "bias_estimate", "make_problem", "noise_ratio_band", "run_demo", "write_plot",
+    "bias_estimate", "make_problem", "noise_ratio_band", "peak_bytes", "problem_bytes", "run_demo", "write_plot",
 ]
 
 #: Keys every ``dmref demo --json`` object carries, with float values.
@@ -112,6 +112,31 @@ class DemoConfig:
     #: most P_ij are tiny and the stale delta's systematic part is largest
     accum_peaked_fraction: float = 1.0
     accum_recipes: tuple[str, ...] = ACCUMULATION_RECIPES
+
+
+#: float64 arrays of (batch, heads, seqlen, seqlen) alive at once at the demo's peak: the float64
+#: error bound of :func:`dq_rounding_level` (dmref.diagnostics.attention_error_bound: logits, P,
+#: their error bounds, dP, dS and the temporaries of each line; 13-14 measured), with a margin
+SQUARE_ARRAYS = 16
+#: float64 arrays of (batch, heads, seqlen, head_dim) alive at once: inputs, outputs, gradients
+#: and their bounds in float32 and float64 copies, with a margin
+ROW_ARRAYS = 48
+
+
+def problem_bytes(batch: int, heads: int, seqlen: int, head_dim: int) -> int:
+    """Estimated peak memory of one problem of the demo (exact reference, error bound, recipes):
+    8 bytes x batch x heads x seqlen x (SQUARE_ARRAYS seqlen + ROW_ARRAYS head_dim)."""
+    return 8 * batch * heads * seqlen * (SQUARE_ARRAYS * seqlen + ROW_ARRAYS * head_dim)
+
+
+def peak_bytes(config: "DemoConfig") -> int:
+    """Estimated peak memory of :func:`run_demo` on ``config``: its problems run one at a time
+    (the main problem, each sweep length, the averaged problem), so the largest of them."""
+    sizes = [(config.heads, config.seqlen)]
+    sizes += [(config.sweep_heads or config.heads, n) for n in config.sweep_seqlens]
+    if config.accum_draws:
+        sizes.append((config.accum_heads, config.accum_seqlen))
+    return max(problem_bytes(config.batch, h, n, config.head_dim) for h, n in sizes)
 
 
 @dataclass

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from dmref import attention_replay, recipes, tiled
+from dmref import attention_replay, recipes, testing, tiled
 from dmref.emulation import (MatmulModel, encode, encode_scalar, gemm, quantize, quantize_blocked)
 
 _X = np.array([1.0, 500.0, -3.0])
@@ -32,12 +32,20 @@ CALLS = {
                                                                  diagnostics=f)),
     "ReplayOptions": ("ds_dq_fp16", lambda f: attention_replay.ReplayOptions(ds_dq_fp16=f)),
 }
+#: flags whose result is a hypothesis strategy (compared by their repr, not drawn)
+STRATEGIES = {
+    f"attention_problems.{flag}": (flag, lambda f, flag=flag: testing.attention_problems(**{flag: f}))
+    for flag in ("causal", "probe", "gqa", "masks")
+}
 
 
-@pytest.mark.parametrize("name", sorted(CALLS))
-@pytest.mark.parametrize("bad", ["no", "False", 0, 1, None])
+_BAD = ["no", "False", 0, 1, None]
+
+
+@pytest.mark.parametrize("name, bad", [(n, b) for n in sorted(CALLS) + sorted(STRATEGIES) for b in _BAD
+                                       if not (n == "attention_problems.causal" and b is None)])  # None: drawn
 def test_a_flag_that_is_not_a_bool_is_refused_naming_it(name, bad):
-    flag, call = CALLS[name]
+    flag, call = {**CALLS, **STRATEGIES}[name]
     with pytest.raises(TypeError, match=rf"^{flag} must be True or False \(bool or numpy.bool_\), got "):
         call(bad)
 

@@ -676,5 +676,6 @@ def print_table(result: DemoResult, console) -> None:
                  for n in acc.err]
         console.print(f"dQ error averaged over T roundings (figure panel A, a smaller problem: "
                       f"{averaged_problem_words(cfg)}), T=1 -> T={t}: " + "; ".join(parts) +
-                      ". Above its noise-only value = a bias that averaging does not remove.")
+                      ". Above its noise-only value by more than its noise band (panel A) = a bias that averaging "
+                      "does not remove.")
 

@@ -1,15 +1,18 @@
 """``dmref demo``: every preset recipe on a realistic attention problem (CPU), as a table, a
 PNG plot and, with ``--json``, a list of objects.
 
-Every option is checked before anything is computed: sizes are positive, recipe names are
-known (:func:`dmref.recipes.get_recipe`), the plot's folder exists and can be written. The
-results are printed before the plot is written; if writing it fails anyway, the message says
-so and the exit status is 1.
+Every option is checked before anything is computed: sizes are positive, sequence lengths at
+least 2 (with one key softmax is constant, dQ and dK are exactly 0 and their relative errors
+undefined), the largest problem fits in the memory available (:func:`dmref.demo.peak_bytes`),
+recipe names are known (:func:`dmref.recipes.get_recipe`), the plot's folder exists and can be
+written. The results are printed before the plot is written; if writing it fails anyway, the
+message says so and the exit status is 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import tempfile
@@ -25,6 +28,65 @@ def _seed(text: str) -> int:
     if value > SEED_RANGE[1]:
         raise argparse.ArgumentTypeError(f"{value} must be <= {SEED_RANGE[1]} (2^64 - 2)")
     return value
+
+
+def _seqlen(text: str) -> int:
+    value = int_at_least(1)(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(
+            f"{value}: with one key per query row softmax is constant (P = 1), so dQ and dK are exactly 0 "
+            "and their relative errors undefined; give at least 2")
+    return value
+
+
+def available_bytes() -> int | None:
+    """Memory available to a new process (Linux: MemAvailable of /proc/meminfo; else the
+    physical memory), or None where neither can be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def check_memory(config, available: int | None) -> None:
+    """UsageError when the demo's largest problem (:func:`dmref.demo.peak_bytes`) needs more
+    memory than ``available`` bytes; the message names the sizes and the largest length that fits."""
+    from dmref import demo
+
+    if available is None:
+        return
+    need = demo.peak_bytes(config)
+    if need <= available:
+        return
+    problems = [(f"--seqlen {config.seqlen}", config.heads, config.seqlen)]
+    problems += [(f"--sweep {n}", config.sweep_heads or config.heads, n) for n in config.sweep_seqlens]
+    if config.accum_draws:
+        problems.append((f"--draws {config.accum_draws} (its problem has {config.accum_heads} head, "
+                         f"{config.accum_seqlen} keys)", config.accum_heads, config.accum_seqlen))
+    size = {p: demo.problem_bytes(config.batch, p[1], p[2], config.head_dim) for p in problems}
+    worst = max(problems, key=size.get)
+    what, heads, n = worst
+    advice = "lower --batch, --heads or --head-dim"
+    if what.startswith(("--seqlen", "--sweep")) and all(size[p] <= available for p in problems if p is not worst):
+        # the largest N with problem_bytes(batch, heads, N, head_dim) <= available: a quadratic in N
+        a, b = demo.SQUARE_ARRAYS, demo.ROW_ARRAYS * config.head_dim
+        c = available // (8 * config.batch * heads)
+        fits = (math.isqrt(b * b + 4 * a * c) - b) // (2 * a)
+        if fits >= 2:
+            advice = f"the largest sequence length that fits is {fits}"
+    gib = 2 ** 30
+    raise UsageError(
+        f"{what} with --batch {config.batch}, {heads} heads and --head-dim {config.head_dim} needs about "
+        f"{need / gib:.3g} GiB of memory (8 bytes x batch x heads x seqlen x ({demo.SQUARE_ARRAYS} seqlen + "
+        f"{demo.ROW_ARRAYS} head_dim): dmref.demo.problem_bytes), and {available / gib:.3g} GiB is available; "
+        f"{advice}")
 
 
 def register(subparsers) -> None:
@@ -44,13 +106,13 @@ def register(subparsers) -> None:
                         "image format (png, pdf, svg, ...); its folder must exist")
     p.add_argument("--batch", type=positive, default=1)
     p.add_argument("--heads", type=positive, default=4)
-    p.add_argument("--seqlen", "-n", type=positive, default=1024)
+    p.add_argument("--seqlen", "-n", type=_seqlen, default=1024, help="keys (and queries) per head, >= 2")
     p.add_argument("--head-dim", type=positive, default=64)
     p.add_argument("--no-causal", action="store_true", help="full attention instead of causal")
     p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--recipes", nargs="*", default=None, metavar="NAME",
                    help="preset names (default: all); NAME@hopper for the Hopper accumulation model")
-    p.add_argument("--sweep", nargs="*", type=positive, default=None, metavar="N",
+    p.add_argument("--sweep", nargs="*", type=_seqlen, default=None, metavar="N",
                    help="sequence lengths of the error-vs-length sweep (default 128 256 512 1024; "
                         "give none to skip it)")
     p.add_argument("--sweep-heads", type=positive, default=None, help="heads of the sweep's problems (default: --heads)")
@@ -113,6 +175,7 @@ def _run(args) -> int:
     from dmref import demo
 
     config = _config(args)
+    check_memory(config, available_bytes())
     if args.out:
         check_out_path(args.out)
     # One thread: on a 2-core CPU, intra-op threads on these small matrices cost more than they save

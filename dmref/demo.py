@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 import torch
 
 from . import diagnostics, emulation, reference, tiled
-from .recipes import PRESETS, get_recipe
+from .recipes import PRESETS, DeltaKind, get_recipe
 
 __all__ = [
     "AccumulationSeries", "DemoConfig", "DemoResult", "accumulate", "dither", "dq_rounding_level",
-    "bias_estimate", "make_problem", "noise_ratio_band", "run_demo", "write_plot",
+    "bias_estimate", "make_problem", "noise_ratio_band", "peak_bytes", "problem_bytes", "run_demo", "write_plot",
 ]
 
 #: Keys every ``dmref demo --json`` object carries, with float values.
@@ -112,6 +112,31 @@ class DemoConfig:
     #: most P_ij are tiny and the stale delta's systematic part is largest
     accum_peaked_fraction: float = 1.0
     accum_recipes: tuple[str, ...] = ACCUMULATION_RECIPES
+
+
+#: float64 arrays of (batch, heads, seqlen, seqlen) alive at once at the demo's peak: the float64
+#: error bound of :func:`dq_rounding_level` (dmref.diagnostics.attention_error_bound: logits, P,
+#: their error bounds, dP, dS and the temporaries of each line; 13-14 measured), with a margin
+SQUARE_ARRAYS = 16
+#: float64 arrays of (batch, heads, seqlen, head_dim) alive at once: inputs, outputs, gradients
+#: and their bounds in float32 and float64 copies, with a margin
+ROW_ARRAYS = 48
+
+
+def problem_bytes(batch: int, heads: int, seqlen: int, head_dim: int) -> int:
+    """Estimated peak memory of one problem of the demo (exact reference, error bound, recipes):
+    8 bytes x batch x heads x seqlen x (SQUARE_ARRAYS seqlen + ROW_ARRAYS head_dim)."""
+    return 8 * batch * heads * seqlen * (SQUARE_ARRAYS * seqlen + ROW_ARRAYS * head_dim)
+
+
+def peak_bytes(config: "DemoConfig") -> int:
+    """Estimated peak memory of :func:`run_demo` on ``config``: its problems run one at a time
+    (the main problem, each sweep length, the averaged problem), so the largest of them."""
+    sizes = [(config.heads, config.seqlen)]
+    sizes += [(config.sweep_heads or config.heads, n) for n in config.sweep_seqlens]
+    if config.accum_draws:
+        sizes.append((config.accum_heads, config.accum_seqlen))
+    return max(problem_bytes(config.batch, h, n, config.head_dim) for h, n in sizes)
 
 
 @dataclass
@@ -365,6 +390,66 @@ def bias_estimate(series: AccumulationSeries, recipe: str) -> float:
     return math.sqrt(e * e - n * n) if e > n else 0.0
 
 
+#: how each kind of delta is named in the figure
+_DELTA_WORDS = {DeltaKind.STALE: "stale delta", DeltaKind.MATCHED: "matched delta",
+                DeltaKind.CONSISTENT_P: "consistent P"}
+#: standard deviations of the noise band drawn in panel A (:func:`noise_ratio_band`'s ``sigmas``)
+BAND_SIGMAS = 4.0
+#: what kbar_i is, in words, wherever the figure uses it
+KBAR_WORDS = "kbar_i = sum_j P_ij K_j, query i's attention-weighted mean key"
+
+
+def delta_words(name: str) -> str:
+    """'stale delta', 'matched delta' or 'consistent P': how the recipe forms delta_i."""
+    return _DELTA_WORDS[get_recipe(name).delta.kind]
+
+
+def recipe_words(name: str) -> str:
+    """'FP8, stale delta' (and the like) for a recipe with an FP8 quantization point; 'no FP8'
+    for the others, where the kind of delta makes no visible difference."""
+    recipe = get_recipe(name)
+    fp8 = any(p.fmt is not None and p.fmt.is_fp8 for p in recipe.points().values())
+    return f"FP8, {delta_words(name)}" if fp8 else "no FP8"
+
+
+def _wrap(title: str, body: str, width: int = 80) -> str:
+    import textwrap
+
+    return "\n".join([title, *textwrap.wrap(body, width)])
+
+
+def _problem_words(batch, heads, seqlen, head_dim, causal, peaked: float) -> str:
+    rows = "every query row" if peaked >= 1 else f"{peaked:.0%} of query rows"
+    return (f"B={batch} H={heads} N={seqlen} D={head_dim}{' causal' if causal else ''}, "
+            f"{rows} attending sharply to one key")
+
+
+def main_problem_words(config: DemoConfig) -> str:
+    """The main problem (the table's, panels B-D) in words."""
+    peaked = make_problem.__kwdefaults__["peaked_fraction"]
+    return _problem_words(config.batch, config.heads, config.seqlen, config.head_dim, config.causal, peaked)
+
+
+def averaged_problem_words(config: DemoConfig) -> str:
+    """The averaged problem (panel A) in words."""
+    return _problem_words(config.batch, config.accum_heads, config.accum_seqlen, config.head_dim, config.causal,
+                          config.accum_peaked_fraction)
+
+
+def verdict(series: AccumulationSeries, name: str) -> str:
+    """What panel A says about one recipe at T_max, in words that do not claim more than the
+    measurement: above the noise band a bias is measured; inside it none is resolved, which for
+    a stale delta (which predicts one) means it is smaller than the draws' scatter, not absent."""
+    ratio = series.err[name][-1] / series.noise_only[name][-1]
+    t_max = series.draws[-1]
+    head = f"{name} ({delta_words(name)}): {ratio:.2f}x"
+    if ratio > noise_ratio_band(series.sq_norms[name], BAND_SIGMAS):
+        return f"{head}, above its band: a bias of {bias_estimate(series, name):.1e} of ||dQ*||"
+    if get_recipe(name).delta.kind is DeltaKind.STALE:
+        return f"{head}, inside its band: its bias is not resolved at T={t_max} (smaller than the scatter)"
+    return f"{head}, inside its band: no bias seen"
+
+
 def _plot_accumulation(ax, ax_ratio, result: DemoResult, colors) -> tuple[list, list]:
     """Panel A: above, the error of the T-averaged dQ against T with each recipe's noise-only
     line; below, their ratio with each recipe's noise band (:func:`noise_ratio_band`). Returns
@@ -374,41 +459,43 @@ def _plot_accumulation(ax, ax_ratio, result: DemoResult, colors) -> tuple[list, 
     above, within = [], []
     for name in acc.err:
         err, noise = acc.err[name], acc.noise_only[name]
-        band = noise_ratio_band(acc.sq_norms[name])
-        ratio = err[-1] / noise[-1]
-        (above if ratio > band else within).append(name)
-        verdict = (f"{ratio:.2f}x noise-only: a bias of {bias_estimate(acc, name):.1e}" if ratio > band
-                   else f"{ratio:.2f}x noise-only: within its band, no bias resolved")
-        ax.plot(ts, err, marker="o", color=colors[name], linewidth=2, label=f"{name}: {verdict}")
+        band = noise_ratio_band(acc.sq_norms[name], BAND_SIGMAS)
+        (above if err[-1] / noise[-1] > band else within).append(name)
+        ax.plot(ts, err, marker="o", color=colors[name], linewidth=2, label=verdict(acc, name))
         ax.plot(ts, noise, linestyle=":", color=colors[name], linewidth=1.5)
         ax_ratio.plot(ts, [e / n for e, n in zip(err, noise)], marker="o", color=colors[name], linewidth=2)
         ax_ratio.plot(ts, [e / n for e, n in zip(acc.err_along_kbar[name], acc.noise_only_along_kbar[name])],
                       linestyle="--", color=colors[name], linewidth=1.2)
         ax_ratio.axhline(band, color=colors[name], linestyle=":", linewidth=1.2)
-    ax.plot([], [], linestyle=":", color="gray", label="dotted: if the draws were noise only (falls like 1/sqrt(T))")
+    ax.plot([], [], linestyle=":", color="gray",
+            label="dotted: noise-only error = what the average would be if every draw's error were "
+                  "independent noise (falls like 1/sqrt(T))")
     for a in (ax, ax_ratio):
         a.set_xscale("log", base=2)
         a.grid(True, which="both", alpha=0.25)
     ax.set_yscale("log")
+    low, high = ax.get_ylim()
+    ax.set_ylim(low, high * (high / low) ** 0.6)  # room above the curves for the legend
     ax.tick_params(labelbottom=False)
     ax.set_ylabel("relative error of the averaged dQ\n||mean_t (dQ_t - dQ*_t)||_F / ||dQ*||_F")
-    b, h, n, d = acc.shape
-    peaked = result.config.accum_peaked_fraction
-    rows = "every query row" if peaked >= 1 else f"{peaked:.0%} of query rows"
-    ax.set_title("A. Does dQ's error average away over T steps?  One problem re-rounded T times\n"
-                 f"(Gaussian dither of one FP8 grid step, exact dQ* per draw), B={b} H={h} N={n} D={d} causal;\n"
-                 f"{rows} attends sharply to one key (logit ~{make_problem.__kwdefaults__['peak_logit']:g} above the rest), as in trained models", fontsize=11)
-    ax.legend(loc="lower left", fontsize=8, title=f"at T={t_max}, of ||dQ*||", title_fontsize=8)
+    ax.set_title(_wrap("A. Does dQ's error average away over many training steps?",
+                       f"A smaller problem than B-D, so that {t_max} draws run in seconds: "
+                       f"{averaged_problem_words(result.config)}. Each draw re-rounds it (inputs jittered "
+                       "by about one FP8 grid step; the exact dQ* recomputed)."), fontsize=11)
+    ax.legend(loc="upper right", fontsize=8, title=f"at T={t_max}: error / noise-only error", title_fontsize=8)
     ax_ratio.axhline(1.0, color="k", linewidth=0.8)
-    ax_ratio.set_ylabel("error / noise-only\n(dotted: 4-sigma band)")
+    ax_ratio.set_ylabel("error / noise-only error")
     ax_ratio.set_xlabel("T: number of independent roundings averaged (like T training steps)")
     top = max(max(e / n for e, n in zip(acc.err[x] + acc.err_along_kbar[x], acc.noise_only[x] + acc.noise_only_along_kbar[x]))
               for x in acc.err)
-    top = max(top, *(noise_ratio_band(acc.sq_norms[x]) for x in acc.err))
-    ax_ratio.set_ylim(top=1 + 1.45 * (top - 1))
-    ax_ratio.text(0.02, 0.95, "1 = noise only;  above a recipe's dotted band = a bias that averaging does not remove;\n"
-                  "dashed: the same ratio for the error's part along kbar_i = sum_j P_ij K_j, the stale delta's direction",
-                  transform=ax_ratio.transAxes, va="top", fontsize=8.5)
+    top = max(top, *(noise_ratio_band(acc.sq_norms[x], BAND_SIGMAS) for x in acc.err))
+    ax_ratio.set_ylim(top=1 + 1.6 * (top - 1))
+    ax_ratio.text(0.02, 0.96,
+                  f"1 = pure noise. Dotted: each recipe's noise band, which pure noise stays below ({BAND_SIGMAS:g} "
+                  "standard deviations,\nfrom the spread of the single draws' errors); above it = a bias that "
+                  "averaging does not remove.\nDashed: the same ratio for the error's component along "
+                  f"{KBAR_WORDS},\nthe direction in which a stale delta moves dQ_i",
+                  transform=ax_ratio.transAxes, va="top", fontsize=8)
     return above, within
 
 
@@ -417,7 +504,6 @@ def _plot_residuals(ax, result: DemoResult, colors) -> None:
     is exactly 0 have no logarithm and are counted in a marker at the bottom of the axis."""
     import numpy as np
 
-    cfg = result.config
     names = [r.recipe for r in result.reports]
     logs = {n: np.log10(result.residuals[n][result.residuals[n] > 0]) for n in names}
     zeros = {n: int((result.residuals[n] == 0).sum()) for n in names}
@@ -439,11 +525,12 @@ def _plot_residuals(ax, result: DemoResult, colors) -> None:
             ax.text(i + 1, bottom + 0.9, f"{zeros[n]} rows\nexactly 0", ha="center", fontsize=7)
     ax.plot([], [], "v", color="gray", label="rows whose residual is exactly 0 (no log; counted)")
     ax.set_ylim(bottom=bottom)
-    ax.set_xticks(range(1, len(names) + 1), names, rotation=25, ha="right")
+    ax.set_xticks(range(1, len(names) + 1), [f"{n}\n{recipe_words(n)}" for n in names], rotation=25, ha="right",
+                  fontsize=8.5)
     ax.set_ylabel("log10 of  |sum_j dS_ij| / sum_j |P_ij dP_ij|   (one value per query row)")
-    ax.set_title("B. Why: do the rows of dS sum to zero, as the exact gradient's do?\n"
-                 f"FP32 dS before its quantization, B={cfg.batch} H={cfg.heads} N={cfg.seqlen} "
-                 f"D={cfg.head_dim}{' causal' if cfg.causal else ''}")
+    ax.set_title(_wrap("B. Why: the rows of dS = P * (dP - delta) sum to zero in exact arithmetic. Here?",
+                       f"The table's problem: {main_problem_words(result.config)}. dS in FP32, before it is "
+                       "cast to FP8 for the dQ and dK matmuls."), fontsize=11)
     ax.legend(loc="upper left", fontsize=8)
     ax.grid(True, axis="y", alpha=0.25)
 
@@ -469,35 +556,45 @@ def _plot_sweep(ax, result: DemoResult, colors, key: str, title: str, ylabel: st
         ax.plot([], [], "v", color="gray", label="exactly 0 (drawn at the axis bottom)")
     ax.set_xlabel("sequence length N (keys per query row)")
     ax.set_ylabel(ylabel)
-    ax.set_title(f"{title}\nB={cfg.batch} H={cfg.sweep_heads or cfg.heads} D={cfg.head_dim}, same statistics")
-    ax.legend(fontsize=7, ncol=2)
+    ax.set_title(f"{title}\nThe table's problem at each N: B={cfg.batch} H={cfg.sweep_heads or cfg.heads} "
+                 f"D={cfg.head_dim}, same statistics", fontsize=11)
+    ax.legend(fontsize=7, ncol=2, loc="center right", bbox_to_anchor=(1.0, 0.35))
     ax.grid(True, which="both", alpha=0.25)
 
 
 def _caption(result: DemoResult, above, within) -> str:
-    """The figure's caption: the mechanism, then what panel A measured (from the data)."""
-    first = ("dQ* = float64 reference. A stale delta leaves the rows of dS summing to -delta_i (B), which "
-             "adds -scale delta_i kbar_i to dQ, kbar_i = sum_j P_ij K_j; in one step (C) this hides in FP8 "
-             "rounding of the same size.")
+    """The figure's caption: the notation and the mechanism, then what panel A measured (from the
+    data)."""
+    first = ("dQ* = the float64 reference. The backward forms dS = P * (dP - delta) with a per-row constant "
+             "delta_i; in exact arithmetic delta_i = sum_j P_ij dP_ij = rowsum(dO_i * O_i), so each row of dS "
+             "sums to zero. A stale delta computes rowsum(dO_i * O_i) from the forward's saved output; with FP8 "
+             "P and dP it no longer equals sum_j P_ij dP_ij, the rows of dS no longer sum to zero (B), and dQ_i "
+             "picks up "
+             f"-scale (error of delta_i) kbar_i, {KBAR_WORDS}. In one step (C) this hides in FP8 rounding "
+             "of the same size. A matched delta (Delta-Matching) takes delta_i from the backward's own P and "
+             "dP: its rows sum to zero up to FP32 rounding (B).")
     acc = result.accumulation
     if acc is None or not acc.draws:
         return first
     t_max = acc.draws[-1]
     parts = [f"{n} {acc.err[n][-1] / acc.noise_only[n][-1]:.2f}x" for n in above + within]
-    second = (f"Averaged over T={t_max} roundings (A), error / noise-only: {', '.join(parts)}. "
-              + (f"Above the band ({', '.join(above)}): the part of delta_i that keeps its sign is a bias, "
-                 "and averaging removes only noise." if above else "No recipe ends above its noise band.")
-              + (f" Within their bands ({', '.join(within)}): no bias resolved at T={t_max}; a bias smaller "
-                 "than the draws' scatter allows is not excluded." if within else ""))
+    stale_within = [n for n in within if get_recipe(n).delta.kind is DeltaKind.STALE]
+    second = (f"Averaged over T={t_max} roundings (A), error / noise-only error: {', '.join(parts)}. "
+              + (f"Above the noise band ({', '.join(above)}): the part of the delta error that keeps its sign is "
+                 "a bias, and averaging removes only the noise." if above else "No recipe ends above its noise band.")
+              + (f" Inside their bands ({', '.join(within)}): no bias resolved at T={t_max}"
+                 + (f"; for {', '.join(stale_within)}, whose stale delta predicts one, it is smaller than the "
+                    "draws' scatter, not shown absent." if stale_within else ".") if within else ""))
     import textwrap
 
     return "\n".join(textwrap.wrap(first + " " + second, 190))
 
 
-def write_plot(result: DemoResult, path: str) -> None:
-    """Four panels: A, dQ's error averaged over T roundings against T (a bias stays, noise falls
-    like 1/sqrt(T)); B, the row-sum residual of dS per recipe (where the bias comes from);
-    C and D, dQ's one-step error and the largest row-sum residual against sequence length."""
+def figure(result: DemoResult):
+    """The demo's figure (a matplotlib Figure): A, dQ's error averaged over T roundings against T
+    (a bias stays, noise falls like 1/sqrt(T)); B, the row-sum residual of dS per recipe (where
+    the bias comes from); C and D, dQ's one-step error and the largest row-sum residual against
+    sequence length; a caption that defines the notation."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -505,11 +602,11 @@ def write_plot(result: DemoResult, path: str) -> None:
 
     names = [r.recipe for r in result.reports]
     colors = _colors(names)
-    fig, axes = plt.subplots(2, 2, figsize=(17, 12.5))
+    fig, axes = plt.subplots(2, 2, figsize=(17, 13.5))
     (ax_a, ax_b), (ax_c, ax_d) = axes
     acc = result.accumulation
     if acc is not None and acc.draws:
-        spec = ax_a.get_subplotspec().subgridspec(2, 1, height_ratios=(2.2, 1), hspace=0.06)
+        spec = ax_a.get_subplotspec().subgridspec(2, 1, height_ratios=(2.0, 1.2), hspace=0.06)
         ax_a.remove()
         ax_a = fig.add_subplot(spec[0])
         ax_ratio = fig.add_subplot(spec[1], sharex=ax_a)
@@ -530,20 +627,30 @@ def write_plot(result: DemoResult, path: str) -> None:
         ax_c.set_axis_off()
         ax_d.set_axis_off()
     fig.text(0.5, 0.004, _caption(result, above, within), ha="center", va="bottom", fontsize=10)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    fig.tight_layout(rect=(0, 0.075, 1, 1))
+    return fig
+
+
+def write_plot(result: DemoResult, path: str) -> None:
+    """Write :func:`figure` to ``path`` (the suffix picks the format)."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(result)
+    try:
+        fig.savefig(path, dpi=100)
+    finally:
+        plt.close(fig)
 
 
 def print_table(result: DemoResult, console) -> None:
     from rich.table import Table
 
     cfg = result.config
-    table = Table(title=f"dmref demo: B={cfg.batch} H={cfg.heads} N={cfg.seqlen} D={cfg.head_dim}"
-                        f"{' causal' if cfg.causal else ''}, outlier channels, sink key, peaked rows")
+    table = Table(title=f"dmref demo: {main_problem_words(cfg)}, outlier channels, a sink key "
+                        "(figure panels B-D)")
     cols = [("recipe", "recipe"), ("rowsum max", "rowsum_residual_max"),
             ("rowsum mean", "rowsum_residual_mean"), ("max / FP32 bound", "rowsum_over_bound_max"),
-            ("after Q(dS) max", "rowsum_residual_after_quant_max"), ("out err", "out_rel_err"),
+            ("after dS->FP8 max", "rowsum_residual_after_quant_max"), ("out err", "out_rel_err"),
             ("dQ err", "dq_rel_err"), ("dK err", "dk_rel_err"), ("dV err", "dv_rel_err"),
             ("dQ bias frac", "dq_bias_fraction")]
     for title, _ in cols:
@@ -554,11 +661,12 @@ def print_table(result: DemoResult, console) -> None:
         table.add_row(d["recipe"], *[f"{d[key]:.2e}" for _, key in cols[1:-1]],
                       "—" if frac is None else f"{frac:.2f}")
     console.print(table)
-    console.print("rowsum: |sum_j dS_ij| / sum_j |P_ij dP_ij| of the FP32 dS before its quantization; "
+    console.print("rowsum: |sum_j dS_ij| / sum_j |P_ij dP_ij| of the FP32 dS before its quantization "
+                  "('after dS->FP8': of dS as the dQ matmul sees it); "
                   "'max / FP32 bound' <= 1 means every row is within Delta-Matching's FP32 bound "
                   "(dmref.diagnostics.matched_rowsum_bound); errors are relative Frobenius norms "
                   "against the float64 reference; dQ bias frac: share of dQ's squared error along "
-                  "kbar_i = sum_j P_ij K_j; '—': dQ's error is at most twice the float64 reference's "
+                  f"{KBAR_WORDS}; '—': dQ's error is at most twice the float64 reference's "
                   f"own rounding level ({result.dq_rounding_level:.1e}, dmref.demo.dq_rounding_level), "
                   "so its direction means nothing.")
     acc = result.accumulation
@@ -566,6 +674,8 @@ def print_table(result: DemoResult, console) -> None:
         t = acc.draws[-1]
         parts = [f"{n} {acc.err[n][0]:.2e} -> {acc.err[n][-1]:.2e} (noise only {acc.noise_only[n][-1]:.2e})"
                  for n in acc.err]
-        console.print(f"dQ error averaged over T roundings, T=1 -> T={t}: " + "; ".join(parts) +
-                      ". Above its noise-only value = a bias that averaging does not remove.")
+        console.print(f"dQ error averaged over T roundings (figure panel A, a smaller problem: "
+                      f"{averaged_problem_words(cfg)}), T=1 -> T={t}: " + "; ".join(parts) +
+                      ". Above its noise-only value by more than its noise band (panel A) = a bias that averaging "
+                      "does not remove.")
 

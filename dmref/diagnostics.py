@@ -23,8 +23,9 @@ The bounds (each derivation is in its docstring):
 
 from __future__ import annotations
 
+import hashlib
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -39,8 +40,10 @@ __all__ = [
     "attention_error_bound",
     "dq_bias_split",
     "evaluate",
+    "exact_results",
     "gamma",
     "matched_rowsum_bound",
+    "problem_fingerprint",
     "psum_error_bound",
     "relative_error",
 ]
@@ -48,10 +51,13 @@ __all__ = [
 
 
 def relative_error(x: torch.Tensor, exact: torch.Tensor) -> float:
-    """||x - exact||_F / ||exact||_F in float64 (0 when both are zero)."""
+    """||x - exact||_F / ||exact||_F in float64 (0 when both are zero; NaN when either holds a
+    NaN, inf when x holds an infinity and exact does not)."""
     e = exact.to(torch.float64)
     num = (x.to(torch.float64) - e).norm().item()
     den = e.norm().item()
+    if math.isnan(num) or math.isnan(den):
+        return math.nan
     return num / den if den > 0 else (0.0 if num == 0 else math.inf)
 
 
@@ -226,6 +232,8 @@ def dq_bias_split(dq: torch.Tensor, dq_exact: torch.Tensor, kbar: torch.Tensor):
     along = coef * kb
     rest = err - along
     total = (err * err).sum().item()
+    if not math.isfinite(total):  # a NaN or an infinity in the error: it has no direction
+        return along, rest, math.nan
     fraction = (along * along).sum().item() / total if total > 0 else 0.0
     return along, rest, fraction
 
@@ -255,6 +263,10 @@ class Report:
     dq_bias_fraction: float  #: share of dQ's squared error along kbar_i
     dq_err_along_kbar_rel: float  #: ||error along kbar||_F / ||dQ_exact||_F
     dq_err_rest_rel: float  #: ||the rest||_F / ||dQ_exact||_F
+    #: the recipe's results that hold a NaN or an infinity (``out``, ``lse``, ``dq``, ``dk``,
+    #: ``dv``, ``dP``: sum_j |P_ij dP^_ij|, ``dS``: the row sums of dS); every diagnostic computed
+    #: from one of them is NaN (or inf), never a finite number. Empty: all finite.
+    nonfinite: tuple[str, ...] = ()
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -270,6 +282,38 @@ class Exact:
     dk: torch.Tensor
     dv: torch.Tensor
     kbar: torch.Tensor
+    #: per input (q, k, v, dout, mask, causal, scale) a digest of what it was computed from
+    #: (:func:`problem_fingerprint`); :func:`evaluate` refuses the results of another problem
+    problem: dict = field(default_factory=dict)
+
+
+def _digest(t) -> str:
+    """sha256 of a tensor's dtype, shape and bytes (or of repr for anything else)."""
+    h = hashlib.sha256()
+    if isinstance(t, torch.Tensor):
+        h.update(f"{t.dtype} {tuple(t.shape)}".encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    else:
+        h.update(repr(t).encode())
+    return h.hexdigest()
+
+
+def problem_fingerprint(q, k, v, dout, *, causal=False, scale=None, mask=None) -> dict:
+    """{input name: digest} of one attention problem: the bytes, dtype and shape of q, k, v,
+    dout and the mask, causal, and the scale as the reference resolves it (None and
+    1/sqrt(head_dim) are the same problem). Costs one pass over the inputs."""
+    shape = reference.check_attention_inputs(q, k, v, scale=scale, mask=mask, dout=dout)
+    return {"q": _digest(q), "k": _digest(k), "v": _digest(v), "dout": _digest(dout), "mask": _digest(mask),
+            "causal": _digest(reference.check_causal(causal)), "scale": _digest(shape.scale)}
+
+
+def _check_finite(**tensors) -> None:
+    for name, t in tensors.items():
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:
+            kinds = "/".join(k for k, f in (("NaN", torch.isnan), ("inf", torch.isinf)) if bool(f(t).any()))
+            raise ValueError(f"{name} holds {bad} non-finite value(s) ({kinds}) of {t.numel()}: the "
+                             "diagnostics compare against the float64 reference and need finite inputs")
 
 
 def _check_dout(dout) -> None:
@@ -284,12 +328,22 @@ def exact_results(q, k, v, dout, *, causal=False, scale=None, mask=None) -> Exac
     _check_dout(dout)
     out, lse, dq, dk, dv = reference.attention_ref(q, k, v, dout, causal=causal, scale=scale, mask=mask)
     kbar, _ = reference.attention_forward(q, k, k, causal=causal, scale=scale, mask=mask)  # P K
-    return Exact(out, lse, dq, dk, dv, kbar)
+    return Exact(out, lse, dq, dk, dv, kbar,
+                 problem_fingerprint(q, k, v, dout, causal=causal, scale=scale, mask=mask))
 
 
 def _relative_rows(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    """|num| / den per row; rows with den = 0 (fully masked, or dO = 0) count as 0."""
-    return torch.where(den > 0, num.abs() / torch.where(den > 0, den, 1), torch.zeros_like(num))
+    """|num| / den per row; rows with den = 0 and num finite (fully masked, or dO = 0) count as 0;
+    rows where num or den is NaN or infinite are NaN (a max or mean over them is then NaN)."""
+    rel = torch.where(den > 0, num.abs() / torch.where(den > 0, den, 1), torch.zeros_like(num))
+    return torch.where(torch.isfinite(num) & torch.isfinite(den), rel, torch.full_like(rel, math.nan))
+
+
+def _nonfinite(fwd, bwd, lse_finite) -> tuple[str, ...]:
+    """Names of the recipe's results that hold a NaN or an infinity (Report.nonfinite)."""
+    results = {"out": fwd.out, "lse": fwd.stats.lse[lse_finite], "dq": bwd.dq, "dk": bwd.dk, "dv": bwd.dv,
+               "dP": bwd.rowsum.abs_pdp, "dS": bwd.rowsum.residual}
+    return tuple(name for name, t in results.items() if not bool(torch.isfinite(t).all()))
 
 
 def evaluate(q, k, v, dout, recipe, *, causal=False, scale=None, mask=None,
@@ -298,25 +352,39 @@ def evaluate(q, k, v, dout, recipe, *, causal=False, scale=None, mask=None,
     reference (computed here unless given). Returns the report and the per-row statistics.
 
     ``dout`` is required (a tensor of the output's shape), ``causal`` a bool, ``recipe`` a Recipe
-    or a preset name, ``exact`` None or :func:`exact_results` of this very problem; TypeError or
-    ValueError otherwise, naming the argument."""
+    or a preset name, ``exact`` None or :func:`exact_results` of this very problem (checked by
+    :func:`problem_fingerprint`); q, k, v and dout finite. TypeError or ValueError otherwise,
+    naming the argument.
+
+    Where the recipe itself produces a NaN or an infinity (an overflow of its float32 or FP8
+    arithmetic), ``Report.nonfinite`` names the results that hold one and the diagnostics
+    computed from them are NaN (or inf), never 0."""
     _check_dout(dout)
     causal = reference.check_causal(causal)
     if exact is not None and not isinstance(exact, Exact):
         raise TypeError(f"exact must be None or dmref.diagnostics.exact_results(...) of this problem, "
                         f"got {type(exact).__name__}")
     recipe = get_recipe(recipe)
+    reference.check_attention_inputs(q, k, v, scale=scale, mask=mask, dout=dout)
+    _check_finite(q=q, k=k, v=v, dout=dout)
     if exact is None:
         exact = exact_results(q, k, v, dout, causal=causal, scale=scale, mask=mask)
+    else:
+        given = problem_fingerprint(q, k, v, dout, causal=causal, scale=scale, mask=mask)
+        differ = [name for name in given if exact.problem.get(name) != given[name]]
+        if differ:
+            raise ValueError(f"exact holds the results of another problem: its {', '.join(differ)} "
+                             f"{'differs' if len(differ) == 1 else 'differ'} from the one(s) given here; "
+                             "pass exact_results(...) of these inputs")
     fwd, bwd = tiled.attention(q, k, v, dout, recipe=recipe, causal=causal, scale=scale, mask=mask,
                                diagnostics=True)
     rs = bwd.rowsum
-    active = rs.abs_pdp > 0
+    active = ~(rs.abs_pdp == 0)  # rows with a product, and rows where sum_j |P dP^| is NaN
     rel = _relative_rows(rs.residual, rs.abs_pdp)
     rel_dq = _relative_rows(rs.residual_dq, rs.abs_pdp)
     rel_dk = _relative_rows(rs.residual_dk, rs.abs_pdp)
     bound = matched_rowsum_bound(rs)
-    over = torch.where(bound > 0, rs.residual.abs() / torch.where(bound > 0, bound, 1), torch.zeros_like(bound))
+    over = _relative_rows(rs.residual, bound)
     along, rest, fraction = dq_bias_split(bwd.dq, exact.dq, exact.kbar)
     dq_norm = exact.dq.norm().item() or 1.0
     finite = torch.isfinite(exact.lse)
@@ -337,5 +405,6 @@ def evaluate(q, k, v, dout, recipe, *, causal=False, scale=None, mask=None,
         dq_bias_fraction=fraction,
         dq_err_along_kbar_rel=along.norm().item() / dq_norm,
         dq_err_rest_rel=rest.norm().item() / dq_norm,
+        nonfinite=_nonfinite(fwd, bwd, finite),
     )
     return report, rs

@@ -33,7 +33,7 @@ import enum
 from dataclasses import dataclass, field, replace
 
 from .emulation.blocked import Block, ScaleRule
-from .emulation.formats import BFLOAT16, FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT16, Format, Rounding, get_format, get_rounding
+from .emulation.formats import BFLOAT16, FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT16, Format, Rounding, check_bool, get_format, get_rounding
 from .emulation.gemm import Accumulation, MatmulModel
 
 __all__ = [
@@ -124,6 +124,7 @@ class QuantPoint:
         object.__setattr__(self, "granularity", Granularity(self.granularity))
         object.__setattr__(self, "scale_rule", ScaleRule.get(self.scale_rule))
         object.__setattr__(self, "rounding", get_rounding(self.rounding))
+        object.__setattr__(self, "saturate", check_bool(self.saturate, "saturate"))
 
     @property
     def quantized(self) -> bool:

@@ -29,8 +29,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
+
+from .emulation.formats import check_bool
 
 __all__ = [
     "AttentionShape",
@@ -86,10 +87,7 @@ def _check_scale(scale, head_dim: int) -> float:
 def check_causal(causal) -> bool:
     """``causal`` as a bool. Raises TypeError unless it is a bool or a numpy.bool_: a string
     ("yes", "False"), a number or a tensor would otherwise be taken by its truth value."""
-    if isinstance(causal, (bool, np.bool_)):
-        return bool(causal)
-    text = repr(causal) if isinstance(causal, (str, int, float)) else type(causal).__name__
-    raise TypeError(f"causal must be True or False (bool or numpy.bool_), got {text[:60]}")
+    return check_bool(causal, "causal")
 
 
 def check_attention_inputs(q, k, v, *, scale=None, mask=None, dout=None) -> AttentionShape:

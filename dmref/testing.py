@@ -228,7 +228,12 @@ def attention_problems(*, dtype: torch.dtype = torch.bfloat16, max_seqlen: int =
     have ``heads // group`` heads); ``masks=True`` also draws a boolean or an additive mask
     (finite ALiBi-like biases and -inf, rounded to ``dtype``) with fully masked rows, for an
     ``fn`` that takes ``mask=``; a drawn causal problem then carries its causality in the mask
-    (``causal=False``), as SDPA takes one or the other."""
+    (``causal=False``), as SDPA takes one or the other. ``causal`` is None (drawn) or a bool;
+    ``probe``, ``gqa`` and ``masks`` are bools (TypeError otherwise)."""
+    from .emulation.formats import check_bool
+
+    causal = None if causal is None else check_bool(causal, "causal")
+    probe, gqa, masks = (check_bool(f, n) for f, n in ((probe, "probe"), (gqa, "gqa"), (masks, "masks")))
     st = _st()
     from ._oracle_cases import Case
     from . import probe as _probe

@@ -711,7 +711,8 @@ class _RowsumAccumulator:
 def backward(q, k, v, fwd: ForwardResult, dout, *, recipe="exact", causal: bool = False, scale=None,
              mask=None, diagnostics: bool = False) -> BackwardResult:
     """The tiled backward of ``recipe`` from the forward's saved ``fwd``; see the module
-    docstring. With ``diagnostics`` the row sums of dS are collected (:class:`RowsumStats`)."""
+    docstring. With ``diagnostics`` (a bool) the row sums of dS are collected (:class:`RowsumStats`)."""
+    diagnostics = emulation.formats.check_bool(diagnostics, "diagnostics")
     pb = _problem(q, k, v, recipe, causal, scale, mask, dout=dout)
     r, sh, wd = pb.recipe, pb.shape, pb.dtype
     acc_model = r.accumulation

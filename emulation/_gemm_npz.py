@@ -192,6 +192,8 @@ def _check_meta(meta, where: str) -> dict:
         v = meta.get(key)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
             raise GemmFileError(f"{where}: meta {key}={v!r} must be a non-negative integer")
+        if key in ("BK", "scale_block_k") and v == 0:  # a K tile of no elements
+            raise GemmFileError(f"{where}: meta {key}=0 must be positive (K elements per tile)")
     return meta
 
 

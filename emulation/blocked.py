@@ -48,7 +48,7 @@ import torch
 
 from .cast import _as_torch, decode, encode
 from .constants import FP32_MAX, FP32_MIN_NORMAL
-from .formats import Format, Rounding, get_format
+from .formats import Format, Rounding, check_bool, get_format
 
 __all__ = [
     "Block",
@@ -469,6 +469,7 @@ class BlockQuantized:
                  margin: int = 0, rounding: Rounding | str = Rounding.NEAREST_EVEN,
                  saturate: bool = True, rbits=None) -> "BlockQuantized":
         """Quantize ``x``; arguments as :func:`quantize_blocked` (row-major layout)."""
+        saturate = check_bool(saturate, "saturate")
         fmt = _element_format(fmt)
         block = Block.get(block)
         rule = ScaleRule.get(scale_rule)
@@ -545,10 +546,12 @@ def quantize_blocked(x, fmt: Format | str, *, block: Block | str, scale_rule: Sc
         and scales of the shape above (``Block.tensor()``: scale 1).
 
     Raises:
-        TypeError: non-float ``x`` (integer, bool, complex), non-integer margin.
+        TypeError: non-float ``x`` (integer, bool, complex), non-integer margin, ``saturate`` or
+            ``transposed`` not a bool (a string such as "no" would be truthy).
         ValueError: unknown format, rule or block; bad block extents; x with fewer than 2 dims
             for a row/column/tile block; a scale format (e8m0) as the element format.
     """
+    transposed = check_bool(transposed, "transposed")
     q = BlockQuantized.quantize(x, fmt, block=block, scale_rule=scale_rule, margin=margin,
                                 rounding=rounding, saturate=saturate, rbits=rbits)
     return (q.t() if transposed else q).astuple()

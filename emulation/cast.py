@@ -42,7 +42,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from .formats import Format, Rounding, get_format, get_rounding
+from .formats import Format, Rounding, check_bool, get_format, get_rounding
 
 # ----------------------------------------------------------------------------------------------
 # Input handling
@@ -484,9 +484,11 @@ def encode(x, fmt: Format | str, *, rounding: Rounding | str = Rounding.NEAREST_
     Raises:
         TypeError: non-float input (integers, complex, bool), or ``rbits`` of another dtype or
             type.
+        TypeError: ``saturate`` not a bool (a string such as "no" would be truthy).
         ValueError: unknown format or rounding name; rbits missing or given without stochastic
             rounding; an int rbits outside [0, 2**16); rbits not broadcastable to x.
     """
+    saturate = check_bool(saturate, "saturate")
     fmt = get_format(fmt)
     rounding = get_rounding(rounding)
     t, was_numpy = _as_torch(x)

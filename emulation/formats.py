@@ -16,6 +16,8 @@ import functools
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 
 class Rounding(enum.Enum):
     """How a value between two neighbouring representable numbers is rounded."""
@@ -258,3 +260,13 @@ def get_rounding(rounding: Rounding | str) -> Rounding:
     except ValueError:
         known = ", ".join(r.value for r in Rounding)
         raise ValueError(f"unknown rounding {rounding!r}; known: {known}") from None
+
+
+def check_bool(value, name: str) -> bool:
+    """``value`` as a bool. Raises TypeError unless it is a bool or a numpy.bool_: a string
+    ("no", "False"), a number or a tensor would otherwise be taken by its truth value, so that
+    ``saturate="no"`` would saturate."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    text = repr(value) if isinstance(value, (str, int, float)) else type(value).__name__
+    raise TypeError(f"{name} must be True or False (bool or numpy.bool_), got {text[:60]}")

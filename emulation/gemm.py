@@ -67,7 +67,7 @@ import torch
 
 from . import _gemm_exact, _gemm_hopper
 from ._gemm_tables import canonicalize_nan, run_blocks
-from .formats import Format, Rounding, get_format
+from .formats import Format, Rounding, check_bool, get_format
 
 
 class Accumulation(enum.Enum):
@@ -135,6 +135,7 @@ class MatmulModel:
 
     def __post_init__(self):
         object.__setattr__(self, "accumulation", Accumulation(self.accumulation))
+        object.__setattr__(self, "float64_result", check_bool(self.float64_result, "float64_result"))
         if self.promote_every is not None:
             if self.accumulation is not Accumulation.HOPPER:
                 raise ValueError(f"promote_every={self.promote_every} describes a wgmma kernel; "
@@ -186,13 +187,13 @@ def triton_dot_schedule(block_k: int, max_num_imprecise_acc: int | None = None,
     if max_num_imprecise_acc is not None and max_num_imprecise_acc > block_k:
         raise ValueError(f"{max_num_imprecise_acc=} > {block_k=}: Triton rejects this schedule "
                          "('max_num_imprecise_acc must be <= K')")
-    return {"tile_k": block_k, "promote_every": max_num_imprecise_acc, "chain": chain}
+    return {"tile_k": block_k, "promote_every": max_num_imprecise_acc, "chain": check_bool(chain, "chain")}
 
 
 def cublas_schedule(use_fast_accum: bool) -> dict:
     """``matmul`` keywords for ``torch._scaled_mm`` on Hopper: fast accumulation is one
     unpromoted chain; without it cuBLAS promotes every 128 products (measured on an H200)."""
-    return {"promote_every": None if use_fast_accum else 128}
+    return {"promote_every": None if check_bool(use_fast_accum, "use_fast_accum") else 128}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -220,6 +221,9 @@ def _as_codes(x, fmt, name: str) -> tuple[torch.Tensor, Format]:
     if fmt is None:
         raise ValueError(f"{name} holds {x.dtype} values: give its FP8 format (f{name[0]}=...)")
     fmt = get_format(fmt)
+    if not fmt.signed or not fmt.has_zero:
+        raise ValueError(f"f{name[0]}={fmt.name}: {fmt.name} cannot hold GEMM operands (it has no sign or "
+                         "no zero); it is a scale format: give its values as scale_a/scale_b")
     if x.dtype == torch.uint8:
         return x, fmt
     if x.is_floating_point():
@@ -382,8 +386,19 @@ def matmul(a, bt, c=None, *, fa=None, fb=None, model: Accumulation | str = Accum
     """``a @ bt.T + c`` from FP8 operands under an accumulation model (module docstring).
 
     With M = 0, N = 0 or an empty batch the result is empty; with K = 0 it is ``c`` itself (no
-    products, no k-step: +0 where c is None) in every model, NaN written as 0x7FFFFFFF."""
+    products, no k-step: +0 where c is None) in every model, NaN written as 0x7FFFFFFF.
+
+    ``fa``/``fb``: 8-bit element formats (e8m0, a scale format, is refused); ``c``: float32 of
+    shape (..., M, N) or one that broadcasts to it; ``scale_block_k``: a positive int (the K
+    extent of one block scale); ``chain``: a bool. ValueError or TypeError otherwise, naming the
+    value."""
     model = Accumulation(model)
+    chain = check_bool(chain, "chain")
+    if isinstance(scale_block_k, bool) or not isinstance(scale_block_k, (int, np.integer)):
+        raise TypeError(f"scale_block_k must be an int (K elements per block scale), got {scale_block_k!r}")
+    if scale_block_k <= 0:
+        raise ValueError(f"scale_block_k={scale_block_k} must be positive (K elements per block scale)")
+    scale_block_k = int(scale_block_k)
     was_numpy = isinstance(a, np.ndarray)
     a, fa = _as_codes(a, fa, "a")
     bt, fb = _as_codes(bt, fb, "bt")
@@ -397,12 +412,23 @@ def matmul(a, bt, c=None, *, fa=None, fb=None, model: Accumulation | str = Accum
                          f"{model.value!r} model is defined on the whole sum")
     batch, (m, k), n = a.shape[:-2], a.shape[-2:], bt.shape[-2]
     c = torch.zeros((), dtype=torch.float32) if c is None else c
-    c = _as_float32(c, a.device, "c").expand(*batch, m, n)
+    c = _as_float32(c, a.device, "c")
+    try:
+        fits = torch.broadcast_shapes(c.shape, (*batch, m, n)) == (*batch, m, n)
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"c has shape {tuple(c.shape)}; expected the result's shape {(*batch, m, n)} "
+                         "(..., M, N) or one that broadcasts to it")
+    c = c.expand(*batch, m, n)
     if (scale_a is None) != (scale_b is None):
         raise ValueError("give both scale_a and scale_b, or neither")
     tiles = -(-k // scale_block_k)
     if scale_a is not None and tile_k is not None and tile_k != scale_block_k:
         raise ValueError(f"block scales fix the K tile: {tile_k=} != {scale_block_k=}")
+    if scale_a is not None and model is Accumulation.HOPPER and scale_block_k % rules.k_step:
+        raise ValueError(f"scale_block_k={scale_block_k} must be a multiple of the k-step {rules.k_step}: "
+                         "under the hopper model each block scale applies to whole wgmma k-steps")
 
     # explicit sizes: a dimension of size 0 leaves -1 undetermined
     nb = int(np.prod(batch, dtype=np.int64))

@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
-from .formats import Format, Rounding, get_format, get_rounding
+from .formats import Format, Rounding, check_bool, get_format, get_rounding
 
 Number = float | int | Fraction
 
@@ -78,7 +78,9 @@ def encode_scalar(
     rbits: int | None = None,
     rbits_width: int = 16,
 ) -> int:
-    """Round one value into ``fmt`` and return its code (see the module docstring)."""
+    """Round one value into ``fmt`` and return its code (see the module docstring); TypeError
+    unless ``saturate`` is a bool."""
+    saturate = check_bool(saturate, "saturate")
     fmt = get_format(fmt)
     rounding = get_rounding(rounding)
     if rounding is Rounding.STOCHASTIC:

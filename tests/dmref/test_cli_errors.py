@@ -113,6 +113,12 @@ def no_compute(monkeypatch):
     (["--batch", "-2"], ["--batch", "-2", ">= 1"]),
     (["--sweep", "128", "-5"], ["--sweep", "-5", ">= 1"]),
     (["--sweep-heads", "0"], ["--sweep-heads", "0", ">= 1"]),
+    (["--seqlen", "1"], ["--seqlen", "1:", "relative errors undefined", "at least 2"]),
+    (["--sweep", "128", "1"], ["--sweep", "1:", "at least 2"]),
+    (["--seqlen", "1000000000"], ["--seqlen 1000000000", "GiB of memory", "GiB is available",
+                                  "the largest sequence length that fits is"]),
+    (["--sweep", "128", "10000000"], ["--sweep 10000000", "GiB is available", "largest sequence length"]),
+    (["--batch", "100000000"], ["--batch 100000000", "GiB is available", "lower --batch"]),
     (["--heads", "two"], ["--heads", "'two'", "integer"]),
     (["--seed", str(1 << 64)], ["--seed", str(1 << 64)]),
     (["--out", "/nonexistent/x.png"], ["'/nonexistent/x.png'", "'/nonexistent'", "does not exist"]),
@@ -121,6 +127,21 @@ def no_compute(monkeypatch):
 ])
 def test_demo_bad_option_is_one_line_before_computing(argv, named, no_compute):
     assert_usage_error(run_cli(["demo", *argv]), *named)
+
+
+def test_demo_memory_limit_is_the_estimate_and_names_the_largest_length_that_fits():
+    """check_memory refuses exactly when the estimate exceeds the memory available, and the
+    length it proposes is the largest whose estimate fits (so the next run is not refused)."""
+    config = demo.DemoConfig(seqlen=4096, sweep_seqlens=(), accum_draws=0)
+    need = demo.peak_bytes(config)
+    assert need == demo.problem_bytes(1, 4, 4096, 64)
+    _cli_demo.check_memory(config, need)  # exactly enough
+    with pytest.raises(cli.UsageError, match=r"--seqlen 4096 .* the largest sequence length that fits is (\d+)") as info:
+        _cli_demo.check_memory(config, need - 1)
+    fits = int(str(info.value).rsplit(" ", 1)[1])
+    assert fits == 4095
+    assert demo.problem_bytes(1, 4, fits, 64) <= need - 1 < demo.problem_bytes(1, 4, fits + 1, 64)
+    _cli_demo.check_memory(config, None)  # memory unknown: not checked
 
 
 def test_demo_out_that_is_a_folder_is_rejected_before_computing(tmp_path, no_compute):
@@ -228,6 +249,7 @@ def test_a_usage_error_raised_by_a_command_is_one_line(monkeypatch):
     (["cast", "1", "--format", "e4m4"], ["'e4m4'"]),
     (["demo", "--recipe", "naive_fp8@volta"], ["'volta'", "hopper"]),
     (["demo", "--seqlen", "0"], ["--seqlen"]),
+    (["demo", "--seqlen", "1000000000"], ["--seqlen 1000000000", "GiB is available"]),
 ])
 def test_bad_input_in_a_process_is_one_line_and_status_2(argv, named):
     proc = subprocess.run([sys.executable, "-m", "dmref", *argv], capture_output=True, text=True, timeout=120)

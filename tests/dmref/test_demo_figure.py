@@ -167,3 +167,92 @@ def test_json_rows_carry_the_accumulation_series(small_result):
         assert len(acc["single_draw_sq_err"]) == len(acc["noise_only_along_kbar"]) == 2
         assert acc["err"][0] == pytest.approx(math.sqrt(acc["single_draw_sq_err"][0]), rel=1e-12)
     assert "accumulation" not in rows["exact"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The figure read by someone who knows attention but not dmref
+# ----------------------------------------------------------------------------------------------
+
+
+def _figure_text(result) -> str:
+    import matplotlib.pyplot as plt
+    from matplotlib.text import Text
+
+    fig = demo.figure(result)
+    try:
+        return " ".join(" ".join(t.get_text().split()) for t in fig.findobj(Text))
+    finally:
+        plt.close(fig)
+
+
+def _titles(result) -> dict[str, str]:
+    import matplotlib.pyplot as plt
+
+    fig = demo.figure(result)
+    try:
+        titles = [" ".join(ax.get_title().split()) for ax in fig.axes]
+        return {t[0]: t for t in titles if t[:2] in ("A.", "B.", "C.", "D.")}
+    finally:
+        plt.close(fig)
+
+
+def test_each_panel_states_its_own_problem(small_result):
+    """Panel A averages a smaller problem than the table and panels B-D: each says which."""
+    cfg = small_result.config
+    assert cfg.accum_seqlen != cfg.seqlen  # otherwise the test could not tell them apart
+    titles = _titles(small_result)
+    assert f"N={cfg.accum_seqlen} " in titles["A"] and f"H={cfg.accum_heads} " in titles["A"]
+    assert "smaller problem" in titles["A"]
+    assert f"N={cfg.seqlen} " in titles["B"] and f"H={cfg.heads} " in titles["B"] and "table's problem" in titles["B"]
+    for panel in "CD":
+        assert f"H={cfg.heads} " in titles[panel] and "table's problem" in titles[panel]
+
+
+def test_the_table_names_both_problems(small_result):
+    import io
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    demo.print_table(small_result, Console(file=out, width=400))
+    text = " ".join(out.getvalue().split())
+    assert demo.main_problem_words(small_result.config) in text
+    assert f"figure panel A, a smaller problem: {demo.averaged_problem_words(small_result.config)}" in text
+
+
+def _series(ratio: float) -> demo.AccumulationSeries:
+    """Two recipes, a stale and a matched one, whose averaged error ends at ``ratio`` times its
+    noise-only value, with single draws scattered by +-10%."""
+    s = demo.AccumulationSeries((1, 1, 8, 8), draws=[1, 2, 4])
+    for name in ("naive_fp8", "delta_matching"):
+        s.noise_only[name] = [1.0, 0.7, 0.5]
+        s.err[name] = [1.0, 0.7, 0.5 * ratio]
+        s.sq_norms[name] = [0.9, 1.0, 1.1, 1.0]
+    return s
+
+
+def test_a_stale_recipe_inside_its_band_is_not_labelled_bias_free():
+    inside = _series(1.0)
+    assert 1.0 < demo.noise_ratio_band(inside.sq_norms["naive_fp8"], demo.BAND_SIGMAS)
+    stale, matched = demo.verdict(inside, "naive_fp8"), demo.verdict(inside, "delta_matching")
+    assert "stale delta" in stale and "not resolved at T=4" in stale and "no bias" not in stale
+    assert "matched delta" in matched and "no bias seen" in matched
+    above = _series(10.0)
+    for name in ("naive_fp8", "delta_matching"):
+        assert "above its band: a bias of" in demo.verdict(above, name)
+
+
+def test_the_figure_defines_the_notation_it_uses(small_result):
+    text = _figure_text(small_result)
+    uses_and_defines = {
+        "kbar_i": "query i's attention-weighted mean key",
+        "noise-only error": "if every draw's error were independent noise",
+        "noise band": "standard deviations",
+        "delta_i": "dS = P * (dP - delta) with a per-row constant delta_i",
+        "stale delta": "A stale delta computes rowsum(dO_i * O_i) from the forward's saved output",
+        "dQ*": "dQ* = the float64 reference",
+    }
+    for term, definition in uses_and_defines.items():
+        assert term in text and definition in text, term
+    for undefined in ("Q(dS)", "sigma band", "noise-only:"):
+        assert undefined not in text, undefined

@@ -1,6 +1,7 @@
 """``dmref verify-attention``: the replay of tests/data/h200_cudnn_fp8_sdpa.npz reproduces cuDNN's
-FP8 codes (O, dK, dV: every code within one step; dQ likewise except where cuDNN left +0 codes in
-its last partial query tile), and bad files give one line on stderr and exit status 2."""
+FP8 codes (O, dK, dV: every code within one step; dQ likewise except where cuDNN writes +0 codes
+into its last partial query tile, which are counted and left out of the goal), and bad files give
+one line on stderr and exit status 2."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from dmref.cli import main
 
 CAPTURE = Path(__file__).resolve().parents[1] / "data" / "h200_cudnn_fp8_sdpa.npz"
 #: one case per problem shape that is fast enough for the CPU suite: 128 keys (one tile,
-#: e5m2 gradients, causal) and 200 keys (GQA, a partial tile, cuDNN's unwritten dQ tail)
+#: e5m2 gradients, causal) and 200 keys (GQA, a partial tile, cuDNN's zeros in dQ's last tile)
 SUBSET = (3, 4)
 
 
@@ -66,13 +67,48 @@ def test_replay_matches_cudnn_codes(report):
         assert case["stats_max_abs"] <= 8 * np.spacing(np.float32(1024.0))
 
 
-def test_unwritten_dq_tail_is_reported_and_fails_the_goal(report):
+def test_cudnn_dq_tail_zeros_are_counted_and_left_out_of_the_goal(report):
+    """cuDNN's +0 codes in dQ's last partial query tile (200 queries: rows 192-199) are counted
+    apart; every other code meets the goal, so the README's example exits 0."""
     rc, rep = report
     by_case = {c["case"]: c for c in rep["cases"]}
     assert by_case[3]["tensors"]["dq"]["identical"] == by_case[3]["tensors"]["dq"]["codes"]
+    assert by_case[3]["tensors"]["dq"]["cudnn_dq_tail_zeros"] == 0  # 128 queries: no partial tile
     tail = by_case[4]["tensors"]["dq"]
-    assert tail["cudnn_zero_beyond_one_step"] > 0 and not tail["meets_goal"]
-    assert rep["goal_met"] is False and rc == 1
+    assert tail["cudnn_dq_tail_zeros"] == tail["beyond_one_step"] == tail["cudnn_zero_beyond_one_step"] > 0
+    assert tail["max_steps"] > ar.MAX_STEPS >= tail["max_steps_checked"]
+    assert tail["meets_goal"] and rep["goal_met"] is True and rc == 0
+    assert "cuDNN writes zeros" in rep["goal"]["left_out"]
+
+
+def test_the_table_names_cudnns_dq_tail_and_exits_0(subset_file, capsys):
+    assert main(["verify-attention", str(subset_file)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "cuDNN's zeros in dQ, cases 4:" in out and "cuDNN writes zeros there" in out
+    assert "goal met on every code cuDNN computed" in out
+
+
+def _with_dq_zeros(tmp_path, case: int, rows: slice) -> Path:
+    """A one-case capture whose cuDNN dQ codes are set to +0 in ``rows``."""
+    arrays = {n: a for n, a in _arrays().items() if n.startswith(f"c{case}.")}
+    dq = arrays[f"c{case}.dq_fp8"].copy()
+    dq[..., rows, :] = 0
+    arrays[f"c{case}.dq_fp8"] = dq
+    path = tmp_path / f"zeros{case}.npz"
+    np.savez(path, **arrays)
+    return path
+
+
+@pytest.mark.parametrize("case, rows", [(4, slice(0, 8)), (3, slice(120, 128))])
+def test_zeros_outside_cudnns_dq_tail_fail_the_goal(tmp_path, case, rows):
+    """The exclusion is that tile only: zeros in the first rows (case 4), or in the last rows of
+    a query count that is a multiple of 64 (case 3, 128 queries), are compared and fail."""
+    (result,) = ar.verify_capture(str(_with_dq_zeros(tmp_path, case, rows)))
+    dq = result["tensors"]["dq"]
+    assert dq["max_steps_checked"] > ar.MAX_STEPS and not dq["meets_goal"]
+    assert dq["beyond_one_step"] - dq["cudnn_dq_tail_zeros"] > 0  # the planted zeros are compared
+    if case == 3:
+        assert dq["cudnn_dq_tail_zeros"] == 0
 
 
 def test_cudnn_dq_tail_codes_are_zero():
@@ -106,6 +142,29 @@ def test_not_an_npz(tmp_path, capsys):
     path = tmp_path / "text.npz"
     path.write_text("not a zip archive\n")
     assert "not a readable .npz" in _run_bad(path, capsys)
+
+
+def test_random_bytes_are_one_line_without_numpys_pickle_advice(tmp_path, capsys):
+    path = tmp_path / "random.npz"
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    err = _run_bad(path, capsys)
+    assert "not a readable .npz" in err and "allow_pickle" not in err and "unsafely" not in err
+
+
+def test_a_single_npy_is_refused(tmp_path, capsys):
+    path = tmp_path / "one.npy"
+    np.save(path, np.zeros(3))
+    assert "single .npy array" in _run_bad(path, capsys)
+
+
+@pytest.mark.parametrize("causal", [np.str_("no"), np.str_("yes"), np.int64(1), np.array([True])])
+def test_causal_must_be_a_bool(tmp_path, capsys, causal):
+    """bool() of the string "no" is True: a capture's causal flag is a 0-d bool or refused."""
+    arrays = {n: a for n, a in _arrays().items() if n.startswith("c0.")}
+    arrays["c0.causal"] = causal
+    path = tmp_path / "causal.npz"
+    np.savez(path, **arrays)
+    assert "case 0: causal must be a 0-d bool array" in _run_bad(path, capsys)
 
 
 def test_pickle_is_refused(tmp_path, capsys):

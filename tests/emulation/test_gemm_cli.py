@@ -123,6 +123,8 @@ BAD_FILES = {
     "K_disagrees": ("k2.npz", _with_meta(K=64), "meta K=64 but the arrays have K=32"),
     "BK_not_integer": ("bk.npz", _with_meta(BK="32"), "meta BK='32' must be a non-negative integer"),
     "BK_not_k_step": ("bk2.npz", _with_meta(BK=48), "case c000: tile_k=48 must be a positive multiple"),
+    "BK_zero": ("bk0.npz", _with_meta(BK=0), "meta BK=0 must be positive"),
+    "scale_block_k_zero": ("sbk0.npz", _with_meta(scale_block_k=0), "meta scale_block_k=0 must be positive"),
     "BK_missing": ("bk3.npz", _with_meta(BK=...), "a triton_dot case needs BK in its meta"),
     "BK_null": ("bk4.npz", _with_meta(BK=None), "a triton_dot case needs BK in its meta"),
     "engine_not_string": ("eng2.npz", _with_meta(engine=["triton_dot"]), "engine=['triton_dot']; accepted"),

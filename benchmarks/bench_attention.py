@@ -7,7 +7,7 @@
         python benchmarks/bench_attention.py --profile-one            # one launch each, for ncu
 
 <device> is the GPU's model in lower case (``h200``); ``--out DIR`` writes elsewhere. A rerun
-replaces the file that docs/kernels.md cites.
+replaces the file that docs/kernels_speed.md cites.
 
 Measures, per shape B·H·N·D and causal or not, medians of ``triton.testing.do_bench``:
 

@@ -9,7 +9,7 @@ under ``dmref.tiled`` for the presets bf16, naive_fp8, cudnn_fp8, delta_matching
 the kernels declare (``KernelRecipe.reference_recipe``, float32 accumulation). The GPU numbers of
 the kernels and cuDNN (bench_attention ``--accuracy``) were measured on a CUDA draw of the same
 distribution: normwise errors over 8 x 2048 x D elements differ between draws far less than
-between recipes. Writes DIR/cpu_accuracy.json; docs/kernels.md ("Accuracy") cites it.
+between recipes. Writes DIR/cpu_accuracy.json; docs/kernels_speed.md ("Accuracy") cites it.
 """
 
 from __future__ import annotations

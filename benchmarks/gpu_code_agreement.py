@@ -9,7 +9,7 @@ forward and the matched backward at 4x16x4096x128. ``--no-fp-fusion`` sets
 TRITON_DEFAULT_FP_FUSION=0 before triton is imported: the compilers then keep every float32
 multiply and add separately rounded, as the model computes them (no fused multiply-add).
 Writes DIR/<device>_code_agreement[_nofusion].json (<device>: the GPU's model in lower case,
-``h200``; DIR: benchmarks/results by default, the files docs/kernels.md cites).
+``h200``; DIR: benchmarks/results by default, the files docs/kernels.md and docs/kernels_speed.md cite).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ compile_check``) and prints, per kernel, the order of the loop's wgmma issues (`
 (``C``), waits (``W<n>``: ``wgmma.wait_group n``), ``ex2.approx`` (``E``) and FP8 conversions
 (``F8``), runs compressed (``MMAx4`` = four in a row); ``|`` marks a basic-block label. A
 ``W0`` right after every ``C`` means each matmul completes before anything else runs in that
-warpgroup: no overlap of tensor cores with the softmax inside a CTA. docs/kernels.md cites the result.
+warpgroup: no overlap of tensor cores with the softmax inside a CTA. docs/kernels_speed.md cites the result.
 """
 
 from __future__ import annotations

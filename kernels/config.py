@@ -83,7 +83,7 @@ class BwdTiles:
     presets' 1x128 granularity, tiles of 64 and 32 the 1x64 and 1x32 ones; all are expressible in
     ``dmref.recipes`` (``KernelRecipe.reference_recipe``). Tiles of 128 spill at head
     dim 128. The defaults (D = 128) are the fastest tiling and loads of the H200 sweeps that
-    ``benchmarks/bench_attention.py`` runs (docs/kernels.md; benchmarks/results/h200_bench_attention.json).
+    ``benchmarks/bench_attention.py`` runs (docs/kernels_speed.md; benchmarks/results/h200_bench_attention.json).
     """
 
     block_m1: int = 64

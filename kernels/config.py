@@ -33,10 +33,6 @@ from dmref.recipes import (PRESETS, STALE, DeferredDq, DeltaKind, DeltaStrategy,
 #: Tokens per scale block of a transposed copy; every kernel tile along tokens divides it.
 QUANT_BLOCK = 128
 
-#: log2 of the fixed factor P is multiplied by before it is cast to FP8 (FA3's "max offset 8").
-#: P <= 1 against the running max (forward) or against LSE (backward), so 256 * P <= 256 < 448.
-P_SCALE_LOG2 = 8
-
 #: log2 of P's scale at the kbar quantization point (matched dQ's deferred correction). With
 #: P <= 1 against LSE, codes of P <= 2**4 and of K <= 448, a tile's float16 wgmma chain stays
 #: below 2**4 * 448 * (1 + 2**-4) < 65504 (float16's max) for any input.
@@ -58,8 +54,8 @@ class FwdTiles:
     block_n: int = 128  #: keys per inner step (divides QUANT_BLOCK)
     num_warps: int = 4  #: warps per program (Triton launch option)
     num_stages: int = 3  #: software-pipelining depth (Triton launch option)
-    #: load K and V tiles through TMA tensor descriptors instead of per-element pointers (the
-    #: H200 tiling run of 2026-11-29 measured +0.1% to +5% on all six benchmark shapes)
+    #: load K and V tiles through TMA tensor descriptors instead of per-element pointers (faster on
+    #: the H200 at every benchmark shape: docs/kernels_speed.md, "Tried, measured, and not kept")
     tma: bool = True
     #: register cap per thread (Triton's ``maxnreg`` launch option; None: the compiler's choice).
     #: A lower cap lets more CTAs share an SM (ptxas spills what does not fit)

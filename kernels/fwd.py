@@ -8,7 +8,7 @@ Per program: ``BLOCK_M`` queries of one head, looping over ``BLOCK_N`` keys of i
     acc = acc * alpha + dot(Q8(P * 2**8), V8T) * v_scale # promoted: one float32 add per tile
     O = acc / (l * 2**8);  LSE2 = m + log2(l)
 
-The Q-points are those of ``KernelRecipe.quantization_points``. P is quantized against the running
+The quantization points are those of ``KernelRecipe.recipe`` (docs/kernels.md). P is quantized against the running
 max with a fixed 2**8 offset; V comes from its transposed copy (tokens contiguous) so that the PV
 wgmma reads both operands K-major.
 """

@@ -238,7 +238,12 @@ def _fwd_ws_kernel(Q, stride_qb, stride_qh, stride_qn, K8, K_SCALE, VT8, V_SCALE
 
 
 def _constexprs(head_dim: int, block_n: int, stages: int, causal: bool, chain: bool) -> dict:
-    return dict(HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), P_SCALE=256.0,
+    """The kernel's constexprs: one description for the launcher and the compile check. P's
+    fixed scale is the folded recipes' (``Recipe.p_fwd.offset_log2``)."""
+    from .config import RECIPES
+
+    p_scale = float(2 ** RECIPES["folded_delta_matching"].p_scale_log2)
+    return dict(HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), P_SCALE=p_scale,
                 CHAIN=bool(chain))
 
 

@@ -343,9 +343,9 @@ def test_kernel_fp8_cast_equals_model_cast_at_every_rounding_boundary(backend):
     even), the float32 numbers either side of each midpoint, and past the largest finite value:
     the debug dumps hold the float32 values the cast received and are cast on the host.
 
-    (The 14 of 1536 differences of the H200 run of 2026-11-29 were the model's: torch 2.11's own
-    e4m3fn cast, which ``encode`` then used for saturate=True, maps overflow past 464 to NaN;
-    ``encode`` now checks torch's cast before using it, tests/emulation/test_cast.py.)"""
+    The model's cast is ``encode``'s, which checks torch's own e4m3fn cast before using it:
+    torch 2.11's maps overflow past 464 to NaN where the hardware saturates
+    (tests/emulation/test_cast.py)."""
     model.require_backend(backend)
     import triton
     from kernel_probes import cast_to_e4m3

@@ -167,11 +167,17 @@ def _run_backend(case) -> dict:
     out.backward(case.dout.cuda())
     res = {"out": out.detach().cpu(), "dq": q.grad.cpu(), "dk": k.grad.cpu(), "dv": v.grad.cpu()}
     # the forward's LSE (float32, padded to a multiple of 32 queries), from the aten op SDPA calls
-    qd, kd, vd = (t.detach().cuda() for t in (case.q, case.k, case.v))
-    fwd = torch.ops.aten._scaled_dot_product_efficient_attention(qd, kd, vd, None, True, 0.0, case.causal,
-                                                                 scale=case.scale)
-    res["lse"] = fwd[1][..., :case.q.shape[-2]].float().cpu()
-    res["out_aten_equal"] = bool(torch.equal(fwd[0].cpu(), res["out"]))
+    try:
+        qd, kd, vd = (t.detach().cuda() for t in (case.q, case.k, case.v))
+        fwd = torch.ops.aten._scaled_dot_product_efficient_attention(qd, kd, vd, None, True, 0.0, case.causal,
+                                                                     scale=case.scale)
+        res["lse"] = fwd[1][..., :case.q.shape[-2]].float().cpu()
+        res["lse_source"] = "aten._scaled_dot_product_efficient_attention"
+        res["out_aten_equal"] = bool(torch.equal(fwd[0].cpu(), res["out"]))
+    except Exception as e:  # noqa: BLE001 - the models then take the forward model's LSE; recorded
+        res["lse"] = forward_model(case.q, case.k, case.v, causal=case.causal, scale=case.scale)[1]
+        res["lse_source"] = f"forward_model (the aten op failed: {type(e).__name__}: {e})"[:300]
+        res["out_aten_equal"] = None
     return res
 
 
@@ -194,7 +200,8 @@ def main(argv=None) -> int:
     for case in cases:
         got = _run_backend(case)
         dump["cases"][case.name] = {n: got[n] for n in ("out", "lse", "dq", "dk", "dv")}
-        result["cases"][case.name] = entry = {"out_aten_equal": got["out_aten_equal"], **analyse(case, got)}
+        result["cases"][case.name] = entry = {"out_aten_equal": got["out_aten_equal"], "lse_source": got["lse_source"],
+                                              **analyse(case, got)}
         print(case.name, json.dumps(entry["models"]), flush=True)
     result["seconds"] = time.perf_counter() - t0
     os.makedirs(args.out, exist_ok=True)

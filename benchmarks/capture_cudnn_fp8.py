@@ -10,7 +10,8 @@ outlier channels and peaked rows; fixed seed), causal flag and gradient format i
 writes everything cuDNN consumed and produced into ONE file, DIR/NAME (default
 h200_cudnn_fp8_sdpa.npz; its ``about`` entry describes the layout), then prints the rel-L2 errors
 of O, dQ, dK, dV against float64 attention of the dequantized FP8 inputs. A case that fails is
-reported and recorded (``meta`` JSON, ``error``); the others go on. Exit status 0 when every case
+reported and recorded (``meta`` JSON, ``error``); the others go on. The file is rewritten after
+every case, so a run stopped part-way leaves the cases it captured. Exit status 0 when every case
 ran, 1 otherwise, 2 on bad arguments or when cuDNN's FP8 attention cannot run here at all (no
 ``import cudnn``, no Hopper GPU: one line on stderr, no file written).
 """
@@ -172,6 +173,13 @@ def versions() -> dict:
     return info
 
 
+def _write(path: str, arrays: dict, meta: dict) -> None:
+    arrays["meta"] = np.str_(json.dumps(meta))
+    tmp = path[:-len(".npz")] + ".partial.npz"
+    np.savez_compressed(tmp, **arrays)
+    os.replace(tmp, path)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="output folder")
@@ -208,6 +216,7 @@ def main(argv=None) -> int:
         problems.append(make_inputs(g, b, h, hkv, n, d))
         for name, t in zip(("q", "k", "v", "do"), problems[-1]):
             arrays[f"p{j}.{name}"] = t.view(torch.uint16).numpy()
+    path = os.path.join(args.out, args.name)
     i = 0
     for j, inputs in enumerate(problems):
         for causal in causals:
@@ -230,9 +239,7 @@ def main(argv=None) -> int:
                     print(f"{label}: FAILED {msg[:500]}", flush=True)
                 meta["cases"].append(entry)
                 i += 1
-    arrays["meta"] = np.str_(json.dumps(meta))
-    path = os.path.join(args.out, args.name)
-    np.savez_compressed(path, **arrays)
+                _write(path, arrays, meta)  # after every case: a run stopped part-way keeps what it captured
     ok = sum(c["ok"] for c in meta["cases"])
     print(f"wrote {path} ({os.path.getsize(path) / 2**20:.2f} MiB): {ok} of {len(meta['cases'])} cases ran",
           flush=True)

@@ -103,12 +103,16 @@ def _blocked(a, b, block):
     return acc
 
 
+_REFERENCE: dict = {}  #: id(case) -> (case, exact, baseline outputs); the case is kept so its id stays its own
+
+
 def model_statistics(case, outs) -> dict:
     """The oracle's error checks (out, dq, dk, dv at BF16 bounds) of ``outs``: name -> (value, bound)."""
     plan = oracle._Plan(oracle.baseline_recipe(torch.bfloat16), None, None, torch.bfloat16, "cpu", False, False,
                         oracle.U_FP32, frozenset())
-    ex = oracle._exact(case)
-    base, _ = oracle._run_recipe(case, plan.base, torch.bfloat16)
+    if id(case) not in _REFERENCE:  # the float64 reference and the baseline, once per case
+        _REFERENCE[id(case)] = (case, oracle._exact(case), oracle._run_recipe(case, plan.base, torch.bfloat16)[0])
+    _, ex, base = _REFERENCE[id(case)]
     cr = oracle.CaseResult(case.name, case.description, case.shape, case.causal, case.scale)
     checks = oracle._error_checks(case, plan, ex, tuple(t.double() for t in outs), base, cr)
     return {c.name: (c.value, c.bound) for c in checks}

@@ -159,6 +159,17 @@ def test_fma32_rounds_once_where_float64_then_float32_rounds_twice():
     assert got.tolist() == [f32(1 + 2.0**-23), f32(-(1 + 2.0**-23)), f32(2.5 + 2.0**-22)]
 
 
+@pytest.mark.slow
+def test_heldout_capture_meets_the_goal(capsys):
+    """The capture made after the replay was written (512 and 320 tokens): `dmref verify-attention`
+    exits 0, no code of any tensor more than one step from cuDNN's."""
+    rc = main(["verify-attention", str(HELDOUT), "--json"])
+    rep = json.loads(capsys.readouterr().out)
+    assert len(rep["cases"]) == 8
+    assert all(s["max_steps"] <= ar.MAX_STEPS for s in rep["summary"].values())
+    assert rep["goal_met"] is True and rc == 0
+
+
 def test_heldout_case_1_residual_is_dp_rounded_before_d_is_subtracted():
     """Heldout case 1 (512 keys, E5M2): with dP rounded to float32 before D is subtracted, the
     codes that differ from cuDNN's are dQ rows (head 0, query 505) and (head 1, query 85), up to

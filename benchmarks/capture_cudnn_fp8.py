@@ -1,17 +1,19 @@
 """Capture cuDNN's FP8 attention (forward with softmax stats, backward) on a Hopper GPU, bit for bit.
 
-    python benchmarks/capture_cudnn_fp8.py --out DIR [--seed S] [--shapes "B,H,HKV,N,D;..."]
-        [--causal no|yes|both] [--grad-formats e4m3,e5m2]
+    python benchmarks/capture_cudnn_fp8.py --out DIR [--name FILE.npz] [--seed S]
+        [--shapes "B,H,HKV,N,D;..."] [--causal no|yes|both] [--grad-formats e4m3,e5m2]
 
 Needs nvidia-cudnn-frontend (``pip install 'dmref[cudnn]'``, or the wheel on PYTHONPATH) and a
 GPU of compute capability 9.x. For every problem (BF16 inputs with a wide exponent range,
 outlier channels and peaked rows; fixed seed), causal flag and gradient format it runs
 :func:`dmref.targets.cudnn_fp8_forward` and :func:`dmref.targets.cudnn_fp8_backward` and
-writes everything cuDNN consumed and produced into ONE file, DIR/h200_cudnn_fp8_sdpa.npz (its
-``about`` entry describes the layout), then prints the rel-L2 errors of O, dQ, dK, dV against
-float64 attention of the dequantized FP8 inputs. A case that fails is reported and recorded
-(``meta`` JSON, ``error``); the others go on. Exit status 0 when every case ran, 1 otherwise,
-2 on bad arguments.
+writes everything cuDNN consumed and produced into ONE file, DIR/NAME (default
+h200_cudnn_fp8_sdpa.npz; its ``about`` entry describes the layout), then prints the rel-L2 errors
+of O, dQ, dK, dV against float64 attention of the dequantized FP8 inputs. A case that fails is
+reported and recorded (``meta`` JSON, ``error``); the others go on. The file is rewritten after
+every case, so a run stopped part-way leaves the cases it captured. Exit status 0 when every case
+ran, 1 otherwise, 2 on bad arguments or when cuDNN's FP8 attention cannot run here at all (no
+``import cudnn``, no Hopper GPU: one line on stderr, no file written).
 """
 
 from __future__ import annotations
@@ -171,9 +173,17 @@ def versions() -> dict:
     return info
 
 
+def _write(path: str, arrays: dict, meta: dict) -> None:
+    arrays["meta"] = np.str_(json.dumps(meta))
+    tmp = path[:-len(".npz")] + ".partial.npz"
+    np.savez_compressed(tmp, **arrays)
+    os.replace(tmp, path)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="output folder")
+    ap.add_argument("--name", default=FILE_NAME, help=f"output file name in --out (default {FILE_NAME})")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"B,H,HKV,N,D;... (default {DEFAULT_SHAPES})")
     ap.add_argument("--causal", choices=("no", "yes", "both"), default="both")
@@ -185,8 +195,15 @@ def main(argv=None) -> int:
         bad = [f for f in formats if f not in targets.GRAD_FORMATS]
         if bad or not formats:
             raise ValueError(f"--grad-formats {args.grad_formats!r}: accepted {', '.join(targets.GRAD_FORMATS)}")
+        if not args.name.endswith(".npz") or os.sep in args.name:
+            raise ValueError(f"--name {args.name!r} must be a file name ending in .npz")
     except ValueError as e:
         print(f"capture_cudnn_fp8: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        targets.require_cudnn_fp8()
+    except targets.TargetUnavailable as e:
+        print(f"capture_cudnn_fp8: error: cuDNN's FP8 attention cannot run here: {e}", file=sys.stderr)
         return 2
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     os.makedirs(args.out, exist_ok=True)
@@ -199,6 +216,7 @@ def main(argv=None) -> int:
         problems.append(make_inputs(g, b, h, hkv, n, d))
         for name, t in zip(("q", "k", "v", "do"), problems[-1]):
             arrays[f"p{j}.{name}"] = t.view(torch.uint16).numpy()
+    path = os.path.join(args.out, args.name)
     i = 0
     for j, inputs in enumerate(problems):
         for causal in causals:
@@ -221,9 +239,7 @@ def main(argv=None) -> int:
                     print(f"{label}: FAILED {msg[:500]}", flush=True)
                 meta["cases"].append(entry)
                 i += 1
-    arrays["meta"] = np.str_(json.dumps(meta))
-    path = os.path.join(args.out, FILE_NAME)
-    np.savez_compressed(path, **arrays)
+                _write(path, arrays, meta)  # after every case: a run stopped part-way keeps what it captured
     ok = sum(c["ok"] for c in meta["cases"])
     print(f"wrote {path} ({os.path.getsize(path) / 2**20:.2f} MiB): {ok} of {len(meta['cases'])} cases ran",
           flush=True)

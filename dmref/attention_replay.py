@@ -21,8 +21,8 @@ Backward (``GF``: the case's gradient format, dO's format)::
 
     P    = 2^(x - stats log2 e)  (float32);   P8 = E4M3(P * scale_s)
     dV   = GF( sum_group( hopper(P8ᵀ, dO) * fl(descale_s descale_dO) ) * scale_dV )
-    dP   = hopper(dO, V) * fl(descale_dO descale_v)
     D    = fl32(rowsum(dO8 ∘ O8)) * descale_dO * descale_o           (stale: FP8 dO, FP8 O)
+    dP-D = fma(hopper(dO, V), fl(descale_dO descale_v), -D)   (one rounding: dP is never rounded)
     y    = P (dP - D) attn_scale * scale_dP           (scale_dP = 448 / amax(attn_scale dS))
     dK   = GF( sum_group( hopper(GF(y)ᵀ, Q) * fl(descale_dP descale_q) ) * scale_dK )
     dQ   = GF( (sum over 128-key blocks, float32 adds, of hopper(GF(fp16(y)), K))
@@ -47,7 +47,7 @@ from .emulation import constants, gemm
 from .recipes import Recipe, get_recipe
 
 __all__ = ["CaptureError", "CODES", "GOALS", "ReplayOptions", "SCALARS", "TENSORS", "TensorMatch", "code_steps",
-           "load_capture", "replay_case", "summary", "to_json", "verify_capture"]
+           "fma32", "load_capture", "replay_case", "summary", "to_json", "verify_capture"]
 
 #: FP8 code arrays every case must hold: inputs cuDNN consumed and outputs it produced.
 CODES = ("q_fp8", "k_fp8", "v_fp8", "do_fp8", "o_fp8", "dq_fp8", "dk_fp8", "dv_fp8")
@@ -85,6 +85,7 @@ class ReplayOptions:
     ds_dq_fp16: bool = True  #: dQ's dS operand rounded to float16 before FP8
     dq_key_block: int | None = _DQ_KEY_BLOCK  #: keys per dQ wgmma chain (None: one chain)
     delta_do: str = "fp8"  #: dO in the delta: "fp8" (the codes cuDNN consumed) or "input" (the BF16 input)
+    dp_fma: bool = True  #: dP - D as one fused multiply-add of the dO V accumulator (False: dP rounded first)
 
     def __post_init__(self):
         object.__setattr__(self, "ds_dq_fp16", emulation.formats.check_bool(self.ds_dq_fp16, "ds_dq_fp16"))
@@ -195,6 +196,25 @@ def _mm(a, bt, fa, fb, model: str, c=None) -> np.ndarray:
     return gemm.matmul(np.ascontiguousarray(a), np.ascontiguousarray(bt), c=c, fa=fa, fb=fb, model=model)
 
 
+def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """``fl32(a b + c)`` for float32 ``a, b, c``, rounded once (nearest-even), as a GPU's fused
+    multiply-add. ``a b`` is exact in float64 (48 bits); TwoSum gives ``a b + c = s + e`` exactly;
+    ``fl32(s)`` is the correctly rounded result except where ``s`` is a float32 midpoint and the
+    remainder ``e`` breaks the tie, which is then resolved toward ``e``."""
+    a, b, c = (np.asarray(x, dtype=_F32) for x in (a, b, c))
+    prod = a.astype(np.float64) * b.astype(np.float64)
+    c64 = np.broadcast_to(c.astype(np.float64), prod.shape)
+    s = prod + c64
+    bv = s - prod
+    e = (prod - (s - bv)) + (c64 - bv)  # TwoSum: prod + c64 == s + e exactly
+    r = s.astype(_F32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        other = np.nextafter(r, np.where(s > r, _F32(np.inf), _F32(-np.inf)).astype(_F32))
+        tie = (s != r) & (s == (r.astype(np.float64) + other.astype(np.float64)) / 2) & (e != 0)
+        wrong_side = np.sign(s - r) == np.sign(e)  # the exact value lies beyond s, on other's side
+    return np.where(tie & wrong_side, other, r).astype(_F32)
+
+
 def _expand(x: np.ndarray, heads: int) -> np.ndarray:
     """GQA: kv head h // (heads // kv_heads) serves query head h."""
     return np.repeat(x, heads // x.shape[1], axis=1)
@@ -266,7 +286,8 @@ def _backward(case: dict, x: np.ndarray, model: str, opts: ReplayOptions) -> dic
     # Q-point P (dV = Pᵀ dO): P * scale_s -> E4M3
     p8 = _encode(p * scale_s, _E4M3)
     dv = _group_sum(_mm(_t(p8), _t(do), _E4M3, gf, model) * (descale_s * case["descale_dO"]), kv_heads)
-    dp = (_mm(do, v, gf, _E4M3, model) * (case["descale_dO"] * case["descale_v"])).astype(_F32)
+    dp_acc = _mm(do, v, gf, _E4M3, model)
+    dp_scale = case["descale_dO"] * case["descale_v"]
     # stale delta from the FP8 codes of dO and O (exact products, one float32 rounding of the sum)
     if opts.delta_do == "fp8":
         rowsum = (_decode(do, gf) * _decode(o, _E4M3)).sum(axis=-1).astype(_F32)
@@ -276,7 +297,14 @@ def _backward(case: dict, x: np.ndarray, model: str, opts: ReplayOptions) -> dic
             raise CaptureError(f"case {case['index']}: the capture holds no BF16 dO input (p<j>.do)")
         rowsum = (case["do_input"] * _decode(o, _E4M3)).sum(axis=-1).astype(_F32)
         delta = (rowsum * case["descale_o"]).astype(_F32)
-    y = ((p * (dp - delta[..., None])).astype(_F32) * _F32(case["attn_scale"])).astype(_F32) * case["scale_dP"]
+    # dP - D: one fused multiply-add of the accumulator (dP itself is never rounded to float32; in
+    # rows where P is one-hot, dP_ij and D_i agree to a few hundred float32 ulps and that rounding
+    # decides dS's code)
+    if opts.dp_fma:
+        dp_minus_d = fma32(dp_acc, dp_scale, -delta[..., None])
+    else:
+        dp_minus_d = ((dp_acc * dp_scale).astype(_F32) - delta[..., None]).astype(_F32)
+    y = ((p * dp_minus_d).astype(_F32) * _F32(case["attn_scale"])).astype(_F32) * case["scale_dP"]
     # Q-point dS (dK = dSᵀ Q): y -> GF once
     ds_dk = _encode(y, gf)
     # Q-point dS (dQ = dS K): y -> float16 -> GF (double rounding)

@@ -428,6 +428,24 @@ def _bwd_dkdv_kernel(
 KERNELS = ("dq", "dkdv")
 
 
+def launch(recipe: KernelRecipe, *, head_dim: int, causal: bool, kernel: str, group: int = 1,
+           debug: bool = False) -> tuple[dict, dict]:
+    """The constexprs and launch options (warps, stages, register cap) of the backward kernel
+    ``kernel`` (``"dq"`` or ``"dkdv"``) for ``recipe`` at ``head_dim``; ``group``: query heads
+    per key/value head. The one description that :func:`backward` and ``compile_check`` read."""
+    t = recipe.bwd_tiles(head_dim)
+    common = dict(HEAD_DIM=head_dim, QB=QUANT_BLOCK, CAUSAL=causal, P_SCALE=float(2 ** recipe.p_scale_log2),
+                  DS_ROWWISE=recipe.ds_granularity == "rowwise", TMA=t.tma, DEBUG=bool(debug),
+                  INTERPRET=interpreting())
+    if kernel == "dq":
+        return (dict(common, BLOCK_M=t.block_m2, BLOCK_N=t.block_n2, MATCHED=recipe.delta == "matched"),
+                dict(num_warps=t.num_warps_dq, num_stages=t.num_stages_dq, **register_cap(t.maxnreg_dq)))
+    if kernel == "dkdv":
+        return (dict(common, BLOCK_M=t.block_m1, BLOCK_N=t.block_n1, GROUP=group),
+                dict(num_warps=t.num_warps_dkdv, num_stages=t.num_stages_dkdv, **register_cap(t.maxnreg_dkdv)))
+    raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}")
+
+
 def backward(
     saved, do8, do_t, delta_stale, *, batch: int, heads: int, kv_heads: int, n: int,
     head_dim: int, causal: bool, scale: float, recipe: KernelRecipe, debug: bool = False,
@@ -456,9 +474,9 @@ def backward(
     dummy32 = torch.empty(1, device=dev, dtype=torch.float32)
     q8, k8, v8 = saved.q, saved.k, saved.v
     dq_ops, dkdv_ops = _operands(q8, k8, v8, do8, do_t, t, head_dim)
-    launch = dict(HEAD_DIM=head_dim, QB=QUANT_BLOCK, CAUSAL=causal,
-                  P_SCALE=float(2 ** recipe.p_scale_log2), DS_ROWWISE=recipe.ds_granularity == "rowwise",
-                  TMA=t.tma, DEBUG=bool(debug), INTERPRET=interpreting())
+    dq_consts, dq_options = launch(recipe, head_dim=head_dim, causal=causal, kernel="dq", debug=debug)
+    dkdv_consts, dkdv_options = launch(recipe, head_dim=head_dim, causal=causal, kernel="dkdv",
+                                       group=heads // kv_heads, debug=debug)
     scalars = (scale * LOG2E, scale)
 
     def run_dq():
@@ -472,9 +490,7 @@ def backward(
             dq_ops[2], k8.col_scale, k_unit, do8.rows, do8.row_scale, saved.lse2, delta_stale,
             delta_matched if matched else dummy32,
             dq, dbg.get("dq_ds_rowsum", dummy32),
-            *scalars, heads, heads // kv_heads, n, do_t.npad,
-            BLOCK_M=t.block_m2, BLOCK_N=t.block_n2, MATCHED=matched,
-            num_warps=t.num_warps_dq, num_stages=t.num_stages_dq, **register_cap(t.maxnreg_dq), **launch)
+            *scalars, heads, heads // kv_heads, n, do_t.npad, **dq_consts, **dq_options)
 
     def run_dkdv():
         _bwd_dkdv_kernel[(triton.cdiv(n, t.block_n1), batch * kv_heads)](
@@ -483,10 +499,7 @@ def backward(
             saved.lse2, delta_matched,
             dk, dv, dbg.get("ds_rowsum", dummy32), dbg.get("p_codes", dummy32),
             dbg.get("ds_codes", dummy32), dbg.get("ds_scale", dummy32),
-            *scalars, heads, kv_heads, n, do_t.npad,
-            BLOCK_M=t.block_m1, BLOCK_N=t.block_n1, GROUP=heads // kv_heads,
-            num_warps=t.num_warps_dkdv, num_stages=t.num_stages_dkdv, **register_cap(t.maxnreg_dkdv),
-            **launch)
+            *scalars, heads, kv_heads, n, do_t.npad, **dkdv_consts, **dkdv_options)
 
     runs = {"dq": run_dq, "dkdv": run_dkdv}
     # matched: dq runs first and makes D; stale: either order

@@ -95,25 +95,20 @@ def resource_usage(compiled) -> tuple[int, int, int]:
 
 def recipe_variants(recipe: KernelRecipe, head_dim: int, causal: bool, group: int = 1):
     """(name, kernel, constexprs, num_warps, num_stages, maxnreg) of every kernel a training step
-    runs."""
+    runs, from the launchers' own descriptions (``fwd.launch``, ``bwd.launch``)."""
     from . import bwd, fwd, quantize
 
-    f, b = recipe.fwd_tiles(head_dim), recipe.bwd_tiles(head_dim)
-    common = dict(HEAD_DIM=head_dim, QB=QUANT_BLOCK, CAUSAL=causal,
-                  P_SCALE=float(2 ** recipe.p_scale_log2), DEBUG=False, INTERPRET=False)
-    ds = dict(DS_ROWWISE=recipe.ds_granularity == "rowwise")
+    def variant(name, kernel, launch):
+        consts, options = launch
+        return (name, kernel, consts, options["num_warps"], options["num_stages"], options.get("maxnreg"))
+
     yield ("quantize", quantize._quantize_kernel,
            dict(HEAD_DIM=head_dim, BLOCK_T=QUANT_BLOCK, EMIT_ROWS=True, EMIT_COLS=True,
                 WITH_DELTA=True, IS_E5M2=False, INTERPRET=False), 8, 3, None)
-    yield ("fwd", fwd._fwd_kernel, dict(common, BLOCK_M=f.block_m, BLOCK_N=f.block_n, TMA=f.tma),
-           f.num_warps, f.num_stages, f.maxnreg)
-    bt = dict(TMA=b.tma)
-    yield ("dq", bwd._bwd_dq_kernel,
-           dict(common, **ds, **bt, BLOCK_M=b.block_m2, BLOCK_N=b.block_n2, MATCHED=recipe.delta == "matched"),
-           b.num_warps_dq, b.num_stages_dq, b.maxnreg_dq)
-    yield ("dkdv", bwd._bwd_dkdv_kernel,
-           dict(common, **ds, **bt, BLOCK_M=b.block_m1, BLOCK_N=b.block_n1, GROUP=group),
-           b.num_warps_dkdv, b.num_stages_dkdv, b.maxnreg_dkdv)
+    yield variant("fwd", fwd._fwd_kernel, fwd.launch(recipe, head_dim=head_dim, causal=causal))
+    yield variant("dq", bwd._bwd_dq_kernel, bwd.launch(recipe, head_dim=head_dim, causal=causal, kernel="dq"))
+    yield variant("dkdv", bwd._bwd_dkdv_kernel,
+                  bwd.launch(recipe, head_dim=head_dim, causal=causal, kernel="dkdv", group=group))
 
 
 def _descriptor_blocks(name: str, consts: dict, head_dim: int) -> dict | None:

@@ -183,6 +183,16 @@ def _fwd_kernel(
     tl.store(LSE2 + offs_m, m_i + tl.math.log2(l_i), mask=in_seq)
 
 
+def launch(recipe: KernelRecipe, *, head_dim: int, causal: bool, debug: bool = False) -> tuple[dict, dict]:
+    """The forward kernel's constexprs and launch options (warps, stages, register cap) for
+    ``recipe`` at ``head_dim``: the one description that :func:`forward` and
+    ``compile_check`` read."""
+    tiles: FwdTiles = recipe.fwd_tiles(head_dim)
+    consts = dict(HEAD_DIM=head_dim, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, QB=QUANT_BLOCK, CAUSAL=causal,
+                  P_SCALE=float(2 ** recipe.p_scale_log2), TMA=tiles.tma, DEBUG=bool(debug), INTERPRET=interpreting())
+    return consts, dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages, **register_cap(tiles.maxnreg))
+
+
 def forward(
     q8, k8, vt, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int,
     causal: bool, scale: float, recipe: KernelRecipe, debug: bool = False,
@@ -195,6 +205,7 @@ def forward(
     ``(B*H, N, N)`` uint8 (0 where masked).
     """
     tiles: FwdTiles = recipe.fwd_tiles(head_dim)
+    consts, options = launch(recipe, head_dim=head_dim, causal=causal, debug=debug)
     dev = q8.rows.device
     o = torch.empty((batch, heads, n, head_dim), device=dev, dtype=torch.bfloat16)
     lse2 = torch.empty((batch * heads, n), device=dev, dtype=torch.float32)
@@ -211,10 +222,7 @@ def forward(
         q8.rows, q8.row_scale, k_rows, k8.row_scale, v_cols, vt.col_scale,
         o, lse2, p_dump,
         scale * LOG2E, heads, heads // kv_heads, n, vt.npad,
-        HEAD_DIM=head_dim, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, QB=QUANT_BLOCK,
-        CAUSAL=causal, P_SCALE=float(2 ** recipe.p_scale_log2), TMA=tiles.tma, DEBUG=bool(debug),
-        INTERPRET=interpreting(), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **register_cap(tiles.maxnreg),
+        **consts, **options,
     )
     return o, lse2, (fp8_codes(p_dump) if debug else None)
 

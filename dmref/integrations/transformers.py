@@ -36,8 +36,10 @@ and is passed on as one (it gets no gradient, as in ``sdpa``).
 
 Dtypes: the emulation computes ``exact`` in float64 and every other recipe in float32 with the
 recipe's FP8/BF16 roundings (whatever the model's dtype, autocast switched off inside), and
-returns the query's dtype; the kernels take and return bfloat16 and refuse other dtypes (run
-the model in bfloat16 or under ``torch.autocast(dtype=torch.bfloat16)``).
+returns the query's dtype; the kernels take and return bfloat16: under
+``torch.autocast("cuda", dtype=torch.bfloat16)`` q, k and v are cast to it, as autocast casts them
+for torch's SDPA, and the output is bfloat16, as SDPA's is; other dtypes are refused (run the
+model in bfloat16 or under that autocast).
 
 Refused, with one line naming the model's setting: dropout > 0 (``config.attention_dropout`` in
 training), attention-logit softcapping, attention sinks, a learned position bias (it would get
@@ -127,13 +129,16 @@ def _record(call: AttentionCall, out: torch.Tensor) -> None:
         out.register_hook(keep)
 
 
-def layer_reports(calls: list[AttentionCall], *, batch: int | None = None,
-                  heads: int | None = None) -> list[tuple[int | None, diagnostics.Report]]:
+def layer_reports(calls: list[AttentionCall], *, batch: int | None = None, heads: int | None = None,
+                  accumulation: str | None = None) -> list[tuple[int | None, diagnostics.Report]]:
     """``dmref.diagnostics.evaluate`` on each recorded call that has its gradient: the row-sum
     residual of dS relative to sum_j |P_ij dP_ij| (and the Delta-Matching bound it is held to),
     dQ's error against float64 and its share along kbar, for the very q, k, v and dO of that
     layer. ``batch`` / ``heads``: look at the first so many sequences / key-value head groups
-    only (the diagnostics run the float64 reference). Returns ``[(layer, report), ...]``."""
+    only (the diagnostics run the float64 reference). ``accumulation``: evaluate the calls
+    dmref.kernels ran with their recipe's matmuls under this model (``"fp32"``: the emulated
+    Hopper accumulation is slow at long sequences; the quantization and the delta stay the
+    kernel's). Returns ``[(layer, report), ...]``."""
     out = []
     for c in calls:
         if c.dout is None:
@@ -146,7 +151,8 @@ def layer_reports(calls: list[AttentionCall], *, batch: int | None = None,
             groups = q.shape[1] // k.shape[1]
             q, do, k, v = q[:, :heads * groups], do[:, :heads * groups], k[:, :heads], v[:, :heads]
             mask = mask if mask is None or mask.dim() < 4 or mask.shape[1] == 1 else mask[:, :heads * groups]
-        report, _ = diagnostics.evaluate(q, k, v, do, c.recipe, causal=c.causal, scale=c.scale, mask=mask)
+        recipe = c.recipe.with_accumulation(accumulation) if accumulation and c.kernels else c.recipe
+        report, _ = diagnostics.evaluate(q, k, v, do, recipe, causal=c.causal, scale=c.scale, mask=mask)
         out.append((c.layer, report))
     return out
 
@@ -242,6 +248,10 @@ def _kernel_reference(recipe: str, head_dim: int) -> Recipe:
 def _kernels(name, module, query, key, value, mask, causal, scale, recipe, kwargs) -> torch.Tensor:
     from ..kernels import attention as kernel_attention
 
+    if query.dtype != torch.bfloat16 and torch.is_autocast_enabled("cuda") \
+            and torch.get_autocast_dtype("cuda") == torch.bfloat16:
+        # what autocast does to torch's SDPA: q, k, v in the autocast dtype, the output in it too
+        query, key, value = (t.to(torch.bfloat16) for t in (query, key, value))
     if query.dtype != torch.bfloat16:
         raise TypeError(f"{name}: dmref.kernels take bfloat16; the model runs attention in {query.dtype} "
                         "(load it with dtype=torch.bfloat16 or run it under torch.autocast(dtype=torch.bfloat16))")

@@ -228,15 +228,15 @@ def test_kernels_refuse_what_they_do_not_implement_before_they_run(dtype, mask, 
 
 
 @pytest.mark.gpu
-def test_kernels_run_a_bfloat16_llama_with_delta_matching_within_the_bound():
+def test_kernels_run_a_llama_under_bfloat16_autocast_with_delta_matching_within_the_bound():
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+    model = transformers.LlamaForCausalLM(cfg).to("cuda")
     model.set_attn_implementation("dmref:delta_matching")
     ids = torch.randint(0, VOCAB, (2, 300), device="cuda")
-    with dmt.record() as calls:
+    with dmt.record() as calls, torch.autocast("cuda", dtype=torch.bfloat16):
         model(input_ids=ids, labels=ids).loss.backward()
-    assert all(c.kernels for c in calls)
-    for layer, r in dmt.layer_reports(calls, batch=1, heads=1):
+    assert all(c.kernels and c.out.dtype == torch.bfloat16 for c in calls) and len(calls) == 2
+    for layer, r in dmt.layer_reports(calls, batch=1, heads=1, accumulation="fp32"):
         assert r.rowsum_over_bound_max <= 1, (layer, r)

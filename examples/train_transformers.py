@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # many small ops on a shared CPU
@@ -145,6 +146,7 @@ def plot(results, a, path):
     fig.text(0.5, 0.01, f"Training loss, mean of the last 50 steps: {final}.", ha="center", fontsize=9)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None):
@@ -161,7 +163,9 @@ def main(argv=None):
         if getattr(a, name) is None:
             setattr(a, name, value)
     if a.pairs > a.keys or a.queries > a.pairs:
-        ap.error(f"need --queries {a.queries} <= --pairs {a.pairs} <= --keys {a.keys} (distinct keys per sequence)")
+        print(f"train_transformers.py: need --queries {a.queries} <= --pairs {a.pairs} <= --keys {a.keys} "
+              "(distinct keys in a sequence)", file=sys.stderr)
+        raise SystemExit(2)
     device = torch.device(a.device)
     print(f"uniform guess: loss {math.log(a.values):.3f}, accuracy {1 / a.values:.3f}")
     results = {b: train(b, a, device) for b in a.backends}

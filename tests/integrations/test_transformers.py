@@ -10,8 +10,11 @@ so that ``scaling`` matters).
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -225,6 +228,39 @@ def test_kernels_refuse_what_they_do_not_implement_before_they_run(dtype, mask, 
     with pytest.raises((TypeError, ValueError), match=named):
         dmt._kernels("dmref:delta_matching", module, q, q, q, mask, False, 0.125, "delta_matching",
                      {"sliding_window": window})
+
+
+def _example():
+    path = Path(__file__).resolve().parents[2] / "examples" / "train_transformers.py"
+    spec = importlib.util.spec_from_file_location("train_transformers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TINY = ["--steps", "3", "--diag-every", "3", "--pairs", "8", "--queries", "4", "--keys", "8", "--hidden", "32",
+        "--batch", "4"]
+
+
+def test_example_trains_each_backend_and_writes_the_residual_per_layer(tmp_path):
+    _example().main(TINY + ["--out", str(tmp_path)])
+    data = json.loads((tmp_path / "train_transformers.json").read_text())
+    assert (tmp_path / "train_transformers.png").stat().st_size > 0
+    curves, final = data["curves"], data["final"]
+    assert list(final) == ["dmref", "dmref:naive_fp8", "dmref:delta_matching"]
+    # the same weights and first batch: only attention's rounding separates the first losses
+    assert curves["dmref"]["loss"][0] != curves["dmref:naive_fp8"]["loss"][0]
+    for d in curves["dmref:naive_fp8"]["layers"][-1]:
+        assert d["rowsum_residual_mean"] > d["rowsum_bound_max"]
+    for d in curves["dmref:delta_matching"]["layers"][-1]:
+        assert d["rowsum_over_bound_max"] <= 1
+
+
+def test_example_rejects_more_pairs_than_keys_in_one_line(capsys):
+    with pytest.raises(SystemExit) as info:
+        _example().main(["--pairs", "9", "--keys", "8"])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and len(err.splitlines()) == 1 and "--pairs 9" in err
 
 
 @pytest.mark.gpu

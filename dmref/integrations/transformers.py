@@ -225,6 +225,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise TypeError(f"{name}: attention_mask must be a 4-D tensor or None (the sdpa mask), got "
                         f"{type(mask).__name__}")
 
+    if kernel_recipe and query.shape[-1] not in (64, 128):
+        raise ValueError(f"{name}: the kernels' recipes are defined for head dims 64 and 128; the model has "
+                         f"head_dim={query.shape[-1]}")
     use_kernels = recipe in _KERNEL_RECIPES and _hopper(query)
     if use_kernels:
         out = _kernels(name, module, query, key, value, mask, causal, scale, recipe, kwargs)

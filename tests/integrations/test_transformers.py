@@ -176,6 +176,27 @@ def test_fp8_recipe_row_sum_residual_per_layer(recipe):
                 assert r.rowsum_over_bound_max <= 1, where
 
 
+@pytest.mark.parametrize("name", ["delta_matching", "naive_fp8"])
+def test_kernels_recipe_name_emulates_the_kernels_reference_off_hopper(name):
+    from dmref.kernels import RECIPES
+
+    model, batch = build("llama")
+    model.set_attn_implementation(f"dmref:kernels:{name}")
+    with pytest.raises(ValueError, match="head_dim=16"):
+        model(**batch)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                   attn_implementation=f"dmref:kernels:{name}")
+    with dmt.record() as calls:
+        transformers.LlamaForCausalLM(cfg)(**batch).loss.backward()
+    head_dim = calls[0].q.shape[-1]
+    assert all(c.recipe == RECIPES[name].reference_recipe(head_dim) and not c.kernels for c in calls)
+    for layer, r in dmt.layer_reports(calls):
+        within = r.rowsum_over_bound_max <= 1
+        assert within if name == "delta_matching" else not within, (layer, r.rowsum_over_bound_max)
+
+
 def test_bfloat16_model_gets_bfloat16_from_the_float32_emulation():
     model, batch = build("qwen2", torch.bfloat16)
     model.set_attn_implementation("dmref:delta_matching")
@@ -261,6 +282,16 @@ def test_example_rejects_more_pairs_than_keys_in_one_line(capsys):
         _example().main(["--pairs", "9", "--keys", "8"])
     err = capsys.readouterr().err.strip()
     assert info.value.code == 2 and len(err.splitlines()) == 1 and "--pairs 9" in err
+
+
+@pytest.mark.parametrize("mask", [torch.ones(4, 4, dtype=torch.bool).tril().expand(1, 1, 4, 4),
+                                  torch.ones(1, 1, 4, 4, dtype=torch.bool)])
+def test_kernels_take_a_causal_or_full_boolean_mask_as_their_causal_flag(mask):
+    """Such a mask reaches the kernel launch (which, on a machine without a Hopper GPU, says so)."""
+    q = torch.zeros(1, 2, 4, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="CUDA GPU of compute capability"):
+        dmt._kernels("dmref:delta_matching", SimpleNamespace(layer_idx=0), q, q, q, mask, False, 0.125,
+                     "delta_matching", {})
 
 
 @pytest.mark.gpu

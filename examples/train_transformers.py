@@ -23,6 +23,7 @@ import sys
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # many small ops on a shared CPU
+os.environ.setdefault("MPLBACKEND", "Agg")  # write the PNG, open no window
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -114,9 +115,7 @@ def smooth(xs, k=20):
 
 
 def plot(results, a, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # the Agg backend: MPLBACKEND, set above
     fig, (ax_loss, ax_rs) = plt.subplots(1, 2, figsize=(13, 5.4))
     colors, widths = ("tab:gray", "tab:red", "tab:blue", "tab:green"), (3.5, 2.2, 1.0, 1.0)
     for (backend, c), color, lw in zip(results.items(), colors, widths):
@@ -159,9 +158,7 @@ def main(argv=None):
         if name != "backends":
             ap.add_argument(f"--{name.replace('_', '-')}", type=type(value), help=f"CPU default {value}")
     a = ap.parse_args(argv)
-    for name, value in SIZES[a.device].items():
-        if getattr(a, name) is None:
-            setattr(a, name, value)
+    vars(a).update({name: value for name, value in SIZES[a.device].items() if getattr(a, name) is None})
     if a.pairs > a.keys or a.queries > a.pairs:
         print(f"train_transformers.py: need --queries {a.queries} <= --pairs {a.pairs} <= --keys {a.keys} "
               "(distinct keys in a sequence)", file=sys.stderr)

@@ -230,6 +230,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                          f"head_dim={query.shape[-1]}")
     use_kernels = recipe in _KERNEL_RECIPES and _hopper(query)
     if use_kernels:
+        if query.dtype != torch.bfloat16 and torch.is_autocast_enabled("cuda") \
+                and torch.get_autocast_dtype("cuda") == torch.bfloat16:
+            # what autocast does to torch's SDPA: q, k, v in the autocast dtype, the output in it too
+            query, key, value = (t.to(torch.bfloat16) for t in (query, key, value))
         out = _kernels(name, module, query, key, value, mask, causal, scale, recipe, kwargs)
         run = _kernel_reference(recipe, query.shape[-1])
     else:
@@ -249,12 +253,8 @@ def _kernel_reference(recipe: str, head_dim: int) -> Recipe:
 
 
 def _kernels(name, module, query, key, value, mask, causal, scale, recipe, kwargs) -> torch.Tensor:
-    from ..kernels import attention as kernel_attention
+    from .. import kernels
 
-    if query.dtype != torch.bfloat16 and torch.is_autocast_enabled("cuda") \
-            and torch.get_autocast_dtype("cuda") == torch.bfloat16:
-        # what autocast does to torch's SDPA: q, k, v in the autocast dtype, the output in it too
-        query, key, value = (t.to(torch.bfloat16) for t in (query, key, value))
     if query.dtype != torch.bfloat16:
         raise TypeError(f"{name}: dmref.kernels take bfloat16; the model runs attention in {query.dtype} "
                         "(load it with dtype=torch.bfloat16 or run it under torch.autocast(dtype=torch.bfloat16))")
@@ -273,8 +273,8 @@ def _kernels(name, module, query, key, value, mask, causal, scale, recipe, kwarg
             raise ValueError(f"{name}: dmref.kernels implement causal and full attention only; the model "
                              f"passed {what} (emulate it on the CPU, or pass no attention_mask)")
         causal = pattern
-    return kernel_attention(query.contiguous(), key.contiguous(), value.contiguous(), causal=causal,
-                            scale=scale, recipe=recipe)
+    return kernels.attention(query.contiguous(), key.contiguous(), value.contiguous(), causal=causal,
+                             scale=scale, recipe=recipe)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -299,6 +299,35 @@ def test_kernels_take_a_causal_or_full_boolean_mask_as_their_causal_flag(monkeyp
     assert launched == dict(causal=causal, scale=0.125, recipe="delta_matching")
 
 
+def test_kernel_path_in_a_bfloat16_llama_with_a_stand_in_kernel(monkeypatch):
+    """The Hopper path through a whole model, with the launch replaced by the emulated reference of
+    the kernel's recipe: the causal mask arrives as None and becomes the causal flag, the calls are
+    recorded as the kernels', and layer_reports reads them under float32 accumulation."""
+    import dmref.kernels
+    from dmref import attention as emulated
+
+    launched = []
+
+    def stand_in(q, k, v, *, causal, scale, recipe):
+        launched.append(causal)
+        reference = dmref.kernels.RECIPES[recipe].reference_recipe(q.shape[-1], accumulation="fp32")
+        return emulated(q, k, v, causal=causal, scale=scale, recipe=reference)
+
+    monkeypatch.setattr(dmt, "_hopper", lambda t: True)
+    monkeypatch.setattr(dmref.kernels, "attention", stand_in)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                   attn_implementation="dmref:delta_matching")
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    ids = build("qwen2")[1]["input_ids"]
+    with dmt.record() as calls:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert launched == [True, True] and all(c.kernels and c.out.dtype == torch.bfloat16 for c in calls)
+    for layer, r in dmt.layer_reports(calls, accumulation="fp32"):
+        assert r.recipe.endswith("@fp32") and r.rowsum_over_bound_max <= 1, (layer, r)
+
+
 @pytest.mark.gpu
 def test_kernels_run_a_llama_under_bfloat16_autocast_with_delta_matching_within_the_bound():
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,

@@ -51,6 +51,16 @@ def qwen2():
 MODELS = {"llama": llama, "qwen2": qwen2}
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread: on a shared CPU, two threads meeting at barriers make these small ops
+    several times slower (as in tests/test_examples.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def build(family: str, dtype=torch.float32):
     torch.manual_seed(0)
     model = MODELS[family]().to(dtype)
@@ -185,7 +195,7 @@ def test_kernels_recipe_name_emulates_the_kernels_reference_off_hopper(name):
     with pytest.raises(ValueError, match="head_dim=16"):
         model(**batch)
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
                                    attn_implementation=f"dmref:kernels:{name}")
     with dmt.record() as calls:
@@ -259,8 +269,8 @@ def _example():
     return module
 
 
-TINY = ["--steps", "3", "--diag-every", "3", "--pairs", "8", "--queries", "4", "--keys", "8", "--hidden", "32",
-        "--batch", "4"]
+TINY = ["--steps", "2", "--diag-every", "2", "--pairs", "8", "--queries", "4", "--keys", "8", "--hidden", "16",
+        "--batch", "2"]
 
 
 def test_example_trains_each_backend_and_writes_the_residual_per_layer(tmp_path):

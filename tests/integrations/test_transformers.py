@@ -24,7 +24,6 @@ transformers = pytest.importorskip("transformers", reason="needs the extra: pip 
 
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
-import dmref.integrations.transformers as dmt  # noqa: E402
 from dmref import tiled  # noqa: E402
 from dmref.diagnostics import U_FP32, U_FP64, attention_error_bound  # noqa: E402
 from dmref.testing import assert_within_bound  # noqa: E402
@@ -49,6 +48,20 @@ def qwen2():
 
 
 MODELS = {"llama": llama, "qwen2": qwen2}
+
+dmt = None  #: dmref.integrations.transformers, imported by the fixture below
+
+
+@pytest.fixture(autouse=True, scope="module")
+def integration():
+    """Import (and so register) the integration when the tests run, not when pytest collects this
+    file: it imports triton (through transformers' modeling_utils), and tests/kernels' conftest,
+    collected after this file, has to switch Triton's interpreter on before triton is imported."""
+    global dmt
+    import dmref.integrations.transformers as module
+
+    dmt = module
+    return module
 
 
 @pytest.fixture(autouse=True, scope="module")

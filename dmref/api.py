@@ -2,7 +2,9 @@
 
 The forward and the backward are those of :mod:`dmref.tiled` for the given recipe, so a small
 model can be trained with the exact numerics a recipe describes (on CPU or CUDA: everything is
-torch code). Gradients are returned in the dtype of each input.
+torch code). Gradients are returned in the dtype of each input. Autocast is switched off
+inside (forward and backward): under ``torch.autocast`` the recipe's float32 matmuls would
+otherwise run in the autocast dtype, and the numbers would no longer be the recipe's.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ __all__ = ["attention"]
 class _EmulatedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, causal, scale, recipe):
-        fwd = tiled.forward(q, k, v, recipe=recipe, causal=causal, scale=scale, mask=mask)
+        with torch.autocast(q.device.type, enabled=False):
+            fwd = tiled.forward(q, k, v, recipe=recipe, causal=causal, scale=scale, mask=mask)
         ctx.save_for_backward(q, k, v, fwd.out, fwd.stats.ref, fwd.stats.l, fwd.stats.lse2, mask)
         ctx.causal, ctx.scale, ctx.recipe = causal, scale, recipe
         return fwd.out.to(q.dtype)
@@ -28,8 +31,9 @@ class _EmulatedAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, ref, l, lse2, mask = ctx.saved_tensors
         fwd = tiled.ForwardResult(out, tiled.SoftmaxStats(ref, l, lse2))
-        bwd = tiled.backward(q, k, v, fwd, dout.contiguous(), recipe=ctx.recipe, causal=ctx.causal,
-                             scale=ctx.scale, mask=mask)
+        with torch.autocast(q.device.type, enabled=False):
+            bwd = tiled.backward(q, k, v, fwd, dout.contiguous(), recipe=ctx.recipe, causal=ctx.causal,
+                                 scale=ctx.scale, mask=mask)
         return bwd.dq.to(q.dtype), bwd.dk.to(k.dtype), bwd.dv.to(v.dtype), None, None, None, None
 
 

@@ -31,6 +31,21 @@ def test_attention_gradients_are_the_recipes_backward(recipe, dtype):
         assert torch.equal(leaf.grad, grad.to(dtype))
 
 
+def test_autocast_does_not_change_the_recipes_numbers():
+    """Under torch.autocast the recipe's float32 matmuls would run in BF16; dmref.attention
+    switches autocast off inside, forward and backward, so the numbers are the same codes."""
+    q, k, v, dout = make_inputs(_SHAPE, 2, dtype=torch.float32)
+    runs = []
+    for autocast in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = dmref.attention(*leaves, causal=True, recipe="delta_matching")
+            out.backward(dout)
+        runs.append([out, *(t.grad for t in leaves)])
+    for plain, autocast in zip(*runs):
+        assert plain.dtype == autocast.dtype == torch.float32 and torch.equal(plain, autocast)
+
+
 def test_exact_recipe_matches_the_reference_within_float64_bound():
     q, k, v, dout = make_inputs(_SHAPE, 1)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]

@@ -64,8 +64,14 @@ from ..recipes import PRESETS, Recipe, get_recipe
 
 __all__ = ["AttentionCall", "NAMES", "attention_forward", "layer_reports", "record", "register"]
 
-#: The kernels' recipes by name (dmref.kernels.RECIPES; importing dmref.kernels needs no triton).
-_KERNEL_RECIPES = ("delta_matching", "naive_fp8")
+def _kernel_recipes() -> tuple[str, ...]:
+    """The kernels' recipes by name (``dmref.kernels.RECIPES``; its config imports no triton)."""
+    from ..kernels.config import RECIPES
+
+    return tuple(RECIPES)
+
+
+_KERNEL_RECIPES = _kernel_recipes()
 
 
 def _names() -> dict[str, tuple[str, bool]]:

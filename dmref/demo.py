@@ -36,9 +36,6 @@ JSON_KEYS = (
     "recipe", "rowsum_residual_max", "rowsum_residual_mean", "rowsum_residual_after_quant_max",
     "dq_rel_err", "dk_rel_err", "dv_rel_err", "out_rel_err", "dq_rounding_level",
 )
-#: Keys every object carries whose value is a float or null: ``dq_bias_fraction`` is null where
-#: dQ's error is at the float64 reference's own rounding level (:func:`dq_rounding_level`).
-JSON_NULLABLE_KEYS = ("dq_bias_fraction",)
 #: Recipes averaged by :func:`accumulate` by default: two stale FP8 presets and Delta-Matching.
 #: naive_fp8 (Delta-Matching's quantization with a stale delta) is left out to keep the demo near
 #: half a minute of CPU (DemoConfig.accum_recipes adds it back).

@@ -16,6 +16,8 @@ import functools
 import math
 from dataclasses import dataclass
 
+import torch
+
 
 class Rounding(enum.Enum):
     """How a value between two neighbouring representable numbers is rounded."""
@@ -195,6 +197,13 @@ class Format:
     @functools.cached_property
     def nan_codes(self) -> frozenset[int]:
         return frozenset(c for c in range(self.n_codes) if math.isnan(self.value(c)))
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        """The torch dtype of the same name (``torch.float8_e4m3fn`` ...), None where this torch
+        has none. The one map from a format to a torch dtype; :func:`get_format` maps back."""
+        dtype = getattr(torch, self.name, None)
+        return dtype if isinstance(dtype, torch.dtype) else None
 
     @property
     def code_dtype_bits(self) -> int:

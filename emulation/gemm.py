@@ -107,7 +107,7 @@ class WgmmaRules:
             raise ValueError(f"result_bits={self.result_bits} must be in 1..24")
 
 
-#: The Hopper (sm_90) FP8 wgmma, as measured on an H200 (DESIGN.md section 4, docs/gemm.md).
+#: The Hopper (sm_90) FP8 wgmma, as measured on an H200 (docs/gemm.md).
 HOPPER = WgmmaRules()
 
 

@@ -4,7 +4,7 @@ double-rounding census.
 Used by the slow tests (tests/emulation/test_exhaustive.py) and by the script
 benchmarks/exhaustive_casts.py, which prints the counts and the time taken.
 
-The comparisons and what each is expected to show (DESIGN.md section 4b; docs/casts.md):
+The comparisons and what each is expected to show (docs/casts.md):
 
 ==========================  ==============================  ====================================
 ours                        library                         documented disagreement

@@ -272,7 +272,7 @@ def fp32_backward(q, k, v, do, *, tau: float | None = None, causal: bool = False
 def _fp8_forward_output(p: torch.Tensor, v: torch.Tensor, fmt_v, block: int) -> torch.Tensor:
     """O of an FP8 forward for the stale strategies: P quantized to e4m3 against a 2**8 offset
     (FA3 style), V blocked along the sequence (the PV contraction dim), and the normalizer left
-    unquantized (so the effective weights do not sum to 1: DESIGN.md sources 2-4)."""
+    unquantized (so the effective weights do not sum to 1: sources 2-4 of stale_delta.md)."""
     p_q = quantize(p * 256.0, FLOAT8_E4M3FN, saturate=True) / 256.0
     v_seq, _ = pow2_block_quantize(v.transpose(-1, -2), fmt_v, block)
     return p_q @ v_seq.transpose(-1, -2)

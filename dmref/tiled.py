@@ -54,7 +54,7 @@ _NEG_INF = float("-inf")
 
 
 # ==============================================================================================
-# Quantization: the one place that calls dmref.emulation
+# Quantization: every cast, through dmref.emulation
 # ==============================================================================================
 
 def _block(granularity: Granularity, contract_dim: int) -> Block:

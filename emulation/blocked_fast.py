@@ -19,7 +19,11 @@ work is laid out:
   is a normal float32; where it underflows (|x / s| < 2**-126) the exact quotient lies below half
   the target's smallest subnormal, so both round to a zero of x's sign; where it overflows to
   +-inf, nearest-even gives inf the code it gives every finite value past the overflow
-  threshold, with either saturation; every other quotient is the specification's own;
+  threshold, with either saturation;
+- for a power-of-two scale and float64 input, the plain float64 quotient when it encodes as the
+  exact one (``_rounds_like_the_exact_quotient``: no nonzero quotient became zero, none
+  overflowed), else the specification's round-to-odd one;
+  every other quotient is the specification's own;
 - decoding gathers from a table of :func:`~dmref.emulation.decode` over all codes, two 8-bit
   codes per gather on the CPU, with a power-of-two scale folded into the table (FIXED); on CUDA
   torch's own widening of :attr:`Format.torch_dtype` (exact).
@@ -153,11 +157,31 @@ def _codes_in_blocks(x: torch.Tensor, fmt: Format, block, scale_rule, margin, ro
     elif (rule.is_pow2 and rounding is Rounding.NEAREST_EVEN and fmt.min_subnormal >= _FLOAT32_ROUTE_MIN_SUBNORMAL
           and x.dtype != torch.float64):
         y = _quotient(xb.to(torch.float32), s, wide_input=False)  # see the module docstring
+    elif rule.is_pow2 and x.dtype == torch.float64:
+        y = _quotient(xb, s.to(torch.float64), wide_input=False)
+        if not _rounds_like_the_exact_quotient(xb, y, a, s.to(torch.float64), rule, margin):
+            y = _quotient(xb, s.to(torch.float64), wide_input=True)
     else:
         y = _quotient(xb.to(torch.float64), s.to(torch.float64), wide_input=x.dtype == torch.float64)
     codes = encode(y, fmt, rounding=rounding, saturate=saturate)
     stored = stored.reshape(scale_shape) if blocked else stored.expand(scale_shape)
     return codes, s, stored, blocked
+
+
+def _rounds_like_the_exact_quotient(x: torch.Tensor, y: torch.Tensor, amax: torch.Tensor, s: torch.Tensor,
+                                     rule: ScaleRule, margin: int) -> bool:
+    """Whether the float64 quotients y = x / s (s a power of two) encode as the exact ones: a
+    quotient is exact unless it leaves the float64 normal range, and one below it (inexact, or
+    zero below 2**-1075) rounds like the exact one, in every format and mode, as long as it keeps
+    its sign and stays nonzero (every format's smallest subnormal is above 2**-150); one past it
+    must not become inf."""
+    if torch.count_nonzero(y) != torch.count_nonzero(x):  # a nonzero x / s became zero
+        return False
+    if rule is ScaleRule.FIXED:  # s = 2^margin: only a margin below 0 can overflow
+        return margin >= 0 or bool(torch.isinf(y).sum() == torch.isinf(x).sum())
+    # a block's largest quotient is amax / s (a non-finite amax makes the whole block's s NaN)
+    largest = amax.to(torch.float64) / s
+    return not bool((torch.isinf(largest) & torch.isfinite(amax)).any())
 
 
 def quantize_blocked_fast(x: torch.Tensor, fmt: Format | str, *, block: Block | str,

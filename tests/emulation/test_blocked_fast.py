@@ -95,19 +95,21 @@ def test_fast_quantizer_gives_the_specification_codes_and_scales(x, fmt, rule, b
     assert _same_values(values, dequantize_blocked(want_codes, want_scales, fmt, block=block).to(torch.float32))
 
 
-@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2", "float16"])
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2", "float16", "bfloat16"])
 @pytest.mark.parametrize("saturate", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_float32_quotient_past_the_float32_range_gives_the_specification_codes(fmt, saturate, dtype):
-    """The float32 route's two edges: x / s overflowing to +-inf (FIXED scale 2^-127 of the
-    largest inputs) and underflowing below 2^-126 (scale 2^127 of the smallest)."""
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_quotient_past_the_input_dtype_range_gives_the_specification_codes(fmt, saturate, rounding, dtype):
+    """The plain quotients' edges: x / s overflowing to +-inf (FIXED scale 2^-127 of the largest
+    inputs) and underflowing below the dtype's normal range (scale 2^127 of the smallest, its
+    subnormals included), in every rounding mode (nearest-even takes the float32 route)."""
     info = torch.finfo(dtype)
     big = torch.tensor([[info.max, -info.max, info.max / 3, 1.0, -0.0]], dtype=dtype)
-    tiny = torch.tensor([[info.smallest_normal, -info.smallest_normal, 2 * info.smallest_normal, 0.0, 1.0]],
-                        dtype=dtype)
+    tiny = torch.tensor([[info.smallest_normal, -info.smallest_normal, info.smallest_normal * info.eps,
+                          -info.smallest_normal * info.eps, 0.0, 1.0]], dtype=dtype)
     for x, margin in ((big, -127), (tiny, 127), (tiny, 120)):
         for rule in (ScaleRule.FIXED, ScaleRule.POW2_DOWN):
-            kw = dict(block="tensor", scale_rule=rule, margin=margin, saturate=saturate)
+            kw = dict(block="tensor", scale_rule=rule, margin=margin, rounding=rounding, saturate=saturate)
             want = quantize_blocked(x, fmt, **kw)
             got = quantize_blocked_fast(x, fmt, **kw)
             assert torch.equal(got[0], want[0]) and torch.equal(_bits(got[1]), _bits(want[1]))

@@ -23,7 +23,7 @@ work is laid out:
 - for a power-of-two scale and float64 input, the plain float64 quotient when it encodes as the
   exact one (``_rounds_like_the_exact_quotient``: no nonzero quotient became zero, none
   overflowed), else the specification's round-to-odd one;
-  every other quotient is the specification's own;
+- every other quotient is the specification's own;
 - decoding gathers from a table of :func:`~dmref.emulation.decode` over all codes, two 8-bit
   codes per gather on the CPU, with a power-of-two scale folded into the table (FIXED); on CUDA
   torch's own widening of :attr:`Format.torch_dtype` (exact).
@@ -51,6 +51,7 @@ __all__ = ["abs_amax", "fake_quantize_blocked", "quantize_blocked_fast"]
 #: The float32 quotient serves targets whose smallest subnormal is at least this: an exact
 #: quotient below the float32 normal range (2**-126) then lies below half of it.
 _FLOAT32_ROUTE_MIN_SUBNORMAL = 2.0**-125
+_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -131,9 +132,9 @@ def _codes_in_blocks(x: torch.Tensor, fmt: Format, block, scale_rule, margin, ro
     if rounding is Rounding.STOCHASTIC:
         raise NotImplementedError("the fast blocked quantizer has no stochastic rounding (random bits per "
                                   "element); dmref.emulation.quantize_blocked takes rbits")
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+    if not isinstance(x, torch.Tensor) or x.dtype not in _INPUT_DTYPES:
         kind = f"a tensor of {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
-        raise TypeError(f"x must be a float torch tensor, got {kind}")
+        raise TypeError(f"x must be a float16, bfloat16, float32 or float64 torch tensor, got {kind}")
     scale_shape = block.scale_shape(tuple(x.shape))  # raises for too few dims
     # one scale for all blocks (FIXED) or one block: no blocked layout needed
     blocked = rule.is_dynamic and not block.spans_batch and x.numel() > 0

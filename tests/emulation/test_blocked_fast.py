@@ -137,10 +137,11 @@ def test_fast_quantizer_refuses_what_it_does_not_do():
     x = torch.ones(4, 4)
     with pytest.raises(NotImplementedError, match="stochastic"):
         quantize_blocked_fast(x, "e4m3", block="row", scale_rule="pow2_down", rounding="stochastic")
-    with pytest.raises(TypeError, match="float torch tensor"):
+    with pytest.raises(TypeError, match="float64 torch tensor"):
         quantize_blocked_fast(np.ones((4, 4)), "e4m3", block="row", scale_rule="pow2_down")
-    with pytest.raises(TypeError, match="float torch tensor"):
-        quantize_blocked_fast(torch.ones(4, 4, dtype=torch.int32), "e4m3", block="row", scale_rule="pow2_down")
+    for dtype in (torch.int32, torch.float8_e4m3fn):
+        with pytest.raises(TypeError, match="float64 torch tensor"):
+            quantize_blocked_fast(torch.ones(4, 4).to(dtype), "e4m3", block="row", scale_rule="pow2_down")
     with pytest.raises(ValueError, match="shape of the scales"):
         quantize_blocked_fast(x, "e4m3", block="row", scale_rule="pow2_down", amax=torch.ones(4))
     with pytest.raises(ValueError, match="scale format"):

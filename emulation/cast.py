@@ -365,7 +365,7 @@ def _encode_lut(x: np.ndarray, fmt: Format, rounding: Rounding, saturate: bool,
 #: 8-bit formats torch can cast float32 to itself. Whether that cast is the specification
 #: (nearest-even) for a saturation setting depends on the torch version and device: torch 2.13's
 #: CPU cast to e4m3fn saturates (proven on all 2**32 float32 inputs by the slow sweep), torch
-#: 2.11's maps overflow past 464 to NaN (found on the H200, 2026-11-29). So the native route is
+#: 2.11's on the H200 maps overflow past 464 to NaN. So the native route is
 #: taken only where :func:`_torch_native_is_spec` finds it equal to the specification.
 _TORCH_NATIVE = frozenset({"float8_e4m3fn", "float8_e5m2"})
 

@@ -76,7 +76,7 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32))
 
 
-@settings(max_examples=200)
+@settings(max_examples=100)
 @given(x=inputs(), fmt=st.sampled_from(ELEMENT_FORMATS), rule=st.sampled_from(list(ScaleRule)),
        block=st.sampled_from(BLOCKS), margin=st.sampled_from(MARGINS), rounding=st.sampled_from(ROUNDINGS),
        saturate=st.booleans())

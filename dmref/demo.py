@@ -10,7 +10,7 @@ over sequence lengths, and it measures whether dQ's error averages away (:func:`
 
 Why the last part: in one step the stale-delta recipes and Delta-Matching have dQ errors of the
 same size (about 1e-1, FP8 rounding). What differs is their kind. A stale delta adds
--scale * delta_i * kbar_i to dQ (DESIGN.md section 1); where delta_i keeps its sign from step to
+-scale * delta_i * kbar_i to dQ (proofs/stale_delta.md, Proposition 2); where delta_i keeps its sign from step to
 step this is a bias, and a bias survives averaging over many training steps, while rounding
 noise averages away like 1/sqrt(T). :func:`accumulate` therefore averages dQ's error over T
 independent roundings of one problem and reports the relative error of that average against T.
@@ -36,9 +36,6 @@ JSON_KEYS = (
     "recipe", "rowsum_residual_max", "rowsum_residual_mean", "rowsum_residual_after_quant_max",
     "dq_rel_err", "dk_rel_err", "dv_rel_err", "out_rel_err", "dq_rounding_level",
 )
-#: Keys every object carries whose value is a float or null: ``dq_bias_fraction`` is null where
-#: dQ's error is at the float64 reference's own rounding level (:func:`dq_rounding_level`).
-JSON_NULLABLE_KEYS = ("dq_bias_fraction",)
 #: Recipes averaged by :func:`accumulate` by default: two stale FP8 presets and Delta-Matching.
 #: naive_fp8 (Delta-Matching's quantization with a stale delta) is left out to keep the demo near
 #: half a minute of CPU (DemoConfig.accum_recipes adds it back).

@@ -17,7 +17,7 @@ The seven matmuls and their quantization points (field names in brackets)::
 
 Scale granularities are stated relative to the contraction of the matmul the operand enters
 (see :class:`Granularity`), so "V blocked along the sequence in the forward and along the head dim
-in the backward" (DESIGN.md source 4) is simply ``v`` and ``v_dp`` with the same granularity.
+in the backward" (source 4 of proofs/stale_delta.md) is simply ``v`` and ``v_dp`` with the same granularity.
 
 The vocabulary is the emulation's (:mod:`dmref.emulation`): a point's format is a
 :class:`~dmref.emulation.Format`, its scale rule a :class:`~dmref.emulation.ScaleRule`, its
@@ -464,7 +464,7 @@ CUDNN_FP8 = Recipe(
     tiles=Tiles(block_q=128, block_k=256),
 )
 
-# cuDNN MXFP8 backward (cuDNN >= 9.21) as DESIGN.md describes it: MX-32 blocks everywhere
+# cuDNN MXFP8 backward (cuDNN >= 9.21): MX-32 blocks everywhere
 # (E8M0 scales rounded up, NVIDIA's rule), E4M3 forward, E5M2 gradients, D from BF16 dO and the
 # BF16 output, P * 256 against the running max in the forward and P * 16 against LSE in the
 # backward (which side uses which grid is not public; the mismatch is the point).

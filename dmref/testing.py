@@ -56,7 +56,7 @@ def _codes(x, fmt) -> torch.Tensor:
     if isinstance(x, torch.Tensor) and x.dtype in (torch.uint8, torch.int16, torch.uint16):
         return x.to(torch.int32) & ((1 << fmt.bits) - 1)
     t = torch.as_tensor(x)
-    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if t.dtype == fmt.torch_dtype:  # a torch FP8 tensor of this format holds its codes
         return t.view(torch.uint8).to(torch.int32)
     codes = emulation.encode(t.to(torch.float64) if t.dtype != torch.float64 else t, fmt)
     back = emulation.decode(codes, fmt).to(torch.float64)

@@ -33,17 +33,15 @@ bad value turns the whole operand NaN, as on the hardware.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import emulation
-from .emulation import FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT8_E8M0FNU, Accumulation, MatmulModel, Rounding
-from .emulation.blocked import Block, dequantize_blocked, quantize_blocked, scales_from_amax
+from .emulation import FLOAT8_E8M0FNU, Accumulation, MatmulModel, decode
+from .emulation.blocked import Block, block_amax, scales_from_amax
+from .emulation.blocked_fast import abs_amax, fake_quantize_blocked
 from .emulation.constants import LN2, LOG2E
 from .recipes import (DeltaKind, DeltaStrategy, Granularity, Normalizer, PReference, QuantPoint, Recipe, ScaleRule,
                       get_recipe)
@@ -56,53 +54,8 @@ _NEG_INF = float("-inf")
 
 
 # ==============================================================================================
-# Quantization: the one place that calls dmref.emulation
+# Quantization: every cast, through dmref.emulation
 # ==============================================================================================
-
-@functools.lru_cache(maxsize=None)
-def _decode_table(fmt, scale: float = 1.0) -> np.ndarray:
-    """``emulation.decode`` of every code of ``fmt``, times ``scale`` (float32), as a table."""
-    dtype = torch.uint8 if fmt.bits <= 8 else torch.int16
-    codes = torch.arange(fmt.n_codes, dtype=torch.int32).to(dtype)
-    return (emulation.decode(codes, fmt) * scale).numpy()
-
-
-@functools.lru_cache(maxsize=None)
-def _decode_pair_table(fmt, scale: float = 1.0) -> np.ndarray:
-    """For 8-bit formats: the float32 pair (value of the low byte, value of the high byte) of
-    every uint16, as uint64, so that one gather decodes two codes (little-endian layout)."""
-    bits = _decode_table(fmt, scale).view(np.uint32).astype(np.uint64)
-    pairs = np.arange(1 << 16)
-    return bits[pairs & 0xFF] | (bits[pairs >> 8] << np.uint64(32))
-
-
-#: Formats whose codes torch widens to float32 itself (exact; used on CUDA).
-_TORCH_FP8 = {FLOAT8_E4M3FN: torch.float8_e4m3fn, FLOAT8_E5M2: torch.float8_e5m2}
-
-
-def _decode(codes: torch.Tensor, fmt, scale: float = 1.0) -> torch.Tensor:
-    """``emulation.decode(codes, fmt) * scale`` (one float32 multiply), faster: on the CPU a
-    gather from a table of ``emulation.decode`` over all codes, two 8-bit codes per gather
-    (torch's own uint8 -> float conversions run at ~5-10 ns per value on this CPU, numpy's
-    take at ~1); on CUDA torch's exact FP8 widening. tests/dmref/test_tiled_reference.py checks
-    both against ``emulation.decode`` on every code."""
-    if codes.device.type == "cpu":
-        out = torch.empty(codes.shape, dtype=torch.float32)
-        flat = codes.contiguous().numpy().reshape(-1)
-        dst = out.numpy().reshape(-1)
-        if flat.dtype == np.uint8 and flat.size % 2 == 0:
-            np.take(_decode_pair_table(fmt, scale), flat.view(np.uint16), out=dst.view(np.uint64), mode="clip")
-            return out
-        if flat.dtype == np.int16:
-            flat = flat.view(np.uint16)
-        np.take(_decode_table(fmt, scale), flat, out=dst, mode="clip")  # codes are in range
-        return out
-    if fmt in _TORCH_FP8:
-        values = codes.view(_TORCH_FP8[fmt]).to(torch.float32)
-    else:
-        values = emulation.decode(codes, fmt)
-    return values * scale if scale != 1.0 else values
-
 
 def _block(granularity: Granularity, contract_dim: int) -> Block:
     """The emulation's :class:`Block` of a granularity on an operand (..., rows, cols) whose
@@ -111,30 +64,13 @@ def _block(granularity: Granularity, contract_dim: int) -> Block:
     return block if contract_dim == -1 or block.spans_batch else block.t()
 
 
-def _blocked_view(x: torch.Tensor, block: Block):
-    """(view (..., Rb, br, Cb, bc) of the zero-padded x, (rows, cols)); zeros change no amax."""
-    rows, cols = x.shape[-2], x.shape[-1]
-    br, bc = block.extent(rows, cols)
-    rb, cb = -(-rows // br), -(-cols // bc)
-    if rb * br - rows or cb * bc - cols:
-        x = F.pad(x, (0, cb * bc - cols, 0, rb * br - rows))
-    return x.reshape(*x.shape[:-2], rb, br, cb, bc), (rows, cols)
-
-
-def _abs_amax(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
-    """max |x| over ``dim`` (all dims when None) without an |x| temporary; NaN propagates."""
-    if dim is None:
-        return torch.maximum(x.amax(), x.amin().neg())
-    return torch.maximum(x.amax(dim=dim, keepdim=keepdim), x.amin(dim=dim, keepdim=keepdim).neg())
-
-
 def group_amax(x: torch.Tensor, point: QuantPoint, *, contract_dim: int) -> torch.Tensor:
     """amax of each scale block of x under a TENSOR or ROW ``point`` (blocks that span key
     tiles): 0-d for TENSOR, (..., R, 1) or (..., 1, C) for ROW."""
     if point.granularity is Granularity.TENSOR:
-        return _abs_amax(x)
+        return abs_amax(x)
     if point.granularity is Granularity.ROW:
-        return _abs_amax(x, dim=contract_dim, keepdim=True)
+        return abs_amax(x, dim=contract_dim, keepdim=True)
     raise ValueError("group_amax is only needed for TENSOR and ROW granularity")
 
 
@@ -143,71 +79,24 @@ def _dynamic_pow2(rule: ScaleRule) -> bool:
     return rule.is_dynamic and rule.is_pow2
 
 
-def _scale_values(amax: torch.Tensor, fmt, rule: ScaleRule) -> torch.Tensor:
-    """The scales s of blocks with these amaxes (``emulation.scales_from_amax``), as float32
-    values (E8M0 scales decoded)."""
-    scales = scales_from_amax(amax, fmt, rule)
-    return _decode(scales, FLOAT8_E8M0FNU) if rule.is_e8m0 else scales
-
-
 def _quantize(x: torch.Tensor, point: QuantPoint, *, contract_dim: int, dtype: torch.dtype,
-              fixed_scale: float = 1.0, amax: torch.Tensor | None = None) -> torch.Tensor:
-    """s * Q(x / s): the operand the matmul sees, in ``dtype``. Every cast of dmref.tiled
-    happens here, through :mod:`dmref.emulation`.
+              fixed_log2: int = 0, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """s * Q(x / s): the operand the matmul sees, in ``dtype``: ``dequantize_blocked(
+    *quantize_blocked(x, ...))`` of the emulation for the point's format, rule, rounding and
+    saturation, with scale blocks along ``contract_dim`` (-1 or -2: the axis of x the matmul
+    contracts over), computed by :func:`~dmref.emulation.blocked_fast.fake_quantize_blocked`.
+    Every cast of dmref.tiled happens here.
 
-    ``contract_dim`` (-1 or -2): the axis of x the matmul contracts over (scale blocks run along
-    it). ``amax`` (:func:`group_amax` over a whole sweep) replaces the block amax for TENSOR and
-    ROW granularity, whose blocks span several key tiles. ``fixed_scale``: the scale of
-    ``ScaleRule.FIXED`` (2^-offset for P, else 1).
-
-    The result equals ``dequantize_blocked(*quantize_blocked(x, ...))`` of the emulation (tested
-    in tests/dmref/test_tiled_reference.py), computed faster: the scales come from
-    ``emulation.scales_from_amax``; the quotient x / s, which quantize_blocked forms exactly in
-    float64, is formed in float32 where that is exact (a power-of-two s, an input of at most 24
-    bits, an 8-bit format, nearest-even: a float32-subnormal quotient rounds to zero either
-    way), else in float64, which for a float32 x and a float32 s is one correct rounding in
-    every mode (an inexact float64 quotient is never an FP8 value or midpoint: x - m s would
-    need more than 53 bits to vanish). Stochastic rounding is not supported here. Only a
-    float64 x with a non-power-of-two scale takes quantize_blocked's own path. The dequantized
-    value is decode(code) * s in float32, exact for power-of-two scales.
+    ``amax`` (:func:`group_amax` over a whole sweep) replaces the block amax for TENSOR and ROW
+    granularity, whose blocks span several key tiles. ``fixed_log2``: the scale of
+    ``ScaleRule.FIXED`` is 2^fixed_log2 (-offset for P).
     """
     if not point.quantized:
         return x.to(dtype)
-    fmt, rule = point.fmt, point.scale_rule
-    kwargs = dict(rounding=point.rounding, saturate=point.saturate)
-    nearest = point.rounding is Rounding.NEAREST_EVEN
-    if point.rounding is Rounding.STOCHASTIC:
-        raise NotImplementedError("stochastic rounding needs random bits per element; dmref.tiled has no source of them yet")
-    if rule is ScaleRule.FIXED:  # a power of two: the quotient is exact
-        y = x * (1.0 / fixed_scale) if fixed_scale != 1.0 else x
-        return _decode(emulation.encode(y, fmt, **kwargs), fmt, fixed_scale).to(dtype)
-    block = _block(point.granularity, contract_dim)
-    pow2 = _dynamic_pow2(rule)
-    if x.dtype == torch.float64 and not pow2:
-        if amax is not None:
-            raise NotImplementedError("a precomputed amax with a float64 operand and a non-power-of-two scale")
-        codes, scales = quantize_blocked(x, fmt, block=block, scale_rule=rule, **kwargs)
-        return dequantize_blocked(codes, scales, fmt, block=block).to(dtype)
-    if block.spans_batch:
-        xb, shape = x, None
-        if amax is None:
-            amax = _abs_amax(x)
-    else:
-        xb, shape = _blocked_view(x, block)
-        if amax is None:
-            amax = _abs_amax(xb, dim=(-3, -1), keepdim=True)
-        elif point.granularity is Granularity.ROW:  # (..., R, 1) or (..., 1, C) -> blocked layout
-            amax = amax.unsqueeze(-1).unsqueeze(-3)
-    s = _scale_values(amax, fmt, rule)
-    if pow2 and nearest and fmt.bits == 8 and x.dtype != torch.float64:
-        y = xb.to(torch.float32) / s
-    else:
-        y = xb.to(torch.float64) / s.to(torch.float64)
-    values = _decode(emulation.encode(y, fmt, **kwargs), fmt).mul_(s)
-    if shape is not None:
-        rows, cols = shape
-        values = values.reshape(*values.shape[:-4], values.shape[-4] * values.shape[-3],
-                                values.shape[-2] * values.shape[-1])[..., :rows, :cols]
+    rule = point.scale_rule
+    margin = fixed_log2 if rule is ScaleRule.FIXED else 0
+    values = fake_quantize_blocked(x, point.fmt, block=_block(point.granularity, contract_dim), scale_rule=rule,
+                                   margin=margin, rounding=point.rounding, saturate=point.saturate, amax=amax)
     return values.to(dtype)
 
 
@@ -254,11 +143,9 @@ def _pow2_blocks(x: torch.Tensor, fmt, block: int):
     rows, k = x.shape[-2:]
     tiles = -(-k // block)
     xb = F.pad(x, (0, tiles * block - k)).reshape(*x.shape[:-1], tiles, block).to(torch.float32)
-    amax = _abs_amax(xb, dim=-1, keepdim=True)
-    m, e = torch.frexp(amax / fmt.max)
-    s = torch.ldexp(torch.ones_like(amax), torch.where(m == 0.5, e - 1, e).to(torch.float32))
-    s = torch.where(amax > s * fmt.max, 2 * s, s)
-    s = torch.where(amax == 0, torch.ones_like(s), s)
+    # POW2_DOWN's s: the smallest power of two with amax <= s * max (for these amaxes, an FP8
+    # value times a power of two, RN32(max / amax) is never rounded onto a power of two)
+    s = scales_from_amax(abs_amax(xb, dim=-1, keepdim=True), fmt, ScaleRule.POW2_DOWN)
     values = (xb / s).reshape(*x.shape[:-1], tiles * block)[..., :k]
     return values, s[..., 0]
 
@@ -416,7 +303,6 @@ def forward(q, k, v, *, recipe="exact", causal: bool = False, scale=None, mask=N
     l = torch.zeros(lead, dtype=wd, device=q.device)
     acc = torch.zeros(*lead, sh.head_dim_v, dtype=wd, device=q.device)
     pow2 = r.p_fwd.reference is PReference.POW2_RUNNING_MAX
-    p_scale = 2.0 ** -r.p_fwd.offset_log2
 
     for j0, j1, i0 in pb.key_tiles():
         x = _logits(pb, q_hat, k_hat, i0, j0, j1, acc_model.qk)
@@ -431,7 +317,7 @@ def forward(q, k, v, *, recipe="exact", causal: bool = False, scale=None, mask=N
             p = x.sub_(ref_use[..., None]).exp2_()  # x is not needed again
         alpha = torch.exp2(ref_old - ref_use)  # 0 where nothing was seen yet
         # Q-point P (PV): fp32 p * 2^offset -> recipe.p (FA3: E4M3, fixed scale 2^-8, RNE, satfinite)
-        p_hat = _quantize(p, r.p, contract_dim=-1, dtype=wd, fixed_scale=p_scale)
+        p_hat = _quantize(p, r.p, contract_dim=-1, dtype=wd, fixed_log2=-r.p_fwd.offset_log2)
         mass = p if r.normalizer is Normalizer.FP32_SUM else p_hat
         l[..., i0:] = l[..., i0:] * alpha + mass.sum(dim=-1)
         acc[..., i0:, :] = acc[..., i0:, :] * alpha[..., None] + _matmul(
@@ -528,11 +414,11 @@ def _head_unit(k: torch.Tensor, point: QuantPoint, *, dtype: torch.dtype) -> tor
     ones = torch.ones(*k.shape[:2], 1, 1, dtype=dtype, device=k.device)
     if not point.quantized or not _dynamic_pow2(point.scale_rule) or point.granularity is Granularity.TENSOR:
         return ones
-    fmt, rule = point.fmt, point.scale_rule
-    xb, _ = _blocked_view(k.to(torch.float32), _block(point.granularity, contract_dim=-2))
-    # (B, Hkv, key blocks, 1, channel blocks, 1)
-    s = _scale_values(_abs_amax(xb, dim=(-3, -1), keepdim=True), fmt, rule)
-    return s.amax(dim=(-4, -3, -2, -1)).reshape(*k.shape[:2], 1, 1).to(dtype)
+    # the scales of K's blocks along the keys: (B, Hkv, key blocks, channel blocks)
+    scales = scales_from_amax(block_amax(k.to(torch.float32), _block(point.granularity, contract_dim=-2)),
+                              point.fmt, point.scale_rule)
+    s = decode(scales, FLOAT8_E8M0FNU) if point.scale_rule.is_e8m0 else scales
+    return s.amax(dim=(-2, -1)).reshape(*k.shape[:2], 1, 1).to(dtype)
 
 
 def global_amax_points(r: Recipe) -> dict[str, bool]:
@@ -596,7 +482,7 @@ def _backward_p(pb: _Problem, stats: SoftmaxStats):
             # consistent P: the forward's own P~ (same x, same integer reference, same Q-point)
             # Q-point P (consistent recompute): fp32 -> recipe.p, exactly the forward's P Q-point
             p_t = _quantize(_exp2_split(x, ref[..., i0:, :]), r.p, contract_dim=-1, dtype=wd,
-                            fixed_scale=2.0 ** -r.p_fwd.offset_log2)
+                            fixed_log2=-r.p_fwd.offset_log2)
             return p_t / l_safe[..., i0:, :]
         if r.p_bwd.reference is PReference.SAVED_MAX:
             return _exp2_split(x, ref[..., i0:, :]) / l_safe[..., i0:, :]
@@ -624,14 +510,14 @@ def _amax_pre_sweep(pb: _Problem, delta: torch.Tensor, sweep, device) -> dict:
     for i0, j0, j1, p, dp in sweep():
         ds = dp.sub_(delta[..., i0:, :]).mul_(p)  # dS = P ∘ (dP^ - D), as in the sweep
         if spans["p_dv"]:
-            amax["p_dv"] = torch.maximum(amax["p_dv"], _abs_amax(p))
+            amax["p_dv"] = torch.maximum(amax["p_dv"], abs_amax(p))
         if spans["ds_dk"]:
-            amax["ds_dk"] = torch.maximum(amax["ds_dk"], _abs_amax(ds))
+            amax["ds_dk"] = torch.maximum(amax["ds_dk"], abs_amax(ds))
         if spans["ds_dq"]:
             if amax["ds_dq"].dim():
                 amax["ds_dq"][..., i0:, :] = torch.maximum(amax["ds_dq"][..., i0:, :], group_amax(ds, r.ds_dq, contract_dim=-1))
             else:
-                amax["ds_dq"] = torch.maximum(amax["ds_dq"], _abs_amax(ds))
+                amax["ds_dq"] = torch.maximum(amax["ds_dq"], abs_amax(ds))
     return amax
 
 
@@ -648,7 +534,6 @@ class _DeferredDq:
         self.unit = _head_unit(k, r.k_dq, dtype=wd)
         self.k_kbar = expand_kv(ops.k_dq_kv / self.unit, sh.groups)
         self.kbar = torch.zeros(sh.batch, sh.heads, sh.seqlen_q, sh.head_dim, dtype=wd, device=k.device)
-        self.p_scale = 2.0 ** -self.spec.p_offset_log2
 
     def ds_for_dq(self, p, dp, i0):
         """dQ's dS with the stale predictor: P ∘ (dP^ - Dst) (corrected after the sweep)."""
@@ -658,7 +543,7 @@ class _DeferredDq:
         """kbar += the key tile's sum_j Q_kbar(P_ij) K^_j / u, tile by tile; returns Q_kbar(P)."""
         wd, spec = self.pb.dtype, self.spec
         # Q-point P (kbar): fp32 P * 2^offset -> deferred.p (the kernels: E4M3, 2^4, against LSE)
-        p_kb = _quantize(p, spec.p, contract_dim=-1, dtype=wd, fixed_scale=self.p_scale)
+        p_kb = _quantize(p, spec.p, contract_dim=-1, dtype=wd, fixed_log2=-spec.p_offset_log2)
         for t0 in range(0, j1 - j0, spec.tile):
             t1 = min(t0 + spec.tile, j1 - j0)
             part = _matmul(p_kb[..., t0:t1], self.k_kbar[..., j0 + t0:j0 + t1, :], MatmulModel(), wd)
@@ -737,11 +622,10 @@ def backward(q, k, v, fwd: ForwardResult, dout, *, recipe="exact", causal: bool 
     dk = torch.zeros(sh.batch, sh.heads, sh.seqlen_k, sh.head_dim, dtype=wd, device=q.device)
     dv = torch.zeros(sh.batch, sh.heads, sh.seqlen_k, sh.head_dim_v, dtype=wd, device=q.device)
     rowsums = _RowsumAccumulator(pb, q.device) if diagnostics else None
-    p_scale_bwd = 2.0 ** -r.p_bwd.offset_log2
     for i0, j0, j1, p, dp in sweep():
         a_rows = None if amax["ds_dq"] is None or not amax["ds_dq"].dim() else amax["ds_dq"][..., i0:, :]
         # Q-point P (dV = Pᵀ dO): fp32 P * 2^offset -> recipe.p_dv, blocks along the queries
-        p_dv = _quantize(p, r.p_dv, contract_dim=-2, dtype=wd, fixed_scale=p_scale_bwd,
+        p_dv = _quantize(p, r.p_dv, contract_dim=-2, dtype=wd, fixed_log2=-r.p_bwd.offset_log2,
                          amax=amax["p_dv"])
         dv[..., j0:j1, :] += _matmul(p_dv.transpose(-1, -2), ops.do_dv[..., i0:, :], acc_model.dv, wd,
                                      (r.p_dv, r.do_dv))

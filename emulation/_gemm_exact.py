@@ -53,10 +53,6 @@ def fma_f32(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return round_odd_to_f32(s, torch.where(torch.isfinite(s), e, 0.0))
 
 
-def _window_count(span: int, budget: int) -> int:
-    return max(1, math.ceil(span / max(budget, 1)))
-
-
 def windows(fa: Format, fb: Format, chunk_bits: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """Exponent windows of ``a`` and ``b`` such that for every window pair the products' bits
     span at most 53 - chunk_bits binades."""

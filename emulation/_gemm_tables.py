@@ -60,11 +60,6 @@ def exponent_range(fmt: Format, subnormals_at_emin: bool = True) -> tuple[int, i
     return int(e.min()), int(e.max())
 
 
-def significand_bits(fmt: Format) -> int:
-    """Fraction bits of the significand (3 for E4M3, 2 for E5M2)."""
-    return fmt.mantissa_bits
-
-
 def lut(table: np.ndarray, codes: torch.Tensor) -> torch.Tensor:
     """``table[codes]`` on the codes' device."""
     return torch.from_numpy(np.ascontiguousarray(table)).to(codes.device)[codes.to(torch.int64)]

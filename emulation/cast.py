@@ -365,9 +365,9 @@ def _encode_lut(x: np.ndarray, fmt: Format, rounding: Rounding, saturate: bool,
 #: 8-bit formats torch can cast float32 to itself. Whether that cast is the specification
 #: (nearest-even) for a saturation setting depends on the torch version and device: torch 2.13's
 #: CPU cast to e4m3fn saturates (proven on all 2**32 float32 inputs by the slow sweep), torch
-#: 2.11's maps overflow past 464 to NaN (found on the H200, 2026-11-29). So the native route is
+#: 2.11's on the H200 maps overflow past 464 to NaN. So the native route is
 #: taken only where :func:`_torch_native_is_spec` finds it equal to the specification.
-_TORCH_NATIVE = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+_TORCH_NATIVE = frozenset({"float8_e4m3fn", "float8_e5m2"})
 
 
 def _probe_inputs(fmt: Format) -> torch.Tensor:
@@ -404,12 +404,12 @@ def _torch_native_is_spec(fmt_name: str, saturate: bool, device_type: str) -> bo
 
 def _native_cast(x: torch.Tensor, fmt_name: str) -> torch.Tensor:
     """torch's own float32 -> 8-bit cast, as codes."""
-    return x.to(_TORCH_NATIVE[fmt_name]).view(torch.uint8)
+    return x.to(get_format(fmt_name).torch_dtype).view(torch.uint8)
 
 
 #: 16-bit formats whose torch float32 cast is nearest-even; only the NaN code and the
 #: saturation need handling (proven on all 2**32 float32 inputs by the slow sweep).
-_TORCH_16BIT = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+_TORCH_16BIT = frozenset({"bfloat16", "float16"})
 
 
 def _encode_16bit_native(x: torch.Tensor, fmt: Format, saturate: bool) -> torch.Tensor:
@@ -418,7 +418,7 @@ def _encode_16bit_native(x: torch.Tensor, fmt: Format, saturate: bool) -> torch.
     between max and the overflow threshold rounds to max either way, so the clamp changes only
     what would overflow)."""
     y = x.clamp(-fmt.max, fmt.max) if saturate else x
-    codes = y.to(_TORCH_16BIT[fmt.name]).view(torch.int16)
+    codes = y.to(fmt.torch_dtype).view(torch.int16)
     nan = torch.isnan(x)
     if bool(nan.any()):
         negative = torch.signbit(x)
@@ -499,8 +499,7 @@ def encode(x, fmt: Format | str, *, rounding: Rounding | str = Rounding.NEAREST_
         rbits, w = _check_rbits(rbits, tuple(t.shape))
     wide, src = _widen(t)
 
-    native = _TORCH_NATIVE.get(fmt.name)
-    if (native is not None and rounding is Rounding.NEAREST_EVEN and src is _FLOAT32
+    if (fmt.name in _TORCH_NATIVE and rounding is Rounding.NEAREST_EVEN and src is _FLOAT32
             and _torch_native_is_spec(fmt.name, saturate, wide.device.type)):
         codes = _native_cast(wide, fmt.name)
     elif fmt.name in _TORCH_16BIT and rounding is Rounding.NEAREST_EVEN and src is _FLOAT32:

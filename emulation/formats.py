@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 
 class Rounding(enum.Enum):
@@ -197,6 +198,13 @@ class Format:
     @functools.cached_property
     def nan_codes(self) -> frozenset[int]:
         return frozenset(c for c in range(self.n_codes) if math.isnan(self.value(c)))
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        """The torch dtype of the same name (``torch.float8_e4m3fn`` ...), None where this torch
+        has none. The one map from a format to a torch dtype; :func:`get_format` maps back."""
+        dtype = getattr(torch, self.name, None)
+        return dtype if isinstance(dtype, torch.dtype) else None
 
     @property
     def code_dtype_bits(self) -> int:

@@ -67,7 +67,7 @@ import torch
 
 from . import _gemm_exact, _gemm_hopper
 from ._gemm_tables import canonicalize_nan, run_blocks
-from .formats import Format, Rounding, check_bool, get_format
+from .formats import FORMATS, Format, Rounding, check_bool, get_format
 
 
 class Accumulation(enum.Enum):
@@ -107,7 +107,7 @@ class WgmmaRules:
             raise ValueError(f"result_bits={self.result_bits} must be in 1..24")
 
 
-#: The Hopper (sm_90) FP8 wgmma, as measured on an H200 (DESIGN.md section 4, docs/gemm.md).
+#: The Hopper (sm_90) FP8 wgmma, as measured on an H200 (docs/gemm.md).
 HOPPER = WgmmaRules()
 
 
@@ -200,8 +200,7 @@ def cublas_schedule(use_fast_accum: bool) -> dict:
 # Inputs
 # ----------------------------------------------------------------------------------------------
 
-_TORCH_FP8 = {getattr(torch, n): n for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
-                                              "float8_e5m2fnuz") if hasattr(torch, n)}
+_TORCH_FP8 = {f.torch_dtype: f.name for f in FORMATS.values() if f.is_fp8 and f.torch_dtype is not None}
 _NUMPY_FP8 = {np.dtype(getattr(ml_dtypes, n)): n for n in ("float8_e4m3fn", "float8_e5m2",
                                                             "float8_e4m3fnuz", "float8_e5m2fnuz")}
 

@@ -4,7 +4,7 @@ double-rounding census.
 Used by the slow tests (tests/emulation/test_exhaustive.py) and by the script
 benchmarks/exhaustive_casts.py, which prints the counts and the time taken.
 
-The comparisons and what each is expected to show (DESIGN.md section 4b; docs/casts.md):
+The comparisons and what each is expected to show (docs/casts.md):
 
 ==========================  ==============================  ====================================
 ours                        library                         documented disagreement
@@ -71,7 +71,7 @@ def _library_cast(x: np.ndarray, fmt_name: str, library: str) -> np.ndarray:
         dtype = np.float16 if library == "numpy" else getattr(ml_dtypes, fmt_name)
         with np.errstate(invalid="ignore", over="ignore"):
             return x.astype(dtype).view(code_type)
-    return torch.from_numpy(x).to(getattr(torch, fmt_name)).view(torch.uint8).numpy()
+    return torch.from_numpy(x).to(get_format(fmt_name).torch_dtype).view(torch.uint8).numpy()
 
 
 def _documented(allowed: str, x: np.ndarray, ours: np.ndarray, theirs: np.ndarray,
@@ -164,7 +164,7 @@ def double_rounding_census(fmt_name: str) -> DoubleRoundingCensus:
     x, correct = midpoint_neighbours(fmt_name)
     ours = cast.encode(x, fmt_name)
     ml = _library_cast(x, fmt_name, "ml_dtypes") if hasattr(ml_dtypes, fmt_name) else correct
-    th = torch.from_numpy(x).to(getattr(torch, fmt_name)).view(torch.uint8).numpy()
+    th = torch.from_numpy(x).to(get_format(fmt_name).torch_dtype).view(torch.uint8).numpy()
     # compare values the library means to produce: only where the library's own overflow and
     # NaN conventions agree with ours (finite, in range), so the census counts rounding alone
     in_range = np.abs(x) < get_format(fmt_name).max

@@ -3,7 +3,7 @@
 Every constant here is derived from a unit roundoff and a count, never typed in: ``u = 2**-24``
 for float32 (round to nearest), ``gamma(n) = n u / (1 - n u)`` (Higham, *Accuracy and Stability
 of Numerical Algorithms*, 2nd ed., Lemma 3.1), the half-subnormal ``eta`` for underflowing
-products, and for the Hopper tensor core the bit widths of the wgmma model in DESIGN.md section 4
+products, and for the Hopper tensor core the bit widths of the wgmma model of docs/gemm.md
 (:data:`dmref.emulation.gemm.HOPPER`, a :class:`~dmref.emulation.WgmmaRules`).
 
 Naming follows the Markdown: for one row ``i`` of dS,
@@ -222,7 +222,7 @@ def matched_residual_coefficient(n, m_abs=0.0, model: FloatModel = FP32):
 # Hopper: Lemma 7 (one wgmma dot), Theorem 8 (operand-level matching)
 # ----------------------------------------------------------------------------------------------
 def check_wgmma_rules(rules: WgmmaRules) -> WgmmaRules:
-    """The bounds are proved for the wgmma model of DESIGN.md section 4: truncation of terms
+    """The bounds are proved for the wgmma model of docs/gemm.md: truncation of terms
     and result, the accumulator in the alignment and truncated like a product. Only the bit
     counts (k_step, term_frac_bits, result_bits) may differ from :data:`HOPPER`."""
     same = replace(rules, k_step=HOPPER.k_step, term_frac_bits=HOPPER.term_frac_bits,

@@ -153,7 +153,7 @@ def probabilities_from_weights(w: Matrix) -> Matrix:
 def counterexample_a2(seed: int = 0, n_q: int = 3, n_k: int = 4, d: int = 8,
                       mask=None) -> BackwardCase:
     """A2 dropped: D's dP uses the unquantized dO (the BF16 dO of a stale kernel) with the same
-    V_hat. r_i = -(dO_i - dO_hat_i) . (P V_hat)_i, the delta of DESIGN.md source 1."""
+    V_hat. r_i = -(dO_i - dO_hat_i) . (P V_hat)_i, the delta of source 1 of stale_delta.md."""
     q, k, v, do = random_problem(seed, n_q, n_k, d)
     base = exact_backward(q, k, v, do, mask=mask)
     do_raw = to_fractions(do)

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dmref.emulation import FLOAT8_E4M3FN, FLOAT8_E5M2, get_format, quantize
+from dmref.emulation import FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT8_E8M0FNU, Block, ScaleRule, decode, quantize
+from dmref.emulation.blocked_fast import fake_quantize_blocked, quantize_blocked_fast
 
 from .bounds import (
     FP32,
@@ -77,26 +78,18 @@ def attention_inputs(seed: int, *, batch: int = 1, heads: int = 2, kv_heads: int
 
 
 def pow2_block_quantize(x: torch.Tensor, fmt, block: int):
-    """Block-scaled FP8 along the last dim: (dequantized values, scales broadcast to x's shape).
-    Scale 2**(floor(log2 amax) - emax) per block (OCP MX rule), saturating; exact in float32."""
-    fmt = get_format(fmt)
-    *lead, d = x.shape
-    pad = (-d) % block
-    xp = torch.nn.functional.pad(x, (0, pad)).reshape(*lead, -1, block)
-    amax = xp.abs().amax(dim=-1, keepdim=True)
-    _, e = torch.frexp(torch.where(amax > 0, amax, torch.ones_like(amax)))
-    scale = torch.ldexp(torch.ones_like(amax), e - 1 - fmt.emax)
-    xq = quantize(xp / scale, fmt, saturate=True) * scale
-    scale = scale.expand_as(xp)
-    return (xq.reshape(*lead, -1)[..., :d].contiguous(),
-            scale.reshape(*lead, -1)[..., :d].contiguous())
+    """Block-scaled FP8 along the last dim, ``ScaleRule.MX_OCP`` of :mod:`dmref.emulation` (scale
+    2**(floor(log2 amax) - emax) per block of ``block``, saturating): (dequantized values, scales
+    broadcast to x's shape), both float32 and exact."""
+    codes, e8m0 = quantize_blocked_fast(x, fmt, block=Block.tile(1, block), scale_rule=ScaleRule.MX_OCP)
+    scale = decode(e8m0, FLOAT8_E8M0FNU).repeat_interleave(block, dim=-1)[..., : x.shape[-1]].contiguous()
+    return decode(codes, fmt) * scale, scale
 
 
 def tensor_quantize(x: torch.Tensor, fmt):
-    """Per-tensor FP8 with scale amax / max (cuDNN per-tensor style), dequantized."""
-    fmt = get_format(fmt)
-    scale = x.abs().amax().clamp_min(torch.finfo(torch.float32).tiny) / fmt.max
-    return quantize(x / scale, fmt, saturate=True) * scale
+    """Per-tensor FP8 with scale RN32(amax / max) (cuDNN per-tensor style, ``ScaleRule.AMAX``),
+    dequantized."""
+    return fake_quantize_blocked(x, fmt, block=Block.tensor(), scale_rule=ScaleRule.AMAX)
 
 
 def make_mask(n_q: int, n_k: int, causal: bool, padding: int = 0) -> torch.Tensor:
@@ -272,7 +265,7 @@ def fp32_backward(q, k, v, do, *, tau: float | None = None, causal: bool = False
 def _fp8_forward_output(p: torch.Tensor, v: torch.Tensor, fmt_v, block: int) -> torch.Tensor:
     """O of an FP8 forward for the stale strategies: P quantized to e4m3 against a 2**8 offset
     (FA3 style), V blocked along the sequence (the PV contraction dim), and the normalizer left
-    unquantized (so the effective weights do not sum to 1: DESIGN.md sources 2-4)."""
+    unquantized (so the effective weights do not sum to 1: sources 2-4 of stale_delta.md)."""
     p_q = quantize(p * 256.0, FLOAT8_E4M3FN, saturate=True) / 256.0
     v_seq, _ = pow2_block_quantize(v.transpose(-1, -2), fmt_v, block)
     return p_q @ v_seq.transpose(-1, -2)

@@ -1,4 +1,4 @@
-"""A small, self-contained model of Hopper FP8 wgmma accumulation (DESIGN.md section 4).
+"""A small, self-contained model of Hopper FP8 wgmma accumulation (docs/gemm.md).
 
 It exists so that the bounds of ``rounding_bounds.md`` (Lemma 7, Theorem 8) can be checked
 against the model they are proved for, without depending on the full emulated GEMM of

@@ -42,10 +42,6 @@ def to_fractions(x) -> Matrix:
     return [[Fraction(float(v)) for v in row] for row in np.asarray(x, dtype=np.float64)]
 
 
-def to_float_array(m: Matrix) -> np.ndarray:
-    return np.array([[float(v) for v in row] for row in m], dtype=np.float64)
-
-
 def matmul_nt(a: Matrix, b: Matrix) -> Matrix:
     """a @ b.T exactly."""
     return [[sum((x * y for x, y in zip(ra, rb)), Fraction(0)) for rb in b] for ra in a]

@@ -43,7 +43,7 @@ class StaleEffects:
 def stale_effects_exact(seed: int = 0, n_q: int = 3, n_k: int = 4, d: int = 8, mask=None,
                         delta_error: list[Fraction] | None = None) -> StaleEffects:
     """Matched vs stale (D_i + delta_i) in exact rationals. By default delta_i is the stale
-    delta of DESIGN.md source 1: D from the unquantized dO, delta_i = (dO_i - dO_hat_i).(PV)_i."""
+    delta of source 1 of stale_delta.md: D from the unquantized dO, delta_i = (dO_i - dO_hat_i).(PV)_i."""
     q, k, v, do = random_problem(seed, n_q, n_k, d)
     base = exact_backward(q, k, v, do, mask=mask)
     if delta_error is None:

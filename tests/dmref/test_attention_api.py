@@ -179,7 +179,7 @@ def test_import_dmref_does_not_import_torch():
 def test_attention_on_cuda_is_as_accurate_as_on_the_cpu():
     """The casts are bit-exact on both devices; the float32 matmuls sum in other orders, which
     can move a value across an FP8 rounding boundary. So: the GPU's error against the exact
-    reference is at most twice the CPU's (STYLE.md: relative to a baseline's own error)."""
+    reference is at most twice the CPU's (a bound relative to a baseline's own error)."""
     q, k, v, dout = make_inputs(_SHAPE, 3, dtype=torch.float32)
     exact = reference.attention_ref(q, k, v, dout, causal=True)
     exact = (exact[0], *exact[2:])

@@ -12,6 +12,7 @@ import torch
 
 import dmref.targets as targets
 from dmref import oracle
+from dmref.emulation import get_format
 
 
 def _problem(head_dim=128, heads=2, kv_heads=2, n=16):
@@ -93,8 +94,7 @@ def test_inconsistent_arguments_raise_value_error_before_any_availability_check(
 
 def test_grad_formats_are_the_torch_fp8_formats_by_name():
     for name in targets.GRAD_FORMATS:
-        dtype = getattr(torch, {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}[name])
-        assert targets._fmax(name) == torch.finfo(dtype).max
+        assert targets._fmax(name) == torch.finfo(get_format(name).torch_dtype).max
 
 
 def _quantize_dequantize_bound(fmt: str) -> float:

@@ -41,24 +41,6 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
         a32[~nan].view(torch.int32), b32[~nan].view(torch.int32))
 
 
-@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "bfloat16"])
-def test_decode_table_matches_emulation_decode_on_every_code(fmt):
-    f = emulation.get_format(fmt)
-    codes = torch.arange(f.n_codes, dtype=torch.int32).to(torch.uint8 if f.bits <= 8 else torch.int16)
-    assert _same_values(tiled._decode(codes, f), emulation.decode(codes, f))
-    if f.bits == 8:  # every pair of codes through the two-codes-per-gather path, odd sizes too
-        pairs = torch.stack(torch.meshgrid(codes, codes, indexing="ij"), -1).reshape(-1)
-        assert _same_values(tiled._decode(pairs, f), emulation.decode(pairs, f))
-        assert _same_values(tiled._decode(pairs[1:], f, 0.25), emulation.decode(pairs[1:], f) * 0.25)
-
-
-@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
-def test_torch_fp8_widening_used_on_cuda_matches_emulation_decode(fmt):
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    widened = codes.view(tiled._TORCH_FP8[emulation.get_format(fmt)]).to(torch.float32)
-    assert _same_values(widened, emulation.decode(codes, fmt))
-
-
 _RULES = [ScaleRule.AMAX, ScaleRule.POW2_DOWN, ScaleRule.POW2_UP, ScaleRule.MX_OCP, ScaleRule.MX_NVIDIA]
 _GRANULARITIES = list(Granularity)
 
@@ -85,7 +67,10 @@ def operands(draw):
     return x.to(dtype)
 
 
-@settings(max_examples=80)
+# The fast quantizer itself is tested against the specification on its whole domain in
+# tests/emulation/test_blocked_fast.py; here: a QuantPoint and a contraction dim map onto it as the
+# specification's block, rule, rounding and saturation.
+@settings(max_examples=30)
 @given(x=operands(), fmt=st.sampled_from(["float8_e4m3fn", "float8_e5m2"]),
        rule=st.sampled_from(_RULES), granularity=st.sampled_from(_GRANULARITIES),
        contract_dim=st.sampled_from([-1, -2]),
@@ -99,19 +84,19 @@ def test_quantize_call_site_equals_quantize_blocked(x, fmt, rule, granularity, c
                                      saturate=saturate)
     want = dequantize_blocked(codes, scales, fmt, block=block)
     assert _same_values(got, want)
-    if granularity in (Granularity.TENSOR, Granularity.ROW) and x.dtype != torch.float64:
+    if granularity in (Granularity.TENSOR, Granularity.ROW):
         amax = tiled.group_amax(x, point, contract_dim=contract_dim)
         given_amax = tiled._quantize(x, point, contract_dim=contract_dim, dtype=torch.float32, amax=amax)
         assert _same_values(given_amax, want)
 
 
-@settings(max_examples=30)
+@settings(max_examples=15)
 @given(x=operands(), fmt=st.sampled_from(["float8_e4m3fn", "float8_e5m2", "bfloat16"]),
        offset=st.integers(0, 8))
 def test_fixed_scale_point_is_a_plain_cast_of_p_times_two_to_the_offset(x, fmt, offset):
     x = x.to(torch.float32).abs()
     point = QuantPoint(fmt, Granularity.TENSOR, ScaleRule.FIXED)
-    got = tiled._quantize(x, point, contract_dim=-1, dtype=torch.float32, fixed_scale=2.0**-offset)
+    got = tiled._quantize(x, point, contract_dim=-1, dtype=torch.float32, fixed_log2=-offset)
     want = emulation.quantize(x * 2.0**offset, fmt, saturate=True) * 2.0**-offset
     assert _same_values(got, want)
 

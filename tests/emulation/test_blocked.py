@@ -363,7 +363,7 @@ def test_no_finite_input_gives_infinite_or_nan_scale(rule):
 # The rules, clause by clause
 # ----------------------------------------------------------------------------------------------
 def _log2_trap_amax():
-    """511.99997: float32 log2 rounds it up to exactly 9.0 (DESIGN.md 4b)."""
+    """511.99997: float32 log2 rounds it up to exactly 9.0 (docs/block_scaling.md)."""
     a = np.nextafter(np.float32(512.0), np.float32(0.0))
     assert np.log2(a) == np.float32(9.0)
     return a
@@ -490,7 +490,7 @@ def test_margin_multiplies_scale_by_power_of_two(rule, margin):
 # float64 input: one rounding of x / s
 # ----------------------------------------------------------------------------------------------
 def test_float64_input_is_rounded_once():
-    """DESIGN.md 4b's double-rounding examples, in a block whose pow2_down scale is 1: the
+    """The double-rounding examples of docs/casts.md, in a block whose pow2_down scale is 1: the
     float64 values land on the right side of the midpoint (float32 first would not)."""
     x = np.array([[E4M3.max, 0.0029296874999999996, -431.99999999999994, 1.0]])
     codes, scales = quantize_blocked(x, E4M3, block="row", scale_rule="pow2_down")

@@ -1,6 +1,7 @@
 """Formats are data: derived properties agree with ml_dtypes' finfo and with the structure."""
 
 import math
+from dataclasses import replace
 
 import ml_dtypes
 import numpy as np
@@ -83,9 +84,21 @@ def test_each_binade_holds_two_to_the_mantissa_bits_values(name):
     assert len(full) >= len(by_exponent) - 1
 
 
-@pytest.mark.parametrize("name", FP8 + ["float8_e8m0fnu"])
-def test_names_match_torch_dtypes(name):
-    assert get_format(getattr(torch, name)) is get_format(name)
+@pytest.mark.parametrize("name", ALL_ML)
+def test_torch_dtype_holds_the_same_values_and_maps_back(name):
+    fmt = get_format(name)
+    assert fmt.torch_dtype is getattr(torch, name)
+    assert get_format(fmt.torch_dtype) is fmt
+    assert fmt.torch_dtype.itemsize * 8 == fmt.bits
+    codes = torch.arange(fmt.n_codes, dtype=torch.int32).to(torch.uint8 if fmt.bits == 8 else torch.int16)
+    theirs = codes.view(fmt.torch_dtype).to(torch.float64)
+    ours = torch.tensor([fmt.value(c) for c in range(fmt.n_codes)], dtype=torch.float64)
+    assert torch.equal(torch.isnan(ours), torch.isnan(theirs))
+    assert torch.equal(ours[~torch.isnan(ours)], theirs[~torch.isnan(theirs)])
+
+
+def test_a_format_without_a_torch_dtype_of_its_name_has_none():
+    assert replace(get_format("e4m3"), name="float8_e4m3_without_torch_dtype").torch_dtype is None
 
 
 def test_unknown_format_name_is_an_error_naming_the_choices():

@@ -33,7 +33,7 @@ def _h200_cases(max_k: int):
 def _promotion(meta) -> int | None:
     if meta["engine"] == "triton_dot":
         return meta["max_num_imprecise_acc"] if meta["chain"] else meta["BK"]
-    return None if meta["use_fast_accum"] else 128  # cuBLAS: DESIGN.md section 4
+    return None if meta["use_fast_accum"] else 128  # cuBLAS: docs/gemm.md
 
 
 def _decode(codes: np.ndarray, fmt: str) -> np.ndarray:

@@ -1,0 +1,275 @@
+"""Every repository path and every dotted ``dmref.`` name that the docs and the code cite exists.
+
+Read: the docs (README.md, docs/*.md, proofs/*.md, examples/README.md), pyproject.toml, and the
+docstrings and comments of every Python file of the packages (dmref/, emulation/, kernels/,
+proofs/) and of tests/.
+
+- A path is a token ending in a known file extension (``docs/gemm.md``, ``tests/data/x.npz``,
+  ``kernel_model.py``); it resolves when it names a file or folder git tracks: from the
+  repository root, from the citing file's folder, or (a bare file name) as the name of a tracked
+  file anywhere. Not references: URLs, absolute paths, patterns (``*``, ``<...>``, ``{...}``),
+  placeholders (``FILE.npz``, ``OUT/...``), a file a command writes (after ``--out``), and the
+  paths of other repositories in :data:`EXTERNAL_PATHS`.
+- A dotted name is ``dmref.a.b...``, ``Class.attribute`` of a class of :data:`CLASS_HOMES`
+  (``KernelRecipe.reference_recipe``), or a Sphinx role target (``:func:`name```,
+  ``:class:`~mod.Name```) in a docstring. It resolves when the longest prefix that imports as a
+  module has the rest as attributes; a role target is looked up first in the citing class and
+  module (a test file: its top-level names).
+
+``KNOWN_BROKEN`` lists the references that their owners have still to fix, each with who; a
+reference listed there that resolves, or one missing from it that does not, fails the test.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ("README.md", "docs/*.md", "proofs/*.md", "examples/README.md", "pyproject.toml")
+PACKAGES = {"dmref": "dmref", "emulation": "dmref.emulation", "kernels": "dmref.kernels", "proofs": "dmref.proofs"}
+SOURCES = (*PACKAGES, "tests")
+SELF = "tests/test_doc_references.py"  # its docstrings hold examples
+
+#: (citing file, reference) pairs their owners fix; the lead empties it. Key: owner.
+KNOWN_BROKEN: dict[str, set[tuple[str, str]]] = {
+    "lead (kernels/, docs/kernels.md, tests/kernels/)": {
+        ("kernels/fwd.py", "KernelRecipe.quantization_points"),
+        ("docs/kernels.md", "KernelRecipe.quantization_points"),
+        ("tests/kernels/kernel_model.py", "DESIGN.md"),
+        ("tests/kernels/test_kernels_vs_model.py", "DESIGN.md"),
+    },
+    "oracle (dmref/probe.py, docs/oracle.md)": {
+        ("dmref/probe.py", "DESIGN.md"),
+        ("docs/oracle.md", "DESIGN.md"),
+    },
+}
+
+#: Paths in other repositories that the docs cite with the repository named beside them.
+EXTERNAL_PATHS = {
+    "test/python/sdpa/fp8.py": "NVIDIA/cudnn-frontend",
+    "tests/pytorch/references/quantize_scale_calc.py": "NVIDIA/TransformerEngine",
+    "mx/mx_ops.py": "microsoft/microxcaling",
+    "triton/backends/nvidia/compiler.py": "triton-lang/triton",
+    "triton/runtime/interpreter.py": "triton-lang/triton",
+}
+#: Classes whose ``Class.attribute`` the docs and docstrings cite without the module.
+CLASS_HOMES = {"KernelRecipe": "dmref.kernels.config", "Recipe": "dmref.recipes", "QuantPoint": "dmref.recipes",
+               "Format": "dmref.emulation.formats", "Block": "dmref.emulation.blocked",
+               "ScaleRule": "dmref.emulation.blocked"}
+
+_EXTENSIONS = "py|md|toml|json|npz|pt|txt|csv|png|svg|yaml|yml|cfg|ini|sh|ipynb"
+_PATH = re.compile(rf"(?<![\w./:~$-])((?:\.\.?/)*(?:[\w.-]+/)*[\w-][\w.-]*\.(?:{_EXTENSIONS}))(?![\w/-])")
+_OUTPUT_OPTION = re.compile(r"(?:--out|--output|-o|>)\s*$")  # a file a command writes: not a reference
+_PLACEHOLDER = re.compile(r"^[A-Z]+(?:/|\.(?!md$))")  # FILE.npz, OUT/x.json
+_DOTTED = re.compile(r"(?<![\w.])(dmref(?:\.\w+)+)(?![\w-])")
+_ROLE = re.compile(r":(?:py:)?(?:func|class|meth|mod|attr|data|exc|obj):`~?(\.?[\w.]+)`")
+_CLASS_ATTRIBUTE = re.compile(rf"``?((?:{'|'.join(CLASS_HOMES)})\.\w+)(?:\([^`]*\))?``?")
+
+
+@functools.lru_cache(maxsize=None)
+def tracked() -> tuple[frozenset[str], frozenset[str]]:
+    """(tracked paths and their folders, tracked file names)."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("needs a git checkout of the repository (the list of its files)")
+    paths = set(out)
+    for p in out:
+        paths.update(str(parent) for parent in Path(p).parents if str(parent) != ".")
+    return frozenset(paths), frozenset(Path(p).name for p in out)
+
+
+def path_resolves(ref: str, citing: str) -> bool:
+    """Whether the path ``ref`` cited in the file ``citing`` names a tracked file or folder."""
+    paths, names = tracked()
+    if "/" not in ref and ref in names:
+        return True
+    for base in (Path("."), Path(citing).parent):
+        try:
+            normal = (ROOT / base / ref).resolve().relative_to(ROOT)
+        except ValueError:  # outside the repository: never one of the project's own files
+            continue
+        if str(normal) in paths:
+            return True
+    return False
+
+
+def name_resolves(name: str, namespace: dict | None = None) -> bool:
+    """Whether a dotted name resolves: in ``namespace`` (a module's or class's names), as
+    ``Class.attribute`` of a class in :data:`CLASS_HOMES`, or as module.attribute... from the
+    longest importable prefix."""
+    parts = name.split(".")
+    if namespace is not None and parts[0] in namespace:
+        return _has_attributes(namespace[parts[0]], parts[1:])
+    if parts[0] in CLASS_HOMES:
+        return _has_attributes(getattr(importlib.import_module(CLASS_HOMES[parts[0]]), parts[0]), parts[1:])
+    for i in range(len(parts), 0, -1):
+        try:
+            module = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        return _has_attributes(module, parts[i:])
+    return False
+
+
+def _has_attributes(obj, attributes) -> bool:
+    for attribute in attributes:
+        if not hasattr(obj, attribute):
+            # a dataclass field without a class-level default is still an attribute of the class
+            return attribute in getattr(obj, "__dataclass_fields__", {}) and attribute == attributes[-1]
+        obj = getattr(obj, attribute)
+    return True
+
+
+def references_in_text(text: str) -> tuple[set[str], set[str]]:
+    """(paths, dotted names) cited in a piece of prose."""
+    text = re.sub(r"https?://\S+", " ", text)
+    paths = set()
+    for m in _PATH.finditer(text):
+        token = m[1].rstrip(".")
+        if token in EXTERNAL_PATHS or _PLACEHOLDER.match(token) or _OUTPUT_OPTION.search(text[:m.start()]):
+            continue
+        paths.add(token)
+    names = {m[1] for m in _DOTTED.finditer(text)} | {m[1] for m in _CLASS_ATTRIBUTE.finditer(text)}
+    return paths, names
+
+
+def _module_name(path: Path) -> str | None:
+    rel = path.relative_to(ROOT)
+    package = PACKAGES.get(rel.parts[0])
+    if package is None or rel.stem == "__main__":  # importing __main__ runs the command line
+        return None
+    stem = [] if rel.stem == "__init__" else [rel.stem]
+    return ".".join([package, *rel.parts[1:-1], *stem])
+
+
+def _static_names(tree: ast.Module) -> dict:
+    """The names a test file binds at its top level (it is not imported here)."""
+    names = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names[node.name] = node
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update({(a.asname or a.name).split(".")[0]: node for a in node.names})
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(target, ast.Name):
+                    names[target.id] = node
+    return names
+
+
+def _docstrings(tree: ast.Module) -> list[tuple[str, str | None]]:
+    """(docstring, enclosing class name or None) for the module, its classes and functions, and
+    string statements (attribute docstrings)."""
+    out = []
+
+    def visit(node, cls):
+        doc = ast.get_docstring(node, clean=False) if isinstance(
+            node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) else None
+        if doc:
+            out.append((doc, cls))
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Expr) and isinstance(child.value, ast.Constant) and isinstance(child.value.value, str):
+                if child.value.value != doc:
+                    out.append((child.value.value, cls))
+            visit(child, child.name if isinstance(child, ast.ClassDef) else cls)
+
+    visit(tree, None)
+    return out
+
+
+def _comments(source: str) -> list[str]:
+    return [line.split("#", 1)[1] for line in source.splitlines() if "#" in line]
+
+
+def _role_resolves(target: str, module_name: str | None, namespace: dict, cls: str | None) -> bool:
+    if target.startswith("."):  # relative to the module's package
+        package = module_name.rsplit(".", 1)[0] if module_name else ""
+        return name_resolves(package + target)
+    if target.startswith("dmref"):
+        return name_resolves(target)
+    if module_name is None:  # a test file: its own top-level names
+        return target.split(".")[0] in namespace
+    if cls is not None and cls in namespace and _has_attributes(namespace[cls], target.split(".")):
+        return True
+    return name_resolves(target, namespace)
+
+
+def broken_references() -> set[tuple[str, str]]:
+    """Every (citing file, reference) that does not resolve."""
+    broken = set()
+    for doc in sorted({p for pattern in DOCS for p in ROOT.glob(pattern)}):
+        rel = str(doc.relative_to(ROOT))
+        paths, names = references_in_text(doc.read_text())
+        broken |= {(rel, p) for p in paths if not path_resolves(p, rel)}
+        broken |= {(rel, n) for n in names if not name_resolves(n)}
+    for folder in SOURCES:
+        for source_file in sorted((ROOT / folder).rglob("*.py")):
+            rel = str(source_file.relative_to(ROOT))
+            if rel not in tracked()[0] or rel == SELF:
+                continue
+            source = source_file.read_text()
+            tree = ast.parse(source)
+            module_name = _module_name(source_file)
+            namespace = vars(importlib.import_module(module_name)) if module_name else _static_names(tree)
+            docstrings = _docstrings(tree)
+            for text in [d for d, _ in docstrings] + _comments(source):
+                paths, names = references_in_text(text)
+                broken |= {(rel, p) for p in paths if not path_resolves(p, rel)}
+                broken |= {(rel, n) for n in names if not name_resolves(n, namespace if module_name else None)}
+            for text, cls in docstrings:
+                for target in {m[1] for m in _ROLE.finditer(text)}:
+                    if not _role_resolves(target, module_name, namespace, cls):
+                        broken.add((rel, target))
+    return broken
+
+
+def test_every_cited_path_and_dotted_name_exists():
+    known = set().union(*KNOWN_BROKEN.values())
+    broken = broken_references()
+    new = sorted(broken - known)
+    fixed = sorted(known - broken)
+    assert not new, "references to nothing:\n" + "\n".join(f"  {f}: {r}" for f, r in new)
+    assert not fixed, "fixed: remove from KNOWN_BROKEN:\n" + "\n".join(f"  {f}: {r}" for f, r in fixed)
+
+
+# ----------------------------------------------------------------------------------------------
+# The resolver itself: a planted bad reference is found
+# ----------------------------------------------------------------------------------------------
+
+def test_resolver_finds_paths_and_names_in_prose():
+    paths, names = references_in_text(
+        "See docs/gemm.md and `DESIGN.md` section 4, tests/data/h200_fp8_gemm.npz, "
+        "https://example.org/a/b.md, docs/*.md, ``dmref.emulation.encode``, dmref.tiled's forward.")
+    assert paths == {"docs/gemm.md", "DESIGN.md", "tests/data/h200_fp8_gemm.npz"}
+    assert names == {"dmref.emulation.encode", "dmref.tiled"}
+
+
+def test_resolver_accepts_what_exists_and_refuses_a_planted_bad_reference(tmp_path):
+    assert path_resolves("docs/gemm.md", "README.md")
+    assert path_resolves("../docs/gemm.md", "proofs/README.md")
+    assert path_resolves("delta_matching.md", "proofs/README.md")  # a sibling, by name
+    assert path_resolves("emulation", "README.md")  # a folder
+    assert not path_resolves("DESIGN.md", "pyproject.toml")
+    assert not path_resolves("docs/no_such_page.md", "README.md")
+    assert not path_resolves("../shared/DESIGN.md", "README.md")  # outside the repository
+    assert name_resolves("dmref.emulation.blocked.quantize_blocked")
+    assert name_resolves("dmref.recipes.Recipe.p")  # a dataclass field
+    assert not name_resolves("dmref.emulation.blocked.no_such_function")
+    assert not name_resolves("dmref.no_such_module")
+    assert name_resolves("ScaleRule.POW2_DOWN", vars(importlib.import_module("dmref.emulation.blocked")))
+    assert not name_resolves("ScaleRule.POW3", vars(importlib.import_module("dmref.emulation.blocked")))
+    planted = tmp_path / "planted.md"
+    planted.write_text("The model of docs/no_such_page.md, as `dmref.emulation.no_such_name` computes it.")
+    paths, names = references_in_text(planted.read_text())
+    assert [p for p in paths if not path_resolves(p, "docs/planted.md")] == ["docs/no_such_page.md"]
+    assert [n for n in names if not name_resolves(n)] == ["dmref.emulation.no_such_name"]
+

@@ -43,6 +43,7 @@ from .emulation import FLOAT8_E8M0FNU, Accumulation, MatmulModel, decode
 from .emulation.blocked import Block, block_amax, scales_from_amax
 from .emulation.blocked_fast import abs_amax, fake_quantize_blocked
 from .emulation.constants import LN2, LOG2E
+from .emulation.formats import check_bool
 from .recipes import (DeltaKind, DeltaStrategy, Granularity, Normalizer, PReference, QuantPoint, Recipe, ScaleRule,
                       get_recipe)
 from .reference import AttentionShape, check_attention_inputs, check_causal, expand_kv, keep_mask, mask_window, reduce_kv
@@ -597,7 +598,7 @@ def backward(q, k, v, fwd: ForwardResult, dout, *, recipe="exact", causal: bool 
              mask=None, diagnostics: bool = False) -> BackwardResult:
     """The tiled backward of ``recipe`` from the forward's saved ``fwd``; see the module
     docstring. With ``diagnostics`` (a bool) the row sums of dS are collected (:class:`RowsumStats`)."""
-    diagnostics = emulation.formats.check_bool(diagnostics, "diagnostics")
+    diagnostics = check_bool(diagnostics, "diagnostics")
     pb = _problem(q, k, v, recipe, causal, scale, mask, dout=dout)
     r, sh, wd = pb.recipe, pb.shape, pb.dtype
     acc_model = r.accumulation

@@ -18,7 +18,7 @@ The consumer, for its Q tile and then for every key tile of ``BLOCK_N`` keys:
     O  = acc / (l * 2**8) * v_scale_d;  LSE2 = m + log2(l)
 
 K is scaled per (batch, key/value head) and V per (batch, key/value head, channel) over all
-tokens (``quantize.quantize_kv_folded``), so every scale folds into a per-row factor of S or a
+tokens (``dmref.kernels.quantize.quantize_kv_folded``), so every scale folds into a per-row factor of S or a
 per-column factor of O and the loop loads no scales. Barriers, in the order each role uses them:
 
 - ``k_ready[s]`` / ``v_ready[s]``: the producer arms them (``expect``) and TMA completes them;
@@ -272,7 +272,7 @@ def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale:
             block_n: int = 128, stages: int = 2, chain: bool = False):
     """Run the warp-specialized forward: ``q (B, H, N, D)`` BF16 (quantized inside, per token;
     its last dim contiguous), ``k8 (B*HKV, N, D)`` with ``k_scale (B*HKV,)``, ``vt8 (B*HKV, D,
-    NPAD)`` with ``v_scale (B*HKV, D)`` (:func:`quantize.quantize_kv_folded`). Returns O
+    NPAD)`` with ``v_scale (B*HKV, D)`` (:func:`dmref.kernels.quantize.quantize_kv_folded`). Returns O
     ``(B, H, N, D)`` BF16 and LSE2 ``(B*H, N)`` float32 (base 2)."""
     import torch
 

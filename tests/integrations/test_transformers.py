@@ -101,7 +101,7 @@ def run(model, batch, implementation):
 
 
 def baseline_relative_bound(baseline_error: float) -> float:
-    """FlashAttention's test criterion (STYLE.md): an implementation's error against a float64
+    """FlashAttention's test criterion: an implementation's error against a float64
     run is at most twice the error of torch's own implementation in the same precision. Here
     dmref's exact recipe computes attention in float64 and rounds once, so the only float32
     errors of its model are the model's other layers, which sdpa's float32 model has as well."""

@@ -291,8 +291,8 @@ def _exponent(x: torch.Tensor, emin: int) -> torch.Tensor:
 def hopper_dot(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, *,
                fmt_a: str = "float8_e4m3fn", fmt_b: str = "float8_e4m3fn",
                rows_per_chunk: int = 64) -> torch.Tensor:
-    """a @ b (+ c) as one Hopper FP8 wgmma chain with no promotion, the model of DESIGN.md
-    section 4: per k-step of 32, the alignment exponent E is the largest of the products'
+    """a @ b (+ c) as one Hopper FP8 wgmma chain with no promotion, the model of docs/gemm.md
+    (``dmref.emulation.gemm``): per k-step of 32, the alignment exponent E is the largest of the products'
     unnormalised exponents (e_a + e_b) and the accumulator's; every term is truncated toward zero
     to 13 fractional bits relative to 2**E, the terms are added exactly and the sum is truncated
     toward zero to 14 significant bits. a: (..., M, K), b: (..., K, N), FP8 values as float32."""

@@ -208,7 +208,7 @@ def test_codes_and_output_agree_with_model_at_large_logits(backend, case):
 
 
 #: FP8 wgmma truncates each k-step's terms to 13 fraction bits relative to the step's largest
-#: (DESIGN.md section 4): a chain's result is within 2 * 2**-13 of its sum of |terms|.
+#: (docs/gemm.md): a chain's result is within 2 * 2**-13 of its sum of |terms|.
 WGMMA_TRUNCATION_REL = 2 * 2.0**-13
 
 
@@ -280,7 +280,7 @@ def test_stale_delta_ds_rowsums_visibly_outside_delta_matching_bound(backend, ca
     outside = (kern["ds_rowsum"].double().abs() > bound).double().mean().item()
     # "visibly": most rows, not a rounding accident
     assert outside > 0.5, f"only {outside:.3f} of stale rows exceed the bound"
-    # and they are what DESIGN.md section 1 says: sum_j P (dP - D_stale) = (D_matched - D_stale) sum_j P
+    # and they are what proofs/stale_delta.md says: sum_j P (dP - D_stale) = (D_matched - D_stale) sum_j P
     matched = (mod["p"].double() * mod["dp"].double()).sum(-1) / mod["p"].double().sum(-1)
     predicted = (matched - kern["delta"].double()) * mod["p"].double().sum(-1)
     assert rel_err(kern["ds_rowsum"], predicted) <= RECIPE_NOISE_FRACTION

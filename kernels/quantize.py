@@ -19,11 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
+from dmref.emulation import get_format
+
 from ._common import exp2_int, pow2_down_exponent, to_fp8
 from ._runtime import interpreting
 from .config import QUANT_BLOCK
 
-_TORCH_FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+#: The FP8 formats of the kernels' casts (``_common.to_fp8``); their torch dtypes are the formats'
+#: own (``Format.torch_dtype``).
+FORMATS = ("float8_e4m3fn", "float8_e5m2")
 
 
 @dataclass
@@ -105,13 +109,13 @@ def quantize(
     """
     if x.ndim != 4:
         raise ValueError(f"x must be (B, H, N, D), got shape {tuple(x.shape)}")
-    if fmt not in _TORCH_FP8:
-        raise ValueError(f"fmt={fmt!r} must be one of {sorted(_TORCH_FP8)}")
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt={fmt!r} must be one of {list(FORMATS)}")
     bsz, heads, n, d = x.shape
     if d not in (64, 128):
         raise ValueError(f"head dim {d=} must be 64 or 128")
     npad = triton.cdiv(n, QUANT_BLOCK) * QUANT_BLOCK
-    dtype = _TORCH_FP8[fmt]
+    dtype = get_format(fmt).torch_dtype
     dev = x.device
     out = Quantized(n=n)
     dummy8 = torch.empty(1, device=dev, dtype=dtype)

@@ -39,7 +39,7 @@ import torch
 
 from . import probe as _probe
 
-__all__ = ["CASE_SETS", "DEFAULT_HEAD_DIM", "LAYOUTS", "OTHER_HEAD_DIM", "Case", "as_layout", "extreme_magnitude",
+__all__ = ["CASE_SETS", "DEFAULT_CASES", "DEFAULT_HEAD_DIM", "MAX_SEED", "LAYOUTS", "OTHER_HEAD_DIM", "Case", "as_layout", "extreme_magnitude",
            "make_cases"]
 
 #: the head dim of every case but ``other_head_dim`` when the caller gives none
@@ -279,9 +279,49 @@ def extreme_magnitude(dtype: torch.dtype) -> float:
     return 2.0 ** (min(e, 128) // 4)
 
 
-#: The case sets by name; ``quick`` is what the test suites run, ``standard`` what ``dmref
-#: check`` runs by default, ``thorough`` adds size.
+#: The case sets by name: ``quick`` for a fast look, ``standard`` the default everywhere
+#: (:data:`DEFAULT_CASES`), ``thorough`` adds size.
 CASE_SETS = ("quick", "standard", "thorough")
+#: The one default case set of :func:`dmref.oracle.check`, ``dmref check`` and the pytest
+#: fixture ``dmref_oracle``.
+DEFAULT_CASES = "standard"
+
+#: case i of a set draws from a generator seeded ``seed * _SEED_STRIDE + i``
+_SEED_STRIDE = 1000
+#: the largest ``seed``: torch's generators take seeds below 2^64, and case i uses
+#: ``seed * 1000 + i``
+MAX_SEED = (2**64 - 1 - (_SEED_STRIDE - 1)) // _SEED_STRIDE
+
+
+def check_seed(seed) -> int:
+    """``seed`` as an int in [0, :data:`MAX_SEED`]; TypeError or ValueError naming it."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed={seed!r} must be an int (the cases' generators take integers), not "
+                        f"{type(seed).__name__}")
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed={seed} must be in [0, {MAX_SEED}] (torch's generators take seeds below 2^64; "
+                         f"case i is seeded seed * {_SEED_STRIDE} + i)")
+    return seed
+
+
+def check_head_dim(head_dim) -> int | None:
+    """``head_dim`` as an even int >= 16, or None; TypeError or ValueError naming it."""
+    if head_dim is None:
+        return None
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int):
+        raise TypeError(f"head_dim={head_dim!r} must be an int, not {type(head_dim).__name__}")
+    if head_dim < _probe.GROUP or head_dim % 2:
+        raise ValueError(f"{head_dim=} must be even and at least {_probe.GROUP} (the probe's two null channels "
+                         f"live in an aligned group of {_probe.GROUP})")
+    return head_dim
+
+
+def check_bool(name: str, value) -> bool:
+    """``value`` if it is a bool; TypeError naming it otherwise (a string such as "no" is not
+    taken for a truth value)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be True or False, not {type(value).__name__}")
+    return value
 
 
 def make_cases(size: str = "standard", *, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
@@ -293,9 +333,9 @@ def make_cases(size: str = "standard", *, dtype: torch.dtype = torch.bfloat16, s
     :data:`OTHER_HEAD_DIM`."""
     if size not in CASE_SETS:
         raise ValueError(f"unknown case set {size!r}; known: {', '.join(CASE_SETS)}")
-    if head_dim is not None and (head_dim < _probe.GROUP or head_dim % 2):
-        raise ValueError(f"{head_dim=} must be even and at least {_probe.GROUP} (the probe's two null channels "
-                         f"live in an aligned group of {_probe.GROUP})")
+    head_dim = check_head_dim(head_dim)
+    seed = check_seed(seed)
+    check_bool("probe", probe)
     specs = _specs(size)
     # each case is seeded by its place in the full list, so a case picked by name sees the same inputs
     position = {s.name: i for i, s in enumerate(specs)}
@@ -304,14 +344,18 @@ def make_cases(size: str = "standard", *, dtype: torch.dtype = torch.bfloat16, s
         unknown = [n for n in names if n not in by_name]
         if unknown:
             raise ValueError(f"unknown case names {unknown}; known: {', '.join(by_name)}")
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"case {', '.join(map(repr, twice))} named more than once: each case runs once "
+                             "(a case's inputs are fixed by the seed, so a second run would check the same problem)")
         specs = [by_name[n] for n in names]
     cases = []
     for s in specs:
         i = position[s.name]
         d = head_dim or s.head_dim
-        g = torch.Generator().manual_seed(seed * 1000 + i)
+        g = torch.Generator().manual_seed(seed * _SEED_STRIDE + i)
         if s.make == "realistic":
-            q, k, v, dout = _realistic(g, s.batch, s.heads, s.seqlen_q, d, seed=seed * 1000 + i)
+            q, k, v, dout = _realistic(g, s.batch, s.heads, s.seqlen_q, d, seed=seed * _SEED_STRIDE + i)
         elif s.make == "outliers":
             q, k, v, dout = _outliers(g, s.batch, s.heads, s.seqlen_q, d)
         elif s.make == "gqa":

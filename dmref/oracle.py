@@ -61,7 +61,7 @@ import torch
 
 from . import diagnostics, probe as _probe, reference
 from .emulation.constants import U_FP32, U_WGMMA
-from ._oracle_cases import CASE_SETS, Case, make_cases
+from ._oracle_cases import CASE_SETS, DEFAULT_CASES, Case, check_bool, check_head_dim, check_seed, make_cases
 
 __all__ = [
     "AGREEMENT_FRACTION",
@@ -69,12 +69,18 @@ __all__ = [
     "OPTIONAL_FEATURES",
     "ROWSUM_SAMPLING_SIGMAS",
     "CASE_SETS",
+    "DEFAULT_CASES",
+    "DTYPE_NAMES",
+    "MAX_TIMEOUT",
     "Case",
     "CaseResult",
     "Check",
     "OracleReport",
     "baseline_recipe",
     "check",
+    "check_timeout",
+    "device_problem",
+    "resolve_dtype",
     "emulated",
     "gqa_kwargs",
     "make_cases",
@@ -292,6 +298,78 @@ class OracleReport:
         if not self.failed:
             lines.append("  no check ran")
         raise AssertionError("\n".join(lines))
+
+
+# ==============================================================================================
+# Options
+# ==============================================================================================
+
+#: dtype names :func:`check` (and ``dmref check --dtype``, the marker's ``dtype=``) accept
+DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+               "fp32": torch.float32, "float32": torch.float32, "fp64": torch.float64, "float64": torch.float64}
+
+#: The longest per-case timeout: the runner waits on a worker thread with
+#: ``threading.Thread.join(timeout)``, which takes at most ``threading.TIMEOUT_MAX`` seconds
+#: (longer waits overflow the C timer: a ValueError or, through the CLI, an abort).
+MAX_TIMEOUT = __import__("threading").TIMEOUT_MAX
+
+
+def resolve_dtype(dtype) -> torch.dtype:
+    """A torch floating dtype from a dtype or one of :data:`DTYPE_NAMES` (``"torch.float16"``
+    too); TypeError naming the value otherwise."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPE_NAMES.values():
+            return dtype
+    elif isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        if name in DTYPE_NAMES:
+            return DTYPE_NAMES[name]
+    raise TypeError(f"dtype={dtype!r}: the oracle has a baseline for {', '.join(DTYPE_NAMES)} "
+                    "(or the torch dtypes of those names)")
+
+
+def check_timeout(timeout) -> float | None:
+    """``timeout`` as a float in (0, :data:`MAX_TIMEOUT`], or None; TypeError or ValueError
+    naming it."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout={timeout!r} must be a number of seconds, not {type(timeout).__name__}")
+    if not 0 < timeout <= MAX_TIMEOUT:
+        raise ValueError(f"timeout={timeout!r} must be a finite number of seconds in (0, {MAX_TIMEOUT:.0f}] "
+                         "(threading.TIMEOUT_MAX: the longest wait the runner's worker thread can make)")
+    return float(timeout)
+
+
+def _check_accumulation_u(u) -> float | None:
+    if u is None:
+        return None
+    if isinstance(u, bool) or not isinstance(u, (int, float)):
+        raise TypeError(f"accumulation_u={u!r} must be a number, not {type(u).__name__}")
+    if not 0 < u < 1:
+        raise ValueError(f"accumulation_u={u!r} must be a unit roundoff in (0, 1) (float32: 2^-24, the Hopper FP8 "
+                         "accumulation: 2^-13)")
+    return float(u)
+
+
+def device_problem(device) -> str | None:
+    """Why fn cannot run on ``device`` here, or None when it can: the device must exist and
+    hold data that can be read back to the CPU (``meta`` holds none)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError) as e:
+        return f"device {device!r} is not a torch device ({e})"
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        return (f"device {device!r}: no CUDA device on this machine (torch.cuda.is_available() is False, torch "
+                f"{torch.__version__}); accepted here: cpu")
+    try:
+        back = torch.ones(2, device=dev).sum().cpu().item()
+    except Exception as e:  # noqa: BLE001 - whatever torch says about the device
+        return (f"device {device!r} cannot run an implementation here (the oracle computes on it and reads the "
+                f"results back): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    if back != 2.0:
+        return f"device {device!r} computed 1 + 1 = {back}"
+    return None
 
 
 # ==============================================================================================
@@ -530,7 +608,7 @@ def _check_require(require) -> frozenset:
     return require
 
 
-def check(fn, *, recipe=None, cases="standard", dtype: torch.dtype = torch.bfloat16, device="cpu",
+def check(fn, *, recipe=None, cases=DEFAULT_CASES, dtype: torch.dtype | str = torch.bfloat16, device="cpu",
           seed: int = 0, probe: bool = True, accumulation_u: float | None = None, progress=None,
           target: str | None = None, head_dim: int | None = None, require=(),
           timeout: float | None = None) -> OracleReport:
@@ -540,22 +618,31 @@ def check(fn, *, recipe=None, cases="standard", dtype: torch.dtype = torch.bfloa
         fn: a differentiable attention (module docstring: what fn must be).
         recipe: a :class:`dmref.recipes.Recipe` or preset name the implementation claims to
             implement (``"naive_fp8@hopper"`` ...), or None: exact attention at ``dtype``'s bounds.
-        cases: a case-set name (``"quick"``, ``"standard"``, ``"thorough"``), a list of case
-            names of the standard set, or a list of :class:`Case`.
-        dtype: the input dtype (bfloat16 by default; every case is rounded to it).
-        device: where fn runs (the reference runs on the CPU in float64).
-        probe: measure the row-sum residual with :mod:`dmref.probe` (one more fn call per case).
-        accumulation_u: unit roundoff of fn's dQ accumulation for the probe's error bound
-            (default: 2^-13, the Hopper FP8 tensor core's 13 kept fractional bits, when the
-            claimed recipe feeds FP8 dS and K to the dQ matmul; else float32's 2^-24).
+        cases: a case-set name (``"quick"``, ``"standard"`` (the default,
+            :data:`DEFAULT_CASES`), ``"thorough"``), a list of case names of the standard set
+            (each at most once), or a list of :class:`Case`.
+        dtype: the input dtype (bfloat16 by default; every case is rounded to it): a torch
+            floating dtype or one of the names ``dmref check --dtype`` takes
+            (:data:`DTYPE_NAMES`: ``"bf16"``, ``"float16"``, ...).
+        device: where fn runs (the reference runs on the CPU in float64); a device that
+            cannot hold and return data here (``"meta"``, ``"cuda"`` without a GPU) is
+            refused (ValueError).
+        probe: measure the row-sum residual with :mod:`dmref.probe` (one more fn call per
+            case); True or False only.
+        accumulation_u: unit roundoff of fn's dQ accumulation for the probe's error bound, a
+            number in (0, 1) (default: 2^-13, the Hopper FP8 tensor core's 13 kept fractional
+            bits, when the claimed recipe feeds FP8 dS and K to the dQ matmul; else float32's
+            2^-24).
         progress: called as ``progress(case_name, index, total)`` before each case.
         target: the name shown in the report (default: fn's module and name).
         head_dim: every case at this head dim (cases given by name or set only); None: 64,
             and 96 for the ``other_head_dim`` case.
         require: optional features (:data:`OPTIONAL_FEATURES`) fn must do: a case exercising
             one fails instead of being reported unsupported.
-        timeout: seconds per case (fn's calls and the oracle's work on that case); a case that
-            takes longer fails ``runs`` and the remaining cases are not run.
+        timeout: seconds per case (fn's calls and the oracle's work on that case), a finite
+            number in (0, :data:`MAX_TIMEOUT`]; a case that takes longer fails ``runs`` and the
+            remaining cases are not run.
+        seed: an int in [0, :data:`dmref._oracle_cases.MAX_SEED`].
 
     Returns:
         :class:`OracleReport`; ``report.raise_for_failures()`` turns it into an assertion.
@@ -564,8 +651,15 @@ def check(fn, *, recipe=None, cases="standard", dtype: torch.dtype = torch.bfloa
 
     takes_mask = validate_signature(fn)
     claimed = get_recipe(recipe) if recipe is not None else None
-    if timeout is not None and not timeout > 0:
-        raise ValueError(f"{timeout=} must be a positive number of seconds")
+    dtype = resolve_dtype(dtype)
+    check_bool("probe", probe)
+    timeout = check_timeout(timeout)
+    accumulation_u = _check_accumulation_u(accumulation_u)
+    check_seed(seed)
+    check_head_dim(head_dim)
+    problem = device_problem(device)
+    if problem:
+        raise ValueError(problem)
     plan = _Plan(claimed if claimed is not None else baseline_recipe(dtype), claimed,
                  claimed.with_accumulation("exact") if claimed is not None else None, dtype, device, takes_mask,
                  probe, _dq_accumulation_u(claimed) if accumulation_u is None else accumulation_u,

@@ -85,20 +85,34 @@ def _import_cudnn():
     return cudnn
 
 
-def require_cudnn_fp8(device=None):
-    """Raise :class:`TargetUnavailable` unless the frontend imports and ``device`` (default: the
-    current CUDA device) is a CUDA GPU of compute capability 9.x; return the ``cudnn`` module."""
-    cudnn = _import_cudnn()
+def _gpu_problem(device) -> str | None:
+    """What is missing on the GPU side for ``device`` (None: the current CUDA device), or None."""
     if not torch.cuda.is_available():
-        raise TargetUnavailable("dmref.targets.cudnn_fp8 needs a CUDA GPU of compute capability 9.0 (torch sees none)")
+        return "a CUDA GPU of compute capability 9.0 (Hopper; torch sees no CUDA device)"
     device = torch.device("cuda") if device is None else torch.device(device)
     if device.type != "cuda":
-        raise TargetUnavailable(f"dmref.targets.cudnn_fp8 needs CUDA tensors (got device {device}; run the oracle "
-                                "with --device cuda)")
+        return f"CUDA tensors on a GPU of compute capability 9.0 (got device {device}; run the oracle with --device cuda)"
     cc = torch.cuda.get_device_capability(device)
     if cc[0] != 9:
-        raise TargetUnavailable(f"dmref.targets.cudnn_fp8 needs a CUDA GPU of compute capability 9.0 (Hopper), got "
-                                f"{cc[0]}.{cc[1]} ({torch.cuda.get_device_name(device)})")
+        return (f"a CUDA GPU of compute capability 9.0 (Hopper), got {cc[0]}.{cc[1]} "
+                f"({torch.cuda.get_device_name(device)})")
+    return None
+
+
+def require_cudnn_fp8(device=None):
+    """Raise :class:`TargetUnavailable` unless the frontend imports and ``device`` (default: the
+    current CUDA device) is a CUDA GPU of compute capability 9.x; the message names everything
+    missing (the frontend and the GPU). Returns the ``cudnn`` module."""
+    missing, cudnn = [], None
+    try:
+        cudnn = _import_cudnn()
+    except TargetUnavailable as e:
+        missing.append(str(e).removeprefix("dmref.targets.cudnn_fp8 needs ").removeprefix("dmref.targets.cudnn_fp8: "))
+    gpu = _gpu_problem(device)
+    if gpu:
+        missing.append(gpu)
+    if missing:
+        raise TargetUnavailable("dmref.targets.cudnn_fp8 needs " + "; and ".join(missing))
     return cudnn
 
 

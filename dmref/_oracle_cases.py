@@ -39,8 +39,8 @@ import torch
 
 from . import probe as _probe
 
-__all__ = ["CASE_SETS", "DEFAULT_CASES", "DEFAULT_HEAD_DIM", "MAX_SEED", "LAYOUTS", "OTHER_HEAD_DIM", "Case", "as_layout", "extreme_magnitude",
-           "make_cases"]
+__all__ = ["CASE_SETS", "DEFAULT_CASES", "DEFAULT_HEAD_DIM", "MAX_SEED", "LAYOUTS", "OTHER_HEAD_DIM", "Case", "as_layout",
+           "extreme_magnitude", "make_cases", "representable"]
 
 #: the head dim of every case but ``other_head_dim`` when the caller gives none
 DEFAULT_HEAD_DIM = 64
@@ -144,17 +144,18 @@ def _realistic(g, b, h, n, d, *, seed):
     return tuple(t.to(torch.float64) for t in (q, k, v, dout))
 
 
-def _outliers(g, b, h, n, d):
-    """Massive activations: two channels of K and V 2^14 times larger than the rest (LLMs show
-    outliers of ~10^4; Q's matching channels 2^-14 smaller, so the logits stay moderate).
+def _outliers(g, b, h, n, d, factor):
+    """Massive activations: two channels of K and V ``factor`` times larger than the rest (2^14
+    where the dtype allows: LLMs show outliers of ~10^4; Q's matching channels 1/factor smaller,
+    so the logits stay moderate).
     E4M3 blocks along the head dim then push the other channels of a token into the subnormal
     range (spacing 2^-9 of a scale set by the outlier: ~0.1 absolute); blocks along the
     sequence keep them normal. This case tells quantization axes apart."""
     q, k, v = _randn(g, b, h, n, d), _randn(g, b, h, n, d), _randn(g, b, h, n, d)
     big = [d // 4 - 1, 3 * d // 4 - 1]
-    k[..., big] *= 2.0**14
-    v[..., big] *= 2.0**14
-    q[..., big] *= 2.0**-14
+    k[..., big] *= factor
+    v[..., big] *= factor
+    q[..., big] /= factor
     return q, k, v, _token_scaled_dout(g, b, h, n, d, 1.0)
 
 
@@ -204,7 +205,7 @@ class _Spec:
     head_dim: int
     causal: bool
     make: str  # generator name
-    scale_factor: float = 1.0  # scale = scale_factor / sqrt(head_dim)
+    scale_factor: float | None = 1.0  # scale = scale_factor / sqrt(head_dim); None: 1 / (q's x k's magnitude)
     magnitude: tuple[float, float, float, float] = (1.0, 1.0, 1.0, 1.0)  # q, k, v, dout multipliers
     masked_rows: bool = False  # boolean mask, every 7th row fully masked
     additive_mask: bool = False  # floating mask (see _additive_mask)
@@ -224,7 +225,7 @@ def _specs(size: str) -> list[_Spec]:
         _Spec("realistic", "outlier channels x3/x8, sink key, peaked rows (dmref.demo)", 1, h, n, n, d, False, "realistic",
               tags=("realistic",)),
         _Spec("realistic_causal", "as realistic, causal", 1, h, n, n, d, True, "realistic", tags=("realistic", "causal")),
-        _Spec("outlier_channels", "two channels of K and V x2^14 (Q's x2^-14), causal", 1, h, n, n, d, True, "outliers",
+        _Spec("outlier_channels", "two channels of K and V x2^14 (Q's x2^-14; float16: 2^4, its extreme magnitude), causal", 1, h, n, n, d, True, "outliers",
               tags=("adversarial", "causal")),
         _Spec("peaked_rows", "scale 8/sqrt(d): logits of standard deviation 8, rows close to one-hot", 1, h, n, n, d, False, "gaussian",
               scale_factor=8.0, tags=("adversarial",)),
@@ -236,8 +237,9 @@ def _specs(size: str) -> list[_Spec]:
               tags=("adversarial", "causal")),
         _Spec("cross_tail", "113 queries x 203 keys, not causal", 1, h, 113, 203, d, False, "gaussian",
               tags=("adversarial", "cross")),
-        _Spec("large_values", "q, k x2^6 (scale / 2^12 keeps logits moderate), v, dO x2^10", 1, h, n, n, d, False,
-              "gaussian", scale_factor=2.0**-12, magnitude=(2.0**6, 2.0**6, 2.0**10, 2.0**10), tags=("adversarial",)),
+        _Spec("large_values", "q, k x2^6 (scale / 2^12 keeps logits moderate), v, dO x2^10 (each capped at the "
+              "dtype's extreme magnitude: float16 2^4)", 1, h, n, n, d, False,
+              "gaussian", scale_factor=None, magnitude=(2.0**6, 2.0**6, 2.0**10, 2.0**10), tags=("adversarial",)),
         _Spec("small_values", "v, dO x2^-12", 1, h, n, n, d, True, "gaussian", magnitude=(1.0, 1.0, 2.0**-12, 2.0**-12),
               tags=("adversarial", "causal")),
         _Spec("fully_masked_rows", "boolean mask with every 7th query row fully masked (needs fn(..., mask=))", 1, h, n, n,
@@ -277,6 +279,28 @@ def extreme_magnitude(dtype: torch.dtype) -> float:
     bfloat16, float32, float64: m = 2^32)."""
     e = math.frexp(torch.finfo(dtype).max)[1]  # the largest binary exponent + 1: 128 for float32, 16 for float16
     return 2.0 ** (min(e, 128) // 4)
+
+
+def representable(case: Case) -> str:
+    """Why ``case`` is not representable in its dtype, or "" when it is: every input, the exact
+    output and gradients, and the exact dS = P (dP - D) (which an implementation in the dtype
+    rounds to it, as FlashAttention rounds dS; dP = dO Vᵀ itself stays in float32
+    accumulation) are at most half the dtype's largest finite value (one binade of headroom: a
+    rounding error cannot overflow)."""
+    from . import reference
+
+    limit = torch.finfo(case.q.dtype).max / 2
+    q, k, v, do = (t.to(torch.float64) for t in (case.q, case.k, case.v, case.dout))
+    out, lse, dq, dk, dv = reference.attention_ref(q, k, v, do, causal=case.causal, scale=case.scale, mask=case.mask)
+    groups = q.shape[1] // k.shape[1]
+    p = torch.exp(reference.scores(q, k, reference.check_attention_inputs(q, k, v, scale=case.scale, mask=case.mask),
+                                   case.causal, case.mask) - torch.where(torch.isinf(lse), math.inf, lse)[..., None])
+    dp = do @ reference.expand_kv(v, groups).transpose(-1, -2)
+    ds = p * (dp - (do * out).sum(-1, keepdim=True))
+    values = {"q": q, "k": k, "v": v, "dO": do, "out": out, "dq": dq, "dk": dk, "dv": dv, "dS": ds}
+    over = {n: t.abs().max().item() for n, t in values.items() if not t.abs().max().item() <= limit}
+    return ", ".join(f"max |{n}| = {x:.3g}" for n, x in over.items()) + (
+        f" beyond half of {case.q.dtype}'s largest value ({limit:.3g})" if over else "")
 
 
 #: The case sets by name: ``quick`` for a fast look, ``standard`` the default everywhere
@@ -357,13 +381,16 @@ def make_cases(size: str = "standard", *, dtype: torch.dtype = torch.bfloat16, s
         if s.make == "realistic":
             q, k, v, dout = _realistic(g, s.batch, s.heads, s.seqlen_q, d, seed=seed * _SEED_STRIDE + i)
         elif s.make == "outliers":
-            q, k, v, dout = _outliers(g, s.batch, s.heads, s.seqlen_q, d)
+            q, k, v, dout = _outliers(g, s.batch, s.heads, s.seqlen_q, d, min(2.0**14, extreme_magnitude(dtype)))
         elif s.make == "gqa":
             q, k, v, dout = _gqa(g, s.batch, s.heads, s.kv_heads, s.seqlen_q, s.seqlen_k, d)
         else:
             q, k, v, dout = _gaussian(g, s.batch, s.heads, s.seqlen_q, s.seqlen_k, d)
         m = extreme_magnitude(dtype) ** s.extreme
-        q, k, v, dout = (t * f * m for t, f in zip((q, k, v, dout), s.magnitude))
+        # a magnitude multiplier above the dtype's extreme magnitude is capped there (float16:
+        # 2^4), so that every quantity of the case stays representable (:func:`representable`)
+        factors = [min(f, extreme_magnitude(dtype)) for f in s.magnitude]
+        q, k, v, dout = (t * f * m for t, f in zip((q, k, v, dout), factors))
         q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
         mask = None
         if s.masked_rows:
@@ -375,6 +402,7 @@ def make_cases(size: str = "standard", *, dtype: torch.dtype = torch.bfloat16, s
         setup = None
         if probe and d >= _probe.GROUP:
             q, k, setup = _probe.prepare(q, k)
-        scale = s.scale_factor * m**-2 / math.sqrt(d)
+        scale_factor = s.scale_factor if s.scale_factor is not None else 1 / (factors[0] * factors[1])
+        scale = scale_factor * m**-2 / math.sqrt(d)
         cases.append(Case(s.name, s.description, q, k, v, dout, s.causal, scale, mask, setup, s.tags, s.layout))
     return cases

@@ -60,7 +60,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from . import diagnostics, probe as _probe, reference
-from .emulation.constants import U_FP32, U_WGMMA
+from .emulation.constants import U_FP32, U_FP64, U_WGMMA
 from ._oracle_cases import CASE_SETS, DEFAULT_CASES, Case, check_bool, check_head_dim, check_seed, make_cases
 
 __all__ = [
@@ -82,6 +82,7 @@ __all__ = [
     "device_problem",
     "resolve_dtype",
     "emulated",
+    "floor_unit_roundoff",
     "gqa_kwargs",
     "make_cases",
     "rounding_allowance",
@@ -466,7 +467,16 @@ class _Exact:
     stale_per_u: dict  #: check name -> per-element allowance of a delta from the rounded O, per unit of u_out
 
 
+def floor_unit_roundoff(dtype: torch.dtype) -> float:
+    """The unit roundoff of the arithmetic the floor of the error checks allows: float32's 2^-24
+    (every attention in bfloat16, float16 or float32 may accumulate in float32), float64's
+    2^-53 for float64 inputs: a float64 claim is a claim to compute in float64, and an
+    implementation that computes in float32 fails it."""
+    return U_FP64 if dtype == torch.float64 else U_FP32
+
+
 def _exact(case: Case) -> _Exact:
+    u_floor = floor_unit_roundoff(case.q.dtype)
     q, k, v, do = (_cpu64(t) for t in (case.q, case.k, case.v, case.dout))
     mask = case.mask
     out, lse, dq, dk, dv = reference.attention_ref(q, k, v, do, causal=case.causal, scale=case.scale, mask=mask)
@@ -488,7 +498,7 @@ def _exact(case: Case) -> _Exact:
         "dk": reference.reduce_kv(tau * (w.transpose(-1, -2) @ q.abs()), g),
         "dv": reference.reduce_kv(p.transpose(-1, -2) @ do.abs(), g),
     }
-    bounds = diagnostics.attention_error_bound(q, k, v, do, u=U_FP32, causal=case.causal, scale=case.scale,
+    bounds = diagnostics.attention_error_bound(q, k, v, do, u=u_floor, causal=case.causal, scale=case.scale,
                                                mask=mask, n_tiles=k.shape[-2])
     kbar, _ = reference.attention_forward(q, k, k, causal=case.causal, scale=case.scale, mask=mask)
     # a delta from the output rounded to the dtype: |D_i - D*_i| <= u_out a_i with
@@ -732,6 +742,11 @@ def _run_case(fn, case, plan, cr, timeout):
     return result["checks"]
 
 
+def _exit_detail(e: BaseException) -> str:
+    return (f"fn raised {type(e).__name__}({', '.join(map(repr, e.args))}): an attention call that tries to end "
+            "the process fails its case (the oracle goes on)")
+
+
 def _unsupported(case, plan, detail) -> Check | None:
     """An ``unsupported`` runs check when the case exercises an optional feature that is not
     required, else None."""
@@ -748,8 +763,12 @@ def _check_case(fn, case, plan, cr) -> list[Check]:
         return [_unsupported(case, plan, detail) or Check(case.name, "runs", False, detail=detail + " (required)")]
     try:
         got = _call(fn, case, plan.device)
-    except Exception as e:  # noqa: BLE001 - any failure of the implementation is a finding
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - any failure of the implementation is a finding
         detail = f"{type(e).__name__}: {e}"
+        if not isinstance(e, Exception):  # SystemExit and the like: fn tried to end the process
+            return [Check(case.name, "runs", False, detail=_exit_detail(e))]
         if isinstance(e, TargetUnavailable) and not isinstance(e, NotImplementedError):
             raise
         if _is_device_fault(e):  # a crash, never an unsupported feature
@@ -828,11 +847,12 @@ def _rowsum_bound(case, plan, rel_base: torch.Tensor, noise: float) -> float:
     base_rms = _rms(rel_base)
     if plan.claimed is None:
         # the float32 floor every correct float32-accumulating implementation may reach (as the
-        # error checks count only the excess over the rigorous float32 bound): per row, relative
-        # to A_i, |1 - sigma_i| + gamma_c sigma_i + 2 gamma_2 with D summed over at most n keys
-        # of P V and d channels of dO O: below gamma_{2n + d + 4}
-        n_keys, head_dim = case.k.shape[-2], case.q.shape[-1]
-        return BASELINE_FACTOR * base_rms + noise + diagnostics.gamma(2 * n_keys + head_dim + 4, U_FP32)
+        # error checks count only the excess over the rigorous float32 bound; float64's for a
+        # float64 claim): per row, relative to A_i, |1 - sigma_i| + gamma_c sigma_i + 2 gamma_2
+        # with D summed over at most n keys of P V and d channels of dO O: below gamma_{2n + d + 4}
+        n_keys, head_dim = case.k.shape[-2], case.v.shape[-1]
+        u_floor = floor_unit_roundoff(plan.dtype)
+        return BASELINE_FACTOR * base_rms + noise + diagnostics.gamma(2 * n_keys + head_dim + 4, u_floor)
     return base_rms * (1 + ROWSUM_SAMPLING_SIGMAS * _rms_sampling_rel_std(rel_base)) + noise
 
 
@@ -845,8 +865,11 @@ def _rowsum_check(fn, case, plan, ex, got, base_rows, cr) -> Check:
             case.probe, causal=case.causal, scale=case.scale,
             mask=case.mask.to(device) if case.mask is not None else None, base=got,
             abs_ds_bound=2 * ex.abs_ds, u_acc=plan.u_acc, leaf=case.leaf)
-    except Exception as e:  # noqa: BLE001
-        return Check(case.name, "rowsum", False, detail=f"probe run failed: {type(e).__name__}: {e}")
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - SystemExit included: any exit of fn fails the check
+        detail = _exit_detail(e) if not isinstance(e, Exception) else f"{type(e).__name__}: {e}"
+        return Check(case.name, "rowsum", False, detail=f"probe run failed: {detail}")
     active = ex.abs_pdp > 0
     a = ex.abs_pdp[active]
     rel = pr.residual.cpu()[active] / a

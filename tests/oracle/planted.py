@@ -34,6 +34,7 @@ from dataclasses import replace
 import torch
 
 from dmref import emulation, recipes, tiled
+from dmref.oracle import sdpa_math
 from dmref.emulation import Block, dequantize_blocked, quantize_blocked
 
 E4M3 = emulation.get_format("float8_e4m3fn")
@@ -317,3 +318,21 @@ def hangs(q, k, v, *, causal=False, scale=None):
 
     time.sleep(3600)
     return q
+
+
+# ----------------------------------------------------------------------------------------------
+# Verdicts that must hold in every dtype, and any exit of fn
+# ----------------------------------------------------------------------------------------------
+
+
+def float32_inside(q, k, v, *, causal=False, scale=None, mask=None):
+    """torch's SDPA math backend on float32 copies of the inputs, the output cast back to the
+    input dtype: right for bfloat16, float16 and float32, a silent downcast for float64."""
+    out = sdpa_math(q.float(), k.float(), v.float(), causal=causal, scale=scale,
+                    mask=mask.float() if mask is not None and mask.is_floating_point() else mask)
+    return out.to(q.dtype)
+
+
+def exits(q, k, v, *, causal=False, scale=None):
+    """Ends the process with status 0 instead of returning: the oracle must fail the case."""
+    raise SystemExit(0)

@@ -180,18 +180,53 @@ def _gqa(g, b, h, hkv, nq, nk, d):
     return q, k, v, _token_scaled_dout(g, b, h, nq, d, 1.0)
 
 
-def _additive_mask(g, h, nq, nk) -> torch.Tensor:
-    """(1, h, nq, nk) float64: ALiBi-like -slope_h |i - j| with slope_h = 2^-(4 + h) (one
-    power-of-two slope per head), a random 10% of the positions -inf, and every 9th query row
-    all -inf (row 0 included)."""
+def _additive_mask(g, b, h, nq, nk) -> torch.Tensor:
+    """(b, h, nq, nk) float64: ALiBi-like -slope_h |i - j| with slope_h = 2^-(4 + h) (one
+    power-of-two slope per head), a random 10% of the positions -inf (drawn for each batch
+    element and head), and every 9th query row all -inf (row 0 included) in batch element 0,
+    shifted by one row in each further element."""
     i = torch.arange(nq, dtype=torch.float64)[:, None]
     j = torch.arange(nk, dtype=torch.float64)[None, :]
     slopes = 2.0 ** -(4.0 + torch.arange(h, dtype=torch.float64))
-    bias = -slopes[:, None, None] * (i - j).abs()
-    drop = torch.rand(h, nq, nk, generator=g, dtype=torch.float64) < 0.1
+    bias = (-slopes[:, None, None] * (i - j).abs()).expand(b, h, nq, nk).clone()
+    drop = torch.rand(b, h, nq, nk, generator=g, dtype=torch.float64) < 0.1
     bias = bias.masked_fill(drop, -math.inf)
-    bias[:, ::9, :] = -math.inf
-    return bias[None]
+    for e in range(b):
+        bias[e, :, e::9, :] = -math.inf
+    return bias
+
+
+def _boolean_mask(g, b, nq, nk) -> torch.Tensor:
+    """(b, 1, nq, nk) boolean: a random 70% of the positions kept, drawn for each batch element
+    (one mask for all heads: it broadcasts), and every 7th query row fully masked, starting at
+    row e in batch element e."""
+    keep = torch.rand(b, 1, nq, nk, generator=g) < 0.7
+    for e in range(b):
+        keep[e, :, e::7] = False
+    return keep
+
+
+def _spikes(g, b, h, nq, nk, d, positions):
+    """Gaussian q, k, v, dO in which batch element e has one key, ``positions[e]``, whose logit
+    is 2^7 above the others' (|logits| of order 1 elsewhere: beyond exp's float32 range, 88.7,
+    unless the row maximum includes that key). Queries share a mean direction mu (|mu| =
+    sqrt(d)) with their noise orthogonal to it, and the spike key is 2^7 mu / |mu|, so that
+    its scaled logit tau q_i . k = 2^7 in every row."""
+    mu = _randn(g, b, h, 1, d)
+    mu = mu / mu.norm(dim=-1, keepdim=True)
+    noise = _randn(g, b, h, nq, d)
+    noise = noise - (noise * mu).sum(-1, keepdim=True) * mu
+    q = math.sqrt(d) * mu + noise
+    k = _randn(g, b, h, nk, d)
+    for e, j in enumerate(positions):
+        k[e, :, j] = 2.0**7 * mu[e, :, 0]
+    return q, k, _randn(g, b, h, nk, d), _token_scaled_dout(g, b, h, nq, d, 1.0)
+
+
+#: where the spike key sits in each batch element of the ``extreme_positions`` case (203
+#: keys): in the first block of 64 keys, in the last full block of 64 (keys 128-191; in the
+#: tail of tiles of 128) and in the tail of every tile size (keys 192-202)
+SPIKE_POSITIONS = (5, 150, 200)
 
 
 @dataclass(frozen=True)
@@ -242,13 +277,14 @@ def _specs(size: str) -> list[_Spec]:
               "gaussian", scale_factor=None, magnitude=(2.0**6, 2.0**6, 2.0**10, 2.0**10), tags=("adversarial",)),
         _Spec("small_values", "v, dO x2^-12", 1, h, n, n, d, True, "gaussian", magnitude=(1.0, 1.0, 2.0**-12, 2.0**-12),
               tags=("adversarial", "causal")),
-        _Spec("fully_masked_rows", "boolean mask with every 7th query row fully masked (needs fn(..., mask=))", 1, h, n, n,
-              d, False, "gaussian", masked_rows=True, tags=("adversarial", "mask")),
+        _Spec("fully_masked_rows", "boolean mask, one per batch element, every 7th query row fully masked, "
+              "batch 2, 203 tokens, causal (needs fn(..., mask=))", 2, h, 203, 203,
+              d, True, "gaussian", masked_rows=True, tags=("adversarial", "mask", "causal")),
         _Spec("gqa", f"GQA: {4 * kv} query heads on {kv} key/value heads, outlier channels, causal", 1, 4 * kv, n, n,
               d, True, "gqa", kv_heads=kv, tags=("realistic", "causal", "gqa")),
-        _Spec("additive_mask", "float mask: ALiBi-like bias per head, 10% -inf, every 9th row all -inf (needs "
-              "fn(..., mask=))", 1, h, n, n, d, False, "gaussian", additive_mask=True,
-              tags=("adversarial", "mask", "additive")),
+        _Spec("additive_mask", "float mask: ALiBi-like bias per head, 10% -inf, every 9th row all -inf, one mask "
+              "per batch element and head, batch 2, 113 queries x 203 keys (needs fn(..., mask=))", 2, h, 113, 203, d,
+              False, "gaussian", additive_mask=True, tags=("adversarial", "mask", "additive", "cross")),
         # appended (each case is seeded by its position: the cases above keep their inputs)
         _Spec("batch_heads", f"batch 3, {h + 1} heads, causal", 3, h + 1, n, n, d, True, "gaussian",
               tags=("axes", "causal")),
@@ -269,6 +305,9 @@ def _specs(size: str) -> list[_Spec]:
         _Spec("huge_logits", "scale 32/sqrt(d): logits of standard deviation 32, beyond exp's float32 range "
               "without the row maximum subtracted", 1, h, n, n, d, False, "gaussian", scale_factor=32.0,
               tags=("axes", "range")),
+        _Spec("extreme_positions", "one key per row with a logit 2^7 above the rest, at key 5 (first block), 150 "
+              "(last full block of 64) and 200 (tail) in batch elements 0, 1, 2; 77 queries x 203 keys", 3, h, 77, 203,
+              d, False, "spikes", tags=("axes", "range", "position", "cross")),
     ]
 
 
@@ -382,6 +421,8 @@ def make_cases(size: str = "standard", *, dtype: torch.dtype = torch.bfloat16, s
             q, k, v, dout = _realistic(g, s.batch, s.heads, s.seqlen_q, d, seed=seed * _SEED_STRIDE + i)
         elif s.make == "outliers":
             q, k, v, dout = _outliers(g, s.batch, s.heads, s.seqlen_q, d, min(2.0**14, extreme_magnitude(dtype)))
+        elif s.make == "spikes":
+            q, k, v, dout = _spikes(g, s.batch, s.heads, s.seqlen_q, s.seqlen_k, d, SPIKE_POSITIONS)
         elif s.make == "gqa":
             q, k, v, dout = _gqa(g, s.batch, s.heads, s.kv_heads, s.seqlen_q, s.seqlen_k, d)
         else:
@@ -394,11 +435,9 @@ def make_cases(size: str = "standard", *, dtype: torch.dtype = torch.bfloat16, s
         q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
         mask = None
         if s.masked_rows:
-            keep = torch.rand(s.seqlen_q, s.seqlen_k, generator=g) < 0.7
-            keep[::7] = False
-            mask = keep[None, None]
-        if s.additive_mask:
-            mask = _additive_mask(g, s.heads, s.seqlen_q, s.seqlen_k).to(dtype)  # on the dtype's grid, as q, k, v
+            mask = _boolean_mask(g, s.batch, s.seqlen_q, s.seqlen_k)
+        if s.additive_mask:  # on the dtype's grid, as q, k, v
+            mask = _additive_mask(g, s.batch, s.heads, s.seqlen_q, s.seqlen_k).to(dtype)
         setup = None
         if probe and d >= _probe.GROUP:
             q, k, setup = _probe.prepare(q, k)

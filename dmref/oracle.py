@@ -902,12 +902,27 @@ def gqa_kwargs(q, k) -> dict:
     return {"enable_gqa": True} if q.shape[-3] != k.shape[-3] else {}
 
 
+def causal_into_mask(q, k, mask, causal: bool):
+    """SDPA takes ``is_causal`` or ``attn_mask``, not both: with both, the causal mask (top-left
+    aligned, as SDPA's ``is_causal``: query i sees keys j <= i) folded into ``mask`` (boolean:
+    and-ed; floating: -inf where causal removes a position). Returns ``(mask, causal)`` for SDPA."""
+    if mask is None or not causal:
+        return mask, causal
+    nq, nk = q.shape[-2], k.shape[-2]
+    keep = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril()
+    if mask.dtype == torch.bool:
+        return mask & keep, False
+    return mask.masked_fill(~keep, -math.inf), False
+
+
 def sdpa_math(q, k, v, *, causal=False, scale=None, mask=None):
     """torch's scaled_dot_product_attention, math backend. ``mask``: boolean (True = attend) or
-    floating (added to the scaled scores); k, v may have fewer heads than q (GQA)."""
+    floating (added to the scaled scores), with ``causal`` too (:func:`causal_into_mask`); k, v
+    may have fewer heads than q (GQA)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention
 
+    mask, causal = causal_into_mask(q, k, mask, causal)
     with sdpa_kernel(SDPBackend.MATH):
         return scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                             **gqa_kwargs(q, k))
@@ -918,6 +933,7 @@ def sdpa(q, k, v, *, causal=False, scale=None, mask=None):
     :func:`sdpa_math`)."""
     from torch.nn.functional import scaled_dot_product_attention
 
+    mask, causal = causal_into_mask(q, k, mask, causal)
     return scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, **gqa_kwargs(q, k))
 
 

@@ -221,9 +221,9 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _plain(q, k, v, causal, scale, bug=None):
+def _plain(q, k, v, causal, scale, bug=None, mask=None):
     """softmax(scale Q Kᵀ) V in float32 through autograd, output in the input dtype, GQA by
-    repeat_interleave; ``bug`` plants one mistake."""
+    repeat_interleave, an optional boolean or additive mask; ``bug`` plants one mistake."""
     if bug == "layout":  # reads the storage as if the tensors were contiguous
         q, k, v = (t.as_strided(t.shape, _contiguous_strides(t.shape), t.storage_offset()) for t in (q, k, v))
     if bug == "offset":  # ignores the storage offset
@@ -244,16 +244,30 @@ def _plain(q, k, v, causal, scale, bug=None):
     channels = 64 if bug == "head_dim" else d  # the bug: one head-dim tile of 64 channels
     qk = q[..., :rows, :channels] @ k[..., :channels].transpose(-1, -2)
     s = scale * qk
-    if causal:
+    if mask is not None:
+        m = mask[:1] if bug == "mask_batch0" else mask  # the bug: batch element 0's mask for every element
+        # -inf through masked_fill, whose backward is zero there: fully masked rows (softmax
+        # NaN, zeroed below) then get zero gradients
+        removed = ~m if m.dtype == torch.bool else ~torch.isfinite(m)
+        if m.dtype != torch.bool:
+            s = s + torch.where(removed, 0.0, m.float())
+        s = s.masked_fill(removed, -math.inf)
+    if causal and not (bug == "mask_no_causal" and mask is not None):
         keep = torch.ones(rows, nk, dtype=torch.bool).tril(nk - nq)
         s = s.masked_fill(~keep, -math.inf)
     if bug == "tail":  # keys beyond the last full block of 64 are dropped
         s = s.masked_fill(torch.arange(nk) >= nk // 64 * 64, -math.inf) if nk >= 64 else s
-    if bug == "no_max":  # softmax without the row maximum subtracted
-        e = torch.exp(s)
+    if bug in ("no_max", "first_block_max", "full_blocks_max"):
+        # no_max: softmax without the row maximum subtracted; first_block_max: the maximum of
+        # the first 64 keys only (a running maximum never updated); full_blocks_max: the
+        # maximum of the full blocks of 64 keys only (the tail exponentiated against it)
+        width = {"no_max": 0, "first_block_max": 64, "full_blocks_max": nk // 64 * 64}[bug]
+        m = s[..., :width].amax(-1, keepdim=True).detach() if width else torch.zeros_like(s[..., :1])
+        e = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
         p = e / e.sum(-1, keepdim=True)
     else:
         p = torch.softmax(s, dim=-1)
+    p = p.nan_to_num(0.0) if mask is not None and bug not in ("no_max", "first_block_max", "full_blocks_max") else p
     out = (p.half() @ v.half()).float() if bug == "fp16_pv" else p @ v
     if rows < nq:
         out = torch.cat([out, out.new_zeros(*out.shape[:-2], nq - rows, out.shape[-1])], dim=-2)
@@ -272,18 +286,24 @@ class _DoutContiguous(torch.autograd.Function):
         return dout.as_strided(dout.shape, _contiguous_strides(dout.shape), dout.storage_offset())
 
 
-def _make_axis(bug):
-    def fn(q, k, v, *, causal=False, scale=None):
-        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-        if bug == "dout_layout":
-            return _DoutContiguous.apply(_plain(q, k, v, causal, scale))
-        return _plain(q, k, v, causal, scale, bug)
+def _make_axis(bug, *, takes_mask=False):
+    if takes_mask:
+        def fn(q, k, v, *, causal=False, scale=None, mask=None):
+            scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+            return _plain(q, k, v, causal, scale, bug, mask)
+    else:
+        def fn(q, k, v, *, causal=False, scale=None):
+            scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+            if bug == "dout_layout":
+                return _DoutContiguous.apply(_plain(q, k, v, causal, scale))
+            return _plain(q, k, v, causal, scale, bug)
 
-    fn.__name__ = fn.__qualname__ = f"plain_{bug}" if bug else "plain"
+    fn.__name__ = fn.__qualname__ = ("plain_masked" if takes_mask else "plain") + (f"_{bug}" if bug else "")
     return fn
 
 
 plain = _make_axis(None)
+plain_masked = _make_axis(None, takes_mask=True)
 
 #: axis -> (implementation with a bug on that axis, the quick case that must fail it, what is wrong)
 AXIS_BUGS = {
@@ -299,6 +319,14 @@ AXIS_BUGS = {
     "layout": (_make_axis("layout"), "strided_inputs", "q, k, v read as if contiguous"),
     "offset": (_make_axis("offset"), "strided_inputs", "the storage offset of q, k, v ignored"),
     "dout_layout": (_make_axis("dout_layout"), "strided_inputs", "dO read as if contiguous in the backward"),
+    "mask_per_batch": (_make_axis("mask_batch0", takes_mask=True), "additive_mask",
+                       "batch element 0's mask applied to every batch element"),
+    "mask_with_causal": (_make_axis("mask_no_causal", takes_mask=True), "fully_masked_rows",
+                         "causal ignored whenever a mask is given"),
+    "extreme_position": (_make_axis("first_block_max"), "extreme_positions",
+                         "the row maximum of the first 64 keys only (a running maximum never updated)"),
+    "extreme_in_tail": (_make_axis("full_blocks_max"), "extreme_positions",
+                        "the row maximum of the full blocks of 64 keys only (the tail exponentiated against it)"),
 }
 
 

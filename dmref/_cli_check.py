@@ -47,6 +47,10 @@ def register(subparsers) -> None:
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="limit per case (fn's calls and the oracle's work on it), finite, at most "
                         "threading.TIMEOUT_MAX; a case that takes longer fails and the remaining cases are not run")
+    p.add_argument("--causal-alignment", default=None, choices=("top_left", "bottom_right"),
+                   help="how fn aligns a causal mask when seqlen_q != seqlen_k: top_left (SDPA's is_causal: query i "
+                        "sees keys j <= i) or bottom_right (FlashAttention >= 2.1: j <= i + seqlen_k - seqlen_q); "
+                        "default: fn's attribute causal_alignment if it has one, else top_left")
     p.add_argument("--device", default="cpu", help="device fn runs on (default cpu); it must hold data that "
                                                   "can be read back (not meta)")
     p.add_argument("--seed", type=int, default=0, help="seed of the cases' inputs, in [0, (2^64 - 1000) / 1000]")
@@ -125,7 +129,8 @@ def _run(args) -> int:
         try:
             report = oracle.check(fn, recipe=args.recipe, cases=cases, dtype=dtype, device=args.device,
                                   probe=not args.no_probe, progress=step, target=args.target,
-                                  require=args.require, timeout=args.timeout)
+                                  require=args.require, timeout=args.timeout,
+                                  causal_alignment=args.causal_alignment)
         except oracle.TargetUnavailable as e:
             progress.stop()
             print(f"dmref check: error: {args.target} cannot run here: {' '.join(str(e).split())}",

@@ -5,10 +5,11 @@ cast torch's ``.to`` does), and then made probe-ready by :func:`dmref.probe.prep
 channels in Q and K, K's largest element set to 7 * 2^e). The exact reference is computed from
 the rounded inputs, so rounding the inputs is never counted as the implementation's error.
 
-Causal cases have ``seqlen_q == seqlen_k``: there the top-left alignment of
+Causal cases have ``seqlen_q == seqlen_k`` (where the top-left alignment of
 ``torch.nn.functional.scaled_dot_product_attention`` and the bottom-right alignment of
-FlashAttention >= 2.1 (and :mod:`dmref.reference`) agree. Rows with no key left (only through an
-explicit mask) are run only when the implementation takes a ``mask`` argument.
+FlashAttention >= 2.1 and :mod:`dmref.reference` agree), except ``causal_cross`` and
+``causal_more_queries``, whose reference follows the declared alignment
+(:meth:`Case.for_reference`).
 
 The cases together vary every axis an attention bug can live on (docs/oracle.md lists the axes
 and a planted bug for each): batch, heads, key/value heads and the GQA ratio, seqlen_q and
@@ -39,7 +40,7 @@ import torch
 
 from . import probe as _probe
 
-__all__ = ["CASE_SETS", "DEFAULT_CASES", "DEFAULT_HEAD_DIM", "MAX_SEED", "LAYOUTS", "OTHER_HEAD_DIM", "Case", "as_layout",
+__all__ = ["CAUSAL_ALIGNMENTS", "CASE_SETS", "DEFAULT_CASES", "DEFAULT_HEAD_DIM", "MAX_SEED", "LAYOUTS", "OTHER_HEAD_DIM", "Case", "as_layout",
            "extreme_magnitude", "make_cases", "representable"]
 
 #: the head dim of every case but ``other_head_dim`` when the caller gives none
@@ -97,6 +98,27 @@ class Case:
         heads = f"{h}" if h == self.kv_heads else f"{h}/{self.kv_heads}"
         return f"{b}x{heads}x{n}x{d}"
 
+    def for_reference(self, alignment: str) -> "Case":
+        """The case as the reference computes it under a causal ``alignment``: ``"top_left"``
+        (SDPA's ``is_causal``: query i sees keys j <= i) or ``"bottom_right"`` (FlashAttention
+        >= 2.1 and :mod:`dmref.reference`: j <= i + seqlen_k - seqlen_q). The two differ only
+        when the case is causal with seqlen_q != seqlen_k; top-left then becomes a boolean or
+        additive mask with ``causal=False``."""
+        if alignment not in CAUSAL_ALIGNMENTS:
+            raise ValueError(f"causal_alignment={alignment!r}; accepted: {', '.join(CAUSAL_ALIGNMENTS)}")
+        nq, nk = self.q.shape[-2], self.k.shape[-2]
+        if not self.causal or nq == nk or alignment == "bottom_right":
+            return self
+        keep = torch.ones(nq, nk, dtype=torch.bool).tril()
+        if self.mask is None:
+            mask = keep[None, None]
+        elif self.mask.dtype == torch.bool:
+            mask = self.mask & keep
+        else:
+            mask = self.mask.masked_fill(~keep, -math.inf)
+        return Case(self.name, self.description, self.q, self.k, self.v, self.dout, False, self.scale, mask,
+                    self.probe, self.tags, self.layout)
+
     def to(self, device) -> "Case":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return Case(self.name, self.description, move(self.q), move(self.k), move(self.v), move(self.dout),
@@ -105,6 +127,8 @@ class Case:
 
 #: the memory layouts a case can give fn its tensors in
 LAYOUTS = ("contiguous", "strided")
+#: how a causal mask is aligned when seqlen_q != seqlen_k (:meth:`Case.for_reference`)
+CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 
 
 def as_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
@@ -308,6 +332,10 @@ def _specs(size: str) -> list[_Spec]:
         _Spec("extreme_positions", "one key per row with a logit 2^7 above the rest, at key 5 (first block), 150 "
               "(last full block of 64) and 200 (tail) in batch elements 0, 1, 2; 77 queries x 203 keys", 3, h, 77, 203,
               d, False, "spikes", tags=("axes", "range", "position", "cross")),
+        _Spec("causal_cross", "113 queries x 203 keys, causal: top-left (SDPA) or bottom-right (FlashAttention) "
+              "as declared", 2, h, 113, 203, d, True, "gaussian", tags=("contract", "causal", "cross", "alignment")),
+        _Spec("causal_more_queries", "203 queries x 77 keys, causal (bottom-right: the first 126 rows see no key)",
+              1, h, 203, 77, d, True, "gaussian", tags=("contract", "causal", "cross", "alignment")),
     ]
 
 

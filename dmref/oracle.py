@@ -61,7 +61,7 @@ import torch
 
 from . import diagnostics, probe as _probe, reference
 from .emulation.constants import U_FP32, U_FP64, U_WGMMA
-from ._oracle_cases import CASE_SETS, DEFAULT_CASES, Case, check_bool, check_head_dim, check_seed, make_cases
+from ._oracle_cases import CASE_SETS, CAUSAL_ALIGNMENTS, DEFAULT_CASES, Case, check_bool, check_head_dim, check_seed, make_cases
 
 __all__ = [
     "AGREEMENT_FRACTION",
@@ -111,7 +111,8 @@ ROWSUM_SAMPLING_SIGMAS = 3.0
 #: ``unsupported`` unless the feature is required (``check(..., require=...)``)
 OPTIONAL_FEATURES = ("gqa", "mask")
 
-_CHECK_ORDER = ("runs", "finite", "out", "dq", "dk", "dv", "rowsum", "agree_out", "agree_dq", "agree_dk", "agree_dv")
+_CHECK_ORDER = ("runs", "finite", "out", "dq", "dk", "dv", "rowsum", "agree_out", "agree_dq", "agree_dk", "agree_dv",
+                "output", "inputs", "defaults", "repeat")
 
 
 # ==============================================================================================
@@ -174,6 +175,7 @@ class OracleReport:
     recipe: str | None
     checks: list[Check] = field(default_factory=list)
     cases: list[CaseResult] = field(default_factory=list)
+    causal_alignment: str = "top_left"  #: the causal alignment fn was checked under
 
     @property
     def passed(self) -> bool:
@@ -216,6 +218,7 @@ class OracleReport:
 
         return clean({
             "target": self.target, "mode": self.mode, "dtype": self.dtype, "recipe": self.recipe,
+            "causal_alignment": self.causal_alignment,
             "passed": self.passed, "failed": [c.id for c in self.failed],
             "unsupported": [{"case": c.case, "feature": c.unsupported, "detail": c.detail} for c in self.unsupported],
             "checks": [asdict(c) for c in self.checks], "cases": [asdict(c) for c in self.cases],
@@ -269,7 +272,7 @@ class OracleReport:
                     row.append(f"[yellow]UNSUPPORTED[/yellow] {c.detail[:40]}")
                 elif c.passed is None:
                     row.append("[dim]skip[/dim]")
-                elif n in ("runs", "finite"):
+                elif n in ("runs", "finite", "output", "inputs"):
                     row.append("[green]ok[/green]" if c.passed else f"[red]FAIL[/red] {c.detail[:40]}")
                 else:
                     cell = f"{c.value:.2g} / {c.bound:.2g}"
@@ -404,25 +407,76 @@ def _name(fn) -> str:
     return f"{module}:{qual}" if module else qual
 
 
-def _call(fn, case: Case, device):
-    """One forward and backward of fn on the case, inputs and dO in the case's memory layout.
-    Returns (out, dq, dk, dv) detached, on fn's device."""
+def _call(fn, case: Case, device, **overrides):
+    """One forward and backward of fn on the case, inputs and dO in the case's memory layout
+    (``overrides``: the keyword arguments fn gets instead of the case's; a key mapped to None is
+    left out). Returns ``((out, dq, dk, dv) detached on fn's device, contract)`` with
+    ``contract`` the caller-visible surprises: ``{"output": ..., "inputs": ...}``, "" where none."""
     q_, k_, v_ = (case.leaf(t, device).requires_grad_(True) for t in (case.q, case.k, case.v))
     kwargs = dict(causal=case.causal, scale=case.scale)
+    mask = None
     if case.mask is not None:
-        kwargs["mask"] = case.mask.to(device)
+        mask = case.mask.to(device).clone()  # a copy: fn writing into it cannot change the case
+        kwargs["mask"] = mask
+    kwargs.update(overrides)
+    kwargs = {k: x for k, x in kwargs.items() if x is not None or k not in overrides}
     out = fn(q_, k_, v_, **kwargs)
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"fn returned {type(out).__name__}, not a tensor")
     expected = (*case.q.shape[:-1], case.v.shape[-1])
     if tuple(out.shape) != expected:
         raise ValueError(f"fn returned shape {tuple(out.shape)}, expected {expected}")
-    out.backward(case.leaf(case.dout.to(dtype=out.dtype), device))
+    output = _output_problem(out, case.q.dtype, (q_, k_, v_))
+    dout = case.leaf(case.dout.to(dtype=out.dtype), device)
+    out.backward(dout)
     grads = (q_.grad, k_.grad, v_.grad)
     if any(g is None for g in grads):
         missing = [n for n, g in zip("qkv", grads) if g is None]
         raise ValueError(f"no gradient reached {', '.join(missing)}: fn is not differentiable in them")
-    return tuple(t.detach() for t in (out, *grads))
+    changed = [n for n, t, orig in (("q", q_, case.q), ("k", k_, case.k), ("v", v_, case.v),
+                                    ("dO", dout, case.dout.to(dtype=out.dtype)), ("mask", mask, case.mask))
+               if t is not None and not _same(t, orig)]
+    inputs = (f"fn changed {', '.join(changed)} in place (a caller's tensors must come back as they were given)"
+              if changed else "")
+    return tuple(t.detach() for t in (out, *grads)), {"output": output, "inputs": inputs}
+
+
+def _same(t: torch.Tensor, orig: torch.Tensor) -> bool:
+    """t holds orig's values bit for bit (NaN and -0 included)."""
+    a, b = t.detach().cpu(), orig.detach().cpu()
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype == torch.bool:
+        return torch.equal(a, b)
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
+
+
+def _overlaps(t: torch.Tensor) -> bool:
+    """Whether two elements of t share an address (a zero stride, an expand, or strides that
+    interleave): sorted by stride, each dimension's stride must reach past the span of the
+    dimensions below it."""
+    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1)
+    span = 1
+    for st, n in dims:
+        if st < span:
+            return True
+        span = st * (n - 1) + span
+    return False
+
+
+def _output_problem(out: torch.Tensor, dtype: torch.dtype, inputs) -> str:
+    """What in the output surprises a caller: another dtype than q's, elements that share
+    memory, or memory shared with an input."""
+    if out.dtype != dtype:
+        return f"fn returned {str(out.dtype).replace('torch.', '')} for {str(dtype).replace('torch.', '')} inputs"
+    if _overlaps(out):
+        return f"fn returned an output whose elements share memory (strides {tuple(out.stride())})"
+    storage = out.untyped_storage().data_ptr()
+    shared = [n for n, t in zip("qkv", inputs) if t.untyped_storage().data_ptr() == storage]
+    if shared:
+        return f"fn returned an output in the memory of {', '.join(shared)}"
+    return ""
 
 
 def _cpu64(t: torch.Tensor) -> torch.Tensor:
@@ -600,6 +654,8 @@ class _Plan:
     probe: bool
     u_acc: float
     require: frozenset
+    alignment: str = "top_left"  #: the causal alignment fn is checked under
+    contract_case: str | None = None  #: the case the once-per-check checks run on (:func:`_once_checks`)
 
 
 def _case_list(cases, dtype, seed, probe, head_dim) -> list[Case]:
@@ -608,6 +664,15 @@ def _case_list(cases, dtype, seed, probe, head_dim) -> list[Case]:
     if cases and all(isinstance(c, str) for c in cases):
         return make_cases("standard", dtype=dtype, seed=seed, names=list(cases), probe=probe, head_dim=head_dim)
     return list(cases)
+
+
+def _contract_case(cases) -> str | None:
+    """The first case that is not causal, has no mask, the default scale and contiguous inputs:
+    where a call that leaves out causal, scale and mask must give the case's result."""
+    for c in cases:
+        if not c.causal and c.mask is None and c.layout == "contiguous" and c.scale == 1 / math.sqrt(c.q.shape[-1]):
+            return c.name
+    return None
 
 
 def _check_require(require) -> frozenset:
@@ -621,7 +686,7 @@ def _check_require(require) -> frozenset:
 def check(fn, *, recipe=None, cases=DEFAULT_CASES, dtype: torch.dtype | str = torch.bfloat16, device="cpu",
           seed: int = 0, probe: bool = True, accumulation_u: float | None = None, progress=None,
           target: str | None = None, head_dim: int | None = None, require=(),
-          timeout: float | None = None) -> OracleReport:
+          timeout: float | None = None, causal_alignment: str | None = None) -> OracleReport:
     """Run the oracle on ``fn(q, k, v, *, causal, scale[, mask]) -> out`` (module docstring).
 
     Args:
@@ -653,6 +718,11 @@ def check(fn, *, recipe=None, cases=DEFAULT_CASES, dtype: torch.dtype | str = to
             number in (0, :data:`MAX_TIMEOUT`]; a case that takes longer fails ``runs`` and the
             remaining cases are not run.
         seed: an int in [0, :data:`dmref._oracle_cases.MAX_SEED`].
+        causal_alignment: how fn aligns a causal mask when seqlen_q != seqlen_k:
+            ``"top_left"`` (SDPA's ``is_causal``: query i sees keys j <= i) or
+            ``"bottom_right"`` (FlashAttention >= 2.1: j <= i + seqlen_k - seqlen_q). None:
+            fn's attribute ``causal_alignment`` if it has one (dmref's ``emulated_<preset>``
+            targets declare ``"bottom_right"``), else ``"top_left"``.
 
     Returns:
         :class:`OracleReport`; ``report.raise_for_failures()`` turns it into an assertion.
@@ -670,14 +740,18 @@ def check(fn, *, recipe=None, cases=DEFAULT_CASES, dtype: torch.dtype | str = to
     problem = device_problem(device)
     if problem:
         raise ValueError(problem)
+    alignment = causal_alignment if causal_alignment is not None else getattr(fn, "causal_alignment", "top_left")
+    if alignment not in CAUSAL_ALIGNMENTS:
+        raise ValueError(f"causal_alignment={alignment!r}; accepted: {', '.join(CAUSAL_ALIGNMENTS)}")
+    case_list = _case_list(cases, dtype, seed, probe, head_dim)
     plan = _Plan(claimed if claimed is not None else baseline_recipe(dtype), claimed,
                  claimed.with_accumulation("exact") if claimed is not None else None, dtype, device, takes_mask,
                  probe, _dq_accumulation_u(claimed) if accumulation_u is None else accumulation_u,
-                 _check_require(require))
-    case_list = _case_list(cases, dtype, seed, probe, head_dim)
+                 _check_require(require), alignment, _contract_case(case_list))
     dtype_name = str(dtype).replace("torch.", "")
     mode = f"recipe {claimed.name}" if claimed is not None else f"exact at {dtype_name} bounds"
-    report = OracleReport(target or _name(fn), mode, dtype_name, claimed.name if claimed else None)
+    report = OracleReport(target or _name(fn), mode, dtype_name, claimed.name if claimed else None,
+                          causal_alignment=alignment)
 
     stopped = ""
     for index, case in enumerate(case_list):
@@ -756,49 +830,130 @@ def _unsupported(case, plan, detail) -> Check | None:
     return Check(case.name, "runs", None, detail=detail, unsupported=feature)
 
 
+def _failed_call(e: BaseException, case, plan, name="runs") -> list[Check]:
+    """The failed (or unsupported) check of a call of fn that raised ``e``."""
+    detail = f"{type(e).__name__}: {e}"
+    if not isinstance(e, Exception):  # SystemExit and the like: fn tried to end the process
+        return [Check(case.name, name, False, detail=_exit_detail(e))]
+    if isinstance(e, TargetUnavailable) and not isinstance(e, NotImplementedError):
+        raise e
+    if _is_device_fault(e):  # a crash, never an unsupported feature
+        return [Check(case.name, name, False, detail=_DEVICE_FAULT + detail)]
+    unsupported = _unsupported(case, plan, detail) if name == "runs" else None
+    return [unsupported or Check(case.name, name, False, detail=detail)]
+
+
 def _check_case(fn, case, plan, cr) -> list[Check]:
     """Every check of one case (module docstring)."""
     if case.mask is not None and not plan.takes_mask:
         detail = "fn takes no mask argument"
         return [_unsupported(case, plan, detail) or Check(case.name, "runs", False, detail=detail + " (required)")]
     try:
-        got = _call(fn, case, plan.device)
+        got, contract = _call(fn, case, plan.device)
     except KeyboardInterrupt:
         raise
     except BaseException as e:  # noqa: BLE001 - any failure of the implementation is a finding
-        detail = f"{type(e).__name__}: {e}"
-        if not isinstance(e, Exception):  # SystemExit and the like: fn tried to end the process
-            return [Check(case.name, "runs", False, detail=_exit_detail(e))]
-        if isinstance(e, TargetUnavailable) and not isinstance(e, NotImplementedError):
-            raise
-        if _is_device_fault(e):  # a crash, never an unsupported feature
-            return [Check(case.name, "runs", False, detail=_DEVICE_FAULT + detail)]
-        return [_unsupported(case, plan, detail) or Check(case.name, "runs", False, detail=detail)]
+        return _failed_call(e, case, plan)
     checks = [Check(case.name, "runs", True)]
+    for name in ("output", "inputs"):
+        checks.append(Check(case.name, name, not contract[name], detail=contract[name]))
     got64 = tuple(_cpu64(t) for t in got)
-    ex = _exact(case)
+    ref = case.for_reference(plan.alignment)  # the problem fn claims to solve
+    ex = _exact(ref)
     bad = [n for n, t in zip(("out", "dq", "dk", "dv"), got64) if not bool(torch.isfinite(t).all())]
     checks.append(Check(case.name, "finite", not bad, detail="NaN or inf in " + ", ".join(bad) if bad else ""))
-    base_outs, base_rows = _run_recipe(case, plan.base, plan.dtype)
-    checks += _error_checks(case, plan, ex, got64, base_outs, cr)
+    base_outs, base_rows = _run_recipe(ref, plan.base, plan.dtype)
+    errors = _error_checks(case, plan, ex, got64, base_outs, cr)
+    checks += errors
     if plan.claimed is not None:
-        spread_outs, _ = _run_recipe(case, plan.spread_recipe, plan.dtype)
+        spread_outs, _ = _run_recipe(ref, plan.spread_recipe, plan.dtype)
         checks += _agreement_checks(case, ex, got64, base_outs, spread_outs)
     # dQ's error along kbar_i (a stale delta puts it there)
     _, _, cr.dq_bias_fraction = diagnostics.dq_bias_split(got64[1], ex.dq, ex.kbar)
     if plan.probe and case.probe is not None:
         checks.append(_rowsum_check(fn, case, plan, ex, got, base_rows, cr))
+    if case.name == plan.contract_case:
+        checks += _once_checks(fn, case, plan, ex, got, base_outs)
+    if ref is not case or "alignment" in case.tags:
+        for c in errors:
+            if c.passed is False:
+                c.detail = (f"causal with seqlen_q != seqlen_k checked {plan.alignment.replace('_', '-')} aligned; "
+                            f"{_ALIGNMENT_HINT}")
     return checks
 
 
-def _error_checks(case, plan, ex, got64, base_outs, cr) -> list[Check]:
+_ALIGNMENT_HINT = ("SDPA's is_causal is top-left (query i sees keys j <= i), FlashAttention >= 2.1 bottom-right "
+                   "(j <= i + seqlen_k - seqlen_q): declare yours with causal_alignment= (--causal-alignment)")
+
+
+def _once_checks(fn, case, plan, ex, got, base_outs) -> list[Check]:
+    """The checks run on one case per check (:attr:`_Plan.contract_case`: the first case that
+    is not causal, has no mask and the default scale): ``defaults`` and ``repeat``."""
+    checks = []
+    # defaults: the arguments fn has defaults for (causal, scale, mask) left out must mean
+    # SDPA's: not causal, scale 1/sqrt(head_dim), no mask
+    left_out = _defaulted(fn)
+    if not left_out:
+        checks.append(Check(case.name, "defaults", None, detail="fn has no default for causal, scale or mask"))
+    else:
+        try:
+            (out, *_), _ = _call(fn, case, plan.device, **{n: None for n in left_out})
+            (c,) = _error_checks(case, plan, ex, (_cpu64(out),), base_outs[:1], None, names=("out",))
+            detail = "" if c.passed else (f"fn(q, k, v) without {', '.join(left_out)} is not attention with "
+                                          "SDPA's defaults (causal=False, scale=1/sqrt(head_dim), no mask)")
+            checks.append(Check(case.name, "defaults", c.passed, value=c.value, bound=c.bound, baseline=c.baseline,
+                                detail=detail))
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001
+            checks += _failed_call(e, case, plan, "defaults")
+    # repeat: a second call on the same inputs must give results within the same bounds and
+    # leave the first call's results as they were
+    kept = tuple(t.clone() for t in got)
+    try:
+        again, _ = _call(fn, case, plan.device)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001
+        return checks + _failed_call(e, case, plan, "repeat")
+    overwritten = [n for n, t, k in zip(("out", "dq", "dk", "dv"), got, kept) if not _same(t, k)]
+    differs = [n for n, t, k in zip(("out", "dq", "dk", "dv"), again, kept) if not _same(t, k)]
+    second = _error_checks(case, plan, ex, tuple(_cpu64(t) for t in again), base_outs, None)
+    worse = [c for c in second if not c.passed]
+    if overwritten:
+        detail = f"the second call overwrote the first call's {', '.join(overwritten)} (fn returns memory it reuses)"
+    elif worse:
+        detail = ("a second call on the same inputs fails " + ", ".join(f"{c.name} ({c.value:.3g} > {c.bound:.3g})"
+                                                                       for c in worse))
+    elif differs:
+        detail = f"{', '.join(differs)} differ between two calls on the same inputs, within the bounds"
+    else:
+        detail = "bit for bit the same"
+    passed = not overwritten and not worse
+    value = max((c.value / c.bound if c.bound > 0 else (0.0 if c.value == 0 else math.inf)) for c in second)
+    checks.append(Check(case.name, "repeat", passed, value=value, bound=1.0, detail=detail))
+    return checks
+
+
+def _defaulted(fn) -> tuple[str, ...]:
+    """The arguments among causal, scale and mask that fn's signature gives a default."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return ()
+    return tuple(n for n in ("causal", "scale", "mask") if n in params
+                 and params[n].default is not inspect.Parameter.empty)
+
+
+def _error_checks(case, plan, ex, got64, base_outs, cr, names=("out", "dq", "dk", "dv")) -> list[Check]:
     """out, dq, dk, dv: the largest excess error against twice the baseline's (beyond the floor,
     and beyond two roundings of the element to the dtype where the baseline's excess is 0:
     :func:`rounding_allowance`)."""
     checks = []
     u_out = rounding_allowance(plan.dtype)
-    exact = (ex.out, ex.dq, ex.dk, ex.dv)
-    for name, x, b, e in zip(("out", "dq", "dk", "dv"), got64, base_outs, exact):
+    exact = {"out": ex.out, "dq": ex.dq, "dk": ex.dk, "dv": ex.dv}
+    for name, x, b in zip(names, got64, base_outs):
+        e = exact[name]
         mag, floor = ex.mags[name], ex.floors[name]
         if plan.claimed is None and name in ex.stale_per_u:
             floor = floor + u_out * ex.stale_per_u[name]  # D from the output rounded to the dtype
@@ -810,7 +965,8 @@ def _error_checks(case, plan, ex, got64, base_outs, cr) -> list[Check]:
         err = _max(_excess(x - e, floor + slack, mag))
         err_base = _max(base_excess)
         bound = BASELINE_FACTOR * err_base
-        cr.errors[name] = _max(_ratio((x - e).abs(), mag))
+        if cr is not None:
+            cr.errors[name] = _max(_ratio((x - e).abs(), mag))
         checks.append(Check(case.name, name, bool(err <= bound), value=err, bound=bound, baseline=err_base))
     return checks
 
@@ -948,6 +1104,7 @@ def emulated(recipe):
 
     name = recipe if isinstance(recipe, str) else recipe.name
     fn.__name__ = fn.__qualname__ = f"emulated_{name}"
+    fn.causal_alignment = "bottom_right"  # dmref.attention aligns as dmref.reference (FlashAttention >= 2.1)
     return fn
 
 

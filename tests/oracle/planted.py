@@ -134,6 +134,7 @@ def _make(bug, *, takes_mask=False):
 
     name = "flash" + ("_masked" if takes_mask and bug is None else "") + (f"_{bug}" if bug else "")
     fn.__name__ = fn.__qualname__ = name
+    fn.causal_alignment = "bottom_right"  # _causal_fill: FlashAttention >= 2.1's alignment
     return fn
 
 
@@ -199,6 +200,9 @@ class _WrongAxis(torch.autograd.Function):
 
 def naive_fp8_wrong_axis(q, k, v, *, causal=False, scale=None):
     return _WrongAxis.apply(q, k, v, causal, scale)
+
+
+naive_fp8_wrong_axis.causal_alignment = "bottom_right"  # dmref.tiled's
 
 
 def wrong_signature(q, k):
@@ -267,7 +271,8 @@ def _plain(q, k, v, causal, scale, bug=None, mask=None):
         p = e / e.sum(-1, keepdim=True)
     else:
         p = torch.softmax(s, dim=-1)
-    p = p.nan_to_num(0.0) if mask is not None and bug not in ("no_max", "first_block_max", "full_blocks_max") else p
+    if bug not in ("no_max", "first_block_max", "full_blocks_max"):
+        p = p.nan_to_num(0.0)  # rows with no key left: zero (their gradients are zero through masked_fill)
     out = (p.half() @ v.half()).float() if bug == "fp16_pv" else p @ v
     if rows < nq:
         out = torch.cat([out, out.new_zeros(*out.shape[:-2], nq - rows, out.shape[-1])], dim=-2)
@@ -299,6 +304,7 @@ def _make_axis(bug, *, takes_mask=False):
             return _plain(q, k, v, causal, scale, bug)
 
     fn.__name__ = fn.__qualname__ = ("plain_masked" if takes_mask else "plain") + (f"_{bug}" if bug else "")
+    fn.causal_alignment = "bottom_right"  # keep = tril(seqlen_k - seqlen_q), as FlashAttention >= 2.1
     return fn
 
 
@@ -337,7 +343,10 @@ def mha_only(q, k, v, *, causal=False, scale=None):
     s = scale * (q.float() @ k.float().transpose(-1, -2))
     if causal:
         s = _causal_fill(s)
-    return (torch.softmax(s, dim=-1) @ v.float()).to(q.dtype)
+    return (torch.softmax(s, dim=-1).nan_to_num(0.0) @ v.float()).to(q.dtype)
+
+
+mha_only.causal_alignment = "bottom_right"  # _causal_fill
 
 
 def hangs(q, k, v, *, causal=False, scale=None):
@@ -364,3 +373,75 @@ def float32_inside(q, k, v, *, causal=False, scale=None, mask=None):
 def exits(q, k, v, *, causal=False, scale=None):
     """Ends the process with status 0 instead of returning: the oracle must fail the case."""
     raise SystemExit(0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The calling contract: right numbers, surprising calls (docs/oracle.md, "The calling contract")
+# ----------------------------------------------------------------------------------------------
+
+
+class _DoutScaledInPlace(torch.autograd.Function):
+    """Identity whose backward scales dO in place before using it (and undoes the scale in its
+    result): the gradients are right, the caller's dO comes back doubled."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return dout.mul_(2.0) / 2.0
+
+
+_DQ_BUFFERS: dict = {}
+
+
+class _DqAccumulated(torch.autograd.Function):
+    """Identity whose backward adds dQ into a buffer kept per shape across calls and never
+    zeroed: the first call is right, every later call on that shape returns the running sum."""
+
+    @staticmethod
+    def forward(ctx, q):
+        return q.view_as(q)
+
+    @staticmethod
+    def backward(ctx, dq):
+        buf = _DQ_BUFFERS.setdefault((tuple(dq.shape), dq.dtype), torch.zeros_like(dq))
+        buf += dq
+        return buf.clone()
+
+
+def _contract(bug):
+    def fn(q, k, v, *, causal=False, scale=None):
+        if bug == "default_scale_one":  # the bug: a missing scale taken as 1
+            scale = 1.0 if scale is None else scale
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        if bug == "dq_accumulated":
+            q = _DqAccumulated.apply(q)
+        out = _plain(q, k, v, causal, scale)
+        if bug == "out_float32":  # the bug: the float32 result returned as it is
+            return _plain(q.float(), k.float(), v.float(), causal, scale)
+        if bug == "dout_in_place":
+            return _DoutScaledInPlace.apply(out)
+        return out
+
+    if bug == "default_causal":  # the bug: causal unless told otherwise
+        def causal_fn(q, k, v, *, causal=True, scale=None):
+            return plain(q, k, v, causal=causal, scale=scale)
+
+        causal_fn.__name__ = causal_fn.__qualname__ = "contract_default_causal"
+        causal_fn.causal_alignment = "bottom_right"
+        return causal_fn
+    fn.__name__ = fn.__qualname__ = f"contract_{bug}"
+    fn.causal_alignment = "bottom_right"
+    return fn
+
+
+#: contract item -> (implementation with a bug there, the check that must fail it, what is wrong)
+CONTRACT_BUGS = {
+    "output_dtype": (_contract("out_float32"), "output", "the output in float32 for bfloat16 inputs"),
+    "inputs_unchanged": (_contract("dout_in_place"), "inputs", "the backward scales dO in place"),
+    "default_scale": (_contract("default_scale_one"), "defaults", "a missing scale taken as 1"),
+    "default_causal": (_contract("default_causal"), "defaults", "causal unless told otherwise"),
+    "determinism": (_contract("dq_accumulated"), "repeat", "dQ added into a buffer kept across calls"),
+}

@@ -41,7 +41,7 @@ import torch
 from . import probe as _probe
 
 __all__ = ["CAUSAL_ALIGNMENTS", "CASE_SETS", "DEFAULT_CASES", "DEFAULT_HEAD_DIM", "MAX_SEED", "LAYOUTS", "OTHER_HEAD_DIM", "Case", "as_layout",
-           "extreme_magnitude", "make_cases", "representable"]
+           "MODEL_SHAPES", "extreme_magnitude", "make_cases", "representable"]
 
 #: the head dim of every case but ``other_head_dim`` when the caller gives none
 DEFAULT_HEAD_DIM = 64
@@ -183,25 +183,28 @@ def _outliers(g, b, h, n, d, factor):
     return q, k, v, _token_scaled_dout(g, b, h, n, d, 1.0)
 
 
-def _gaussian(g, b, h, nq, nk, d):
-    return _randn(g, b, h, nq, d), _randn(g, b, h, nk, d), _randn(g, b, h, nk, d), _token_scaled_dout(g, b, h, nq, d, 1.0)
+def _gaussian(g, b, h, nq, nk, d, dv=None):
+    dv = dv or d
+    return (_randn(g, b, h, nq, d), _randn(g, b, h, nk, d), _randn(g, b, h, nk, dv),
+            _token_scaled_dout(g, b, h, nq, dv, 1.0))
 
 
-def _gqa(g, b, h, hkv, nq, nk, d):
+def _gqa(g, b, h, hkv, nq, nk, d, dv=None):
     """Gaussian q (h heads), k, v (hkv heads) with four outlier channels (x3 in Q and K, x8 in V,
     as dmref.demo), the query heads of a group sharing a mean direction (|mu| about half a
     token's norm); dO per-token scaled."""
     groups = h // hkv
+    dv = dv or d
     chan = torch.ones(d, dtype=torch.float64)
     outliers = torch.randperm(d, generator=g)[:4]
-    qk_scale, v_scale = chan.clone(), chan.clone()
-    qk_scale[outliers], v_scale[outliers] = 3.0, 8.0
+    qk_scale, v_scale = chan.clone(), torch.ones(dv, dtype=torch.float64)
+    qk_scale[outliers], v_scale[outliers % dv] = 3.0, 8.0
     mu = _randn(g, b, hkv, 1, d)
     mu = 0.5 * math.sqrt(d) * mu / mu.norm(dim=-1, keepdim=True)
     q = _randn(g, b, h, nq, d) * qk_scale + mu.repeat_interleave(groups, dim=1)
     k = _randn(g, b, hkv, nk, d) * qk_scale
-    v = _randn(g, b, hkv, nk, d) * v_scale
-    return q, k, v, _token_scaled_dout(g, b, h, nq, d, 1.0)
+    v = _randn(g, b, hkv, nk, dv) * v_scale
+    return q, k, v, _token_scaled_dout(g, b, h, nq, dv, 1.0)
 
 
 def _additive_mask(g, b, h, nq, nk) -> torch.Tensor:
@@ -272,6 +275,7 @@ class _Spec:
     tags: tuple[str, ...] = ()
     layout: str = "contiguous"
     extreme: int = 0  # +1: q, k, v, dO at the dtype's huge magnitude m, -1 at 1/m (scale m^-2 / m^2)
+    head_dim_v: int | None = None  # V's (and dO's) head dim when it differs from Q's and K's
 
 
 def _specs(size: str) -> list[_Spec]:
@@ -280,6 +284,9 @@ def _specs(size: str) -> list[_Spec]:
     h = {"quick": 2, "standard": 2, "thorough": 4}[size]
     d = DEFAULT_HEAD_DIM
     kv = max(2, h)  # GQA: at least two key/value heads, so that the grouping matters
+    # one query block against a long context (MODEL_SHAPES: Llama 3.1's 131,072 tokens); a
+    # tail past every power of two
+    context = {"quick": 2048 + 65, "standard": 8192 + 59, "thorough": 131072 + 17}[size]
     return [
         _Spec("realistic", "outlier channels x3/x8, sink key, peaked rows (dmref.demo)", 1, h, n, n, d, False, "realistic",
               tags=("realistic",)),
@@ -336,7 +343,32 @@ def _specs(size: str) -> list[_Spec]:
               "as declared", 2, h, 113, 203, d, True, "gaussian", tags=("contract", "causal", "cross", "alignment")),
         _Spec("causal_more_queries", "203 queries x 77 keys, causal (bottom-right: the first 126 rows see no key)",
               1, h, 203, 77, d, True, "gaussian", tags=("contract", "causal", "cross", "alignment")),
+        # shapes of published models (MODEL_SHAPES)
+        _Spec("long_context", f"one block of 64 queries against {context:,} keys (a long context), 1 head, not "
+              "causal", 1, 1, 64, context, d, False, "gaussian", tags=("models", "long", "cross")),
+        _Spec("single_kv_head", "8 query heads on 1 key/value head at head dim 256 (Gemma 2B), 113 tokens, causal",
+              2, 8, 113, 113, 256, True, "gqa", kv_heads=1, tags=("models", "gqa", "causal")),
+        _Spec("gqa_ratio_16", "32 query heads on 2 key/value heads (Llama 3.1 405B's ratio, 128 on 8), 77 tokens, "
+              "causal", 1, 32, 77, 77, d, True, "gqa", kv_heads=2, tags=("models", "gqa", "causal")),
+        _Spec("gqa_ratio_7", "14 query heads on 2 key/value heads (Qwen2.5 7B's ratio, 28 on 4), 113 queries x 203 "
+              "keys, batch 2", 2, 14, 113, 203, d, False, "gqa", kv_heads=2, tags=("models", "gqa", "cross")),
+        _Spec("mla_head_dims", "head dim 192 for Q, K and 128 for V (DeepSeek-V3's multi-head latent attention), "
+              "4 heads, causal", 1, 4, n, n, 192, True, "gaussian", head_dim_v=128, tags=("models", "causal")),
     ]
+
+
+#: The published model configurations the ``models`` cases take their shapes from (attention
+#: heads, key/value heads, head dim of Q and K, head dim of V, context length; from each model's
+#: config.json or paper), and which case takes what: docs/oracle.md lists the same.
+MODEL_SHAPES = {
+    "Llama 3.1 8B": (32, 8, 128, 128, 131072),
+    "Llama 3.1 405B": (128, 8, 128, 128, 131072),
+    "Qwen2.5 7B": (28, 4, 128, 128, 131072),
+    "Mistral 7B v0.1": (32, 8, 128, 128, 32768),
+    "Gemma 2B": (8, 1, 256, 256, 8192),
+    "Falcon 7B": (71, 1, 64, 64, 2048),
+    "DeepSeek-V3": (128, 128, 192, 128, 163840),
+}
 
 
 def extreme_magnitude(dtype: torch.dtype) -> float:
@@ -444,6 +476,7 @@ def make_cases(size: str = "standard", *, dtype: torch.dtype = torch.bfloat16, s
     for s in specs:
         i = position[s.name]
         d = head_dim or s.head_dim
+        dv = head_dim or s.head_dim_v or d
         g = torch.Generator().manual_seed(seed * _SEED_STRIDE + i)
         if s.make == "realistic":
             q, k, v, dout = _realistic(g, s.batch, s.heads, s.seqlen_q, d, seed=seed * _SEED_STRIDE + i)
@@ -452,9 +485,9 @@ def make_cases(size: str = "standard", *, dtype: torch.dtype = torch.bfloat16, s
         elif s.make == "spikes":
             q, k, v, dout = _spikes(g, s.batch, s.heads, s.seqlen_q, s.seqlen_k, d, SPIKE_POSITIONS)
         elif s.make == "gqa":
-            q, k, v, dout = _gqa(g, s.batch, s.heads, s.kv_heads, s.seqlen_q, s.seqlen_k, d)
+            q, k, v, dout = _gqa(g, s.batch, s.heads, s.kv_heads, s.seqlen_q, s.seqlen_k, d, dv)
         else:
-            q, k, v, dout = _gaussian(g, s.batch, s.heads, s.seqlen_q, s.seqlen_k, d)
+            q, k, v, dout = _gaussian(g, s.batch, s.heads, s.seqlen_q, s.seqlen_k, d, dv)
         m = extreme_magnitude(dtype) ** s.extreme
         # a magnitude multiplier above the dtype's extreme magnitude is capped there (float16:
         # 2^4), so that every quantity of the case stays representable (:func:`representable`)

@@ -240,12 +240,23 @@ def _plain(q, k, v, causal, scale, bug=None, mask=None):
     if bug == "heads":  # query head h reads the values of head h + 1
         v = v.roll(1, dims=1)
     if h != hkv:
-        # the bug: a group size of 4 written in, right only when heads = 4 kv_heads
-        index = (torch.arange(h) // 4).clamp(max=hkv - 1) if bug == "gqa_ratio" else torch.arange(h) // (h // hkv)
-        k, v = k[:, index], v[:, index]
+        groups = h // hkv
+        # gqa_ratio: a group size of 4 written in; group_cap_8: the group size capped at 8 (a
+        # kernel's compile-time maximum); group_pow2: rounded up to a power of two
+        size = {"gqa_ratio": 4, "group_cap_8": min(groups, 8),
+                "group_pow2": 1 << (groups - 1).bit_length()}.get(bug, groups)
+        index = (torch.arange(h) // size).clamp(max=hkv - 1)
+        if bug == "mqa_head0" and hkv == 1:  # the bug: dK, dV from query head 0 alone
+            k = torch.cat([k, k.detach().expand(-1, h - 1, -1, -1)], dim=1)
+            v = torch.cat([v, v.detach().expand(-1, h - 1, -1, -1)], dim=1)
+        else:
+            k, v = k[:, index], v[:, index]
+    if bug == "dq_width_v":  # the bug: dQ sized by V's head dim (channels beyond it zero)
+        q = _ZeroGradTail.apply(q, v.shape[-1])
     nq, nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     rows = min(nq, nk) if bug == "more_queries" else nq  # query tiles sized by seqlen_k
-    channels = 64 if bug == "head_dim" else d  # the bug: one head-dim tile of 64 channels
+    # the bug: one head-dim tile of 64 (head_dim) or 128 (head_dim_128) channels
+    channels = {"head_dim": 64, "head_dim_128": min(d, 128)}.get(bug, d)
     qk = q[..., :rows, :channels] @ k[..., :channels].transpose(-1, -2)
     s = scale * qk
     if mask is not None:
@@ -261,6 +272,8 @@ def _plain(q, k, v, causal, scale, bug=None, mask=None):
         s = s.masked_fill(~keep, -math.inf)
     if bug == "tail":  # keys beyond the last full block of 64 are dropped
         s = s.masked_fill(torch.arange(nk) >= nk // 64 * 64, -math.inf) if nk >= 64 else s
+    if bug == "keys_2048":  # keys beyond 2,048 dropped (a grid sized for 2,048 keys)
+        s = s.masked_fill(torch.arange(nk) >= 2048, -math.inf)
     if bug in ("no_max", "first_block_max", "full_blocks_max"):
         # no_max: softmax without the row maximum subtracted; first_block_max: the maximum of
         # the first 64 keys only (a running maximum never updated); full_blocks_max: the
@@ -277,6 +290,21 @@ def _plain(q, k, v, causal, scale, bug=None, mask=None):
     if rows < nq:
         out = torch.cat([out, out.new_zeros(*out.shape[:-2], nq - rows, out.shape[-1])], dim=-2)
     return out.to(dtype)
+
+
+class _ZeroGradTail(torch.autograd.Function):
+    """Identity whose backward zeroes the gradient's channels from ``width`` on."""
+
+    @staticmethod
+    def forward(ctx, x, width):
+        ctx.width = width
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        g[..., ctx.width:] = 0
+        return g, None
 
 
 class _DoutContiguous(torch.autograd.Function):
@@ -329,6 +357,13 @@ AXIS_BUGS = {
                        "batch element 0's mask applied to every batch element"),
     "mask_with_causal": (_make_axis("mask_no_causal", takes_mask=True), "fully_masked_rows",
                          "causal ignored whenever a mask is given"),
+    "context_length": (_make_axis("keys_2048"), "long_context", "keys beyond 2,048 dropped"),
+    "single_kv_head": (_make_axis("mqa_head0"), "single_kv_head", "with one key/value head, dK and dV from query head 0"),
+    "gqa_ratio_16": (_make_axis("group_cap_8"), "gqa_ratio_16", "the query heads per key/value head capped at 8"),
+    "gqa_ratio_7": (_make_axis("group_pow2"), "gqa_ratio_7",
+                    "the query heads per key/value head rounded up to a power of two"),
+    "head_dim_256": (_make_axis("head_dim_128"), "single_kv_head", "Q Kᵀ over the first 128 channels only"),
+    "head_dim_v": (_make_axis("dq_width_v"), "mla_head_dims", "dQ sized by V's head dim (Q's channels beyond it zero)"),
     "extreme_position": (_make_axis("first_block_max"), "extreme_positions",
                          "the row maximum of the first 64 keys only (a running maximum never updated)"),
     "extreme_in_tail": (_make_axis("full_blocks_max"), "extreme_positions",

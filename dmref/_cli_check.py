@@ -41,7 +41,7 @@ def register(subparsers) -> None:
     p.add_argument("--head-dim", type=int, default=None, metavar="D",
                    help="run every case at head dim D (even, >= 16); default 64, and 96 for the other_head_dim "
                         "case")
-    p.add_argument("--require", action="append", default=[], choices=("gqa", "mask"),
+    p.add_argument("--require", action="append", default=[], choices=("gqa", "mask", "window", "documents"),
                    help="an optional feature fn must do (repeatable): its cases fail instead of being reported "
                         "UNSUPPORTED when fn raises")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",

@@ -41,7 +41,7 @@ import torch
 from . import probe as _probe
 
 __all__ = ["CAUSAL_ALIGNMENTS", "CASE_SETS", "DEFAULT_CASES", "DEFAULT_HEAD_DIM", "MAX_SEED", "LAYOUTS", "OTHER_HEAD_DIM", "Case", "as_layout",
-           "MODEL_SHAPES", "extreme_magnitude", "make_cases", "representable"]
+           "MODEL_SHAPES", "extreme_magnitude", "feature_mask", "make_cases", "representable"]
 
 #: the head dim of every case but ``other_head_dim`` when the caller gives none
 DEFAULT_HEAD_DIM = 64
@@ -69,6 +69,21 @@ class Case:
     probe: _probe.ProbeSetup | None = None
     tags: tuple[str, ...] = field(default_factory=tuple)
     layout: str = "contiguous"  #: how fn receives q, k, v and dO: see :func:`as_layout`
+    #: a sliding window ``(left, right)`` (FlashAttention's ``window_size``): query i sees keys
+    #: i - left <= j <= i + right (seqlen_q == seqlen_k); fn gets it as ``window=``
+    window: tuple[int, int] | None = None
+    #: (batch, seqlen) int64 document ids of packed sequences: query i sees key j only within
+    #: its document (seqlen_q == seqlen_k); fn gets it as ``documents=``
+    documents: torch.Tensor | None = None
+
+    def fn_kwargs(self) -> dict:
+        """The keyword arguments of an optional feature fn gets beyond causal, scale and mask."""
+        extra = {}
+        if self.window is not None:
+            extra["window"] = self.window
+        if self.documents is not None:
+            extra["documents"] = self.documents
+        return extra
 
     @property
     def kv_heads(self) -> int:
@@ -76,8 +91,13 @@ class Case:
 
     @property
     def feature(self) -> str | None:
-        """The optional feature the case exercises: ``"gqa"`` (fewer key/value heads than query
-        heads), ``"mask"`` (an explicit boolean or additive mask), or None."""
+        """The optional feature the case exercises: ``"window"`` (a sliding window),
+        ``"documents"`` (a document mask of packed sequences), ``"mask"`` (an explicit boolean
+        or additive mask), ``"gqa"`` (fewer key/value heads than query heads), or None."""
+        if self.window is not None:
+            return "window"
+        if self.documents is not None:
+            return "documents"
         if self.mask is not None:
             return "mask"
         if self.kv_heads != self.q.shape[1]:
@@ -107,6 +127,10 @@ class Case:
         if alignment not in CAUSAL_ALIGNMENTS:
             raise ValueError(f"causal_alignment={alignment!r}; accepted: {', '.join(CAUSAL_ALIGNMENTS)}")
         nq, nk = self.q.shape[-2], self.k.shape[-2]
+        if self.window is not None or self.documents is not None:  # as a boolean mask (nq == nk)
+            keep = feature_mask(nq, nk, window=self.window, documents=self.documents)
+            return Case(self.name, self.description, self.q, self.k, self.v, self.dout, self.causal, self.scale,
+                        keep, self.probe, self.tags, self.layout)
         if not self.causal or nq == nk or alignment == "bottom_right":
             return self
         keep = torch.ones(nq, nk, dtype=torch.bool).tril()
@@ -122,7 +146,36 @@ class Case:
     def to(self, device) -> "Case":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return Case(self.name, self.description, move(self.q), move(self.k), move(self.v), move(self.dout),
-                    self.causal, self.scale, move(self.mask), self.probe, self.tags, self.layout)
+                    self.causal, self.scale, move(self.mask), self.probe, self.tags, self.layout, self.window,
+                    move(self.documents))
+
+
+def feature_mask(seqlen_q: int, seqlen_k: int, *, window=None, documents=None, device=None) -> torch.Tensor:
+    """The boolean "attend" mask of a sliding ``window`` ``(left, right)`` (-1: no limit on that
+    side; query i sees keys i - left <= j <= i + right) and of ``documents`` ((batch, seqlen)
+    ids: query i sees key j when both are in one document), broadcastable to (batch, 1,
+    seqlen_q, seqlen_k); seqlen_q == seqlen_k."""
+    if seqlen_q != seqlen_k:
+        raise ValueError(f"windows and documents take seqlen_q == seqlen_k, got {seqlen_q} and {seqlen_k}")
+    i = torch.arange(seqlen_q, device=device)[:, None]
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    keep = torch.ones(1, 1, seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            keep = keep & (j >= i - left)
+        if right >= 0:
+            keep = keep & (j <= i + right)
+    if documents is not None:
+        docs = documents.to(device)
+        keep = keep & (docs[:, None, :, None] == docs[:, None, None, :])
+    return keep
+
+
+def _documents(batch: int, lengths: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+    """(batch, sum(lengths)) int64 ids: the documents of element e have lengths[e]."""
+    rows = [torch.repeat_interleave(torch.arange(len(ls)), torch.tensor(ls)) for ls in lengths[:batch]]
+    return torch.stack(rows).to(torch.int64)
 
 
 #: the memory layouts a case can give fn its tensors in
@@ -270,6 +323,8 @@ class _Spec:
     scale_factor: float | None = 1.0  # scale = scale_factor / sqrt(head_dim); None: 1 / (q's x k's magnitude)
     magnitude: tuple[float, float, float, float] = (1.0, 1.0, 1.0, 1.0)  # q, k, v, dout multipliers
     masked_rows: bool = False  # boolean mask, every 7th row fully masked
+    window: tuple[int, int] | None = None  # a sliding window (left, right)
+    documents: tuple[tuple[int, ...], ...] | None = None  # document lengths per batch element
     additive_mask: bool = False  # floating mask (see _additive_mask)
     kv_heads: int | None = None  # None: as many as query heads
     tags: tuple[str, ...] = ()
@@ -354,6 +409,19 @@ def _specs(size: str) -> list[_Spec]:
               "keys, batch 2", 2, 14, 113, 203, d, False, "gqa", kv_heads=2, tags=("models", "gqa", "cross")),
         _Spec("mla_head_dims", "head dim 192 for Q, K and 128 for V (DeepSeek-V3's multi-head latent attention), "
               "4 heads, causal", 1, 4, n, n, 192, True, "gaussian", head_dim_v=128, tags=("models", "causal")),
+        # masks people train with (optional features "window" and "documents")
+        _Spec("sliding_window", "causal sliding window of 48 keys (window=(48, 0); Mistral 7B and Gemma 2: 4,096), "
+              "batch 2, 203 tokens (needs fn(..., window=))", 2, h, 203, 203, d, True, "gaussian", window=(48, 0),
+              tags=("features", "window", "causal")),
+        _Spec("local_window", "two-sided window of 32 keys back and 16 ahead (window=(32, 16)), 203 tokens, not "
+              "causal (needs fn(..., window=))", 1, h, 203, 203, d, False, "gaussian", window=(32, 16),
+              tags=("features", "window")),
+        _Spec("documents", "packed sequences: documents of 77, 9, 117 tokens (batch element 0) and 1, 128, 74 "
+              "(element 1), causal (needs fn(..., documents=))", 2, h, 203, 203, d, True, "gaussian",
+              documents=((77, 9, 117), (1, 128, 74)), tags=("features", "documents", "causal")),
+        _Spec("documents_bidirectional", "packed sequences of 40, 1, 72 tokens, not causal (an encoder's; needs "
+              "fn(..., documents=))", 1, h, 113, 113, d, False, "gaussian", documents=((40, 1, 72),),
+              tags=("features", "documents")),
     ]
 
 
@@ -504,5 +572,7 @@ def make_cases(size: str = "standard", *, dtype: torch.dtype = torch.bfloat16, s
             q, k, setup = _probe.prepare(q, k)
         scale_factor = s.scale_factor if s.scale_factor is not None else 1 / (factors[0] * factors[1])
         scale = scale_factor * m**-2 / math.sqrt(d)
-        cases.append(Case(s.name, s.description, q, k, v, dout, s.causal, scale, mask, setup, s.tags, s.layout))
+        documents = _documents(s.batch, s.documents) if s.documents is not None else None
+        cases.append(Case(s.name, s.description, q, k, v, dout, s.causal, scale, mask, setup, s.tags, s.layout,
+                          s.window, documents))
     return cases

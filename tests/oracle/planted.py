@@ -319,8 +319,31 @@ class _DoutContiguous(torch.autograd.Function):
         return dout.as_strided(dout.shape, _contiguous_strides(dout.shape), dout.storage_offset())
 
 
-def _make_axis(bug, *, takes_mask=False):
-    if takes_mask:
+def _window_and_documents(nq, nk, window, documents, bug):
+    """A boolean (batch or 1, 1, nq, nk) mask of a sliding window (left, right) and document ids,
+    written out here on its own (not dmref's), with the planted window and document bugs."""
+    i, j = torch.arange(nq)[:, None], torch.arange(nk)[None, :]
+    keep = torch.ones(1, 1, nq, nk, dtype=torch.bool)
+    if window is not None:
+        left, right = window
+        lo = i - left + (1 if bug == "window_off_by_one" else 0)  # the bug: key i - left left out
+        keep = keep & ((j >= lo) if left >= 0 else True) & ((j <= i + right) if right >= 0 else True)
+    if documents is not None:
+        docs = documents[:1].expand_as(documents) if bug == "documents_batch0" else documents
+        keep = keep & (docs[:, None, :, None] == docs[:, None, None, :])
+    return keep
+
+
+def _make_axis(bug, *, takes_mask=False, features=False):
+    if features:
+        def fn(q, k, v, *, causal=False, scale=None, mask=None, window=None, documents=None):
+            scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+            if window is not None or documents is not None:
+                keep = _window_and_documents(q.shape[-2], k.shape[-2], window, documents, bug)
+                mask = keep if mask is None else mask & keep
+                causal = causal and bug != "documents_no_causal"
+            return _plain(q, k, v, causal, scale, bug, mask)
+    elif takes_mask:
         def fn(q, k, v, *, causal=False, scale=None, mask=None):
             scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
             return _plain(q, k, v, causal, scale, bug, mask)
@@ -331,13 +354,15 @@ def _make_axis(bug, *, takes_mask=False):
                 return _DoutContiguous.apply(_plain(q, k, v, causal, scale))
             return _plain(q, k, v, causal, scale, bug)
 
-    fn.__name__ = fn.__qualname__ = ("plain_masked" if takes_mask else "plain") + (f"_{bug}" if bug else "")
+    fn.__name__ = fn.__qualname__ = (("plain_features" if features else "plain_masked" if takes_mask else "plain")
+                                     + (f"_{bug}" if bug else ""))
     fn.causal_alignment = "bottom_right"  # keep = tril(seqlen_k - seqlen_q), as FlashAttention >= 2.1
     return fn
 
 
 plain = _make_axis(None)
 plain_masked = _make_axis(None, takes_mask=True)
+plain_features = _make_axis(None, features=True)  # mask=, window= and documents=
 
 #: axis -> (implementation with a bug on that axis, the quick case that must fail it, what is wrong)
 AXIS_BUGS = {
@@ -364,6 +389,12 @@ AXIS_BUGS = {
                     "the query heads per key/value head rounded up to a power of two"),
     "head_dim_256": (_make_axis("head_dim_128"), "single_kv_head", "Q Kᵀ over the first 128 channels only"),
     "head_dim_v": (_make_axis("dq_width_v"), "mla_head_dims", "dQ sized by V's head dim (Q's channels beyond it zero)"),
+    "window": (_make_axis("window_off_by_one", features=True), "sliding_window",
+               "the window one key short (key i - left left out)"),
+    "documents_per_batch": (_make_axis("documents_batch0", features=True), "documents",
+                            "batch element 0's documents for every element"),
+    "documents_with_causal": (_make_axis("documents_no_causal", features=True), "documents",
+                              "causal ignored whenever documents are given"),
     "extreme_position": (_make_axis("first_block_max"), "extreme_positions",
                          "the row maximum of the first 64 keys only (a running maximum never updated)"),
     "extreme_in_tail": (_make_axis("full_blocks_max"), "extreme_positions",

@@ -93,8 +93,6 @@ def _run(args) -> int:
     err = Console(stderr=True)
     try:
         fn = load_target(args.target)
-        import torch
-
         from dmref import oracle
         from dmref.recipes import get_recipe
 

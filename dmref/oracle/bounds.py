@@ -39,7 +39,7 @@ def _cpu64(t: torch.Tensor) -> torch.Tensor:
 
 def baseline_recipe(dtype: torch.dtype):
     """dmref's model of a correct attention computed in ``dtype`` (see the module docstring)."""
-    from .recipes import PRESETS, QuantPoint
+    from ..recipes import PRESETS, QuantPoint
 
     if dtype == torch.bfloat16:
         return PRESETS["bf16"]
@@ -158,7 +158,7 @@ def _rms(t: torch.Tensor) -> float:
 def _run_recipe(case: Case, recipe, dtype):
     """The emulated ``recipe`` on the case: outputs rounded to ``dtype`` (as dmref.attention
     returns them) and the row statistics."""
-    from . import tiled
+    from .. import tiled
 
     q, k, v, do = (t.detach().cpu() for t in (case.q, case.k, case.v, case.dout))
     fwd, bwd = tiled.attention(q, k, v, do, recipe=recipe, causal=case.causal, scale=case.scale, mask=case.mask,

@@ -115,7 +115,7 @@ def check(fn, *, recipe=None, cases=DEFAULT_CASES, dtype: torch.dtype | str = to
     Returns:
         :class:`OracleReport`; ``report.raise_for_failures()`` turns it into an assertion.
     """
-    from .recipes import get_recipe
+    from ..recipes import get_recipe
 
     validate_signature(fn)
     takes = _takes(fn)

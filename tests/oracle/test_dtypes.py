@@ -22,7 +22,7 @@ _SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize("size,dtype", [
-    ("standard", torch.float16), ("standard", torch.bfloat16),
+    ("standard", torch.float16), pytest.param("standard", torch.bfloat16, marks=_SLOW),
     pytest.param("quick", torch.float16, marks=_SLOW), pytest.param("standard", torch.float32, marks=_SLOW),
     *(pytest.param("thorough", d, marks=_SLOW) for d in _DTYPES)], ids=str)
 def test_every_case_is_representable_in_the_dtype_under_test(size, dtype):

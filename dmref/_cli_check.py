@@ -39,8 +39,8 @@ def register(subparsers) -> None:
     p.add_argument("--case", action="append", default=None, metavar="NAME",
                    help="run only this case of the set (repeatable, each case at most once)")
     p.add_argument("--head-dim", type=int, default=None, metavar="D",
-                   help="run every case at head dim D (even, >= 16); default 64, and 96 for the other_head_dim "
-                        "case")
+                   help="run every case at head dim D (even, >= 16; Q, K and V alike); default each case's own: 64, "
+                        "96 (other_head_dim), 256 (single_kv_head), 192 and 128 for V (mla_head_dims)")
     p.add_argument("--require", action="append", default=[], choices=("gqa", "mask", "window", "documents"),
                    help="an optional feature fn must do (repeatable): its cases fail instead of being reported "
                         "UNSUPPORTED when fn raises")

@@ -98,8 +98,8 @@ def check(fn, *, recipe=None, cases=DEFAULT_CASES, dtype: torch.dtype | str = to
             2^-24).
         progress: called as ``progress(case_name, index, total)`` before each case.
         target: the name shown in the report (default: fn's module and name).
-        head_dim: every case at this head dim (cases given by name or set only); None: 64,
-            and 96 for the ``other_head_dim`` case.
+        head_dim: every case at this head dim, Q, K and V alike (cases given by name or set
+            only); None: each case's own (64; 96, 256, 192 and 128 in the head-dim cases).
         require: optional features (:data:`OPTIONAL_FEATURES`) fn must do: a case exercising
             one fails instead of being reported unsupported.
         timeout: seconds per case (fn's calls and the oracle's work on that case), a finite

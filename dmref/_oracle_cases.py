@@ -12,23 +12,22 @@ FlashAttention >= 2.1 and :mod:`dmref.reference` agree), except ``causal_cross``
 (:meth:`Case.for_reference`).
 
 The cases together vary every axis an attention bug can live on (docs/oracle.md lists the axes
-and a planted bug for each): batch, heads, key/value heads and the GQA ratio, seqlen_q and
-seqlen_k separately (1, tails, block multiples, more queries than keys), head dim, the values'
-range up to the dtype's limits and the logits' range, causal or not, boolean and additive masks
-with fully masked rows, the softmax scale, and the memory layout (non-contiguous views, a storage
-offset, a non-contiguous dO). ``Case.feature`` names the optional feature a case exercises
-(``"gqa"``, ``"mask"``), None for the core cases.
+and a planted bug for each): batch, heads, key/value heads and the GQA ratio (1 to 16, one
+key/value head), seqlen_q and seqlen_k separately (1, tails, block multiples, more queries than
+keys, 131,089 keys in ``thorough``), head dims (64 to 256, Q's and V's apart), the values' range
+up to the dtype's limits (every case representable in it: :func:`representable`), the logits'
+range and where an extreme sits, causal or not and its alignment, boolean and additive masks with
+fully masked rows, sliding windows and documents, the softmax scale, and the memory layout
+(non-contiguous views, a storage offset, a non-contiguous dO). The model shapes come from
+:data:`MODEL_SHAPES`. ``Case.feature`` names the optional feature a case exercises (``"gqa"``,
+``"mask"``, ``"window"``, ``"documents"``), None for the core cases.
 
-Two kinds of case leave the plain multi-head, unmasked problem:
-
-- ``gqa``, ``gqa_ratio_2``: grouped-query attention. k and v (and so dK, dV) have ``kv_heads`` heads, q and dO
-  ``4 * kv_heads``; query head h reads key/value head ``h // 4`` (``repeat_interleave``, SDPA's
-  ``enable_gqa``). At least two key/value heads, so that a wrong grouping (``repeat`` instead of
-  ``repeat_interleave``) is a different problem.
-- ``additive_mask``: a floating mask, added to the scaled scores (SDPA's float ``attn_mask``): an
-  ALiBi-like bias -slope_h |i - j| per head with some -inf entries and every 9th query row all
-  -inf (fully masked through an additive mask). The mask is rounded to the input dtype like the
-  inputs, so the reference sees exactly the mask fn gets.
+GQA: k and v (and so dK, dV) have ``kv_heads`` heads, q and dO ``groups * kv_heads``; query
+head h reads key/value head ``h // groups`` (``repeat_interleave``, SDPA's ``enable_gqa``); at
+least two key/value heads except in ``single_kv_head``, so that a wrong grouping (``repeat``
+instead of ``repeat_interleave``) is a different problem. Masks: boolean (True = attend) or
+floating, added to the scaled scores (SDPA's float ``attn_mask``), rounded to the input dtype
+like the inputs, one per batch element, so the reference sees exactly the mask fn gets.
 """
 
 from __future__ import annotations

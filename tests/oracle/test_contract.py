@@ -79,6 +79,7 @@ def test_dmref_attention_declares_bottom_right_and_sdpa_is_top_left():
         oracle.check(planted.plain, cases=_cases(), causal_alignment="diagonal")
 
 
+@pytest.mark.slow  # a subprocess; the Python test above holds the same verdicts
 def test_the_cli_takes_the_causal_alignment():
     here = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")}

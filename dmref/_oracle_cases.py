@@ -14,7 +14,7 @@ FlashAttention >= 2.1 and :mod:`dmref.reference` agree), except ``causal_cross``
 The cases together vary every axis an attention bug can live on (docs/oracle.md lists the axes
 and a planted bug for each): batch, heads, key/value heads and the GQA ratio (1 to 16, one
 key/value head), seqlen_q and seqlen_k separately (1, tails, block multiples, more queries than
-keys, 131,089 keys in ``thorough``), head dims (64 to 256, Q's and V's apart), the values' range
+keys, 32,785 keys in ``thorough``), head dims (64 to 256, Q's and V's apart), the values' range
 up to the dtype's limits (every case representable in it: :func:`representable`), the logits'
 range and where an extreme sits, causal or not and its alignment, boolean and additive masks with
 fully masked rows, sliding windows and documents, the softmax scale, and the memory layout
@@ -338,9 +338,9 @@ def _specs(size: str) -> list[_Spec]:
     h = {"quick": 2, "standard": 2, "thorough": 4}[size]
     d = DEFAULT_HEAD_DIM
     kv = max(2, h)  # GQA: at least two key/value heads, so that the grouping matters
-    # one query block against a long context (MODEL_SHAPES: Llama 3.1's 131,072 tokens); a
+    # one query block against a long context (MODEL_SHAPES: 32,768 to 163,840 tokens); a
     # tail past every power of two
-    context = {"quick": 2048 + 65, "standard": 8192 + 59, "thorough": 131072 + 17}[size]
+    context = {"quick": 2048 + 65, "standard": 8192 + 59, "thorough": 32768 + 17}[size]
     return [
         _Spec("realistic", "outlier channels x3/x8, sink key, peaked rows (dmref.demo)", 1, h, n, n, d, False, "realistic",
               tags=("realistic",)),

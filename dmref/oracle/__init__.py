@@ -70,7 +70,11 @@ from __future__ import annotations
 from .._oracle_cases import CASE_SETS, CAUSAL_ALIGNMENTS, DEFAULT_CASES, Case, make_cases
 from .bounds import (AGREEMENT_FRACTION, BASELINE_FACTOR, ROWSUM_SAMPLING_SIGMAS, baseline_recipe,
                      floor_unit_roundoff, rounding_allowance)
-from .bounds import _exact, _max, _ratio  # noqa: F401 - the oracle's tests read the exact problem through these
+# the oracle's tests and benchmarks/gpu_efficient_sdpa.py (which runs the error checks on replayed
+# outputs) read these internals through dmref.oracle
+from ..emulation.constants import U_FP32  # noqa: F401
+from .bounds import _exact, _max, _ratio, _run_recipe  # noqa: F401
+from .checks import _error_checks, _Plan  # noqa: F401
 from .checks import OPTIONAL_FEATURES, check
 from .report import CONTRACT_CHECKS, CaseResult, Check, OracleReport
 from .runner import (DTYPE_NAMES, MAX_TIMEOUT, TargetUnavailable, check_timeout, device_problem, resolve_dtype,

@@ -1,4 +1,5 @@
 """The oracle's ready-made targets, in one place: torch's SDPA (:func:`sdpa_math`, :func:`sdpa`),
+FlexAttention (:func:`flex`),
 dmref's emulated recipes (:func:`emulated`, ``emulated_<preset>``), and a vendor's FP8 attention
 (:func:`cudnn_fp8`): ``dmref check dmref.targets:sdpa_math``, ``dmref.targets:cudnn_fp8``
 (``dmref.oracle:sdpa_math`` and ``dmref.oracle:emulated_<preset>`` name the same functions).
@@ -59,7 +60,7 @@ import torch
 from .oracle.runner import TargetUnavailable
 
 __all__ = ["TargetUnavailable", "CaseUnsupported", "GRAD_FORMATS", "causal_into_mask", "cudnn_fp8",
-           "cudnn_fp8_backward", "cudnn_fp8_forward", "dequantize", "emulated", "features_into_mask", "gqa_kwargs",
+           "cudnn_fp8_backward", "cudnn_fp8_forward", "dequantize", "emulated", "features_into_mask", "flex", "gqa_kwargs",
            "require_cudnn_fp8", "sdpa", "sdpa_math"]
 
 _INSTALL_HINT = "pip install 'dmref[cudnn]'"
@@ -508,6 +509,26 @@ def sdpa(q, k, v, *, causal=False, scale=None, mask=None, window=None, documents
     mask = features_into_mask(q, k, mask, window, documents)
     mask, causal = causal_into_mask(q, k, mask, causal)
     return scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, **gqa_kwargs(q, k))
+
+
+def flex(q, k, v, *, causal=False, scale=None):
+    """torch's FlexAttention (``torch.nn.attention.flex_attention``, eager), causal through a
+    block mask (top-left, ``kv_idx <= q_idx``, as SDPA's ``is_causal``), GQA through
+    ``enable_gqa``. torch 2.13 has no FlexAttention backward on the CPU (NotImplementedError:
+    every case fails ``runs`` there); on a GPU it runs."""
+    import warnings
+
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    block_mask = None
+    if causal:
+        def causal_mod(b, h, q_idx, kv_idx):
+            return kv_idx <= q_idx
+
+        block_mask = create_block_mask(causal_mod, None, None, q.shape[-2], k.shape[-2], device=q.device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager FlexAttention warns that it is not compiled
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def emulated(recipe):

@@ -57,7 +57,6 @@ import math
 
 import torch
 
-from .oracle.runner import TargetUnavailable
 
 __all__ = ["TargetUnavailable", "CaseUnsupported", "GRAD_FORMATS", "causal_into_mask", "cudnn_fp8",
            "cudnn_fp8_backward", "cudnn_fp8_forward", "dequantize", "emulated", "features_into_mask", "flex", "gqa_kwargs",
@@ -72,6 +71,13 @@ GRAD_FORMATS = tuple(_FORMATS)
 _FWD_FORMAT = "e4m3"  # Q, K, V, O, P and dS
 _HEAD_DIM = 128  # cuDNN's Hopper FP8 backward: d_qk == d_v == 128 only
 _GRAPH_CACHE_SIZE = 32
+
+
+class TargetUnavailable(RuntimeError):
+    """Raised by an implementation that cannot run on this machine at all (a package or the GPU
+    is missing): :func:`check` stops and re-raises it instead of failing every case; the message
+    is one line and says what is missing. A subclass that is also a ``NotImplementedError``
+    declines one problem only (dmref.targets.CaseUnsupported) and is recorded per case."""
 
 
 class CaseUnsupported(TargetUnavailable, NotImplementedError):

@@ -10,6 +10,7 @@ import threading
 import torch
 
 from .._oracle_cases import Case
+from ..targets import TargetUnavailable  # defined with the targets, which raise it
 
 __all__ = ["DTYPE_NAMES", "MAX_TIMEOUT", "TargetUnavailable", "check_timeout", "device_problem", "resolve_dtype",
            "run_case", "validate_signature"]
@@ -191,13 +192,6 @@ def _output_problem(out: torch.Tensor, dtype: torch.dtype, inputs) -> str:
     if shared:
         return f"fn returned an output in the memory of {', '.join(shared)}"
     return ""
-
-
-class TargetUnavailable(RuntimeError):
-    """Raised by an implementation that cannot run on this machine at all (a package or the GPU
-    is missing): :func:`check` stops and re-raises it instead of failing every case; the message
-    is one line and says what is missing. A subclass that is also a ``NotImplementedError``
-    declines one problem only (dmref.targets.CaseUnsupported) and is recorded per case."""
 
 
 #: How a failed ``runs`` check that was a device-side fault begins (see :func:`_is_device_fault`).

@@ -121,3 +121,13 @@ def test_cudnn_fp8_without_its_requirements_names_the_frontend_and_the_gpu(capsy
     err = capsys.readouterr().err
     assert rc == 2 and len(err.strip().splitlines()) == 1
     assert "nvidia-cudnn-frontend" in err and "compute capability 9.0" in err
+
+
+def test_dmref_targets_imports_first_in_a_fresh_process():
+    """``dmref check dmref.targets:cudnn_fp8`` imports dmref.targets before dmref.oracle."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", "import dmref.targets as t; print(t.sdpa_math.__name__)"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "sdpa_math", res.stderr

@@ -3,10 +3,11 @@ torch SDPA as the README's example calls it (BF16, the default CPU backend: torc
 attention kernel), the same with ``enable_gqa``, and dmref's emulated recipes, exact-mode at BF16
 bounds and as claims of Delta-Matching.
 
-    python benchmarks/cpu_oracle.py --out DIR [--cases quick|standard] [--only TEXT --name NAME]
+    python benchmarks/cpu_oracle.py --out DIR [--cases quick|standard] [--case NAME ...] [--only TEXT --name NAME]
 
 Writes DIR/cpu_oracle.json (every report; DIR/NAME.json with --name) and prints the tables.
-``--only TEXT`` keeps the targets whose label contains TEXT.
+``--only TEXT`` keeps the targets whose label contains TEXT; ``--case NAME`` (repeatable) runs only
+those cases of the set.
 """
 
 from __future__ import annotations
@@ -57,11 +58,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="directory for cpu_oracle.json")
     ap.add_argument("--cases", default="standard", choices=("quick", "standard", "thorough"))
+    ap.add_argument("--case", action="append", default=None, metavar="NAME", help="only this case (repeatable)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", default=None, metavar="TEXT", help="only the targets whose label contains TEXT")
     ap.add_argument("--name", default="cpu_oracle", help="the result file's name, without .json")
     args = ap.parse_args(argv)
-    chosen = [t for t in targets(args.cases) if args.only is None or args.only in t.label]
+    cases = args.cases
+    if args.case is not None:  # case names of the standard set (oracle.check takes names of that set)
+        if args.cases != "standard":
+            print("--case takes names of the standard set (--cases standard)", file=sys.stderr)
+            return 2
+        oracle.make_cases("standard", names=args.case, probe=False)  # an unknown or repeated name: ValueError here
+        cases = args.case
+    chosen = [t for t in targets(cases) if args.only is None or args.only in t.label]
     if not chosen:
         print(f"--only {args.only!r} matches no target; labels: {', '.join(t.label for t in targets(args.cases))}",
               file=sys.stderr)

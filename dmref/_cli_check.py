@@ -16,8 +16,7 @@ import sys
 
 EXIT_PASSED, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
-_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-           "fp32": "float32", "float32": "float32", "fp64": "float64", "float64": "float64"}
+_DTYPES = ("bf16", "bfloat16", "fp16", "float16", "fp32", "float32", "fp64", "float64")  # oracle.DTYPE_NAMES
 
 
 def register(subparsers) -> None:
@@ -36,20 +35,25 @@ def register(subparsers) -> None:
                         "default: exact attention at the input dtype's bounds")
     p.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES), help="input dtype (default bf16)")
     p.add_argument("--cases", default="standard", choices=("quick", "standard", "thorough"),
-                   help="case set (default standard)")
+                   help="case set (default standard, as dmref.oracle.check and the pytest fixture)")
     p.add_argument("--case", action="append", default=None, metavar="NAME",
-                   help="run only this case of the set (repeatable)")
+                   help="run only this case of the set (repeatable, each case at most once)")
     p.add_argument("--head-dim", type=int, default=None, metavar="D",
-                   help="run every case at head dim D (even, >= 16); default 64, and 96 for the other_head_dim "
-                        "case")
-    p.add_argument("--require", action="append", default=[], choices=("gqa", "mask"),
+                   help="run every case at head dim D (even, >= 16; Q, K and V alike); default each case's own: 64, "
+                        "96 (other_head_dim), 256 (single_kv_head), 192 and 128 for V (mla_head_dims)")
+    p.add_argument("--require", action="append", default=[], choices=("gqa", "mask", "window", "documents"),
                    help="an optional feature fn must do (repeatable): its cases fail instead of being reported "
                         "UNSUPPORTED when fn raises")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                   help="limit per case (fn's calls and the oracle's work on it); a case that takes longer "
-                        "fails and the remaining cases are not run")
-    p.add_argument("--device", default="cpu", help="device fn runs on (default cpu)")
-    p.add_argument("--seed", type=int, default=0)
+                   help="limit per case (fn's calls and the oracle's work on it), finite, at most "
+                        "threading.TIMEOUT_MAX; a case that takes longer fails and the remaining cases are not run")
+    p.add_argument("--causal-alignment", default=None, choices=("top_left", "bottom_right"),
+                   help="how fn aligns a causal mask when seqlen_q != seqlen_k: top_left (SDPA's is_causal: query i "
+                        "sees keys j <= i) or bottom_right (FlashAttention >= 2.1: j <= i + seqlen_k - seqlen_q); "
+                        "default: fn's attribute causal_alignment if it has one, else top_left")
+    p.add_argument("--device", default="cpu", help="device fn runs on (default cpu); it must hold data that "
+                                                  "can be read back (not meta)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the cases' inputs, in [0, (2^64 - 1000) / 1000]")
     p.add_argument("--no-probe", action="store_true", help="skip the row-sum probe (one fn call per case)")
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     p.set_defaults(func=_run)
@@ -82,24 +86,6 @@ def load_target(spec: str):
     return obj
 
 
-def device_problem(device: str) -> str | None:
-    """Why ``device`` cannot run fn here, or None when it can."""
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError) as e:
-        return f"--device {device!r} is not a torch device ({e})"
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        return (f"--device {device!r}: no CUDA device on this machine (torch.cuda.is_available() is False, torch "
-                f"{torch.__version__}); accepted here: cpu")
-    try:
-        torch.empty(1, device=dev)
-    except Exception as e:  # noqa: BLE001 - whatever torch says about the device
-        return f"--device {device!r} cannot hold a tensor here: {type(e).__name__}: {str(e).splitlines()[0]}"
-    return None
-
-
 def _run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -107,20 +93,24 @@ def _run(args) -> int:
     err = Console(stderr=True)
     try:
         fn = load_target(args.target)
-        import torch
-
         from dmref import oracle
         from dmref.recipes import get_recipe
 
         oracle.validate_signature(fn)
         if args.recipe is not None:
             get_recipe(args.recipe)
-        problem = device_problem(args.device)
+        problem = oracle.device_problem(args.device)
         if problem:
-            raise ValueError(problem)
-        if args.timeout is not None and not args.timeout > 0:
-            raise ValueError(f"--timeout {args.timeout}: must be a positive number of seconds")
-        dtype = getattr(torch, _DTYPES[args.dtype])
+            raise ValueError("--" + problem)
+        try:
+            oracle.check_timeout(args.timeout)
+        except ValueError as e:
+            raise ValueError(f"--timeout {args.timeout:g}: {e}") from None
+        try:
+            oracle.check_seed(args.seed)
+        except ValueError as e:
+            raise ValueError(f"--seed {args.seed}: {e}") from None
+        dtype = oracle.resolve_dtype(args.dtype)
         cases = oracle.make_cases(args.cases, dtype=dtype, seed=args.seed, names=args.case, probe=not args.no_probe,
                                   head_dim=args.head_dim)
     except (ValueError, TypeError) as e:
@@ -137,7 +127,8 @@ def _run(args) -> int:
         try:
             report = oracle.check(fn, recipe=args.recipe, cases=cases, dtype=dtype, device=args.device,
                                   probe=not args.no_probe, progress=step, target=args.target,
-                                  require=args.require, timeout=args.timeout)
+                                  require=args.require, timeout=args.timeout,
+                                  causal_alignment=args.causal_alignment)
         except oracle.TargetUnavailable as e:
             progress.stop()
             print(f"dmref check: error: {args.target} cannot run here: {' '.join(str(e).split())}",

@@ -6,12 +6,14 @@ Fixture ``dmref_oracle``: a function ``dmref_oracle(fn, **kwargs)`` that runs
 
 Marker ``@pytest.mark.dmref_attention(recipe=..., dtype=..., cases=..., device=..., head_dim=...,
 require=..., timeout=...)``: defaults for ``dmref_oracle`` in that test, any keyword argument of
-:func:`dmref.oracle.check` (keyword arguments of the call win). ``head_dim=128`` runs every case
-at head dim 128; ``require=("gqa",)`` fails the GQA cases of an implementation that raises on
-them instead of reporting them unsupported.
+:func:`dmref.oracle.check` (keyword arguments of the call win). ``dtype`` is a torch dtype or a
+name ``dmref check --dtype`` takes (``"bf16"``, ``"float16"``, ...). ``head_dim=128`` runs every
+case at head dim 128; ``require=("gqa",)`` fails the GQA cases of an implementation that raises
+on them instead of reporting them unsupported.
 
 Command-line option ``--dmref-cases {quick,standard,thorough}``: the case set when neither the
-marker nor the call names one (default ``quick``, so that a user's suite stays fast).
+marker nor the call names one (default ``standard``, the one default of ``dmref check`` and
+:func:`dmref.oracle.check`: :data:`dmref.oracle.DEFAULT_CASES`; ``quick`` for a faster look).
 
 Three lines in a user's test file::
 
@@ -27,18 +29,22 @@ from __future__ import annotations
 import pytest
 
 MARKER = "dmref_attention"
+#: dmref.oracle.DEFAULT_CASES, spelled out so that loading the plugin imports no torch (a test
+#: holds the two equal)
+DEFAULT_CASES = "standard"
 
 
 def pytest_addoption(parser):
     group = parser.getgroup("dmref")
-    group.addoption("--dmref-cases", default="quick", choices=("quick", "standard", "thorough"),
-                    help="case set of the dmref_oracle fixture when the test names none (default quick)")
+    group.addoption("--dmref-cases", default=DEFAULT_CASES, choices=("quick", "standard", "thorough"),
+                    help=f"case set of the dmref_oracle fixture when the test names none (default {DEFAULT_CASES}, "
+                         "as dmref check)")
 
 
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
-        f"{MARKER}(recipe=None, dtype=torch.bfloat16, cases=None, device='cpu', head_dim=None, require=(), "
+        f"{MARKER}(recipe=None, dtype='bf16', cases=None, device='cpu', head_dim=None, require=(), "
         "timeout=None): defaults for the dmref_oracle fixture (dmref's attention oracle; any keyword of "
         "dmref.oracle.check)",
     )

@@ -34,6 +34,7 @@ from dataclasses import replace
 import torch
 
 from dmref import emulation, recipes, tiled
+from dmref.oracle import sdpa_math
 from dmref.emulation import Block, dequantize_blocked, quantize_blocked
 
 E4M3 = emulation.get_format("float8_e4m3fn")
@@ -133,6 +134,7 @@ def _make(bug, *, takes_mask=False):
 
     name = "flash" + ("_masked" if takes_mask and bug is None else "") + (f"_{bug}" if bug else "")
     fn.__name__ = fn.__qualname__ = name
+    fn.causal_alignment = "bottom_right"  # _causal_fill: FlashAttention >= 2.1's alignment
     return fn
 
 
@@ -200,6 +202,9 @@ def naive_fp8_wrong_axis(q, k, v, *, causal=False, scale=None):
     return _WrongAxis.apply(q, k, v, causal, scale)
 
 
+naive_fp8_wrong_axis.causal_alignment = "bottom_right"  # dmref.tiled's
+
+
 def wrong_signature(q, k):
     """Not an attention: the CLI must say so."""
     return q
@@ -220,9 +225,9 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _plain(q, k, v, causal, scale, bug=None):
+def _plain(q, k, v, causal, scale, bug=None, mask=None):
     """softmax(scale Q Kᵀ) V in float32 through autograd, output in the input dtype, GQA by
-    repeat_interleave; ``bug`` plants one mistake."""
+    repeat_interleave, an optional boolean or additive mask; ``bug`` plants one mistake."""
     if bug == "layout":  # reads the storage as if the tensors were contiguous
         q, k, v = (t.as_strided(t.shape, _contiguous_strides(t.shape), t.storage_offset()) for t in (q, k, v))
     if bug == "offset":  # ignores the storage offset
@@ -235,28 +240,71 @@ def _plain(q, k, v, causal, scale, bug=None):
     if bug == "heads":  # query head h reads the values of head h + 1
         v = v.roll(1, dims=1)
     if h != hkv:
-        # the bug: a group size of 4 written in, right only when heads = 4 kv_heads
-        index = (torch.arange(h) // 4).clamp(max=hkv - 1) if bug == "gqa_ratio" else torch.arange(h) // (h // hkv)
-        k, v = k[:, index], v[:, index]
+        groups = h // hkv
+        # gqa_ratio: a group size of 4 written in; group_cap_8: the group size capped at 8 (a
+        # kernel's compile-time maximum); group_pow2: rounded up to a power of two
+        size = {"gqa_ratio": 4, "group_cap_8": min(groups, 8),
+                "group_pow2": 1 << (groups - 1).bit_length()}.get(bug, groups)
+        index = (torch.arange(h) // size).clamp(max=hkv - 1)
+        if bug == "mqa_head0" and hkv == 1:  # the bug: dK, dV from query head 0 alone
+            k = torch.cat([k, k.detach().expand(-1, h - 1, -1, -1)], dim=1)
+            v = torch.cat([v, v.detach().expand(-1, h - 1, -1, -1)], dim=1)
+        else:
+            k, v = k[:, index], v[:, index]
+    if bug == "dq_width_v":  # the bug: dQ sized by V's head dim (channels beyond it zero)
+        q = _ZeroGradTail.apply(q, v.shape[-1])
     nq, nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     rows = min(nq, nk) if bug == "more_queries" else nq  # query tiles sized by seqlen_k
-    channels = 64 if bug == "head_dim" else d  # the bug: one head-dim tile of 64 channels
+    # the bug: one head-dim tile of 64 (head_dim) or 128 (head_dim_128) channels
+    channels = {"head_dim": 64, "head_dim_128": min(d, 128)}.get(bug, d)
     qk = q[..., :rows, :channels] @ k[..., :channels].transpose(-1, -2)
     s = scale * qk
-    if causal:
+    if mask is not None:
+        m = mask[:1] if bug == "mask_batch0" else mask  # the bug: batch element 0's mask for every element
+        # -inf through masked_fill, whose backward is zero there: fully masked rows (softmax
+        # NaN, zeroed below) then get zero gradients
+        removed = ~m if m.dtype == torch.bool else ~torch.isfinite(m)
+        if m.dtype != torch.bool:
+            s = s + torch.where(removed, 0.0, m.float())
+        s = s.masked_fill(removed, -math.inf)
+    if causal and not (bug == "mask_no_causal" and mask is not None):
         keep = torch.ones(rows, nk, dtype=torch.bool).tril(nk - nq)
         s = s.masked_fill(~keep, -math.inf)
     if bug == "tail":  # keys beyond the last full block of 64 are dropped
         s = s.masked_fill(torch.arange(nk) >= nk // 64 * 64, -math.inf) if nk >= 64 else s
-    if bug == "no_max":  # softmax without the row maximum subtracted
-        e = torch.exp(s)
+    if bug == "keys_2048":  # keys beyond 2,048 dropped (a grid sized for 2,048 keys)
+        s = s.masked_fill(torch.arange(nk) >= 2048, -math.inf)
+    if bug in ("no_max", "first_block_max", "full_blocks_max"):
+        # no_max: softmax without the row maximum subtracted; first_block_max: the maximum of
+        # the first 64 keys only (a running maximum never updated); full_blocks_max: the
+        # maximum of the full blocks of 64 keys only (the tail exponentiated against it)
+        width = {"no_max": 0, "first_block_max": 64, "full_blocks_max": nk // 64 * 64}[bug]
+        m = s[..., :width].amax(-1, keepdim=True).detach() if width else torch.zeros_like(s[..., :1])
+        e = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
         p = e / e.sum(-1, keepdim=True)
     else:
         p = torch.softmax(s, dim=-1)
+    if bug not in ("no_max", "first_block_max", "full_blocks_max"):
+        p = p.nan_to_num(0.0)  # rows with no key left: zero (their gradients are zero through masked_fill)
     out = (p.half() @ v.half()).float() if bug == "fp16_pv" else p @ v
     if rows < nq:
         out = torch.cat([out, out.new_zeros(*out.shape[:-2], nq - rows, out.shape[-1])], dim=-2)
     return out.to(dtype)
+
+
+class _ZeroGradTail(torch.autograd.Function):
+    """Identity whose backward zeroes the gradient's channels from ``width`` on."""
+
+    @staticmethod
+    def forward(ctx, x, width):
+        ctx.width = width
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        g[..., ctx.width:] = 0
+        return g, None
 
 
 class _DoutContiguous(torch.autograd.Function):
@@ -271,18 +319,50 @@ class _DoutContiguous(torch.autograd.Function):
         return dout.as_strided(dout.shape, _contiguous_strides(dout.shape), dout.storage_offset())
 
 
-def _make_axis(bug):
-    def fn(q, k, v, *, causal=False, scale=None):
-        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-        if bug == "dout_layout":
-            return _DoutContiguous.apply(_plain(q, k, v, causal, scale))
-        return _plain(q, k, v, causal, scale, bug)
+def _window_and_documents(nq, nk, window, documents, bug):
+    """A boolean (batch or 1, 1, nq, nk) mask of a sliding window (left, right) and document ids,
+    written out here on its own (not dmref's), with the planted window and document bugs."""
+    i, j = torch.arange(nq)[:, None], torch.arange(nk)[None, :]
+    keep = torch.ones(1, 1, nq, nk, dtype=torch.bool)
+    if window is not None:
+        left, right = window
+        lo = i - left + (1 if bug == "window_off_by_one" else 0)  # the bug: key i - left left out
+        keep = keep & ((j >= lo) if left >= 0 else True) & ((j <= i + right) if right >= 0 else True)
+    if documents is not None:
+        docs = documents[:1].expand_as(documents) if bug == "documents_batch0" else documents
+        keep = keep & (docs[:, None, :, None] == docs[:, None, None, :])
+    return keep
 
-    fn.__name__ = fn.__qualname__ = f"plain_{bug}" if bug else "plain"
+
+def _make_axis(bug, *, takes_mask=False, features=False):
+    if features:
+        def fn(q, k, v, *, causal=False, scale=None, mask=None, window=None, documents=None):
+            scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+            if window is not None or documents is not None:
+                keep = _window_and_documents(q.shape[-2], k.shape[-2], window, documents, bug)
+                mask = keep if mask is None else mask & keep
+                causal = causal and bug != "documents_no_causal"
+            return _plain(q, k, v, causal, scale, bug, mask)
+    elif takes_mask:
+        def fn(q, k, v, *, causal=False, scale=None, mask=None):
+            scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+            return _plain(q, k, v, causal, scale, bug, mask)
+    else:
+        def fn(q, k, v, *, causal=False, scale=None):
+            scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+            if bug == "dout_layout":
+                return _DoutContiguous.apply(_plain(q, k, v, causal, scale))
+            return _plain(q, k, v, causal, scale, bug)
+
+    fn.__name__ = fn.__qualname__ = (("plain_features" if features else "plain_masked" if takes_mask else "plain")
+                                     + (f"_{bug}" if bug else ""))
+    fn.causal_alignment = "bottom_right"  # keep = tril(seqlen_k - seqlen_q), as FlashAttention >= 2.1
     return fn
 
 
 plain = _make_axis(None)
+plain_masked = _make_axis(None, takes_mask=True)
+plain_features = _make_axis(None, features=True)  # mask=, window= and documents=
 
 #: axis -> (implementation with a bug on that axis, the quick case that must fail it, what is wrong)
 AXIS_BUGS = {
@@ -298,6 +378,27 @@ AXIS_BUGS = {
     "layout": (_make_axis("layout"), "strided_inputs", "q, k, v read as if contiguous"),
     "offset": (_make_axis("offset"), "strided_inputs", "the storage offset of q, k, v ignored"),
     "dout_layout": (_make_axis("dout_layout"), "strided_inputs", "dO read as if contiguous in the backward"),
+    "mask_per_batch": (_make_axis("mask_batch0", takes_mask=True), "additive_mask",
+                       "batch element 0's mask applied to every batch element"),
+    "mask_with_causal": (_make_axis("mask_no_causal", takes_mask=True), "fully_masked_rows",
+                         "causal ignored whenever a mask is given"),
+    "context_length": (_make_axis("keys_2048"), "long_context", "keys beyond 2,048 dropped"),
+    "single_kv_head": (_make_axis("mqa_head0"), "single_kv_head", "with one key/value head, dK and dV from query head 0"),
+    "gqa_ratio_16": (_make_axis("group_cap_8"), "gqa_ratio_16", "the query heads per key/value head capped at 8"),
+    "gqa_ratio_7": (_make_axis("group_pow2"), "gqa_ratio_7",
+                    "the query heads per key/value head rounded up to a power of two"),
+    "head_dim_256": (_make_axis("head_dim_128"), "single_kv_head", "Q Kᵀ over the first 128 channels only"),
+    "head_dim_v": (_make_axis("dq_width_v"), "mla_head_dims", "dQ sized by V's head dim (Q's channels beyond it zero)"),
+    "window": (_make_axis("window_off_by_one", features=True), "sliding_window",
+               "the window one key short (key i - left left out)"),
+    "documents_per_batch": (_make_axis("documents_batch0", features=True), "documents",
+                            "batch element 0's documents for every element"),
+    "documents_with_causal": (_make_axis("documents_no_causal", features=True), "documents",
+                              "causal ignored whenever documents are given"),
+    "extreme_position": (_make_axis("first_block_max"), "extreme_positions",
+                         "the row maximum of the first 64 keys only (a running maximum never updated)"),
+    "extreme_in_tail": (_make_axis("full_blocks_max"), "extreme_positions",
+                        "the row maximum of the full blocks of 64 keys only (the tail exponentiated against it)"),
 }
 
 
@@ -308,7 +409,10 @@ def mha_only(q, k, v, *, causal=False, scale=None):
     s = scale * (q.float() @ k.float().transpose(-1, -2))
     if causal:
         s = _causal_fill(s)
-    return (torch.softmax(s, dim=-1) @ v.float()).to(q.dtype)
+    return (torch.softmax(s, dim=-1).nan_to_num(0.0) @ v.float()).to(q.dtype)
+
+
+mha_only.causal_alignment = "bottom_right"  # _causal_fill
 
 
 def hangs(q, k, v, *, causal=False, scale=None):
@@ -317,3 +421,93 @@ def hangs(q, k, v, *, causal=False, scale=None):
 
     time.sleep(3600)
     return q
+
+
+# ----------------------------------------------------------------------------------------------
+# Verdicts that must hold in every dtype, and any exit of fn
+# ----------------------------------------------------------------------------------------------
+
+
+def float32_inside(q, k, v, *, causal=False, scale=None, mask=None):
+    """torch's SDPA math backend on float32 copies of the inputs, the output cast back to the
+    input dtype: right for bfloat16, float16 and float32, a silent downcast for float64."""
+    out = sdpa_math(q.float(), k.float(), v.float(), causal=causal, scale=scale,
+                    mask=mask.float() if mask is not None and mask.is_floating_point() else mask)
+    return out.to(q.dtype)
+
+
+def exits(q, k, v, *, causal=False, scale=None):
+    """Ends the process with status 0 instead of returning: the oracle must fail the case."""
+    raise SystemExit(0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The calling contract: right numbers, surprising calls (docs/oracle.md, "The calling contract")
+# ----------------------------------------------------------------------------------------------
+
+
+class _DoutScaledInPlace(torch.autograd.Function):
+    """Identity whose backward scales dO in place before using it (and undoes the scale in its
+    result): the gradients are right, the caller's dO comes back doubled."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return dout.mul_(2.0) / 2.0
+
+
+_DQ_BUFFERS: dict = {}
+
+
+class _DqAccumulated(torch.autograd.Function):
+    """Identity whose backward adds dQ into a buffer kept per shape across calls and never
+    zeroed: the first call is right, every later call on that shape returns the running sum."""
+
+    @staticmethod
+    def forward(ctx, q):
+        return q.view_as(q)
+
+    @staticmethod
+    def backward(ctx, dq):
+        buf = _DQ_BUFFERS.setdefault((tuple(dq.shape), dq.dtype), torch.zeros_like(dq))
+        buf += dq
+        return buf.clone()
+
+
+def _contract(bug):
+    def fn(q, k, v, *, causal=False, scale=None):
+        if bug == "default_scale_one":  # the bug: a missing scale taken as 1
+            scale = 1.0 if scale is None else scale
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        if bug == "dq_accumulated":
+            q = _DqAccumulated.apply(q)
+        out = _plain(q, k, v, causal, scale)
+        if bug == "out_float32":  # the bug: the float32 result returned as it is
+            return _plain(q.float(), k.float(), v.float(), causal, scale)
+        if bug == "dout_in_place":
+            return _DoutScaledInPlace.apply(out)
+        return out
+
+    if bug == "default_causal":  # the bug: causal unless told otherwise
+        def causal_fn(q, k, v, *, causal=True, scale=None):
+            return plain(q, k, v, causal=causal, scale=scale)
+
+        causal_fn.__name__ = causal_fn.__qualname__ = "contract_default_causal"
+        causal_fn.causal_alignment = "bottom_right"
+        return causal_fn
+    fn.__name__ = fn.__qualname__ = f"contract_{bug}"
+    fn.causal_alignment = "bottom_right"
+    return fn
+
+
+#: contract item -> (implementation with a bug there, the check that must fail it, what is wrong)
+CONTRACT_BUGS = {
+    "output_dtype": (_contract("out_float32"), "output", "the output in float32 for bfloat16 inputs"),
+    "inputs_unchanged": (_contract("dout_in_place"), "inputs", "the backward scales dO in place"),
+    "default_scale": (_contract("default_scale_one"), "defaults", "a missing scale taken as 1"),
+    "default_causal": (_contract("default_causal"), "defaults", "causal unless told otherwise"),
+    "determinism": (_contract("dq_accumulated"), "repeat", "dQ added into a buffer kept across calls"),
+}

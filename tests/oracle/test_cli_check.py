@@ -106,7 +106,7 @@ def test_a_hanging_target_is_stopped_by_the_timeout():
 
 @pytest.mark.parametrize("args,message", [
     (["--head-dim", "7"], "head_dim=7 must be even"),
-    (["--timeout", "0"], "--timeout 0.0: must be a positive number"),
+    (["--timeout", "0"], "--timeout 0: timeout=0.0 must be a finite number of seconds"),
     (["--device", "nosuchdevice"], "is not a torch device"),
 ])
 def test_bad_options_give_one_line_and_exit_status_2(args, message):

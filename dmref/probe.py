@@ -1,7 +1,7 @@
 """The black-box zero-row-sum probe: measure r_i = sum_j dS_ij of any attention implementation
 from its dQ alone.
 
-The argument (DESIGN.md section 1). Add one vector c to every key, K' = K + 1 cᵀ. Every logit of
+The argument. Add one vector c to every key, K' = K + 1 cᵀ. Every logit of
 row i moves by the same tau q_i . c, so softmax, O, D and dS are unchanged, and
 
     dQ_i(K') - dQ_i(K) = tau sum_j dS_ij (K_j + c) - tau sum_j dS_ij K_j = tau r_i c.

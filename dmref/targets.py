@@ -75,7 +75,7 @@ _GRAPH_CACHE_SIZE = 32
 
 class TargetUnavailable(RuntimeError):
     """Raised by an implementation that cannot run on this machine at all (a package or the GPU
-    is missing): :func:`check` stops and re-raises it instead of failing every case; the message
+    is missing): :func:`dmref.oracle.check` stops and re-raises it instead of failing every case; the message
     is one line and says what is missing. A subclass that is also a ``NotImplementedError``
     declines one problem only (dmref.targets.CaseUnsupported) and is recorded per case."""
 

@@ -46,10 +46,6 @@ KNOWN_BROKEN: dict[str, set[tuple[str, str]]] = {
         ("docs/oracle.md", "benchmarks/results/h200_efficient_sdpa.json"),
         ("docs/oracle.md", "tests/data/h200_efficient_sdpa_dump.pt"),
     },
-    "oracle (dmref/probe.py, docs/oracle.md)": {
-        ("dmref/probe.py", "DESIGN.md"),
-        ("docs/oracle.md", "DESIGN.md"),
-    },
 }
 
 #: Paths in other repositories that the docs cite with the repository named beside them.
@@ -61,6 +57,7 @@ EXTERNAL_PATHS = {
     "triton/runtime/interpreter.py": "triton-lang/triton",
     "transformers/integrations/sdpa_attention.py": "huggingface/transformers",
     "integrations/sdpa_attention.py": "huggingface/transformers",
+    "config.json": "each model's configuration on the Hugging Face hub",
 }
 #: Classes whose ``Class.attribute`` the docs and docstrings cite without the module.
 CLASS_HOMES = {"KernelRecipe": "dmref.kernels.config", "Recipe": "dmref.recipes", "QuantPoint": "dmref.recipes",

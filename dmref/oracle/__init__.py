@@ -59,9 +59,9 @@ Guarantees:
 - Every bound is derived from the dtype, the recipe and the inputs (no typed tolerance); the
   derivations and their evidence are in docs/oracle.md.
 
-Where things live: :mod:`.report` (the report and its rendering), :mod:`.bounds` (magnitudes,
-floors, baselines, the factors), :mod:`.runner` (options, calling fn, timeouts, exits and device
-faults), :mod:`.checks` (:func:`check` and every check); the ready-made targets are in
+Where things live: :mod:`dmref.oracle.report` (the report and its rendering), :mod:`dmref.oracle.bounds` (magnitudes,
+floors, baselines, the factors), :mod:`dmref.oracle.runner` (options, calling fn, timeouts, exits and device
+faults), :mod:`dmref.oracle.checks` (:func:`dmref.oracle.check` and every check); the ready-made targets are in
 :mod:`dmref.targets` (re-exported here: ``dmref.oracle:sdpa_math``, ``emulated_<preset>``).
 """
 

@@ -168,7 +168,7 @@ def _run_recipe(case: Case, recipe, dtype):
 
 
 def _dq_accumulation_u(claimed) -> float:
-    """The probe's accumulation unit roundoff for a claim (see :func:`check`)."""
+    """The probe's accumulation unit roundoff for a claim (see :func:`dmref.oracle.check`)."""
     if claimed is None:
         return U_FP32
     fp8 = [p for p in (claimed.ds_dq, claimed.k_dq)

@@ -1,6 +1,6 @@
-"""The checks: :func:`check` runs every case (:mod:`.runner`), holds fn's results to the bounds
-(:mod:`.bounds`) and the calling contract, reads the row sums with the probe, and writes the
-report (:mod:`.report`)."""
+"""The checks: :func:`check` runs every case (:mod:`dmref.oracle.runner`), holds fn's results to the bounds
+(:mod:`dmref.oracle.bounds`) and the calling contract, reads the row sums with the probe, and writes the
+report (:mod:`dmref.oracle.report`)."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def check(fn, *, recipe=None, cases=DEFAULT_CASES, dtype: torch.dtype | str = to
             (each at most once), or a list of :class:`Case`.
         dtype: the input dtype (bfloat16 by default; every case is rounded to it): a torch
             floating dtype or one of the names ``dmref check --dtype`` takes
-            (:data:`DTYPE_NAMES`: ``"bf16"``, ``"float16"``, ...).
+            (:data:`dmref.oracle.runner.DTYPE_NAMES`: ``"bf16"``, ``"float16"``, ...).
         device: where fn runs (the reference runs on the CPU in float64); a device that
             cannot hold and return data here (``"meta"``, ``"cuda"`` without a GPU) is
             refused (ValueError).
@@ -103,7 +103,7 @@ def check(fn, *, recipe=None, cases=DEFAULT_CASES, dtype: torch.dtype | str = to
         require: optional features (:data:`OPTIONAL_FEATURES`) fn must do: a case exercising
             one fails instead of being reported unsupported.
         timeout: seconds per case (fn's calls and the oracle's work on that case), a finite
-            number in (0, :data:`MAX_TIMEOUT`]; a case that takes longer fails ``runs`` and the
+            number in (0, :data:`dmref.oracle.runner.MAX_TIMEOUT`]; a case that takes longer fails ``runs`` and the
             remaining cases are not run.
         seed: an int in [0, :data:`dmref._oracle_cases.MAX_SEED`].
         causal_alignment: how fn aligns a causal mask when seqlen_q != seqlen_k:

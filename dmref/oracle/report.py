@@ -60,7 +60,7 @@ class CaseResult:
 
 @dataclass
 class OracleReport:
-    """Everything :func:`check` found. ``passed`` is True when every check that ran passed."""
+    """Everything :func:`dmref.oracle.check` found. ``passed`` is True when every check that ran passed."""
 
     target: str
     mode: str  #: "exact at <dtype> bounds" or "recipe <name>"

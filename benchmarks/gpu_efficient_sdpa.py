@@ -111,7 +111,7 @@ def model_statistics(case, outs) -> dict:
     plan = oracle._Plan(oracle.baseline_recipe(torch.bfloat16), None, None, torch.bfloat16, "cpu", False, False,
                         oracle.U_FP32, frozenset())
     if id(case) not in _REFERENCE:  # the float64 reference and the baseline, once per case
-        _REFERENCE[id(case)] = (case, oracle._exact(case), oracle._run_recipe(case, plan.base, torch.bfloat16)[0])
+        _REFERENCE[id(case)] = (case, oracle.exact_reference(case), oracle._run_recipe(case, plan.base, torch.bfloat16)[0])
     _, ex, base = _REFERENCE[id(case)]
     cr = oracle.CaseResult(case.name, case.description, case.shape, case.causal, case.scale)
     checks = oracle._error_checks(case, plan, ex, tuple(t.double() for t in outs), base, cr)
@@ -127,7 +127,7 @@ def analyse(case, got: dict) -> dict:
     entry = {"forward_model": {"out_identical": (out_m == got["out"].float()).double().mean().item(),
                                "lse_max_abs": (lse_m - got["lse"]).abs().max().item()}}
     stats = model_statistics(case, tuple(got[n].float() for n in ("out", "dq", "dk", "dv")))
-    entry["backend_statistics"] = {n: {"value": v, "bound": b, "ratio": _ratio(v, b)} for n, (v, b) in stats.items()}
+    entry["backend_statistics"] = {n: {"value": v, "bound": b, "ratio": elementwise_ratio(v, b)} for n, (v, b) in stats.items()}
     entry["models"] = {}
     for name in MODELS:
         dq, dk, dv = backward_model(case.q, case.k, case.v, case.dout, got["out"], got["lse"],
@@ -136,12 +136,12 @@ def analyse(case, got: dict) -> dict:
         entry["models"][name] = {
             **{f"{n}_identical": (m == got[n].float()).double().mean().item()
                for n, m in (("dq", dq), ("dk", dk), ("dv", dv))},
-            **{f"{n}_ratio": _ratio(v, b) for n, (v, b) in stats.items()},
+            **{f"{n}elementwise_ratio": elementwise_ratio(v, b) for n, (v, b) in stats.items()},
         }
     return entry
 
 
-def _ratio(value: float, bound: float):
+def elementwise_ratio(value: float, bound: float):
     """value / bound; None where the bound is 0 (then the check passes only at value 0) or NaN."""
     return value / bound if bound and math.isfinite(value) and math.isfinite(bound) else None
 
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
     report = oracle.check(_efficient, cases=cases, device="cuda", target="sdpa efficient bf16")
     result = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "seed": 0, "case_set": "standard",
               "oracle": [{"case": c.case, "check": c.name, "passed": c.passed, "value": c.value, "bound": c.bound,
-                          "ratio": _ratio(c.value, c.bound), "detail": c.detail}
+                          "ratio": elementwise_ratio(c.value, c.bound), "detail": c.detail}
                          for c in report.checks if c.name in ("runs", "out", "dq", "dk", "dv", "rowsum")],
               "cases": {}}
     dump = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "cases": {}}

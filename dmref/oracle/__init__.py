@@ -73,7 +73,7 @@ from .bounds import (AGREEMENT_FRACTION, BASELINE_FACTOR, ROWSUM_SAMPLING_SIGMAS
 # the oracle's tests and benchmarks/gpu_efficient_sdpa.py (which runs the error checks on replayed
 # outputs) read these internals through dmref.oracle
 from ..emulation.constants import U_FP32  # noqa: F401
-from .bounds import _exact, _max, _ratio, _run_recipe  # noqa: F401
+from .bounds import exact_reference, max_value, elementwise_ratio, _run_recipe  # noqa: F401
 from .checks import _error_checks, _Plan  # noqa: F401
 from .checks import OPTIONAL_FEATURES, check
 from .report import CONTRACT_CHECKS, CaseResult, Check, OracleReport

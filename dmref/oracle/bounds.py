@@ -57,7 +57,7 @@ def baseline_recipe(dtype: torch.dtype):
 
 
 @dataclass
-class _Exact:
+class ExactReference:
     out: torch.Tensor
     dq: torch.Tensor
     dk: torch.Tensor
@@ -78,7 +78,10 @@ def floor_unit_roundoff(dtype: torch.dtype) -> float:
     return U_FP64 if dtype == torch.float64 else U_FP32
 
 
-def _exact(case: Case) -> _Exact:
+def exact_reference(case: Case) -> ExactReference:
+    """The float64 reference of a case (``dmref.reference.attention_ref`` on the CPU): out, dQ,
+    dK, dV, each element's magnitude (the sums its error bounds scale with), the float32 floors,
+    sum_j |P dP| per row, k-bar and the stale-delta terms; what every check compares fn with."""
     u_floor = floor_unit_roundoff(case.q.dtype)
     q, k, v, do = (_cpu64(t) for t in (case.q, case.k, case.v, case.dout))
     mask = case.mask
@@ -110,11 +113,11 @@ def _exact(case: Case) -> _Exact:
     a = (do.abs() * (out.abs() + bounds["out"])).sum(-1, keepdim=True)
     stale = {"dq": tau * a * (p @ kx.abs()),
              "dk": reference.reduce_kv(tau * (p * a).transpose(-1, -2) @ q.abs(), g)}
-    return _Exact(out, dq, dk, dv, mags, {n: bounds[n] for n in mags}, (p * dp).abs().sum(-1),
+    return ExactReference(out, dq, dk, dv, mags, {n: bounds[n] for n in mags}, (p * dp).abs().sum(-1),
                   w.sum(-1), kbar, stale)
 
 
-def _ratio(err: torch.Tensor, mag: torch.Tensor) -> torch.Tensor:
+def elementwise_ratio(err: torch.Tensor, mag: torch.Tensor) -> torch.Tensor:
     """err / mag elementwise with 0/0 = 0 and x/0 = inf (NaN stays NaN)."""
     safe = torch.where(mag > 0, mag, torch.ones_like(mag))
     r = err / safe
@@ -125,7 +128,7 @@ def _excess(diff: torch.Tensor, floor: torch.Tensor, mag: torch.Tensor) -> torch
     """(|diff| - floor)+ / mag elementwise, the error float32 rounding cannot explain, in units
     of each element's magnitude (NaN stays NaN)."""
     over = diff.abs() - floor
-    return _ratio(torch.where(over > 0, over, torch.where(torch.isnan(over), over, torch.zeros_like(over))), mag)
+    return elementwise_ratio(torch.where(over > 0, over, torch.where(torch.isnan(over), over, torch.zeros_like(over))), mag)
 
 
 def _rms_sampling_rel_std(x: torch.Tensor) -> float:
@@ -141,7 +144,8 @@ def _rms_sampling_rel_std(x: torch.Tensor) -> float:
     return 0.5 * x2.std().item() / (mean * math.sqrt(n))
 
 
-def _max(t: torch.Tensor) -> float:
+def max_value(t: torch.Tensor) -> float:
+    """The largest element as a float: 0 for an empty tensor, NaN if any element is NaN."""
     if t.numel() == 0:
         return 0.0
     if bool(torch.isnan(t).any()):

@@ -14,7 +14,7 @@ import torch
 
 from .. import diagnostics, probe as _probe
 from .._oracle_cases import CAUSAL_ALIGNMENTS, DEFAULT_CASES, Case, check_bool, check_head_dim, check_seed, make_cases
-from .bounds import (AGREEMENT_FRACTION, BASELINE_FACTOR, _cpu64, _dq_accumulation_u, _excess, _exact, _max, _ratio, _rms,
+from .bounds import (AGREEMENT_FRACTION, BASELINE_FACTOR, _cpu64, _dq_accumulation_u, _excess, exact_reference, max_value, elementwise_ratio, _rms,
                      _rowsum_bound, _run_recipe, baseline_recipe, rounding_allowance)
 from .report import CaseResult, Check, OracleReport
 from .runner import (_DEVICE_FAULT, TargetUnavailable, _call, _check_accumulation_u, _exit_detail,
@@ -205,7 +205,7 @@ def _check_case(fn, case, plan, cr) -> list[Check]:
         checks.append(Check(case.name, name, not contract[name], detail=contract[name]))
     got64 = tuple(_cpu64(t) for t in got)
     ref = case.for_reference(plan.alignment)  # the problem fn claims to solve
-    ex = _exact(ref)
+    ex = exact_reference(ref)
     bad = [n for n, t in zip(("out", "dq", "dk", "dv"), got64) if not bool(torch.isfinite(t).all())]
     checks.append(Check(case.name, "finite", not bad, detail="NaN or inf in " + ", ".join(bad) if bad else ""))
     base_outs, base_rows = _run_recipe(ref, plan.base, plan.dtype)
@@ -313,11 +313,11 @@ def _error_checks(case, plan, ex, got64, base_outs, cr, names=("out", "dq", "dk"
         # would let no rounding through: there fn's rounding of the element to the dtype, up to
         # BASELINE_FACTOR roundings of its value, is not counted
         slack = torch.where(base_excess == 0, BASELINE_FACTOR * u_out * e.abs(), torch.zeros_like(e))
-        err = _max(_excess(x - e, floor + slack, mag))
-        err_base = _max(base_excess)
+        err = max_value(_excess(x - e, floor + slack, mag))
+        err_base = max_value(base_excess)
         bound = BASELINE_FACTOR * err_base
         if cr is not None:
-            cr.errors[name] = _max(_ratio((x - e).abs(), mag))
+            cr.errors[name] = max_value(elementwise_ratio((x - e).abs(), mag))
         checks.append(Check(case.name, name, bool(err <= bound), value=err, bound=bound, baseline=err_base))
     return checks
 
@@ -373,7 +373,7 @@ def _rowsum_check(fn, case, plan, ex, got, base_rows, cr) -> Check:
     # the probe's own noise, measured: two null channels read the same sum with different
     # roundings (the worst-case bound pe_i only decides whether the reading is valid)
     noise = _rms(pr.spread.cpu()[active] / a)
-    cr.rowsum_rms, cr.rowsum_max = _rms(rel), _max(rel.abs())
+    cr.rowsum_rms, cr.rowsum_max = _rms(rel), max_value(rel.abs())
     cr.rowsum_mean_signed = rel.mean().item() if rel.numel() else 0.0
     cr.probe_valid = pr.valid
     cr.probe_note = _probe_notes(pr)

@@ -294,7 +294,7 @@ def test_a_zero_baseline_excess_still_admits_rounding_to_the_dtype():
     import torch
 
     (case,) = _cases(names=["realistic"])
-    ex = oracle._exact(case)
+    ex = oracle.exact_reference(case)
 
     def rounded(extra):
         class Fixed(torch.autograd.Function):

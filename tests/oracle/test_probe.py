@@ -124,7 +124,7 @@ def test_probe_recovers_a_planted_delta_to_the_output_precision(dtype, name):
     through its group's keys, and each query head's delta is read back separately."""
     case = oracle.make_cases("quick", dtype=dtype, names=[name])[0]
     g = torch.Generator().manual_seed(7)
-    ex = oracle._exact(case)
+    ex = oracle.exact_reference(case)
     delta = torch.randn(ex.abs_pdp.shape, generator=g, dtype=torch.float64) * ex.abs_pdp * 0.1
 
     def fn(q, k, v, *, causal, scale):
@@ -162,7 +162,7 @@ def probe_cases():
 @pytest.mark.parametrize("recipe", _PRESETS)
 def test_probe_reads_the_emulated_recipes_residual_from_outside(recipe, probe_cases):
     for case in probe_cases:
-        ex = oracle._exact(case)
+        ex = oracle.exact_reference(case)
         pr = probe.run_probe(oracle.emulated(recipe), case.q, case.k, case.v, case.dout, case.probe,
                              causal=case.causal, scale=case.scale, mask=case.mask, abs_ds_bound=2 * ex.abs_ds)
         assert pr.valid, pr.invariance_detail
@@ -186,7 +186,7 @@ def test_probe_recovers_the_known_stale_delta_of_an_fp8_recipe(probe_cases):
                                        scale=case.scale, mask=case.mask, diagnostics=True)
         rs_m = b_matched.rowsum
         delta = b_stale.rowsum.delta - rs_m.delta  # the planted-by-the-recipe stale delta
-        ex = oracle._exact(case)
+        ex = oracle.exact_reference(case)
         pr = probe.run_probe(oracle.emulated(stale), case.q, case.k, case.v, case.dout, case.probe,
                              causal=case.causal, scale=case.scale, mask=case.mask, abs_ds_bound=2 * ex.abs_ds)
         assert pr.valid
@@ -230,7 +230,7 @@ def test_probe_refuses_a_quantizer_that_rounds_the_shift():
     def fn(q, k, v, *, causal, scale):
         return _PerKeyAmaxK.apply(q, k, v, scale)
 
-    ex = oracle._exact(case)
+    ex = oracle.exact_reference(case)
     pr = probe.run_probe(fn, case.q, case.k, case.v, case.dout, case.probe, scale=case.scale,
                          abs_ds_bound=2 * ex.abs_ds)
     assert not pr.consistent and not pr.valid

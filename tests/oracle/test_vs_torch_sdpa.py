@@ -73,14 +73,14 @@ def test_torch_cpu_bf16_sdpa_rounds_dk_and_dv_to_bf16_after_every_block_of_queri
         q, k, v = (t.clone().requires_grad_(True) for t in (case.q, case.k, case.v))
         scaled_dot_product_attention(q, k, v, is_causal=case.causal, scale=case.scale,
                                      **oracle.gqa_kwargs(q, k)).backward(case.dout)
-        ex = oracle._exact(case)
+        ex = oracle.exact_reference(case)
         dv_torch = v.grad.float()
-        err_torch = oracle._max(oracle._ratio((dv_torch.double() - ex.dv).abs(), ex.mags["dv"]))
+        err_torch = oracle.max_value(oracle.elementwise_ratio((dv_torch.double() - ex.dv).abs(), ex.mags["dv"]))
         for bf16_acc in (True, False):
             _, dv = torch_cpu_flash_model(case.q, case.k, case.v, case.dout, causal=case.causal, scale=case.scale,
                                           bf16_accumulation=bf16_acc)
             same = (dv == dv_torch).double().mean().item()
-            err = oracle._max(oracle._ratio((dv.double() - ex.dv).abs(), ex.mags["dv"]))
+            err = oracle.max_value(oracle.elementwise_ratio((dv.double() - ex.dv).abs(), ex.mags["dv"]))
             if bf16_acc:
                 assert same > 0.97 and err == err_torch, (case.name, same, err, err_torch)
             else:

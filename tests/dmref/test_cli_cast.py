@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from dmref import cli
-from dmref._cli_formats import parse_value, round_to_odd
+from dmref.cli.formats import parse_value, round_to_odd
 from dmref.emulation import decode, encode, get_format
 
 _DIRECTED = ("toward_zero", "toward_positive", "toward_negative")

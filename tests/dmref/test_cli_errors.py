@@ -14,7 +14,8 @@ import sys
 import numpy as np
 import pytest
 
-from dmref import _cli_demo, _cli_formats, cli, demo
+from dmref import cli, demo
+from dmref.cli import demo as cli_demo, formats as cli_formats
 from dmref.recipes import PRESETS
 
 _SMALL = ["--seqlen", "64", "--heads", "1", "--head-dim", "16", "--sweep", "--draws", "2"]
@@ -135,13 +136,13 @@ def test_demo_memory_limit_is_the_estimate_and_names_the_largest_length_that_fit
     config = demo.DemoConfig(seqlen=4096, sweep_seqlens=(), accum_draws=0)
     need = demo.peak_bytes(config)
     assert need == demo.problem_bytes(1, 4, 4096, 64)
-    _cli_demo.check_memory(config, need)  # exactly enough
+    cli_demo.check_memory(config, need)  # exactly enough
     with pytest.raises(cli.UsageError, match=r"--seqlen 4096 .* the largest sequence length that fits is (\d+)") as info:
-        _cli_demo.check_memory(config, need - 1)
+        cli_demo.check_memory(config, need - 1)
     fits = int(str(info.value).rsplit(" ", 1)[1])
     assert fits == 4095
     assert demo.problem_bytes(1, 4, fits, 64) <= need - 1 < demo.problem_bytes(1, 4, fits + 1, 64)
-    _cli_demo.check_memory(config, None)  # memory unknown: not checked
+    cli_demo.check_memory(config, None)  # memory unknown: not checked
 
 
 def test_demo_out_that_is_a_folder_is_rejected_before_computing(tmp_path, no_compute):
@@ -165,7 +166,7 @@ def test_demo_prints_its_results_when_the_plot_cannot_be_written(tmp_path, monke
 
 def test_demo_checks_the_plot_folder_by_writing_in_it(tmp_path):
     """The check creates and removes a temporary file: nothing is left behind."""
-    _cli_demo.check_out_path(str(tmp_path / "a.png"))
+    cli_demo.check_out_path(str(tmp_path / "a.png"))
     assert list(tmp_path.iterdir()) == []
 
 
@@ -214,7 +215,7 @@ def _boom(args):
 
 
 def test_an_internal_error_is_one_line_with_how_to_get_the_traceback(monkeypatch):
-    monkeypatch.setattr(_cli_formats, "_formats", _boom)
+    monkeypatch.setattr(cli_formats, "_formats", _boom)
     monkeypatch.delenv(cli.TRACEBACK_ENV, raising=False)
     code, _, err = run_cli(["formats"])
     assert code == cli.EXIT_INTERNAL
@@ -225,7 +226,7 @@ def test_an_internal_error_is_one_line_with_how_to_get_the_traceback(monkeypatch
 
 
 def test_dmref_traceback_1_raises_the_internal_error(monkeypatch):
-    monkeypatch.setattr(_cli_formats, "_formats", _boom)
+    monkeypatch.setattr(cli_formats, "_formats", _boom)
     monkeypatch.setenv(cli.TRACEBACK_ENV, "1")
     with pytest.raises(ZeroDivisionError, match="planted"):
         cli.main(["formats"])
@@ -236,7 +237,7 @@ def test_a_usage_error_raised_by_a_command_is_one_line(monkeypatch):
         with cli.input_errors():
             raise OSError(errno.ENOENT, "No such file or directory", "x.npz")
 
-    monkeypatch.setattr(_cli_formats, "_formats", bad)
+    monkeypatch.setattr(cli_formats, "_formats", bad)
     assert_usage_error(run_cli(["formats"]), "x.npz", "No such file")
 
 

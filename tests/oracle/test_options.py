@@ -73,14 +73,15 @@ def test_the_marker_takes_the_dtype_names_of_the_cli(dmref_oracle):
 def test_one_default_case_set_for_the_oracle_the_cli_and_the_fixture():
     import inspect
 
-    from dmref import _cli_check, pytest_plugin
+    from dmref import pytest_plugin
+    from dmref.cli import check as cli_check
 
     assert inspect.signature(oracle.check).parameters["cases"].default == oracle.DEFAULT_CASES
     assert pytest_plugin.DEFAULT_CASES == oracle.DEFAULT_CASES
     import argparse
 
     parser = argparse.ArgumentParser()
-    _cli_check.register(parser.add_subparsers())
+    cli_check.register(parser.add_subparsers())
     assert parser.parse_args(["check", "m:f"]).cases == oracle.DEFAULT_CASES
 
 

@@ -34,11 +34,11 @@ __all__ = ["UsageError", "build_parser", "dumps_json", "input_errors", "int_at_l
 
 #: Modules that contribute sub-commands, in the order they appear in ``dmref --help``.
 COMMAND_MODULES = (
-    "dmref._cli_formats",
-    "dmref._cli_demo",
-    "dmref._cli_gemm",
-    "dmref._cli_check",
-    "dmref._cli_attention",
+    "dmref.cli.formats",
+    "dmref.cli.demo",
+    "dmref.cli.gemm",
+    "dmref.cli.check",
+    "dmref.cli.attention",
 )
 
 #: Exit statuses: bad input, and an internal error (a bug, or the machine refusing, e.g. memory).

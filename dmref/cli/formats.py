@@ -41,7 +41,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "cast", help="cast values into a format; show codes and bits",
         description="Round each value, read exactly as written, once into the format (see "
-                    "dmref._cli_formats); the error column is the decoded value minus the input.")
+                    "dmref.cli.formats); the error column is the decoded value minus the input.")
     p.add_argument("values", nargs="+", help=f"values: each {VALUE_SYNTAX}")
     p.add_argument("--format", "-f", default="float8_e4m3fn",
                    help=f"target format (default float8_e4m3fn): {', '.join(FORMATS)} or an alias")

@@ -57,6 +57,8 @@ import math
 
 import torch
 
+from .emulation import get_format
+
 
 __all__ = ["TargetUnavailable", "CaseUnsupported", "GRAD_FORMATS", "causal_into_mask", "cudnn_fp8",
            "cudnn_fp8_backward", "cudnn_fp8_forward", "dequantize", "emulated", "features_into_mask", "flex", "gqa_kwargs",
@@ -65,7 +67,8 @@ __all__ = ["TargetUnavailable", "CaseUnsupported", "GRAD_FORMATS", "causal_into_
 _INSTALL_HINT = "pip install 'dmref[cudnn]'"
 
 #: FP8 formats by name: the torch dtype and cuDNN's data type name.
-_FORMATS = {"e4m3": (torch.float8_e4m3fn, "FP8_E4M3"), "e5m2": (torch.float8_e5m2, "FP8_E5M2")}
+#: cuDNN's FP8 data types by the formats' short names (their torch dtypes: ``Format.torch_dtype``)
+_FORMATS = {"e4m3": "FP8_E4M3", "e5m2": "FP8_E5M2"}
 #: the formats ``cudnn_fp8(..., grad_format=)`` takes for dO and dQ, dK, dV.
 GRAD_FORMATS = tuple(_FORMATS)
 _FWD_FORMAT = "e4m3"  # Q, K, V, O, P and dS
@@ -86,7 +89,7 @@ class CaseUnsupported(TargetUnavailable, NotImplementedError):
 
 
 def _fmax(fmt: str) -> float:
-    return float(torch.finfo(_FORMATS[fmt][0]).max)
+    return float(get_format(fmt).max)
 
 
 # ==============================================================================================
@@ -214,7 +217,7 @@ _BWD_OUTPUTS = ("dQ", "dK", "dV", "amax_dQ", "amax_dK", "amax_dV", "amax_dP")
 
 def _build_fwd(cudnn, handle, geo):
     qs, ks, os_ = geo["q"], geo["k"], geo["o"]
-    e4m3, f32 = getattr(cudnn.data_type, _FORMATS[_FWD_FORMAT][1]), cudnn.data_type.FLOAT
+    e4m3, f32 = getattr(cudnn.data_type, _FORMATS[_FWD_FORMAT]), cudnn.data_type.FLOAT
     g = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
     t = {n: g.tensor(name=n.upper(), dim=list(s), stride=_bshd_stride(s), data_type=e4m3)
          for n, s in (("q", qs), ("k", ks), ("v", geo["v"]))}
@@ -235,8 +238,8 @@ def _build_fwd(cudnn, handle, geo):
 
 
 def _build_bwd(cudnn, handle, geo):
-    e4m3, f32 = getattr(cudnn.data_type, _FORMATS[_FWD_FORMAT][1]), cudnn.data_type.FLOAT
-    grad = getattr(cudnn.data_type, _FORMATS[geo["grad_format"]][1])
+    e4m3, f32 = getattr(cudnn.data_type, _FORMATS[_FWD_FORMAT]), cudnn.data_type.FLOAT
+    grad = getattr(cudnn.data_type, _FORMATS[geo["grad_format"]])
     g = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
     t = {n: g.tensor(name=n, dim=list(geo[key]), stride=_bshd_stride(geo[key]), data_type=dt)
          for n, key, dt in (("q", "q", e4m3), ("k", "k", e4m3), ("v", "v", e4m3), ("o", "o", e4m3),
@@ -334,7 +337,7 @@ def _quantize(x: torch.Tensor, fmt: str):
     xf = x.detach().float()
     amax = _scalar(xf.abs().amax(), x.device)
     scale = _scale_from_amax(amax, fmt)
-    codes = _bshd_empty(x.shape, _FORMATS[fmt][0], x.device)
+    codes = _bshd_empty(x.shape, get_format(fmt).torch_dtype, x.device)
     # Q-point: x * scale rounded to float32, clamped to +-fmax (torch's FP8 cast does not
     # saturate), RNE to fmt
     codes.copy_((xf * scale.reshape(())).clamp_(-_fmax(fmt), _fmax(fmt)))
@@ -371,7 +374,7 @@ def cudnn_fp8_forward(q, k, v, *, causal: bool = False, scale: float | None = No
         else:
             r["scale_o"] = _scale_from_amax(r["amax_o_calibration"], _FWD_FORMAT)
         r["descale_o"] = _reciprocal(r["scale_o"])
-        out = {"o": _bshd_output(o_shape, _FORMATS[_FWD_FORMAT][0], dev),
+        out = {"o": _bshd_output(o_shape, get_format(_FWD_FORMAT).torch_dtype, dev),
                "stats": torch.empty(*o_shape[:3], 1, dtype=torch.float32, device=dev),
                "amax_s": _scalar(float("nan"), dev), "amax_o": _scalar(float("nan"), dev)}
         g.run("fwd", {"q": r["q_fp8"], "k": r["k_fp8"], "v": r["v_fp8"], **{n: r[n] for n in _FWD_SCALARS},
@@ -406,7 +409,7 @@ def cudnn_fp8_backward(fwd: dict, do: torch.Tensor) -> dict:
         if run == "final":
             for n in ("dQ", "dK", "dV"):
                 sc[f"scale_{n}"] = _scale_from_amax(r[f"amax_{n}_calibration"], gf)
-        out = {n: _bshd_output(g.geo[n[1].lower()], _FORMATS[gf][0], dev) for n in ("dQ", "dK", "dV")}
+        out = {n: _bshd_output(g.geo[n[1].lower()], get_format(gf).torch_dtype, dev) for n in ("dQ", "dK", "dV")}
         out.update({n: _scalar(float("nan"), dev) for n in _BWD_OUTPUTS[3:]})
         g.run("bwd", {**inputs, **given, "descale_dO": r["descale_dO"], "descale_dP": _reciprocal(sc["scale_dP"]),
                       **sc, **out})

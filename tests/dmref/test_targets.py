@@ -101,7 +101,7 @@ def _quantize_dequantize_bound(fmt: str) -> float:
     """Relative error of codes * descale against x for values in the normal range: one RNE to
     the format (its unit roundoff u8) and three float32 roundings (x * scale, 1 / scale, the
     product with descale)."""
-    u8 = torch.finfo(targets._FORMATS[fmt][0]).eps / 2
+    u8 = torch.finfo(get_format(fmt).torch_dtype).eps / 2
     u32 = torch.finfo(torch.float32).eps / 2
     return (1 + u8) * (1 + u32) ** 3 - 1
 
@@ -115,7 +115,7 @@ def test_quantize_is_per_tensor_current_scaling():
         assert amax.item() == 3.0
         assert scale.item() == torch.tensor(targets._fmax(fmt) / 3.0, dtype=torch.float32).item()  # one rounding
         assert descale.item() == torch.tensor(1.0 / scale.item(), dtype=torch.float32).item()
-        assert codes.shape == x.shape and codes.dtype == targets._FORMATS[fmt][0]
+        assert codes.shape == x.shape and codes.dtype == get_format(fmt).torch_dtype
         assert codes.transpose(1, 2).is_contiguous()
         assert codes.float().abs().max().item() == targets._fmax(fmt)
         err = (targets.dequantize(codes, descale, torch.float64) - x.double()).abs()

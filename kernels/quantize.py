@@ -154,18 +154,24 @@ def quantize(
 
 
 @triton.jit
+def _kv_tile(stride_b, stride_h, stride_n, stride_d, H, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr):
+    """This program's head and token tile of K and V (same strides): (bh, token offsets, channel
+    offsets, the head's element offset, the tile's element offsets)."""
+    bh = tl.program_id(1)
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, HEAD_DIM)
+    off = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
+    return bh, offs_t, offs_d, off, offs_t[:, None] * stride_n + offs_d[None, :] * stride_d
+
+
+@triton.jit
 def _kv_amax_kernel(K, V, stride_b, stride_h, stride_n, stride_d, AMAX, H, N,
                     HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr):
     """Per head: max |K| over all tokens and channels (``AMAX[bh, 0]``) and max |V| of each
     channel over all tokens (``AMAX[bh, 1 + d]``), as int32 bit patterns. Each program reduces one
     tile of BLOCK_T tokens and merges with atomic_max (AMAX starts at 0; for |x| >= 0 integer
     order is float order, and NaN, the largest pattern, wins)."""
-    pid_t = tl.program_id(0)
-    bh = tl.program_id(1)
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, HEAD_DIM)
-    off = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
-    ptrs = offs_t[:, None] * stride_n + offs_d[None, :] * stride_d
+    bh, offs_t, offs_d, off, ptrs = _kv_tile(stride_b, stride_h, stride_n, stride_d, H, HEAD_DIM, BLOCK_T)
     in_seq = (offs_t < N)[:, None]
     k = tl.abs(tl.load(K + off + ptrs, mask=in_seq, other=0.0).to(tl.float32)).to(tl.int32, bitcast=True)
     v = tl.abs(tl.load(V + off + ptrs, mask=in_seq, other=0.0).to(tl.float32)).to(tl.int32, bitcast=True)
@@ -181,12 +187,8 @@ def _kv_quantize_folded_kernel(K, V, stride_b, stride_h, stride_n, stride_d, AMA
     """Codes under the amaxes of ``_kv_amax_kernel`` (POW2_DOWN, E4M3): K's row copy with one
     scale per head, V's transposed copy with one per head and channel; the first tile of each
     head writes the dequantization factors 2**-k."""
+    bh, offs_t, offs_d, off, ptrs = _kv_tile(stride_b, stride_h, stride_n, stride_d, H, HEAD_DIM, BLOCK_T)
     pid_t = tl.program_id(0)
-    bh = tl.program_id(1)
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, HEAD_DIM)
-    off = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
-    ptrs = offs_t[:, None] * stride_n + offs_d[None, :] * stride_d
     in_seq = offs_t < N
     bh64 = bh.to(tl.int64)
     AMAX += bh64 * (1 + HEAD_DIM)

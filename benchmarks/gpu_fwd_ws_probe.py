@@ -1,7 +1,6 @@
 """H200: the warp-specialized forward (kernels/fwd_ws.py) against float64 and the Triton forward,
 and its speed beside cuDNN BF16 and cuDNN FP8 in one process. One JSON line per result."""
 import json
-import math
 import os
 import sys
 import time
@@ -10,6 +9,8 @@ import torch
 import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from bench_attention import _bench as bench, cudnn_fp8_timers  # this folder: the same timing and anchors
 
 from dmref.kernels import api, fwd as fwd_mod, fwd_ws
 from dmref.kernels.config import RECIPES
@@ -23,10 +24,6 @@ def emit(**r):
     print(line, flush=True)
     LOG.write(line + "\n")
     LOG.flush()
-
-
-def bench(fn):
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def inputs(b, h, hkv, n, d, seed=0, wide=True):
@@ -46,25 +43,6 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def cudnn_fp8_timers(q, k, v, causal):
-    """(forward, backward) closures that re-run cuDNN's FP8 graphs on fixed inputs and scales."""
-    from dmref import targets
-
-    fwd = targets.cudnn_fp8_forward(q, k, v, causal=causal)
-    g = fwd["graphs"]
-    do = torch.randn_like(q)
-    bwd = targets.cudnn_fp8_backward(fwd, do)
-    f_in = {"q": fwd["q_fp8"], "k": fwd["k_fp8"], "v": fwd["v_fp8"], "o": fwd["o_fp8"], "stats": fwd["stats"],
-            "amax_s": fwd["amax_s"], "amax_o": fwd["amax_o"], **{n: fwd[n] for n in targets._FWD_SCALARS}}
-    b_in = {"q": fwd["q_fp8"], "k": fwd["k_fp8"], "v": fwd["v_fp8"], "o": fwd["o_fp8"], "dO": bwd["do_fp8"],
-            "stats": fwd["stats"], "dQ": bwd["dq_fp8"], "dK": bwd["dk_fp8"], "dV": bwd["dv_fp8"],
-            **{n: fwd[n] for n in ("descale_q", "descale_k", "descale_v", "descale_o", "descale_s", "scale_s")},
-            "descale_dO": bwd["descale_dO"], "descale_dP": bwd["descale_dP"],
-            **{n: bwd[n] for n in ("scale_dP", "scale_dQ", "scale_dK", "scale_dV")},
-            **{n: bwd[n] for n in ("amax_dQ", "amax_dK", "amax_dV", "amax_dP")}}
-    return (lambda: g.run("fwd", f_in)), (lambda: g.run("bwd", b_in))
-
-
 def speed(shapes, variants):
     for (b, h, hkv, n, d) in shapes:
         for causal in (False, True):
@@ -81,7 +59,7 @@ def speed(shapes, variants):
                 r["cudnn_bf16_error"] = repr(e)[:200]
             if d == 128 and g == 1:
                 try:
-                    ff, fb = cudnn_fp8_timers(q, k, v, causal)
+                    ff, fb = cudnn_fp8_timers(q, k, v, torch.randn_like(q), causal)
                     r["cudnn_fp8_fwd"] = tf(bench(ff))
                     r["cudnn_fp8_bwd"] = 2.5 * tf(bench(fb))
                 except Exception as e:

@@ -81,3 +81,12 @@ def code_flip_rel_bound(n_fp8_operands: int) -> float:
     E4M3_ULP_REL * sqrt(1 - CODE_AGREEMENT) of it per such operand; plus the BF16 rounding of
     the output."""
     return n_fp8_operands * E4M3_ULP_REL * math.sqrt(1 - CODE_AGREEMENT) + BF16_REL
+
+
+def lse2_tolerance(ref_lse2: torch.Tensor, n: int) -> float:
+    """Bound on |LSE2_kernel - LSE2_ref| (base 2) when both see the same logits (the Hopper
+    model reproduces the wgmma bit for bit) and the same running max: l is a float32 sum of n
+    exp2 values in another order with exp2's error (log2(1 + e) <= 2e), plus the final
+    rounding of LSE2 itself. ``ref_lse2``'s non-finite rows (fully masked) are not bounded."""
+    lse2 = ref_lse2.double()
+    return 2 * (gamma(n) + EXP2_APPROX_REL) + 2 * U32 * lse2[torch.isfinite(lse2)].abs().max().item()

@@ -81,7 +81,7 @@ def attention_forward(
     s = Shape.of(q, k, v)
     scale = 1.0 / math.sqrt(s.head_dim) if scale is None else float(scale)
     if r.folded:
-        return _folded_forward(q, k, v, s, causal=causal, scale=scale, for_backward=for_backward, debug=debug)
+        return _folded_forward(q, k, v, s, r, causal=causal, scale=scale, for_backward=for_backward, debug=debug)
     fmt = r.qkv_format
     q8, _ = quantize(q, fmt, rows=True, cols=for_backward)
     k8, _ = quantize(k, fmt, rows=True, cols=for_backward)
@@ -93,7 +93,7 @@ def attention_forward(
     return o, lse, saved, ({"p_codes": p_codes} if debug else {})
 
 
-def _folded_forward(q, k, v, s: Shape, *, causal: bool, scale: float, for_backward: bool, debug: bool):
+def _folded_forward(q, k, v, s: Shape, r: KernelRecipe, *, causal: bool, scale: float, for_backward: bool, debug: bool):
     """The folded recipes' forward: the warp-specialized Gluon kernel (``fwd_ws``, which
     quantizes Q itself) on K and V with folded scales; for the backward, the copies its kernels
     read, K's rows with its head's scale for every token (the same codes and scale)."""
@@ -111,11 +111,11 @@ def _folded_forward(q, k, v, s: Shape, *, causal: bool, scale: float, for_backwa
                              causal=causal, scale=scale)
     saved = None
     if for_backward:
-        q8, _ = quantize(q, "float8_e4m3fn", rows=True, cols=True)
-        k_cols, _ = quantize(k, "float8_e4m3fn", rows=False, cols=True)
+        q8, _ = quantize(q, r.qkv_format, rows=True, cols=True)
+        k_cols, _ = quantize(k, r.qkv_format, rows=False, cols=True)
         k8 = Quantized(n=s.n, rows=kv.k8, row_scale=kv.k_scale[:, None].expand(-1, s.n).contiguous(),
                        cols=k_cols.cols, col_scale=k_cols.col_scale)
-        v8, _ = quantize(v, "float8_e4m3fn", rows=True, cols=False)
+        v8, _ = quantize(v, r.qkv_format, rows=True, cols=False)
         saved = SavedForward(q8, k8, v8, lse2)
     return o, (lse2 * LN2).view(s.batch, s.heads, s.n), saved, {}
 

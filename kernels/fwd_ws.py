@@ -80,12 +80,12 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, 
 
 @gluon.jit
 def _quantize_q(Q, stride_qn, q_smem, start_m, N, HEAD_DIM: gl.constexpr):
-    """Q-point Q: the consumer's 64 x D BF16 tile -> E4M3 codes in shared memory, one POW2_DOWN
+    """Q-point Q: the consumer's BLOCK_M x D BF16 tile -> E4M3 codes in shared memory, one POW2_DOWN
     scale per token (the rule of ``quantize.quantize``'s row copy); returns the dequantization
     factors 2**-k. Rows past N read as 0 (code 0, factor 1)."""
     TPW_D: gl.constexpr = HEAD_DIM // 8
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [4, 1], [1, 0])
-    rows = start_m + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+    rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
     x = gl.load(Q + gl.expand_dims(rows, 1) * stride_qn + gl.expand_dims(cols, 0),
                 mask=gl.expand_dims(rows < N, 1), other=0.0).to(gl.float32)
@@ -162,12 +162,12 @@ def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_
     q_scale = _quantize_q(Q, stride_qn, q_smem, start_m, N, HEAD_DIM)
     # tau * log2(e) and the head's K scale ride on the query's scale: one factor per row
     cs = gl.convert_layout(q_scale, row_s) * cs_head
-    offs_m = start_m + gl.arange(0, 64, layout=row_s)
-    m_i = gl.full([64], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([64], gl.float32, row_s)
-    acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
-    s_old = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
-    t_old = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
+    offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_s)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    s_old = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    t_old = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     for i in range(0, n_plain):
         acc, s_old, t_old, m_i, l_i = _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_old,
                                             t_old, m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N,
@@ -182,7 +182,7 @@ def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_
     v_scale = gl.load(V_SCALE + kv.to(gl.int64) * HEAD_DIM + offs_d)
     l_o = gl.convert_layout(l_i, row_o)
     o = gl.div_rn(acc, gl.expand_dims(l_o * P_SCALE, 1)) * gl.expand_dims(v_scale, 0)
-    offs_mo = start_m + gl.arange(0, 64, layout=row_o)
+    offs_mo = start_m + gl.arange(0, BLOCK_M, layout=row_o)
     o_ptrs = O + bh.to(gl.int64) * N * HEAD_DIM + gl.expand_dims(offs_mo, 1) * HEAD_DIM + gl.expand_dims(offs_d, 0)
     gl.store(o_ptrs, o.to(gl.bfloat16), mask=gl.expand_dims(offs_mo < N, 1))
     gl.store(LSE2 + bh.to(gl.int64) * N + offs_m, m_i + gl.log2(l_i), mask=offs_m < N)
@@ -193,13 +193,13 @@ def _fwd_ws_kernel(Q, stride_qb, stride_qh, stride_qn, K8, K_SCALE, VT8, V_SCALE
                    qk_scale, H, GROUP, N, NPAD, ROWS_KV,
                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, CHAIN: gl.constexpr):
-    n_m = gl.cdiv(N, 64)
+    n_m = gl.cdiv(N, BLOCK_M)
     # causal: the longest rows first (the grid's tail is then the short work)
     pid_m = (n_m - 1 - gl.program_id(0)) if CAUSAL else gl.program_id(0)
-    start_m = pid_m * 64
+    start_m = pid_m * BLOCK_M
     bh = gl.program_id(1)
     kv = (bh // H) * (H // GROUP) + (bh % H) // GROUP
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], gl.float8e4nv)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float8e4nv)
     k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float8e4nv)
     v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], gl.float8e4nv)
     # K rows (B*HKV*N, D) and V^T (B*HKV*D, NPAD): a key tile past this head's N reads the next
@@ -207,7 +207,7 @@ def _fwd_ws_kernel(Q, stride_qb, stride_qh, stride_qn, K8, K_SCALE, VT8, V_SCALE
     k_desc = tma.make_tensor_descriptor(K8, [ROWS_KV, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM], k_layout)
     v_desc = tma.make_tensor_descriptor(VT8, [ROWS_KV // N * HEAD_DIM, NPAD], [NPAD, 1], [HEAD_DIM, BLOCK_N],
                                         v_layout)
-    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [64, HEAD_DIM], q_layout)
+    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, HEAD_DIM], q_layout)
     k_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], k_layout)
     v_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_N], v_layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -221,7 +221,7 @@ def _fwd_ws_kernel(Q, stride_qb, stride_qh, stride_qn, K8, K_SCALE, VT8, V_SCALE
         mbarrier.init(v_free.index(i), count=1)
     fence_async_shared()
     if CAUSAL:
-        n_tiles = gl.cdiv(gl.minimum(start_m + 64, N), BLOCK_N)
+        n_tiles = gl.cdiv(gl.minimum(start_m + BLOCK_M, N), BLOCK_N)
         n_plain = start_m // BLOCK_N  # key tiles wholly at or below the diagonal
     else:
         n_tiles = gl.cdiv(N, BLOCK_N)
@@ -284,7 +284,7 @@ def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale:
     triton.set_allocator(_allocator)
     o = torch.empty((b, h, n, d), device=q.device, dtype=torch.bfloat16)
     lse2 = torch.empty((b * h, n), device=q.device, dtype=torch.float32)
-    grid = (triton.cdiv(n, 64), b * h)
+    grid = (triton.cdiv(n, BLOCK_M.value), b * h)
     _fwd_ws_kernel[grid](q, q.stride(0), q.stride(1), q.stride(2), k8, k_scale, vt8, v_scale, o, lse2,
                          scale * LOG2E, h, h // kv_heads, n, vt8.shape[-1], b * kv_heads * n,
                          **_constexprs(d, block_n, stages, causal, chain), num_warps=4, maxnreg=LAUNCH_REGS)

@@ -200,7 +200,7 @@ def main(argv=None) -> int:
                           "ratio": elementwise_ratio(c.value, c.bound), "detail": c.detail}
                          for c in report.checks if c.name in ("runs", "out", "dq", "dk", "dv", "rowsum")],
               "cases": {}}
-    dump = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "cases": {}}
+    dump = {"torch": str(torch.__version__), "device": torch.cuda.get_device_name(), "cases": {}}
     for case in cases:
         got = _run_backend(case)
         dump["cases"][case.name] = {n: got[n] for n in ("out", "lse", "dq", "dk", "dv")}

@@ -38,15 +38,7 @@ SOURCES = (*PACKAGES, "tests")
 SELF = "tests/test_doc_references.py"  # its docstrings hold examples
 
 #: (citing file, reference) pairs their owners fix; the lead empties it. Key: owner.
-KNOWN_BROKEN: dict[str, set[tuple[str, str]]] = {
-    "the H200 run that writes them (docs/cudnn_fp8.md, docs/oracle.md give its commands)": {
-        ("docs/cudnn_fp8.md", "h200_cudnn_fp8_sdpa_seed1.npz"),
-        ("docs/cudnn_fp8.md", "h200_cudnn_fp8_sdpa_seed1_tail.npz"),
-        ("docs/cudnn_fp8.md", "tests/data/h200_cudnn_fp8_sdpa_seed1.npz"),
-        ("docs/oracle.md", "benchmarks/results/h200_efficient_sdpa.json"),
-        ("docs/oracle.md", "tests/data/h200_efficient_sdpa_dump.pt"),
-    },
-}
+KNOWN_BROKEN: dict[str, set[tuple[str, str]]] = {}
 
 #: Paths in other repositories that the docs cite with the repository named beside them.
 EXTERNAL_PATHS = {

@@ -97,20 +97,10 @@ def _quantize_q(Q, stride_qn, q_smem, start_m, N, HEAD_DIM: gl.constexpr):
 
 
 @gluon.jit
-def _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_old, t_old, m_i, l_i, cs,
-          offs_m, N, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
-          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
-          P_SCALE: gl.constexpr, CHAIN: gl.constexpr):
-    """Key tile i: QK^T, the softmax, PV, each waited on. ``s_old`` / ``t_old`` are the previous
-    tile's dead registers, passed as the wgmmas' ignored accumulators (``use_acc=False``) so that
-    no zero tile is written. Returns (acc, S, T, m, l)."""
-    s = i % STAGES
-    ph = (i // STAGES) & 1
-    # QK^T
-    mbarrier.wait(k_ready.index(s), ph)
-    sc = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), s_old, use_acc=False, is_async=True)
-    sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
-    mbarrier.arrive(k_free.index(s), count=1)
+def _softmax(sc, cs, m_i, l_i, i, offs_m, N, s_layout: gl.constexpr, o_layout: gl.constexpr,
+             p_layout: gl.constexpr, BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+             P_SCALE: gl.constexpr):
+    """Tile i's scores S -> (P codes in the wgmma operand layout, alpha per O row, m, l)."""
     # S2 rounded before m is subtracted (no fused multiply-add into exp2's argument)
     s2 = _mul_rn(sc, gl.expand_dims(cs, 1))
     if MASK:
@@ -131,27 +121,77 @@ def _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_ol
     # Q-point P: float32 -> E4M3, fixed scale 2**8 against the running max, RNE, satfinite
     p8 = gl.convert_layout((p * P_SCALE).to(gl.float8e4nv), p_layout)
     alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    # PV
+    return p8, alpha_o, m_new, l_i
+
+
+@gluon.jit
+def _pv(p8, v_bufs, v_ready, v_free, s, ph, acc, alpha_o, t_old, s_next, CHAIN: gl.constexpr):
+    """acc <- acc * alpha + P V for the tile in stage s, waited on together with every wgmma in
+    flight (``s_next``, the next tile's QK^T, when overlapped). Returns (acc, T, s_next)."""
     mbarrier.wait(v_ready.index(s), ph)
     if CHAIN:
         # the wgmma chain runs on across tiles, its accumulator rescaled by alpha in float32
         t = t_old
         acc = warpgroup_mma(p8, v_bufs.index(s).permute((1, 0)), acc * alpha_o, use_acc=True, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        acc, s_next = warpgroup_mma_wait(num_outstanding=0, deps=(acc, s_next))
     else:
         # promoted: the wgmma chain covers one tile, then one float32 multiply-add
         t = warpgroup_mma(p8, v_bufs.index(s).permute((1, 0)), t_old, use_acc=False, is_async=True)
-        t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
+        t, s_next = warpgroup_mma_wait(num_outstanding=0, deps=(t, s_next))
         acc = acc * alpha_o + t
     mbarrier.arrive(v_free.index(s), count=1)
-    return acc, sc, t, m_new, l_i
+    return acc, t, s_next
+
+
+@gluon.jit
+def _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_old, t_old, m_i, l_i, cs,
+          offs_m, N, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+          P_SCALE: gl.constexpr, CHAIN: gl.constexpr):
+    """Key tile i: QK^T, the softmax, PV, each waited on. ``s_old`` / ``t_old`` are the previous
+    tile's dead registers, passed as the wgmmas' ignored accumulators (``use_acc=False``) so that
+    no zero tile is written. Returns (acc, S, T, m, l)."""
+    s = i % STAGES
+    ph = (i // STAGES) & 1
+    mbarrier.wait(k_ready.index(s), ph)
+    sc = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), s_old, use_acc=False, is_async=True)
+    sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
+    mbarrier.arrive(k_free.index(s), count=1)
+    p8, alpha_o, m_i, l_i = _softmax(sc, cs, m_i, l_i, i, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, MASK,
+                                     CAUSAL, P_SCALE)
+    acc, t, sc = _pv(p8, v_bufs, v_ready, v_free, s, ph, acc, alpha_o, t_old, sc, CHAIN)
+    return acc, sc, t, m_i, l_i
+
+
+@gluon.jit
+def _tile_overlap(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, sc, s_old, t_old, m_i,
+                  l_i, cs, offs_m, N, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+                  P_SCALE: gl.constexpr, CHAIN: gl.constexpr, NEXT: gl.constexpr):
+    """Key tile i, its QK^T ``sc`` done: QK^T of tile i + 1 is issued (``NEXT``) into the dead
+    registers ``s_old`` and runs during the softmax of tile i (FA3's intra-warp-group overlap);
+    both it and PV are waited on before the call returns, so no wgmma is in flight across the
+    loop's back edge. Returns (acc, QK^T of tile i + 1, S, T, m, l)."""
+    s = i % STAGES
+    ph = (i // STAGES) & 1
+    s_next = s_old
+    if NEXT:
+        s1 = (i + 1) % STAGES
+        mbarrier.wait(k_ready.index(s1), ((i + 1) // STAGES) & 1)
+        s_next = warpgroup_mma(q_smem, k_bufs.index(s1).permute((1, 0)), s_old, use_acc=False, is_async=True)
+    p8, alpha_o, m_i, l_i = _softmax(sc, cs, m_i, l_i, i, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, MASK,
+                                     CAUSAL, P_SCALE)
+    acc, t, s_next = _pv(p8, v_bufs, v_ready, v_free, s, ph, acc, alpha_o, t_old, s_next, CHAIN)
+    if NEXT:
+        mbarrier.arrive(k_free.index(s1), count=1)
+    return acc, s_next, sc, t, m_i, l_i
 
 
 @gluon.jit
 def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, V_SCALE, O, LSE2,
               cs_head, bh, kv, start_m, n_plain, n_tiles, N,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, CHAIN: gl.constexpr):
+              CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, CHAIN: gl.constexpr, OVERLAP: gl.constexpr):
     """The consumer warp group: Q, the key tiles (masked from n_plain on), the epilogue."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
@@ -168,14 +208,41 @@ def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     s_old = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     t_old = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    for i in range(0, n_plain):
-        acc, s_old, t_old, m_i, l_i = _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_old,
-                                            t_old, m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N,
-                                            STAGES, False, CAUSAL, P_SCALE, CHAIN)
-    for i in range(n_plain, n_tiles):
-        acc, s_old, t_old, m_i, l_i = _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_old,
-                                            t_old, m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N,
-                                            STAGES, True, CAUSAL, P_SCALE, CHAIN)
+    if OVERLAP:
+        mbarrier.wait(k_ready.index(0), 0)
+        s_next = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_old, use_acc=False, is_async=True)
+        s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, ))
+        mbarrier.arrive(k_free.index(0), count=1)
+        # every tile but the last is unmasked: a tail, or the causal diagonal of a 64-row Q tile
+        # (BLOCK_N a multiple of BLOCK_M), lies in the last key tile alone
+        gl.static_assert(BLOCK_N % BLOCK_M == 0)
+        # two tiles an iteration: S_i and S_i+1 trade the two register tiles, so no copy of an
+        # accumulator in flight is needed at the back edge (ptxas would serialize the wgmmas)
+        n_pairs = (n_tiles - 1) // 2
+        for j in range(0, n_pairs):
+            acc, s_next, s_old, t_old, m_i, l_i = _tile_overlap(
+                2 * j, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, t_old, m_i,
+                l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE, CHAIN, True)
+            acc, s_next, s_old, t_old, m_i, l_i = _tile_overlap(
+                2 * j + 1, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, t_old, m_i,
+                l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE, CHAIN, True)
+        if (n_tiles - 1) % 2 == 1:
+            acc, s_next, s_old, t_old, m_i, l_i = _tile_overlap(
+                n_tiles - 2, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, t_old,
+                m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE, CHAIN,
+                True)
+        acc, s_next, s_old, t_old, m_i, l_i = _tile_overlap(
+            n_tiles - 1, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, t_old, m_i,
+            l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, True, CAUSAL, P_SCALE, CHAIN, False)
+    else:
+        for i in range(0, n_plain):
+            acc, s_old, t_old, m_i, l_i = _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc,
+                                                s_old, t_old, m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout,
+                                                BLOCK_N, STAGES, False, CAUSAL, P_SCALE, CHAIN)
+        for i in range(n_plain, n_tiles):
+            acc, s_old, t_old, m_i, l_i = _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc,
+                                                s_old, t_old, m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout,
+                                                BLOCK_N, STAGES, True, CAUSAL, P_SCALE, CHAIN)
     # epilogue: O = acc / (l * 2**8) * v_scale (per channel), LSE2 = m + log2(l)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
@@ -192,7 +259,7 @@ def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_
 def _fwd_ws_kernel(Q, stride_qb, stride_qh, stride_qn, K8, K_SCALE, VT8, V_SCALE, O, LSE2,
                    qk_scale, H, GROUP, N, NPAD, ROWS_KV,
                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, CHAIN: gl.constexpr):
+                   CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, CHAIN: gl.constexpr, OVERLAP: gl.constexpr):
     n_m = gl.cdiv(N, BLOCK_M)
     # causal: the longest rows first (the grid's tail is then the short work)
     pid_m = (n_m - 1 - gl.program_id(0)) if CAUSAL else gl.program_id(0)
@@ -231,29 +298,29 @@ def _fwd_ws_kernel(Q, stride_qb, stride_qh, stride_qn, K8, K_SCALE, VT8, V_SCALE
     gl.warp_specialize([
         (_consumer, (q_ptr, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, V_SCALE, O, LSE2,
                      cs_head, bh, kv, start_m, n_plain, n_tiles, N, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, P_SCALE,
-                     CHAIN)),
+                     CHAIN, OVERLAP)),
         (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, kv * N, kv * HEAD_DIM,
                      n_tiles, BLOCK_N, STAGES)),
     ], [1], [PRODUCER_REGS])
 
 
-def _constexprs(head_dim: int, block_n: int, stages: int, causal: bool, chain: bool) -> dict:
+def _constexprs(head_dim: int, block_n: int, stages: int, causal: bool, chain: bool, overlap: bool) -> dict:
     """The kernel's constexprs: one description for the launcher and the compile check. P's
     fixed scale is the folded recipes' (``Recipe.p_fwd.offset_log2``)."""
     from .config import RECIPES
 
     p_scale = float(2 ** RECIPES["folded_delta_matching"].p_scale_log2)
     return dict(HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), P_SCALE=p_scale,
-                CHAIN=bool(chain))
+                CHAIN=bool(chain), OVERLAP=bool(overlap))
 
 
 def compile_sm90(head_dim: int = 128, block_n: int = 128, stages: int = 2, causal: bool = False,
-                 chain: bool = False):
+                 chain: bool = False, overlap: bool = False):
     """Compile the kernel for sm_90a without a GPU (ptxas included); returns the compiled kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    consts = _constexprs(head_dim, block_n, stages, causal, chain)
+    consts = _constexprs(head_dim, block_n, stages, causal, chain, overlap)
     sig = {"Q": "*bf16", "stride_qb": "i32", "stride_qh": "i32", "stride_qn": "i32", "K8": "*fp8e4nv",
            "K_SCALE": "*fp32", "VT8": "*fp8e4nv", "V_SCALE": "*fp32", "O": "*bf16", "LSE2": "*fp32",
            "qk_scale": "fp32", "H": "i32", "GROUP": "i32", "N": "i32", "NPAD": "i32", "ROWS_KV": "i32",
@@ -269,7 +336,7 @@ def _allocator(size: int, alignment: int, stream):
 
 
 def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale: float,
-            block_n: int = 128, stages: int = 2, chain: bool = False):
+            block_n: int = 128, stages: int = 2, chain: bool = False, overlap: bool = False):
     """Run the warp-specialized forward: ``q (B, H, N, D)`` BF16 (quantized inside, per token;
     its last dim contiguous), ``k8 (B*HKV, N, D)`` with ``k_scale (B*HKV,)``, ``vt8 (B*HKV, D,
     NPAD)`` with ``v_scale (B*HKV, D)`` (:func:`dmref.kernels.quantize.quantize_kv_folded`). Returns O
@@ -287,7 +354,7 @@ def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale:
     grid = (triton.cdiv(n, BLOCK_M.value), b * h)
     _fwd_ws_kernel[grid](q, q.stride(0), q.stride(1), q.stride(2), k8, k_scale, vt8, v_scale, o, lse2,
                          scale * LOG2E, h, h // kv_heads, n, vt8.shape[-1], b * kv_heads * n,
-                         **_constexprs(d, block_n, stages, causal, chain), num_warps=4, maxnreg=LAUNCH_REGS)
+                         **_constexprs(d, block_n, stages, causal, chain, overlap), num_warps=4, maxnreg=LAUNCH_REGS)
     return o, lse2
 
 

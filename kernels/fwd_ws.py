@@ -329,6 +329,12 @@ def compile_sm90(head_dim: int = 128, block_n: int = 128, stages: int = 2, causa
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=LAUNCH_REGS))
 
 
+def default_overlap(head_dim: int) -> bool:
+    """The overlapped schedule where it fits 232 registers with the recipe's 128-key PV promotion
+    (D = 64; the outputs are bit-identical to the serial schedule's)."""
+    return head_dim == 64
+
+
 def _allocator(size: int, alignment: int, stream):
     import torch
 
@@ -336,7 +342,7 @@ def _allocator(size: int, alignment: int, stream):
 
 
 def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale: float,
-            block_n: int = 128, stages: int = 2, chain: bool = False, overlap: bool = False):
+            block_n: int = 128, stages: int = 2, chain: bool = False, overlap: bool | None = None):
     """Run the warp-specialized forward: ``q (B, H, N, D)`` BF16 (quantized inside, per token;
     its last dim contiguous), ``k8 (B*HKV, N, D)`` with ``k_scale (B*HKV,)``, ``vt8 (B*HKV, D,
     NPAD)`` with ``v_scale (B*HKV, D)`` (:func:`dmref.kernels.quantize.quantize_kv_folded`). Returns O
@@ -346,6 +352,8 @@ def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale:
     from ..emulation.constants import LOG2E
 
     b, h, n, d = q.shape
+    if overlap is None:
+        overlap = default_overlap(d)
     if q.stride(-1) != 1:
         raise ValueError(f"q's last dim must be contiguous, got strides {q.stride()}")
     triton.set_allocator(_allocator)

@@ -315,11 +315,14 @@ def _constexprs(head_dim: int, block_n: int, stages: int, causal: bool, chain: b
 
 
 def compile_sm90(head_dim: int = 128, block_n: int = 128, stages: int = 2, causal: bool = False,
-                 chain: bool = False, overlap: bool = False):
-    """Compile the kernel for sm_90a without a GPU (ptxas included); returns the compiled kernel."""
+                 chain: bool = False, overlap: bool | None = None):
+    """Compile the kernel for sm_90a without a GPU (ptxas included); returns the compiled kernel.
+    ``overlap=None``: :func:`default_overlap`, as :func:`forward` launches it."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    if overlap is None:
+        overlap = default_overlap(head_dim)
     consts = _constexprs(head_dim, block_n, stages, causal, chain, overlap)
     sig = {"Q": "*bf16", "stride_qb": "i32", "stride_qh": "i32", "stride_qn": "i32", "K8": "*fp8e4nv",
            "K_SCALE": "*fp32", "VT8": "*fp8e4nv", "V_SCALE": "*fp32", "O": "*bf16", "LSE2": "*fp32",

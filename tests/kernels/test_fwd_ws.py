@@ -94,6 +94,38 @@ def test_fwd_ws_compiles_for_sm90_with_its_register_budget():
         assert u["shared"] <= MAX_SHARED_TWO_CTAS, u
 
 
+_SCHEDULE_SCRIPT = """
+import subprocess, sys, tempfile
+from triton.backends.nvidia.compiler import get_ptxas
+from dmref.kernels import fwd_ws
+k = fwd_ws.compile_sm90(head_dim=64, causal=bool(int(sys.argv[1])), overlap=True)
+with tempfile.TemporaryDirectory() as tmp:
+    open(tmp + "/k.ptx", "w").write(k.asm["ptx"])
+    p = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", tmp + "/k.ptx", "-o", tmp + "/k.cubin"],
+                       capture_output=True, text=True)
+print(p.returncode, p.stderr)
+"""
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_overlapped_schedule_is_not_serialized_by_ptxas(causal):
+    """The schedule ``forward`` runs at D = 64 (``default_overlap``): QK^T of the next tile in
+    flight during the softmax. ptxas reports C7514 ("wgmma.mma_async instructions are serialized")
+    when a non-wgmma instruction reads an accumulator in flight, which would undo the overlap."""
+    pytest.importorskip("triton")
+    from dmref.kernels.fwd_ws import default_overlap
+
+    assert default_overlap(64) and not default_overlap(128)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _SCHEDULE_SCRIPT, str(int(causal))], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rc, log = proc.stdout.split(" ", 1)
+    assert rc == "0", log
+    assert "0 bytes spill stores" in log, log
+    assert "C7514" not in log, log
+
+
 _GPU_CASES = [
     (ProblemShape(2, 4, 2, 1000, 128), False),
     (ProblemShape(2, 4, 2, 1000, 128), True),

@@ -2,7 +2,7 @@
 
 Until the emulated reference (``dmref.tiled``) can be driven with a kernel's recipe, the kernel
 tests compare against this model. It follows ``dmref.kernels.config.KernelRecipe``: the same
-block scales (``ScaleRule.POW2_DOWN``, from ``frexp``), the same casts (``dmref.emulation.encode`` with
+block scales (``ScaleRule.POW2_DOWN``, ``dmref.emulation.scales_from_amax``), the same casts (``dmref.emulation.encode`` with
 RNE and saturation), the same running-max P in the forward, the same dS blocks and the same
 deferred dQ correction. The two matmuls whose results are quantized again (QK^T, dO V^T) are
 computed by ``dot``: ``exact_dot`` (float64 rounded once to float32) or ``hopper_dot`` (the
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dmref.emulation import decode, encode, get_format
+from dmref.emulation import ScaleRule, decode, encode, get_format, scales_from_amax
 from dmref.kernels.config import QUANT_BLOCK, KernelRecipe
 
 LOG2E = 1.4426950408889634
@@ -30,21 +30,17 @@ def exact_dot(a: torch.Tensor, b: torch.Tensor, **_formats) -> torch.Tensor:
     return (a.double() @ b.double()).float()
 
 
-def pow2_down_exponent(amax: torch.Tensor, fmt: str) -> torch.Tensor:
-    """k = floor(log2(fmt.max / amax)), 0 where amax == 0, clamped to [-126, 126]."""
-    f = get_format(fmt)
-    mant, exp = torch.frexp(amax.float())  # amax = mant * 2**exp, mant in [0.5, 1)
-    fmant, fexp = math.frexp(f.max)
-    k = (fexp - 1) - (exp - 1) - (mant * 2 > fmant * 2).to(torch.int32)
-    k = torch.where(amax > 0, k, torch.zeros_like(k))
-    return k.clamp(-126, 126)
+def pow2_scales(amax: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The kernels' dequantization factors 2**-k for block amaxes: the emulation's POW2_DOWN
+    scales (``dmref.emulation.scales_from_amax``; 1 where amax == 0), float32."""
+    return scales_from_amax(amax.float(), fmt, ScaleRule.POW2_DOWN).float()
 
 
 def quantize_blocks(x: torch.Tensor, fmt: str, dim: int):
     """One scale per slice along ``dim`` (amax over ``dim``): codes and dequantization factors."""
-    k = pow2_down_exponent(x.abs().amax(dim=dim, keepdim=True), fmt)
-    codes = encode((x * torch.exp2(k.float())).float(), fmt, saturate=True)
-    return codes, torch.exp2(-k.float())
+    inv = pow2_scales(x.abs().amax(dim=dim, keepdim=True), fmt)
+    codes = encode((x / inv).float(), fmt, saturate=True)
+    return codes, inv
 
 
 def rows(x: torch.Tensor, fmt: str):
@@ -144,9 +140,9 @@ def _quantize_ds(ds: torch.Tensor, fmt: str, along: int, block: int, other_block
         ob = other_block
         amax = amax.view(bh, npad // ob, ob, npad // block, 1).amax(2, keepdim=True)
         amax = amax.expand(bh, npad // ob, ob, npad // block, 1).reshape(bh, npad, npad // block, 1)
-    k = pow2_down_exponent(amax, fmt)
-    codes = encode((xb * torch.exp2(k.float())).float(), fmt, saturate=True)
-    inv = torch.exp2(-k.float()).expand_as(xb)
+    inv = pow2_scales(amax, fmt)
+    codes = encode((xb / inv).float(), fmt, saturate=True)
+    inv = inv.expand_as(xb)
     codes, inv = codes.reshape(bh, npad, npad), inv.reshape(bh, npad, npad)
     if along == 1:
         codes, inv = codes.transpose(1, 2), inv.transpose(1, 2)

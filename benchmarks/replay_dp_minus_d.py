@@ -67,15 +67,15 @@ def _inputs(case):
     """The replay's backward operands up to dS (dmref.attention_replay._backward)."""
     gf = emulation.get_format(ar._GRAD_FORMATS[case["grad_format"]])
     heads = case["q_fp8"].shape[1]
-    x = ar._logits(case, "hopper")
-    p = np.exp2(x - (case["stats"] * ar._LOG2E).astype(F32)[..., None]).astype(F32)
+    p = ar.backward_p(case)
     acc = ar._mm(case["do_fp8"], ar._expand(case["v_fp8"], heads), gf, E4M3, "hopper")
     do, o = ar._decode(case["do_fp8"], gf).astype(F32), ar._decode(case["o_fp8"], E4M3).astype(F32)
     return gf, p, acc, do, o
 
 
 def variants(case, p, acc, do, o):
-    """name -> y = P (dP - D) attn_scale scale_dP (float32), the quantity both dS casts take."""
+    """name -> y = P (dP - D) attn_scale scale_dP (float32), the quantity both dS casts take; the
+    replay's is ``fl(fl(P attn_scale) fl((dP - D) scale_dP))``."""
     sdo, so, sv = case["descale_dO"], case["descale_o"], case["descale_v"]
     attn, sdp = F32(case["attn_scale"]), case["scale_dP"]
     s_dp = sdo * sv
@@ -83,7 +83,7 @@ def variants(case, p, acc, do, o):
     d_replay = ((exact * sdo).astype(F32) * so).astype(F32)
 
     def y(dp_minus_d, pm=p):
-        return ((pm * dp_minus_d).astype(F32) * attn).astype(F32) * sdp
+        return ((pm * attn).astype(F32) * (dp_minus_d * sdp).astype(F32)).astype(F32)
 
     def fused(d):
         return ar.fma32(acc, s_dp, -d[..., None])
@@ -94,6 +94,7 @@ def variants(case, p, acc, do, o):
     out = {"replay: fma(acc, descale, -D)": y(fused(d_replay)),
            "dP rounded, then - D": y(rounded(d_replay)),
            "fma; fl(attn_scale scale_dP) first": (p * fused(d_replay)).astype(F32) * (attn * sdp),
+           "fma; scalars in sequence": ((p * fused(d_replay)).astype(F32) * attn).astype(F32) * sdp,
            "fma; P attn_scale first": ((p * attn).astype(F32) * fused(d_replay)).astype(F32) * sdp}
     dp = (acc * s_dp).astype(F32)
     pd = (p * d_replay[..., None]).astype(F32)

@@ -17,19 +17,24 @@ Forward (``descale_qk = fl(fl(fl(attn_scale descale_q) descale_k) log2 e)``, all
          acc = hopper(P8, V, c = alpha acc)          (the accumulator chained through the tile)
     O8   = E4M3(acc / l * fl(descale_s descale_v scale_o));   stats = (m + log2 l) ln 2
 
-Backward (``GF``: the case's gradient format, dO's format)::
+Backward (``GF``: the case's gradient format, dO's format; ``S = hopper(Q, K)``, the logits'
+accumulator)::
 
-    P    = 2^(x - stats log2 e)  (float32);   P8 = E4M3(P * scale_s)
+    P    = 2^(fl(fma(S, fl(attn_scale fl(descale_q descale_k)), -stats) log2 e))   (masked: 0)
+    P8   = E4M3(P * scale_s)
     dV   = GF( sum_group( hopper(P8ᵀ, dO) * fl(descale_s descale_dO) ) * scale_dV )
     D    = fl32(rowsum(dO8 ∘ O8)) * descale_dO * descale_o           (stale: FP8 dO, FP8 O)
     dP-D = fma(hopper(dO, V), fl(descale_dO descale_v), -D)   (one rounding: dP is never rounded)
-    y    = P (dP - D) attn_scale * scale_dP           (scale_dP = 448 / amax(attn_scale dS))
+    y    = fl(P attn_scale) fl((dP - D) scale_dP)      (scale_dP = 448 / amax(attn_scale dS))
     dK   = GF( sum_group( hopper(GF(y)ᵀ, Q) * fl(descale_dP descale_q) ) * scale_dK )
     dQ   = GF( (sum over 128-key blocks, float32 adds, of hopper(GF(fp16(y)), K))
                * fl(descale_dP descale_k) * scale_dQ )
 
 ``GF(fp16(y))``: dQ's dS operand is rounded to float16 first, then to FP8 (double rounding);
-dK's is rounded once. Every FP8 cast is round-to-nearest-even with saturation (satfinite).
+dK's is rounded once. Every FP8 cast is round-to-nearest-even with saturation (satfinite). The
+backward's P is the natural-log exponent ``S fl(attn_scale fl(descale_q descale_k)) - stats`` as
+one fused multiply-add, then times log2 e (not the forward's base-2 logits ``x``), and dS's two
+scalars multiply P and ``dP - D`` apart before their product.
 """
 
 from __future__ import annotations
@@ -46,8 +51,9 @@ from . import emulation
 from .emulation import constants, gemm
 from .recipes import Recipe, get_recipe
 
-__all__ = ["CaptureError", "CODES", "GOALS", "ReplayOptions", "SCALARS", "TENSORS", "TensorMatch", "code_steps",
-           "fma32", "load_capture", "replay_case", "summary", "to_json", "verify_capture"]
+__all__ = ["CaptureError", "CODES", "DS_SCALES", "GOALS", "P_EXPONENTS", "ReplayOptions", "SCALARS", "TENSORS",
+           "TensorMatch", "backward_p", "code_steps", "fma32", "load_capture", "replay_case", "summary", "to_json",
+           "verify_capture"]
 
 #: FP8 code arrays every case must hold: inputs cuDNN consumed and outputs it produced.
 CODES = ("q_fp8", "k_fp8", "v_fp8", "do_fp8", "o_fp8", "dq_fp8", "dk_fp8", "dv_fp8")
@@ -74,6 +80,9 @@ _F32 = np.float32
 _LOG2E = _F32(constants.LOG2E)
 _LN2 = _F32(constants.LN2)
 _DQ_KEY_BLOCK = 128  # dQ: one wgmma chain per 128-key block, the partials added in float32
+#: accepted values of ReplayOptions.p_exponent and ReplayOptions.ds_scales (cuDNN's first)
+P_EXPONENTS = ("natural", "natural_attn_first", "base2")
+DS_SCALES = ("split", "sequential")
 
 
 @dataclass(frozen=True)
@@ -86,11 +95,21 @@ class ReplayOptions:
     dq_key_block: int | None = _DQ_KEY_BLOCK  #: keys per dQ wgmma chain (None: one chain)
     delta_do: str = "fp8"  #: dO in the delta: "fp8" (the codes cuDNN consumed) or "input" (the BF16 input)
     dp_fma: bool = True  #: dP - D as one fused multiply-add of the dO V accumulator (False: dP rounded first)
+    #: the backward's exponent of P: "natural", ``fl(fma(S, fl(attn_scale fl(descale_q descale_k)),
+    #: -stats) log2 e)``; "natural_attn_first", the same with the forward's product order
+    #: ``fl(fl(attn_scale descale_q) descale_k)``; "base2", ``fl(x - fl(stats log2 e))`` with the
+    #: forward's base-2 logits x
+    p_exponent: str = "natural"
+    #: dS's scalars: "split", ``fl(fl(P attn_scale) fl((dP - D) scale_dP))``; "sequential",
+    #: ``fl(fl(fl(P (dP - D)) attn_scale) scale_dP)``
+    ds_scales: str = "split"
 
     def __post_init__(self):
         object.__setattr__(self, "ds_dq_fp16", emulation.formats.check_bool(self.ds_dq_fp16, "ds_dq_fp16"))
-        if self.delta_do not in ("fp8", "input"):
-            raise ValueError(f"delta_do={self.delta_do!r}; accepted: 'fp8', 'input'")
+        for name, accepted in (("delta_do", ("fp8", "input")), ("p_exponent", P_EXPONENTS),
+                               ("ds_scales", DS_SCALES)):
+            if getattr(self, name) not in accepted:
+                raise ValueError(f"{name}={getattr(self, name)!r}; accepted: {', '.join(map(repr, accepted))}")
 
 
 class CaptureError(ValueError):
@@ -204,11 +223,11 @@ def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     a, b, c = (np.asarray(x, dtype=_F32) for x in (a, b, c))
     prod = a.astype(np.float64) * b.astype(np.float64)
     c64 = np.broadcast_to(c.astype(np.float64), prod.shape)
-    s = prod + c64
-    bv = s - prod
-    e = (prod - (s - bv)) + (c64 - bv)  # TwoSum: prod + c64 == s + e exactly
-    r = s.astype(_F32)
-    with np.errstate(invalid="ignore", over="ignore"):
+    with np.errstate(invalid="ignore", over="ignore"):  # an infinite operand: s is the result, e is NaN
+        s = prod + c64
+        bv = s - prod
+        e = (prod - (s - bv)) + (c64 - bv)  # TwoSum: prod + c64 == s + e exactly
+        r = s.astype(_F32)
         other = np.nextafter(r, np.where(s > r, _F32(np.inf), _F32(-np.inf)).astype(_F32))
         tie = (s != r) & (s == (r.astype(np.float64) + other.astype(np.float64)) / 2) & (e != 0)
         wrong_side = np.sign(s - r) == np.sign(e)  # the exact value lies beyond s, on other's side
@@ -225,15 +244,27 @@ def _group_sum(x: np.ndarray, kv_heads: int) -> np.ndarray:
     return x.reshape(b, kv_heads, h // kv_heads, n, d).sum(axis=2, dtype=_F32)
 
 
-def _logits(case: dict, model: str) -> np.ndarray:
-    """x = hopper(Q, K) * fl(descale_q descale_k attn_scale log2 e), masked -inf (base 2)."""
+def _scores(case: dict, model: str) -> np.ndarray:
+    """S = hopper(Q, K), the logits' float32 accumulator before any scale."""
     q, k = case["q_fp8"], _expand(case["k_fp8"], case["q_fp8"].shape[1])
-    s = _mm(q, k, _E4M3, _E4M3, model)
+    return _mm(q, k, _E4M3, _E4M3, model)
+
+
+def _masked(case: dict, shape: tuple) -> np.ndarray | None:
+    """The causal mask (top-left: row i sees keys j <= i) of logits of ``shape``; None if not causal."""
+    if not case["causal"]:
+        return None
+    nq, nk = shape[-2:]
+    return np.triu(np.ones((nq, nk), bool), 1)
+
+
+def _logits(case: dict, s: np.ndarray) -> np.ndarray:
+    """x = S * fl(fl(fl(attn_scale descale_q) descale_k) log2 e), masked -inf (base 2)."""
     c = ((_F32(case["attn_scale"]) * case["descale_q"]) * case["descale_k"]) * _LOG2E
     x = (s * c).astype(_F32)
-    if case["causal"]:  # top-left: row i sees keys j <= i
-        nq, nk = x.shape[-2:]
-        x[..., np.triu(np.ones((nq, nk), bool), 1)] = -np.inf
+    mask = _masked(case, x.shape)
+    if mask is not None:
+        x[..., mask] = -np.inf
     return x
 
 
@@ -275,14 +306,39 @@ def _forward(case: dict, x: np.ndarray, recipe: Recipe, model: str,
     return o8, stats
 
 
-def _backward(case: dict, x: np.ndarray, model: str, opts: ReplayOptions) -> dict:
+def backward_p(case: dict, model: str = "hopper", options: ReplayOptions | None = None) -> np.ndarray:
+    """P of the backward of one case (float32, (batch, heads, queries, keys)), as :func:`replay_case`
+    computes it under ``model`` and ``options.p_exponent`` (cuDNN's: "natural")."""
+    s = _scores(case, model)
+    return _backward_p(case, s, _logits(case, s), options or ReplayOptions())
+
+
+def _backward_p(case: dict, s: np.ndarray, x: np.ndarray, opts: ReplayOptions) -> np.ndarray:
+    """P from the logits' accumulator ``s``, the forward's base-2 logits ``x`` and cuDNN's stats."""
+    stats = np.broadcast_to(case["stats"][..., None], s.shape)
+    if opts.p_exponent == "base2":
+        return np.exp2(x - (stats * _LOG2E).astype(_F32)).astype(_F32)
+    attn = _F32(case["attn_scale"])
+    if opts.p_exponent == "natural":
+        c = attn * (case["descale_q"] * case["descale_k"])
+    else:  # "natural_attn_first"
+        c = (attn * case["descale_q"]) * case["descale_k"]
+    # S c - stats as one fused multiply-add (natural log), then to base 2
+    t = fma32(s, np.full(s.shape, c, _F32), -stats)
+    mask = _masked(case, s.shape)
+    if mask is not None:
+        t[..., mask] = -np.inf
+    return np.exp2((t * _LOG2E).astype(_F32)).astype(_F32)
+
+
+def _backward(case: dict, s: np.ndarray, x: np.ndarray, model: str, opts: ReplayOptions) -> dict:
     """dQ, dK, dV codes (module docstring)."""
     scale_s, descale_s = _p_scales(case, opts)
     gf = emulation.get_format(_GRAD_FORMATS[case["grad_format"]])
     q, do, o = case["q_fp8"], case["do_fp8"], case["o_fp8"]
     heads, kv_heads = q.shape[1], case["k_fp8"].shape[1]
     k, v = _expand(case["k_fp8"], heads), _expand(case["v_fp8"], heads)
-    p = np.exp2(x - (case["stats"] * _LOG2E).astype(_F32)[..., None]).astype(_F32)
+    p = _backward_p(case, s, x, opts)
     # Q-point P (dV = Pᵀ dO): P * scale_s -> E4M3
     p8 = _encode(p * scale_s, _E4M3)
     dv = _group_sum(_mm(_t(p8), _t(do), _E4M3, gf, model) * (descale_s * case["descale_dO"]), kv_heads)
@@ -304,7 +360,11 @@ def _backward(case: dict, x: np.ndarray, model: str, opts: ReplayOptions) -> dic
         dp_minus_d = fma32(dp_acc, dp_scale, -delta[..., None])
     else:
         dp_minus_d = ((dp_acc * dp_scale).astype(_F32) - delta[..., None]).astype(_F32)
-    y = ((p * dp_minus_d).astype(_F32) * _F32(case["attn_scale"])).astype(_F32) * case["scale_dP"]
+    attn = _F32(case["attn_scale"])
+    if opts.ds_scales == "split":  # P attn_scale and (dP - D) scale_dP, then their product
+        y = ((p * attn).astype(_F32) * (dp_minus_d * case["scale_dP"]).astype(_F32)).astype(_F32)
+    else:  # "sequential"
+        y = ((p * dp_minus_d).astype(_F32) * attn).astype(_F32) * case["scale_dP"]
     # Q-point dS (dK = dSᵀ Q): y -> GF once
     ds_dk = _encode(y, gf)
     # Q-point dS (dQ = dS K): y -> float16 -> GF (double rounding)
@@ -327,9 +387,10 @@ def replay_case(case: dict, recipe: Recipe | str = "cudnn_fp8", model: str = "ho
     ``"stats"`` (float32, natural-log LSE). ``model``: the accumulation model of every matmul
     (``"hopper"``: cuDNN's; ``"exact"`` for comparison); ``options``: departures for measurement."""
     recipe, opts = get_recipe(recipe), options or ReplayOptions()
-    x = _logits(case, model)
+    s = _scores(case, model)
+    x = _logits(case, s)
     o8, stats = _forward(case, x, recipe, model, opts)
-    return {"o": o8, "stats": stats, **_backward(case, x, model, opts)}
+    return {"o": o8, "stats": stats, **_backward(case, s, x, model, opts)}
 
 
 # ==============================================================================================

@@ -233,7 +233,7 @@ def test_heldout_case_1_residual_is_dp_rounded_before_d_is_subtracted():
     """Heldout case 1 (512 keys, E5M2): with dP rounded to float32 before D is subtracted, the
     codes that differ from cuDNN's are dQ rows (head 0, query 505) and (head 1, query 85), up to
     45 steps, and dK (head 1, key 288), 7 steps; those query rows are one-hot (P = 0.99997 on key
-    134, 1.0 on key 288), where dP_ij - D_i cancels to 3e-5 of dP. With the fused multiply-add
+    134, 1.000002 on key 288), where dP_ij - D_i cancels to 3e-5 of dP. With the fused multiply-add
     every code of the case is cuDNN's."""
     case = ar.load_capture(str(HELDOUT))[1]
     assert (case["grad_format"], case["k_fp8"].shape[2]) == ("e5m2", 512)
@@ -295,3 +295,52 @@ def test_fresh_tail_capture_departs_only_in_cudnns_zero_dq_tail():
         tail[..., nq - nq % _DQ_TILE if nq % _DQ_TILE else nq:, :] = True
         far = steps > ar.MAX_STEPS
         assert not (far & ~(tail & (case["dq_fp8"] == 0))).any(), case["index"]
+
+
+def _off(got: dict, case: dict, tensors) -> dict:
+    """Per tensor, the (batch, head, row) of every code that differs from cuDNN's."""
+    return {t: {tuple(int(v) for v in r[:3]) for r in np.argwhere(got[t] != case[f"{t}_fp8"])} for t in tensors}
+
+
+def test_fresh_capture_residual_is_the_backward_exponent_and_ds_scales():
+    """Seed 1, case 0 (384 tokens, GQA 4 on 2, E4M3). With P's exponent from the forward's base-2
+    logits, ``x - fl(stats log2 e)``, one P code differs: 448 P at (head 1, query 53, key 95) is
+    1.3124995, below E4M3's midpoint 1.3125 between 1.25 and 1.375, where cuDNN's exponent,
+    ``fl(fma(S, fl(attn_scale fl(descale_q descale_k)), -stats) log2 e)``, gives 1.3125004; that
+    code moves the dV row (kv head 0, key 95) by up to 3 steps, and y = P attn_scale (dP - D)
+    scale_dP at (head 3, query 6, key 115) crosses E4M3's midpoint -0.07421875 (dK's row (kv head
+    1, key 115), one step). With dS's scalars applied in sequence, ``((P (dP - D)) attn_scale)
+    scale_dP``, y at (head 3, query 327, key 241) is 10.500001 (E4M3 11) where
+    ``(P attn_scale)((dP - D) scale_dP)`` gives the midpoint 10.5 (ties to even: 10, cuDNN's), and
+    the dK row (kv head 1, key 241) is up to 15 steps off. With both of cuDNN's, dK and dV are
+    cuDNN's code for code. The tail capture's case 5 (300 tokens, E5M2) fixes the order of the
+    exponent's descales: with the forward's ``fl(fl(attn_scale descale_q) descale_k)``, y at (head
+    0, query 138, key 210) is the float16 midpoint 0.93725586 (ties to 0.9375) and the dQ row
+    (head 0, query 138) moves; with ``attn_scale fl(descale_q descale_k)`` it is 0.9372555 and
+    every dQ code cuDNN computed is its own."""
+    case = ar.load_capture(str(_fresh(FRESH)))[0]
+    assert (case["grad_format"], case["q_fp8"].shape[1:3], case["k_fp8"].shape[1]) == ("e4m3", (4, 384), 2)
+    p448 = {m: ar.backward_p(case, options=ar.ReplayOptions(p_exponent=m))[0, 1, 53, 95] * case["scale_s"]
+            for m in ("natural", "base2")}
+    assert p448["base2"] < np.float32(1.3125) < p448["natural"]
+    fmt = "float8_e4m3fn"
+    runs = {"cudnn": ar.ReplayOptions(), "base2": ar.ReplayOptions(p_exponent="base2"),
+            "sequential": ar.ReplayOptions(ds_scales="sequential")}
+    got = {name: ar.replay_case(case, options=o) for name, o in runs.items()}
+    assert _off(got["cudnn"], case, ("dq", "dk", "dv")) == {"dq": set(), "dk": set(), "dv": set()}
+    assert _off(got["base2"], case, ("dk", "dv")) == {"dk": {(0, 1, 115)}, "dv": {(0, 0, 95)}}
+    assert ar.code_steps(got["base2"]["dv"], case["dv_fp8"], fmt).max() == 3
+    assert _off(got["sequential"], case, ("dk", "dv")) == {"dk": {(0, 1, 241)}, "dv": set()}
+    assert ar.code_steps(got["sequential"]["dk"], case["dk_fp8"], fmt).max() == 15
+
+    tail = ar.load_capture(str(_fresh(FRESH_TAIL)))[5]
+    assert (tail["grad_format"], tail["q_fp8"].shape[2]) == ("e5m2", 300)
+    cudnn = ar.replay_case(tail)
+    attn_first = ar.replay_case(tail, options=ar.ReplayOptions(p_exponent="natural_attn_first"))
+    steps = {n: ar.code_steps(g["dq"], tail["dq_fp8"], "float8_e5m2") for n, g in
+             (("cudnn", cudnn), ("attn_first", attn_first))}
+    computed = np.ones(steps["cudnn"].shape, bool)  # every code but cuDNN's zeros of its dQ tail
+    computed[..., ar.dq_tail_rows(300), :] = tail["dq_fp8"][..., ar.dq_tail_rows(300), :] != 0
+    assert not (steps["cudnn"] * computed).any()
+    moved = {tuple(int(v) for v in r[:3]) for r in np.argwhere((steps["attn_first"] > 0) & computed)}
+    assert moved == {(0, 0, 138)} and (steps["attn_first"] * computed).max() == 3

@@ -141,6 +141,16 @@ def quantize_rows(x, IS_E5M2: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def from_bf16(x, INTERPRET: tl.constexpr):
+    """bfloat16 -> float32, exact. Triton 3.6's interpreter decodes bfloat16 subnormals wrongly
+    (its generic float conversion clamps their exponent), so there the bits are widened instead."""
+    if INTERPRET:
+        bits = x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        return (bits << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def to_bf16(x, INTERPRET: tl.constexpr):
     """float32 -> bfloat16, round to nearest even (the interpreter's own cast truncates)."""
     if INTERPRET:

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from dmref.emulation import get_format
 
-from ._common import exp2_int, pow2_down_exponent, to_fp8
+from ._common import exp2_int, from_bf16, pow2_down_exponent, to_fp8
 from ._runtime import interpreting
 from .config import QUANT_BLOCK
 
@@ -72,7 +72,7 @@ def _quantize_kernel(
     DELTA += bh64 * N
     x_ptrs = X + offs_t[:, None] * stride_xn + offs_d[None, :] * stride_xd
     # padding tokens read as 0: they get code 0 in the transposed copy and do not move its amax
-    x = tl.load(x_ptrs, mask=in_seq[:, None], other=0.0).to(tl.float32)
+    x = from_bf16(tl.load(x_ptrs, mask=in_seq[:, None], other=0.0), INTERPRET)
     if EMIT_ROWS:
         # Q-point row copy: one POW2_DOWN scale per token over the head dim
         k_row = pow2_down_exponent(tl.max(tl.abs(x), axis=1), IS_E5M2)
@@ -90,7 +90,7 @@ def _quantize_kernel(
         # stale delta, the backward's preprocess: D_i = sum_d O_id dO_id from BF16 O and dO
         O += b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
         o_ptrs = O + offs_t[:, None] * stride_on + offs_d[None, :] * stride_od
-        o = tl.load(o_ptrs, mask=in_seq[:, None], other=0.0).to(tl.float32)
+        o = from_bf16(tl.load(o_ptrs, mask=in_seq[:, None], other=0.0), INTERPRET)
         tl.store(DELTA + offs_t, tl.sum(o * x, axis=1), mask=in_seq)
 
 
@@ -166,15 +166,15 @@ def _kv_tile(stride_b, stride_h, stride_n, stride_d, H, HEAD_DIM: tl.constexpr, 
 
 @triton.jit
 def _kv_amax_kernel(K, V, stride_b, stride_h, stride_n, stride_d, AMAX, H, N,
-                    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr):
     """Per head: max |K| over all tokens and channels (``AMAX[bh, 0]``) and max |V| of each
     channel over all tokens (``AMAX[bh, 1 + d]``), as int32 bit patterns. Each program reduces one
     tile of BLOCK_T tokens and merges with atomic_max (AMAX starts at 0; for |x| >= 0 integer
     order is float order, and NaN, the largest pattern, wins)."""
     bh, offs_t, offs_d, off, ptrs = _kv_tile(stride_b, stride_h, stride_n, stride_d, H, HEAD_DIM, BLOCK_T)
     in_seq = (offs_t < N)[:, None]
-    k = tl.abs(tl.load(K + off + ptrs, mask=in_seq, other=0.0).to(tl.float32)).to(tl.int32, bitcast=True)
-    v = tl.abs(tl.load(V + off + ptrs, mask=in_seq, other=0.0).to(tl.float32)).to(tl.int32, bitcast=True)
+    k = tl.abs(from_bf16(tl.load(K + off + ptrs, mask=in_seq, other=0.0), INTERPRET)).to(tl.int32, bitcast=True)
+    v = tl.abs(from_bf16(tl.load(V + off + ptrs, mask=in_seq, other=0.0), INTERPRET)).to(tl.int32, bitcast=True)
     AMAX += bh.to(tl.int64) * (1 + HEAD_DIM)
     tl.atomic_max(AMAX, tl.max(tl.max(k, axis=1), axis=0))
     tl.atomic_max(AMAX + 1 + offs_d, tl.max(v, axis=0))
@@ -194,12 +194,12 @@ def _kv_quantize_folded_kernel(K, V, stride_b, stride_h, stride_n, stride_d, AMA
     AMAX += bh64 * (1 + HEAD_DIM)
     # Q-point K (QK^T): one POW2_DOWN scale per head
     k_head = pow2_down_exponent(tl.load(AMAX).to(tl.float32, bitcast=True), False)
-    k = tl.load(K + off + ptrs, mask=in_seq[:, None], other=0.0).to(tl.float32)
+    k = from_bf16(tl.load(K + off + ptrs, mask=in_seq[:, None], other=0.0), INTERPRET)
     tl.store(K8 + bh64 * N * HEAD_DIM + offs_t[:, None] * HEAD_DIM + offs_d[None, :],
              to_fp8(k * exp2_int(k_head), False, INTERPRET), mask=in_seq[:, None])
     # Q-point V (PV): one POW2_DOWN scale per head and channel; padding tokens (0) get code 0
     k_chan = pow2_down_exponent(tl.load(AMAX + 1 + offs_d).to(tl.float32, bitcast=True), False)
-    v = tl.load(V + off + ptrs, mask=in_seq[:, None], other=0.0).to(tl.float32)
+    v = from_bf16(tl.load(V + off + ptrs, mask=in_seq[:, None], other=0.0), INTERPRET)
     tl.store(VT8 + bh64 * HEAD_DIM * NPAD + offs_d[None, :] * NPAD + offs_t[:, None],
              to_fp8(v * exp2_int(k_chan)[None, :], False, INTERPRET))
     if pid_t == 0:
@@ -227,7 +227,8 @@ def quantize_kv_folded(k: torch.Tensor, v: torch.Tensor) -> FoldedKV:
     dev = k.device
     amax = torch.zeros((bsz * heads, 1 + d), device=dev, dtype=torch.int32)
     grid = (npad // QUANT_BLOCK, bsz * heads)
-    _kv_amax_kernel[grid](k, v, *k.stride(), amax, heads, n, HEAD_DIM=d, BLOCK_T=QUANT_BLOCK, num_warps=8)
+    _kv_amax_kernel[grid](k, v, *k.stride(), amax, heads, n, HEAD_DIM=d, BLOCK_T=QUANT_BLOCK,
+                          INTERPRET=interpreting(), num_warps=8)
     out = FoldedKV(k8=torch.empty((bsz * heads, n, d), device=dev, dtype=torch.float8_e4m3fn),
                    k_scale=torch.empty(bsz * heads, device=dev, dtype=torch.float32),
                    vt8=torch.empty((bsz * heads, d, npad), device=dev, dtype=torch.float8_e4m3fn),

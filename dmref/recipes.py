@@ -344,8 +344,14 @@ class Recipe:
     delta: DeltaStrategy = STALE
     tiles: Tiles = field(default_factory=Tiles)
     precision: str = "float32"  #: working precision of everything outside the matmuls
+    #: PV's accumulator runs on across the forward's key tiles: each tile's P~ V^ is accumulated
+    #: into fl(alpha acc), as a wgmma chain with C = alpha acc does (FA3's forward); False: each
+    #: tile's P~ V^ is formed from zero and added to fl(alpha acc) in the working precision (a
+    #: promotion per tile). The two differ only under the ``hopper`` model of ``accumulation.pv``.
+    pv_chain: bool = False
 
     def __post_init__(self):
+        object.__setattr__(self, "pv_chain", check_bool(self.pv_chain, "Recipe.pv_chain"))
         if self.precision not in ("float32", "float64"):
             raise ValueError(f"Recipe.precision={self.precision!r} must be 'float32' or 'float64'")
         if self.p_fwd.reference not in (PReference.RUNNING_MAX, PReference.POW2_RUNNING_MAX):
@@ -386,7 +392,7 @@ class Recipe:
         lines.append(f"  norm   {self.normalizer.value}")
         lines.append(f"  delta  {self.delta.name}")
         acc = ", ".join(f"{m}={getattr(self.accumulation, m).name}" for m in MATMULS)
-        lines.append(f"  accum  {acc}")
+        lines.append(f"  accum  {acc}" + (", PV chained across key tiles" if self.pv_chain else ""))
         lines.append(f"  tiles  {self.tiles.block_q}x{self.tiles.block_k}, working precision {self.precision}")
         return "\n".join(lines)
 

@@ -12,7 +12,8 @@ the tile are skipped)::
     forward   x    = (Q^ K^ᵀ) * fl(scale * log2 e)  [+ mask * log2 e]     base-2 logits
               m    = running row max of x;  alpha = 2^(m_old - m);  p = 2^(x - m)
               P~   = Q-point P (p * 2^offset) * 2^-offset
-              l    = alpha l + rowsum(p or P~);  acc = alpha acc + P~ V^
+              l    = alpha l + rowsum(p or P~);  acc = alpha acc + P~ V^  (Recipe.pv_chain:
+                                                    P~ V^ accumulated into fl(alpha acc))
               O    = acc / l;  lse = m + log2 l                          (saved: O, lse)
     delta     D    (one of the strategies below, its own step before the sweep)
     backward  P    = 2^(x - lse)   (FP32: the multiplier of dS)
@@ -107,8 +108,9 @@ def _quantize(x: torch.Tensor, point: QuantPoint, *, contract_dim: int, dtype: t
 
 
 def _matmul(a_deq: torch.Tensor, b_deq: torch.Tensor, model: MatmulModel, dtype: torch.dtype,
-            points: tuple[QuantPoint, QuantPoint] | None = None) -> torch.Tensor:
-    """``a_deq (..., m, k) @ b_deq (..., k, n)`` under the accumulation model ``model``.
+            points: tuple[QuantPoint, QuantPoint] | None = None, c: torch.Tensor | None = None) -> torch.Tensor:
+    """``a_deq (..., m, k) @ b_deq (..., k, n)`` under the accumulation model ``model``, plus the
+    initial accumulator ``c`` (..., m, n) where given.
 
     - ``FP32``: torch's float32 matmul of the dequantized operands. Products of FP8 or BF16
       values with power-of-two scales are exact in float32; the sum is rounded in torch's
@@ -118,16 +120,26 @@ def _matmul(a_deq: torch.Tensor, b_deq: torch.Tensor, model: MatmulModel, dtype:
       exact unless the products span more than 2^29 in magnitude).
     - ``HOPPER`` (with ``promote_every``: promotion to float32 every N products): the emulated
       Hopper wgmma of ``dmref.emulation.gemm``, with the operands' FP8 formats and their scale
-      blocks along k (``points``: the two operands' quantization points).
+      blocks along k (``points``: the two operands' quantization points); ``c`` enters the
+      wgmma chain as its accumulator (one scale block along k only).
+
+    With ``c`` under ``FP32`` and ``EXACT`` the product is formed as above and ``c`` added once
+    in its precision.
     """
     if model.accumulation is Accumulation.FP32:
         out = torch.matmul(a_deq.to(torch.float32), b_deq.to(torch.float32))
     elif model.accumulation is Accumulation.EXACT:
         out = torch.matmul(a_deq.to(torch.float64), b_deq.to(torch.float64))
+        if c is not None:
+            out = out + c.to(torch.float64)
+            c = None
         if not model.float64_result:
             out = out.to(torch.float32)
     else:
-        out = _emulated_gemm(a_deq, b_deq, model, points)
+        out = _emulated_gemm(a_deq, b_deq, model, points, c)
+        c = None
+    if c is not None:
+        out = out + c.to(out.dtype)
     return out.to(dtype)
 
 
@@ -151,7 +163,8 @@ def _pow2_blocks(x: torch.Tensor, fmt, block: int):
     return values, s[..., 0]
 
 
-def _emulated_gemm(a_deq: torch.Tensor, b_deq: torch.Tensor, model: MatmulModel, points) -> torch.Tensor:
+def _emulated_gemm(a_deq: torch.Tensor, b_deq: torch.Tensor, model: MatmulModel, points,
+                   c: torch.Tensor | None = None) -> torch.Tensor:
     from .emulation import gemm  # imported only when a recipe asks for an emulated model
 
     if points is None or not all(p.quantized and p.fmt.is_fp8 for p in points):
@@ -167,9 +180,30 @@ def _emulated_gemm(a_deq: torch.Tensor, b_deq: torch.Tensor, model: MatmulModel,
     fa, fb = (p.fmt for p in points)
     a, sa = _pow2_blocks(a_deq, fa, block)
     bt, sb = _pow2_blocks(b_deq.transpose(-1, -2), fb, block)
+    if c is not None:
+        return _chained_gemm(a, sa, bt, sb, c, model, fa, fb)
     return gemm.matmul(a.contiguous(), bt.contiguous(), fa=fa, fb=fb, model=model.accumulation,
                        promote_every=model.promote_every, rules=model.rules,
                        scale_a=sa.contiguous(), scale_b=sb.contiguous(), scale_block_k=block)
+
+
+def _chained_gemm(a, sa, bt, sb, c, model: MatmulModel, fa, fb) -> torch.Tensor:
+    """The wgmma chain with the accumulator ``c`` fed in, for operands with one power-of-two scale
+    per row of a and per row of bt: in units of sa_m sb_n the chain is scale-free (the Hopper
+    model's alignment and truncation are relative, so a power of two common to every term of an
+    element commutes with them), ``c`` enters in those units, and the result is scaled back."""
+    from .emulation import gemm
+
+    if sa.shape[-1] != 1 or sb.shape[-1] != 1:
+        raise NotImplementedError("an accumulator fed into the wgmma chain needs one scale block along the contraction")
+    s = sa[..., :, 0:1] * sb[..., :, 0].unsqueeze(-2)  # (..., m, n), powers of two
+    c32 = c.to(torch.float32)
+    c_units = c32 / s
+    if not bool(((c_units * s == c32) | ~torch.isfinite(c32)).all()):
+        raise NotImplementedError("the chained accumulator leaves float32's normal range in the operands' units")
+    out = gemm.matmul(a.contiguous(), bt.contiguous(), c_units.contiguous(), fa=fa, fb=fb, model=model.accumulation,
+                      promote_every=model.promote_every, rules=model.rules)
+    return out * s
 
 
 # ==============================================================================================
@@ -321,9 +355,13 @@ def forward(q, k, v, *, recipe="exact", causal: bool = False, scale=None, mask=N
         p_hat = _quantize(p, r.p, contract_dim=-1, dtype=wd, fixed_log2=-r.p_fwd.offset_log2)
         mass = p if r.normalizer is Normalizer.FP32_SUM else p_hat
         l[..., i0:] = l[..., i0:] * alpha + mass.sum(dim=-1)
-        acc[..., i0:, :] = acc[..., i0:, :] * alpha[..., None] + _matmul(
-            p_hat, v_hat[..., j0:j1, :], acc_model.pv, wd, (r.p, r.v)
-        )
+        if r.pv_chain:  # the chain runs on from fl(alpha acc) (a wgmma with C = alpha acc)
+            acc[..., i0:, :] = _matmul(p_hat, v_hat[..., j0:j1, :], acc_model.pv, wd, (r.p, r.v),
+                                       c=acc[..., i0:, :] * alpha[..., None])
+        else:  # promoted: the tile's product from zero, then one add
+            acc[..., i0:, :] = acc[..., i0:, :] * alpha[..., None] + _matmul(
+                p_hat, v_hat[..., j0:j1, :], acc_model.pv, wd, (r.p, r.v)
+            )
         ref[..., i0:] = ref_new
 
     dead = l == 0  # fully masked rows (a NaN l stays NaN: non-finite inputs propagate)

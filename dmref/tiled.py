@@ -128,18 +128,16 @@ def _matmul(a_deq: torch.Tensor, b_deq: torch.Tensor, model: MatmulModel, dtype:
     """
     if model.accumulation is Accumulation.FP32:
         out = torch.matmul(a_deq.to(torch.float32), b_deq.to(torch.float32))
+        if c is not None:
+            out = out + c.to(torch.float32)
     elif model.accumulation is Accumulation.EXACT:
         out = torch.matmul(a_deq.to(torch.float64), b_deq.to(torch.float64))
         if c is not None:
             out = out + c.to(torch.float64)
-            c = None
         if not model.float64_result:
             out = out.to(torch.float32)
     else:
         out = _emulated_gemm(a_deq, b_deq, model, points, c)
-        c = None
-    if c is not None:
-        out = out + c.to(out.dtype)
     return out.to(dtype)
 
 

@@ -304,12 +304,16 @@ def _fwd_ws_kernel(Q, stride_qb, stride_qh, stride_qn, K8, K_SCALE, VT8, V_SCALE
     ], [1], [PRODUCER_REGS])
 
 
-def _constexprs(head_dim: int, block_n: int, stages: int, causal: bool, chain: bool, overlap: bool) -> dict:
+def _constexprs(head_dim: int, block_n: int, stages: int, causal: bool, chain: bool,
+                overlap: bool | None) -> dict:
     """The kernel's constexprs: one description for the launcher and the compile check. P's
-    fixed scale is the folded recipes' (``Recipe.p_fwd.offset_log2``)."""
+    fixed scale is the folded recipes' (``Recipe.p_fwd.offset_log2``); ``overlap=None`` is
+    :func:`default_overlap`."""
     from .config import RECIPES
 
     p_scale = float(2 ** RECIPES["folded_delta_matching"].p_scale_log2)
+    if overlap is None:
+        overlap = default_overlap(head_dim)
     return dict(HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), P_SCALE=p_scale,
                 CHAIN=bool(chain), OVERLAP=bool(overlap))
 
@@ -321,8 +325,6 @@ def compile_sm90(head_dim: int = 128, block_n: int = 128, stages: int = 2, causa
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    if overlap is None:
-        overlap = default_overlap(head_dim)
     consts = _constexprs(head_dim, block_n, stages, causal, chain, overlap)
     sig = {"Q": "*bf16", "stride_qb": "i32", "stride_qh": "i32", "stride_qn": "i32", "K8": "*fp8e4nv",
            "K_SCALE": "*fp32", "VT8": "*fp8e4nv", "V_SCALE": "*fp32", "O": "*bf16", "LSE2": "*fp32",
@@ -355,8 +357,6 @@ def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale:
     from ..emulation.constants import LOG2E
 
     b, h, n, d = q.shape
-    if overlap is None:
-        overlap = default_overlap(d)
     if q.stride(-1) != 1:
         raise ValueError(f"q's last dim must be contiguous, got strides {q.stride()}")
     triton.set_allocator(_allocator)

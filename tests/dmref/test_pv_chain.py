@@ -43,8 +43,8 @@ def test_chained_product_equals_the_wgmma_chain_in_the_kernels_units(seed):
     # dmref.tiled: dequantized operands, the accumulator in value units
     p_deq = decode(p_codes, FLOAT8_E4M3FN).float() * p_scale
     v_deq = (decode(v_codes, FLOAT8_E4M3FN).float() * v_scale[:, None]).T
-    points = (RECIPES["folded_naive_fp8"].reference_recipe(64, "hopper").p,
-              RECIPES["folded_naive_fp8"].reference_recipe(64, "hopper").v)
+    recipe = RECIPES["folded_naive_fp8"].reference_recipe(64, "hopper")
+    points = (recipe.p, recipe.v)
     got = tiled._matmul(p_deq, v_deq, MatmulModel.get("hopper"), torch.float32, points,
                         c=acc_units * (p_scale * v_scale))
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))

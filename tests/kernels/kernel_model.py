@@ -14,7 +14,6 @@ Shapes: q ``(B, H, N, D)``, k and v ``(B, HKV, N, D)``; internal tensors are ``(
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

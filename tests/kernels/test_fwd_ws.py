@@ -36,15 +36,22 @@ def _wide_inputs(shape: ProblemShape, device: str):
     return [t.to(torch.bfloat16).to(device) for t in (q, k, v)]
 
 
+@pytest.mark.parametrize("wgmma_key_order", [False, True])
 @pytest.mark.parametrize("backend", ["interpreter", pytest.param("gpu", marks=pytest.mark.gpu)])
-def test_folded_quantization_equals_the_emulation(backend):
+def test_folded_quantization_equals_the_emulation(backend, wgmma_key_order):
     from dmref.emulation import Block, quantize_blocked
-    from dmref.kernels.quantize import quantize_kv_folded
+    from dmref.kernels.quantize import key_order, quantize_kv_folded
 
     device = require_backend(backend)
     shape = ProblemShape(2, 3, 3, 203, 64)
     _, k, v = _wide_inputs(shape, device)
-    got = quantize_kv_folded(k, v)
+    got = quantize_kv_folded(k, v, wgmma_key_order=wgmma_key_order)
+    if wgmma_key_order:
+        # a permutation inside each group of 16 tokens, and its inverse is what tokens_in_order undoes
+        order = key_order(got.vt8.shape[-1])
+        assert torch.equal(torch.sort(order.view(-1, 16), dim=1).values, torch.arange(got.vt8.shape[-1]).view(-1, 16))
+        assert not torch.equal(got.vt8.cpu().view(torch.uint8), got.tokens_in_order().cpu().view(torch.uint8))
+        got.vt8 = got.tokens_in_order()
     bh = shape.batch * shape.kv_heads
     k_codes, k_scales = quantize_blocked(k.cpu().float().reshape(bh, shape.n, -1), "float8_e4m3fn",
                                          block=Block.matrix(), scale_rule="pow2_down")
@@ -190,3 +197,37 @@ def test_chained_overlapped_schedule_equals_the_reference_with_pv_chain(shape, c
         finite = torch.isfinite(want)
         got = lse2.view_as(want).double()
         assert (got - want)[finite].abs().max().item() <= lse2_tolerance(want, shape.n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chain,overlap", [(False, False), (True, True), (False, True)],
+                         ids=["serial-promoted", "overlapped-chained", "overlapped-promoted"])
+@pytest.mark.parametrize("shape,causal", _GPU_CASES, ids=[f"{s.batch}x{s.heads}x{s.kv_heads}x{s.n}x{s.head_dim}"
+                                                         f"{'-causal' if c else ''}" for s, c in _GPU_CASES])
+def test_lean_softmax_equals_the_reference(shape, causal, chain, overlap):
+    """``fma=True, perm=True``: exp2's argument as one fused multiply-add with P's scale in it,
+    and P handed to PV in V's wgmma key order (``quantize_kv_folded(wgmma_key_order=True)``):
+    within the bounds of the other schedules against the recipe they run (``pv_chain`` =
+    ``chain``). 64-key tiles where the promoted overlap needs them at D = 128."""
+    from dataclasses import replace
+
+    device = require_backend("gpu")
+    from dmref import tiled
+    from dmref.kernels import fwd_ws
+    from dmref.kernels.config import RECIPES
+
+    if overlap and not chain and shape.head_dim == 128:
+        pytest.skip("the promoted overlap spills at D = 128 with 128-key tiles")
+    q, k, v = _wide_inputs(shape, device)
+    scale = 1.0 / math.sqrt(shape.head_dim)
+    recipe = replace(RECIPES["folded_naive_fp8"].recipe, pv_chain=chain)
+    ref = tiled.forward(q.float(), k.float(), v.float(), recipe=recipe, causal=causal, scale=scale)
+    o, lse2, kv = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, chain=chain, overlap=overlap,
+                                           fma=True, perm=True)
+    assert kv.wgmma_key_order
+    diff = rel_err(o.float(), ref.out)
+    assert diff <= code_flip_rel_bound(1), f"O: kernel vs reference {diff:.3e}"
+    want = ref.stats.lse2.double()
+    finite = torch.isfinite(want)
+    got = lse2.view_as(want).double()
+    assert (got - want)[finite].abs().max().item() <= lse2_tolerance(want, shape.n)

@@ -75,7 +75,6 @@ def speed(shapes, variants):
                 r["triton_error"] = repr(e)[:200]
             from dmref.kernels.quantize import quantize_kv_folded
             r["quantize_kv_folded_ms"] = bench(lambda: quantize_kv_folded(k, v))
-            r["quantize_kv_folded_wgmma_order_ms"] = bench(lambda: quantize_kv_folded(k, v, wgmma_key_order=True))
             for vname in variants:
                 if not timed(vname, d):
                     continue
@@ -94,14 +93,11 @@ def speed(shapes, variants):
 
 
 VARIANTS = {
-    "v1_serial_promoted": dict(stages=2),
-    "ov_promoted": dict(stages=2, overlap=True),  # 64-key tiles at D = 128 (232 registers)
-    "ov_chained": dict(stages=2, chain=True, overlap=True),
-    "ov_chained_fma": dict(stages=2, chain=True, overlap=True, fma=True),
-    "ov_chained_lean": dict(stages=2, chain=True, overlap=True, fma=True, perm=True),
-    "ov_chained_lean_s3": dict(stages=3, chain=True, overlap=True, fma=True, perm=True),
-    "serial_promoted_lean": dict(stages=2, fma=True, perm=True),
-    "ov_promoted_lean": dict(stages=2, overlap=True, fma=True, perm=True),
+    "serial_promoted": dict(chain=False, overlap=False),
+    "ov_promoted": dict(chain=False, overlap=True),  # 64-key tiles at D = 128 (232 registers)
+    "serial_chained": dict(chain=True, overlap=False),
+    "ov_chained": dict(chain=True, overlap=True),  # the folded recipes' schedule (fwd_ws.forward's default)
+    "ov_chained_s3": dict(chain=True, overlap=True, stages=3),
 }
 
 
@@ -119,11 +115,11 @@ def timed(name, d):
 
 
 def check_variant(name):
-    """Outputs of one variant against v1 and float64 on small cases (run in a process of its own)."""
+    """Outputs of one variant against serial_promoted (the `vs_v1` keys) and float64 on small cases (run in a process of its own)."""
     for (b, h, hkv, n, d, causal) in [(2, 4, 4, 1000, 128, False), (1, 8, 2, 777, 64, True),
                                       (1, 2, 1, 203, 128, True), (1, 4, 4, 4096, 128, True), (1, 2, 2, 64, 64, False)]:
         q, k, v = inputs(b, h, hkv, n, d)
-        o1, l1, _ = fwd_ws.attention_forward(q, k, v, causal=causal, **tiles_for("v1_serial_promoted", d))
+        o1, l1, _ = fwd_ws.attention_forward(q, k, v, causal=causal, **tiles_for("serial_promoted", d))
         o, l2, _ = fwd_ws.attention_forward(q, k, v, causal=causal, **tiles_for(name, d))
         torch.cuda.synchronize()
         g = h // hkv
@@ -144,7 +140,7 @@ def accuracy():
         k[..., ::16] *= 4
         ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
         r = dict(check="accuracy", shape=[b, h, n, d], causal=causal)
-        for name in ("v1_serial_promoted", "ov_chained", "ov_chained_lean", "serial_promoted_lean"):
+        for name in ("serial_promoted", "ov_chained"):
             o, _, _ = fwd_ws.attention_forward(q, k, v, causal=causal, **tiles_for(name, d))
             r[name] = rel(o, ref)
             r[name + "_mean_ratio"] = (o.double() * ref).sum().item() / (ref * ref).sum().item()

@@ -108,7 +108,7 @@ def _folded_forward(q, k, v, s: Shape, r: KernelRecipe, *, causal: bool, scale: 
         raise ValueError("debug dumps exist for the Triton forward only (recipes delta_matching, naive_fp8)")
     kv = quantize_kv_folded(k, v)
     o, lse2 = fwd_ws.forward(q.contiguous(), kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=s.kv_heads,
-                             causal=causal, scale=scale)
+                             causal=causal, scale=scale, chain=r.recipe.pv_chain)
     saved = None
     if for_backward:
         q8, _ = quantize(q, r.qkv_format, rows=True, cols=True)

@@ -175,6 +175,9 @@ def unsupported(recipe, bwd: BwdTiles | None = None) -> str | None:
     if recipe.p_fwd.offset_log2 != recipe.p_bwd.offset_log2:
         checks.append(f"P: the kernels scale P by one power of two in both passes; the recipe has "
                       f"2^{recipe.p_fwd.offset_log2} and 2^{recipe.p_bwd.offset_log2}")
+    if recipe.pv_chain and not folded:
+        checks.append("pv_chain: the Triton forward promotes PV once per key tile; the warp-specialized "
+                      "forward (K scaled per head) chains it")
     if recipe.normalizer is not Normalizer.FP32_SUM:
         checks.append("normalizer: the kernels divide by the float32 sum of P")
     if recipe.precision != "float32" or recipe.tiles.block_k != QUANT_BLOCK:
@@ -210,10 +213,12 @@ def kernel_recipe(delta: KernelDelta, bwd: BwdTiles | None = None, do_format: st
     BF16, the Hopper accumulation with promotion per kernel tile, and for ``"matched"`` the
     matched delta with the kernels' deferred dQ.
 
-    ``folded``: the warp-specialized forward's scales (``fwd_ws``), which fold out of its loop:
+    ``folded``: the warp-specialized forward's (``fwd_ws``) scales, which fold out of its loop:
     K with one POW2_DOWN scale per (batch, key/value head) (``Granularity.HEAD``, in QK^T and
     in the backward's recomputation of it), V in PV with one per (batch, key/value head,
-    channel) over all tokens (``Granularity.ROW`` of V laid out for PV)."""
+    channel) over all tokens (``Granularity.ROW`` of V laid out for PV); and its PV
+    accumulation, one wgmma chain over all keys (``Recipe.pv_chain``), which lets QK^T of the
+    next key tile run during the softmax within 232 registers."""
 
     if delta not in ("stale", "matched"):
         raise ValueError(f"delta={delta!r} must be 'stale' or 'matched'")
@@ -230,7 +235,8 @@ def kernel_recipe(delta: KernelDelta, bwd: BwdTiles | None = None, do_format: st
     if folded:
         recipe = dataclasses.replace(recipe, name=recipe.name.replace("kernels_", "kernels_folded_"),
                                      k=QuantPoint(base.k.fmt, Granularity.HEAD, ScaleRule.POW2_DOWN),
-                                     v=QuantPoint(base.v.fmt, Granularity.ROW, ScaleRule.POW2_DOWN))
+                                     v=QuantPoint(base.v.fmt, Granularity.ROW, ScaleRule.POW2_DOWN),
+                                     pv_chain=True)
     return fit_to_tiles(recipe, bwd)
 
 

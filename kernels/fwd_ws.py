@@ -56,13 +56,6 @@ _to_fp8 = gluon.jit(_common.to_fp8.fn)
 
 
 @gluon.jit
-def _mul_rn(a, b):
-    """float32 ``a * b`` rounded on its own (never fused into the following subtraction)."""
-    return gl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=gl.float32,
-                                     is_pure=True, pack=1)
-
-
-@gluon.jit
 def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, kv_row, kv_col, n_tiles,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """TMA loads of K (``(BLOCK_N, D)`` row tiles) and V^T (``(D, BLOCK_N)`` tiles) for key tiles
@@ -99,50 +92,27 @@ def _quantize_q(Q, stride_qn, q_smem, start_m, N, HEAD_DIM: gl.constexpr):
 @gluon.jit
 def _softmax(sc, cs, m_i, l_i, i, offs_m, N, s_layout: gl.constexpr, o_layout: gl.constexpr,
              p_layout: gl.constexpr, BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
-             P_SCALE: gl.constexpr, FMA: gl.constexpr, PERM: gl.constexpr):
-    """Tile i's scores S -> (P codes in the wgmma operand layout, alpha per O row, m, l)."""
+             P_SCALE: gl.constexpr):
+    """Tile i's scores S -> (P codes in the wgmma operand layout, alpha per O row, m, l), with l
+    summing P * P_SCALE."""
     if MASK:
         offs_n = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         valid = gl.expand_dims(offs_n, 0) < N
         if CAUSAL:
             valid = valid & (gl.expand_dims(offs_m, 1) >= gl.expand_dims(offs_n, 0))
-    if FMA:
-        # the row max of S2 = fl(S cs) is fl(rowmax(S) cs) (cs > 0, rounding is monotonic), and
-        # exp2's argument S cs - m + log2(P_SCALE) is one fused multiply-add, so the exp2 gives
-        # P * P_SCALE and l sums P * P_SCALE
-        if MASK:
-            sc = gl.where(valid, sc, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, axis=1) * cs)
-        if MASK:
-            m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with every key masked so far
-        else:
-            m_sub = m_new
-        p = gl.exp2(gl.fma(sc, gl.expand_dims(cs, 1), gl.expand_dims(gl.log2(P_SCALE) - m_sub, 1)))
-        alpha = gl.exp2(m_i - m_sub)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        p8 = p.to(gl.float8e4nv)
-        if PERM:
-            # key 16g + 8h + 2t + b (this thread's accumulator columns) to k-slot 16g + 4t + 2h + b
-            # (its operand columns): V^T holds its keys in this order (quantize_kv_folded)
-            G: gl.constexpr = BLOCK_N // 16
-            p8 = gl.reshape(gl.permute(gl.reshape(p8, [BLOCK_M, G, 2, 4, 2]), (0, 1, 3, 2, 4)), [BLOCK_M, BLOCK_N])
-        p8 = gl.convert_layout(p8, p_layout)
+        sc = gl.where(valid, sc, float("-inf"))
+    # the running max of S2 = fl(S cs): fl(rowmax(S) cs), as cs > 0 and rounding is monotonic
+    m_new = gl.maximum(m_i, gl.max(sc, axis=1) * cs)
+    if MASK:
+        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with every key masked so far
     else:
-        # S2 rounded before m is subtracted (no fused multiply-add into exp2's argument)
-        s2 = _mul_rn(sc, gl.expand_dims(cs, 1))
-        if MASK:
-            s2 = gl.where(valid, s2, float("-inf"))
-        # softmax against the running max
-        m_new = gl.maximum(m_i, gl.max(s2, axis=1))
-        if MASK:
-            m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with every key masked so far
-        else:
-            m_sub = m_new
-        p = gl.exp2(s2 - gl.expand_dims(m_sub, 1))
-        alpha = gl.exp2(m_i - m_sub)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        # Q-point P: float32 -> E4M3, fixed scale 2**8 against the running max, RNE, satfinite
-        p8 = gl.convert_layout((p * P_SCALE).to(gl.float8e4nv), p_layout)
+        m_sub = m_new
+    # P * P_SCALE = exp2(S cs - m + log2 P_SCALE), the argument one fused multiply-add
+    p = gl.exp2(gl.fma(sc, gl.expand_dims(cs, 1), gl.expand_dims(gl.log2(P_SCALE) - m_sub, 1)))
+    alpha = gl.exp2(m_i - m_sub)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    # Q-point P: float32 -> E4M3 (P_SCALE is in p), RNE, satfinite
+    p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
     alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     return p8, alpha_o, m_new, l_i
 
@@ -170,7 +140,7 @@ def _pv(p8, v_bufs, v_ready, v_free, s, ph, acc, alpha_o, t_old, s_next, CHAIN: 
 def _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_old, t_old, m_i, l_i, cs,
           offs_m, N, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
-          P_SCALE: gl.constexpr, CHAIN: gl.constexpr, FMA: gl.constexpr, PERM: gl.constexpr):
+          P_SCALE: gl.constexpr, CHAIN: gl.constexpr):
     """Key tile i: QK^T, the softmax, PV, each waited on. ``s_old`` / ``t_old`` are the previous
     tile's dead registers, passed as the wgmmas' ignored accumulators (``use_acc=False``) so that
     no zero tile is written. Returns (acc, S, T, m, l)."""
@@ -181,7 +151,7 @@ def _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_ol
     sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
     mbarrier.arrive(k_free.index(s), count=1)
     p8, alpha_o, m_i, l_i = _softmax(sc, cs, m_i, l_i, i, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, MASK,
-                                     CAUSAL, P_SCALE, FMA, PERM)
+                                     CAUSAL, P_SCALE)
     acc, t, sc = _pv(p8, v_bufs, v_ready, v_free, s, ph, acc, alpha_o, t_old, sc, CHAIN)
     return acc, sc, t, m_i, l_i
 
@@ -190,7 +160,7 @@ def _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_ol
 def _tile_overlap(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, sc, s_old, t_old, m_i,
                   l_i, cs, offs_m, N, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
-                  P_SCALE: gl.constexpr, CHAIN: gl.constexpr, NEXT: gl.constexpr, FMA: gl.constexpr, PERM: gl.constexpr):
+                  P_SCALE: gl.constexpr, CHAIN: gl.constexpr, NEXT: gl.constexpr):
     """Key tile i, its QK^T ``sc`` done: QK^T of tile i + 1 is issued (``NEXT``) into the dead
     registers ``s_old`` and runs during the softmax of tile i (FA3's intra-warp-group overlap);
     both it and PV are waited on before the call returns, so no wgmma is in flight across the
@@ -203,7 +173,7 @@ def _tile_overlap(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, a
         mbarrier.wait(k_ready.index(s1), ((i + 1) // STAGES) & 1)
         s_next = warpgroup_mma(q_smem, k_bufs.index(s1).permute((1, 0)), s_old, use_acc=False, is_async=True)
     p8, alpha_o, m_i, l_i = _softmax(sc, cs, m_i, l_i, i, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, MASK,
-                                     CAUSAL, P_SCALE, FMA, PERM)
+                                     CAUSAL, P_SCALE)
     acc, t, s_next = _pv(p8, v_bufs, v_ready, v_free, s, ph, acc, alpha_o, t_old, s_next, CHAIN)
     if NEXT:
         mbarrier.arrive(k_free.index(s1), count=1)
@@ -214,8 +184,7 @@ def _tile_overlap(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, a
 def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, V_SCALE, O, LSE2,
               cs_head, bh, kv, start_m, n_plain, n_tiles, N,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, CHAIN: gl.constexpr, OVERLAP: gl.constexpr,
-              FMA: gl.constexpr, PERM: gl.constexpr):
+              CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, CHAIN: gl.constexpr, OVERLAP: gl.constexpr):
     """The consumer warp group: Q, the key tiles (masked from n_plain on), the epilogue."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
@@ -246,38 +215,34 @@ def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_
         for j in range(0, n_pairs):
             acc, s_next, s_old, t_old, m_i, l_i = _tile_overlap(
                 2 * j, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, t_old, m_i,
-                l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE, CHAIN, True, FMA, PERM)
+                l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE, CHAIN, True)
             acc, s_next, s_old, t_old, m_i, l_i = _tile_overlap(
                 2 * j + 1, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, t_old, m_i,
-                l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE, CHAIN, True, FMA, PERM)
+                l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE, CHAIN, True)
         if (n_tiles - 1) % 2 == 1:
             acc, s_next, s_old, t_old, m_i, l_i = _tile_overlap(
                 n_tiles - 2, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, t_old,
                 m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE, CHAIN,
-                True, FMA, PERM)
+                True)
         acc, s_next, s_old, t_old, m_i, l_i = _tile_overlap(
             n_tiles - 1, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, t_old, m_i,
-            l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, True, CAUSAL, P_SCALE, CHAIN, False, FMA, PERM)
+            l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, True, CAUSAL, P_SCALE, CHAIN, False)
     else:
         for i in range(0, n_plain):
             acc, s_old, t_old, m_i, l_i = _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc,
                                                 s_old, t_old, m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout,
-                                                BLOCK_N, STAGES, False, CAUSAL, P_SCALE, CHAIN, FMA, PERM)
+                                                BLOCK_N, STAGES, False, CAUSAL, P_SCALE, CHAIN)
         for i in range(n_plain, n_tiles):
             acc, s_old, t_old, m_i, l_i = _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc,
                                                 s_old, t_old, m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout,
-                                                BLOCK_N, STAGES, True, CAUSAL, P_SCALE, CHAIN, FMA, PERM)
+                                                BLOCK_N, STAGES, True, CAUSAL, P_SCALE, CHAIN)
     # epilogue: O = acc / (l * 2**8) * v_scale (per channel), LSE2 = m + log2(l)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     v_scale = gl.load(V_SCALE + kv.to(gl.int64) * HEAD_DIM + offs_d)
     l_o = gl.convert_layout(l_i, row_o)
-    if FMA:  # l sums P * P_SCALE
-        o = gl.div_rn(acc, gl.expand_dims(l_o, 1)) * gl.expand_dims(v_scale, 0)
-        lse2 = (m_i - gl.log2(P_SCALE)) + gl.log2(l_i)
-    else:
-        o = gl.div_rn(acc, gl.expand_dims(l_o * P_SCALE, 1)) * gl.expand_dims(v_scale, 0)
-        lse2 = m_i + gl.log2(l_i)
+    o = gl.div_rn(acc, gl.expand_dims(l_o, 1)) * gl.expand_dims(v_scale, 0)
+    lse2 = (m_i - gl.log2(P_SCALE)) + gl.log2(l_i)
     offs_mo = start_m + gl.arange(0, BLOCK_M, layout=row_o)
     o_ptrs = O + bh.to(gl.int64) * N * HEAD_DIM + gl.expand_dims(offs_mo, 1) * HEAD_DIM + gl.expand_dims(offs_d, 0)
     gl.store(o_ptrs, o.to(gl.bfloat16), mask=gl.expand_dims(offs_mo < N, 1))
@@ -288,8 +253,7 @@ def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_
 def _fwd_ws_kernel(Q, stride_qb, stride_qh, stride_qn, K8, K_SCALE, VT8, V_SCALE, O, LSE2,
                    qk_scale, H, GROUP, N, NPAD, ROWS_KV,
                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, CHAIN: gl.constexpr, OVERLAP: gl.constexpr,
-                   FMA: gl.constexpr, PERM: gl.constexpr):
+                   CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, CHAIN: gl.constexpr, OVERLAP: gl.constexpr):
     n_m = gl.cdiv(N, BLOCK_M)
     # causal: the longest rows first (the grid's tail is then the short work)
     pid_m = (n_m - 1 - gl.program_id(0)) if CAUSAL else gl.program_id(0)
@@ -328,34 +292,37 @@ def _fwd_ws_kernel(Q, stride_qb, stride_qh, stride_qn, K8, K_SCALE, VT8, V_SCALE
     gl.warp_specialize([
         (_consumer, (q_ptr, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, V_SCALE, O, LSE2,
                      cs_head, bh, kv, start_m, n_plain, n_tiles, N, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, P_SCALE,
-                     CHAIN, OVERLAP, FMA, PERM)),
+                     CHAIN, OVERLAP)),
         (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, kv * N, kv * HEAD_DIM,
                      n_tiles, BLOCK_N, STAGES)),
     ], [1], [PRODUCER_REGS])
 
 
-def _constexprs(head_dim: int, block_n: int, stages: int, causal: bool, chain: bool,
-                overlap: bool | None, fma: bool = False, perm: bool = False) -> dict:
+def _constexprs(head_dim: int, block_n: int, stages: int, causal: bool, chain: bool | None,
+                overlap: bool | None) -> dict:
     """The kernel's constexprs: one description for the launcher and the compile check. P's
-    fixed scale is the folded recipes' (``Recipe.p_fwd.offset_log2``); ``overlap=None`` is
-    :func:`default_overlap`."""
+    fixed scale and PV's accumulation are the folded recipes' (``Recipe.p_fwd.offset_log2``,
+    ``Recipe.pv_chain``; ``chain=None``); ``overlap=None`` is :func:`default_overlap`."""
     from .config import RECIPES
 
-    p_scale = float(2 ** RECIPES["folded_delta_matching"].p_scale_log2)
+    recipe = RECIPES["folded_delta_matching"]
+    p_scale = float(2 ** recipe.p_scale_log2)
+    if chain is None:
+        chain = recipe.recipe.pv_chain
     if overlap is None:
-        overlap = default_overlap(head_dim)
+        overlap = default_overlap(head_dim, chain)
     return dict(HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), P_SCALE=p_scale,
-                CHAIN=bool(chain), OVERLAP=bool(overlap), FMA=bool(fma), PERM=bool(perm))
+                CHAIN=bool(chain), OVERLAP=bool(overlap))
 
 
 def compile_sm90(head_dim: int = 128, block_n: int = 128, stages: int = 2, causal: bool = False,
-                 chain: bool = False, overlap: bool | None = None, fma: bool = False, perm: bool = False):
+                 chain: bool | None = None, overlap: bool | None = None):
     """Compile the kernel for sm_90a without a GPU (ptxas included); returns the compiled kernel.
-    ``overlap=None``: :func:`default_overlap`, as :func:`forward` launches it."""
+    ``chain=None, overlap=None``: as :func:`forward` launches it."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    consts = _constexprs(head_dim, block_n, stages, causal, chain, overlap, fma, perm)
+    consts = _constexprs(head_dim, block_n, stages, causal, chain, overlap)
     sig = {"Q": "*bf16", "stride_qb": "i32", "stride_qh": "i32", "stride_qn": "i32", "K8": "*fp8e4nv",
            "K_SCALE": "*fp32", "VT8": "*fp8e4nv", "V_SCALE": "*fp32", "O": "*bf16", "LSE2": "*fp32",
            "qk_scale": "fp32", "H": "i32", "GROUP": "i32", "N": "i32", "NPAD": "i32", "ROWS_KV": "i32",
@@ -364,10 +331,12 @@ def compile_sm90(head_dim: int = 128, block_n: int = 128, stages: int = 2, causa
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=LAUNCH_REGS))
 
 
-def default_overlap(head_dim: int) -> bool:
-    """The overlapped schedule where it fits 232 registers with the recipe's 128-key PV promotion
-    (D = 64; the outputs are bit-identical to the serial schedule's)."""
-    return head_dim == 64
+def default_overlap(head_dim: int, chain: bool) -> bool:
+    """The overlapped schedule wherever it fits 232 registers without spills with 128-key tiles:
+    with PV chained (both head dims), or at D = 64 (where the promoted overlap's outputs are
+    bit-identical to the serial schedule's). The promoted overlap at D = 128 needs a second
+    64-register accumulator and spills."""
+    return bool(chain) or head_dim == 64
 
 
 def _allocator(size: int, alignment: int, stream):
@@ -377,12 +346,12 @@ def _allocator(size: int, alignment: int, stream):
 
 
 def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale: float,
-            block_n: int = 128, stages: int = 2, chain: bool = False, overlap: bool | None = None,
-            fma: bool = False, perm: bool = False):
+            block_n: int = 128, stages: int = 2, chain: bool | None = None, overlap: bool | None = None):
     """Run the warp-specialized forward: ``q (B, H, N, D)`` BF16 (quantized inside, per token;
     its last dim contiguous), ``k8 (B*HKV, N, D)`` with ``k_scale (B*HKV,)``, ``vt8 (B*HKV, D,
     NPAD)`` with ``v_scale (B*HKV, D)`` (:func:`dmref.kernels.quantize.quantize_kv_folded`). Returns O
-    ``(B, H, N, D)`` BF16 and LSE2 ``(B*H, N)`` float32 (base 2)."""
+    ``(B, H, N, D)`` BF16 and LSE2 ``(B*H, N)`` float32 (base 2). ``chain=None``: the folded
+    recipes' ``pv_chain``; ``overlap=None``: :func:`default_overlap`."""
     import torch
 
     from ..emulation.constants import LOG2E
@@ -396,7 +365,8 @@ def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale:
     grid = (triton.cdiv(n, BLOCK_M.value), b * h)
     _fwd_ws_kernel[grid](q, q.stride(0), q.stride(1), q.stride(2), k8, k_scale, vt8, v_scale, o, lse2,
                          scale * LOG2E, h, h // kv_heads, n, vt8.shape[-1], b * kv_heads * n,
-                         **_constexprs(d, block_n, stages, causal, chain, overlap, fma, perm), num_warps=4, maxnreg=LAUNCH_REGS)
+                         **_constexprs(d, block_n, stages, causal, chain, overlap), num_warps=4,
+                         maxnreg=LAUNCH_REGS)
     return o, lse2
 
 
@@ -406,7 +376,7 @@ def attention_forward(q, k, v, *, causal: bool = False, scale: float | None = No
     from .quantize import quantize_kv_folded
 
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    kv = quantize_kv_folded(k, v, wgmma_key_order=bool(tiles.get("perm", False)))
+    kv = quantize_kv_folded(k, v)
     o, lse2 = forward(q, kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=k.shape[1], causal=causal, scale=scale,
                       **tiles)
     return o, lse2, kv

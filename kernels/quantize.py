@@ -183,7 +183,7 @@ def _kv_amax_kernel(K, V, stride_b, stride_h, stride_n, stride_d, AMAX, H, N,
 @triton.jit
 def _kv_quantize_folded_kernel(K, V, stride_b, stride_h, stride_n, stride_d, AMAX, K8, K_SCALE, VT8, V_SCALE,
                                H, N, NPAD, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
-                               WGMMA_KEY_ORDER: tl.constexpr, INTERPRET: tl.constexpr):
+                               INTERPRET: tl.constexpr):
     """Codes under the amaxes of ``_kv_amax_kernel`` (POW2_DOWN, E4M3): K's row copy with one
     scale per head, V's transposed copy with one per head and channel; the first tile of each
     head writes the dequantization factors 2**-k."""
@@ -200,11 +200,7 @@ def _kv_quantize_folded_kernel(K, V, stride_b, stride_h, stride_n, stride_d, AMA
     # Q-point V (PV): one POW2_DOWN scale per head and channel; padding tokens (0) get code 0
     k_chan = pow2_down_exponent(tl.load(AMAX + 1 + offs_d).to(tl.float32, bitcast=True), False)
     v = from_bf16(tl.load(V + off + ptrs, mask=in_seq[:, None], other=0.0), INTERPRET)
-    pos = offs_t
-    if WGMMA_KEY_ORDER:
-        # token 16g + 8h + 2t + b at column 16g + 4t + 2h + b (FoldedKV.wgmma_key_order)
-        pos = (offs_t & ~15) | (((offs_t >> 1) & 3) << 2) | (((offs_t >> 3) & 1) << 1) | (offs_t & 1)
-    tl.store(VT8 + bh64 * HEAD_DIM * NPAD + offs_d[None, :] * NPAD + pos[:, None],
+    tl.store(VT8 + bh64 * HEAD_DIM * NPAD + offs_d[None, :] * NPAD + offs_t[:, None],
              to_fp8(v * exp2_int(k_chan)[None, :], False, INTERPRET))
     if pid_t == 0:
         tl.store(K_SCALE + bh, exp2_int(-k_head))
@@ -219,31 +215,11 @@ class FoldedKV:
     k_scale: torch.Tensor  #: (B*HKV,) dequantization factor of each head
     vt8: torch.Tensor  #: (B*HKV, D, NPAD) E4M3 codes, tokens contiguous
     v_scale: torch.Tensor  #: (B*HKV, D) dequantization factor of each head and channel
-    #: vt8's columns hold the tokens of each 16-token group in the order in which a thread holds
-    #: its wgmma accumulator columns: column 16g + 4t + 2h + b holds token 16g + 8h + 2t + b
-    #: (:func:`key_order`), so that P goes from the QK^T accumulator to PV's register operand
-    #: without an exchange between threads; PV contracts over keys in any order
-    wgmma_key_order: bool = False
-
-    def tokens_in_order(self) -> torch.Tensor:
-        """vt8 with its columns in token order."""
-        if not self.wgmma_key_order:
-            return self.vt8
-        return self.vt8[..., torch.argsort(key_order(self.vt8.shape[-1], self.vt8.device))]
 
 
-def key_order(npad: int, device=None) -> torch.Tensor:
-    """The token held by each column of a ``wgmma_key_order`` transposed copy (a permutation
-    inside each group of 16)."""
-    pos = torch.arange(npad, device=device)
-    g, r = pos // 16, pos % 16
-    return 16 * g + 8 * ((r >> 1) & 1) + 2 * (r >> 2) + (r & 1)
-
-
-def quantize_kv_folded(k: torch.Tensor, v: torch.Tensor, *, wgmma_key_order: bool = False) -> FoldedKV:
+def quantize_kv_folded(k: torch.Tensor, v: torch.Tensor) -> FoldedKV:
     """Quantize ``k, v: (B, HKV, N, D)`` (BF16, the same strides) to E4M3 with folded scales, in
-    two launches: the amaxes of both, then the codes of both. ``wgmma_key_order``: V's copy in
-    the order of :attr:`FoldedKV.wgmma_key_order`."""
+    two launches: the amaxes of both, then the codes of both."""
     if k.shape != v.shape or k.stride() != v.stride() or k.ndim != 4:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be (B, HKV, N, D) of one shape and strides")
     bsz, heads, n, d = k.shape
@@ -256,9 +232,7 @@ def quantize_kv_folded(k: torch.Tensor, v: torch.Tensor, *, wgmma_key_order: boo
     out = FoldedKV(k8=torch.empty((bsz * heads, n, d), device=dev, dtype=torch.float8_e4m3fn),
                    k_scale=torch.empty(bsz * heads, device=dev, dtype=torch.float32),
                    vt8=torch.empty((bsz * heads, d, npad), device=dev, dtype=torch.float8_e4m3fn),
-                   v_scale=torch.empty((bsz * heads, d), device=dev, dtype=torch.float32),
-                   wgmma_key_order=wgmma_key_order)
+                   v_scale=torch.empty((bsz * heads, d), device=dev, dtype=torch.float32))
     _kv_quantize_folded_kernel[grid](k, v, *k.stride(), amax, out.k8, out.k_scale, out.vt8, out.v_scale, heads, n,
-                                     npad, HEAD_DIM=d, BLOCK_T=QUANT_BLOCK, WGMMA_KEY_ORDER=wgmma_key_order,
-                                     INTERPRET=interpreting(), num_warps=8)
+                                     npad, HEAD_DIM=d, BLOCK_T=QUANT_BLOCK, INTERPRET=interpreting(), num_warps=8)
     return out

@@ -36,22 +36,15 @@ def _wide_inputs(shape: ProblemShape, device: str):
     return [t.to(torch.bfloat16).to(device) for t in (q, k, v)]
 
 
-@pytest.mark.parametrize("wgmma_key_order", [False, True])
 @pytest.mark.parametrize("backend", ["interpreter", pytest.param("gpu", marks=pytest.mark.gpu)])
-def test_folded_quantization_equals_the_emulation(backend, wgmma_key_order):
+def test_folded_quantization_equals_the_emulation(backend):
     from dmref.emulation import Block, quantize_blocked
-    from dmref.kernels.quantize import key_order, quantize_kv_folded
+    from dmref.kernels.quantize import quantize_kv_folded
 
     device = require_backend(backend)
     shape = ProblemShape(2, 3, 3, 203, 64)
     _, k, v = _wide_inputs(shape, device)
-    got = quantize_kv_folded(k, v, wgmma_key_order=wgmma_key_order)
-    if wgmma_key_order:
-        # a permutation inside each group of 16 tokens, and its inverse is what tokens_in_order undoes
-        order = key_order(got.vt8.shape[-1])
-        assert torch.equal(torch.sort(order.view(-1, 16), dim=1).values, torch.arange(got.vt8.shape[-1]).view(-1, 16))
-        assert not torch.equal(got.vt8.cpu().view(torch.uint8), got.tokens_in_order().cpu().view(torch.uint8))
-        got.vt8 = got.tokens_in_order()
+    got = quantize_kv_folded(k, v)
     bh = shape.batch * shape.kv_heads
     k_codes, k_scales = quantize_blocked(k.cpu().float().reshape(bh, shape.n, -1), "float8_e4m3fn",
                                          block=Block.matrix(), scale_rule="pow2_down")
@@ -105,7 +98,7 @@ _SCHEDULE_SCRIPT = """
 import subprocess, sys, tempfile
 from triton.backends.nvidia.compiler import get_ptxas
 from dmref.kernels import fwd_ws
-k = fwd_ws.compile_sm90(head_dim=64, causal=bool(int(sys.argv[1])), overlap=True)
+k = fwd_ws.compile_sm90(head_dim=int(sys.argv[2]), causal=bool(int(sys.argv[1])))
 with tempfile.TemporaryDirectory() as tmp:
     open(tmp + "/k.ptx", "w").write(k.asm["ptx"])
     p = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", tmp + "/k.ptx", "-o", tmp + "/k.cubin"],
@@ -114,17 +107,21 @@ print(p.returncode, p.stderr)
 """
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_overlapped_schedule_is_not_serialized_by_ptxas(causal):
-    """The schedule ``forward`` runs at D = 64 (``default_overlap``): QK^T of the next tile in
-    flight during the softmax. ptxas reports C7514 ("wgmma.mma_async instructions are serialized")
-    when a non-wgmma instruction reads an accumulator in flight, which would undo the overlap."""
+def test_overlapped_schedule_is_not_serialized_by_ptxas(causal, head_dim):
+    """The schedule ``forward`` runs (``default_overlap`` with the folded recipes' chained PV):
+    QK^T of the next tile in flight during the softmax. ptxas reports C7514 ("wgmma.mma_async
+    instructions are serialized") when a non-wgmma instruction reads an accumulator in flight,
+    which would undo the overlap."""
     pytest.importorskip("triton")
+    from dmref.kernels.config import RECIPES
     from dmref.kernels.fwd_ws import default_overlap
 
-    assert default_overlap(64) and not default_overlap(128)
+    assert RECIPES["folded_delta_matching"].recipe.pv_chain and default_overlap(head_dim, True)
+    assert not default_overlap(128, False)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _SCHEDULE_SCRIPT, str(int(causal))], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", _SCHEDULE_SCRIPT, str(int(causal)), str(head_dim)], capture_output=True, text=True,
                           env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rc, log = proc.stdout.split(" ", 1)
@@ -165,50 +162,20 @@ def test_fwd_ws_equals_the_reference_on_its_recipe(shape, causal):
     assert (got - want)[finite].abs().max().item() <= lse2_tolerance(want, shape.n)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape,causal", _GPU_CASES, ids=[f"{s.batch}x{s.heads}x{s.kv_heads}x{s.n}x{s.head_dim}"
-                                                         f"{'-causal' if c else ''}" for s, c in _GPU_CASES])
-def test_chained_overlapped_schedule_equals_the_reference_with_pv_chain(shape, causal):
-    """``chain=True, overlap=True`` (PV accumulated in the wgmma chain across key tiles, the
-    schedule that is 1-7% faster at D = 128 on most shapes, docs/kernels_speed.md) against the
-    folded recipe with ``Recipe.pv_chain``, within the same bounds as the shipped schedule. The
-    two recipes differ by less than that bound (7.6e-4 against 7.9e-3 on the 777-token case),
-    so each schedule must also be closer to its own recipe than to the other one."""
-    from dataclasses import replace
-
-    device = require_backend("gpu")
-    from dmref import tiled
-    from dmref.kernels import fwd_ws
-    from dmref.kernels.config import RECIPES
-
-    q, k, v = _wide_inputs(shape, device)
-    scale = 1.0 / math.sqrt(shape.head_dim)
-    promoted = RECIPES["folded_naive_fp8"].recipe
-    refs = {chain: tiled.forward(q.float(), k.float(), v.float(), recipe=replace(promoted, pv_chain=chain),
-                                 causal=causal, scale=scale) for chain in (False, True)}
-    for chain in (False, True):
-        o, lse2, _ = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, chain=chain, overlap=True)
-        ref = refs[chain]
-        diff = rel_err(o.float(), ref.out)
-        assert diff <= code_flip_rel_bound(1), f"chain={chain}: O: kernel vs reference {diff:.3e}"
-        if not torch.equal(refs[True].out, refs[False].out):  # one key tile: the two recipes agree
-            assert diff < rel_err(o.float(), refs[not chain].out), f"chain={chain}: closer to the other recipe"
-        want = ref.stats.lse2.double()
-        finite = torch.isfinite(want)
-        got = lse2.view_as(want).double()
-        assert (got - want)[finite].abs().max().item() <= lse2_tolerance(want, shape.n)
+_SCHEDULES = [(True, True), (True, False), (False, False), (False, True)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("chain,overlap", [(False, False), (True, True), (False, True)],
-                         ids=["serial-promoted", "overlapped-chained", "overlapped-promoted"])
+@pytest.mark.parametrize("chain,overlap", _SCHEDULES, ids=["chained-overlapped", "chained-serial", "promoted-serial",
+                                                           "promoted-overlapped"])
 @pytest.mark.parametrize("shape,causal", _GPU_CASES, ids=[f"{s.batch}x{s.heads}x{s.kv_heads}x{s.n}x{s.head_dim}"
                                                          f"{'-causal' if c else ''}" for s, c in _GPU_CASES])
-def test_lean_softmax_equals_the_reference(shape, causal, chain, overlap):
-    """``fma=True, perm=True``: exp2's argument as one fused multiply-add with P's scale in it,
-    and P handed to PV in V's wgmma key order (``quantize_kv_folded(wgmma_key_order=True)``):
-    within the bounds of the other schedules against the recipe they run (``pv_chain`` =
-    ``chain``). 64-key tiles where the promoted overlap needs them at D = 128."""
+def test_every_schedule_equals_the_reference_of_its_pv_accumulation(shape, causal, chain, overlap):
+    """Each schedule of the kernel (``chain``: PV in one wgmma chain over all keys, the folded
+    recipes' ``pv_chain``, or promoted once per tile; ``overlap``: QK^T of the next tile during
+    the softmax) against the folded recipe with ``pv_chain = chain``, within the bounds of the
+    shipped one. The two recipes differ by less than that bound (7.6e-4 against 7.9e-3 on the
+    777-token case), so each schedule must also be closer to its own recipe than to the other."""
     from dataclasses import replace
 
     device = require_backend("gpu")
@@ -217,16 +184,18 @@ def test_lean_softmax_equals_the_reference(shape, causal, chain, overlap):
     from dmref.kernels.config import RECIPES
 
     if overlap and not chain and shape.head_dim == 128:
-        pytest.skip("the promoted overlap spills at D = 128 with 128-key tiles")
+        pytest.skip("the promoted overlap needs 64-key tiles at D = 128 (fwd_ws.default_overlap)")
     q, k, v = _wide_inputs(shape, device)
     scale = 1.0 / math.sqrt(shape.head_dim)
-    recipe = replace(RECIPES["folded_naive_fp8"].recipe, pv_chain=chain)
-    ref = tiled.forward(q.float(), k.float(), v.float(), recipe=recipe, causal=causal, scale=scale)
-    o, lse2, kv = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, chain=chain, overlap=overlap,
-                                           fma=True, perm=True)
-    assert kv.wgmma_key_order
+    folded = RECIPES["folded_naive_fp8"].recipe
+    refs = {c: tiled.forward(q.float(), k.float(), v.float(), recipe=replace(folded, pv_chain=c), causal=causal,
+                             scale=scale) for c in (False, True)}
+    o, lse2, _ = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, chain=chain, overlap=overlap)
+    ref = refs[chain]
     diff = rel_err(o.float(), ref.out)
     assert diff <= code_flip_rel_bound(1), f"O: kernel vs reference {diff:.3e}"
+    if not torch.equal(refs[True].out, refs[False].out):  # one key tile: the two recipes agree
+        assert diff < rel_err(o.float(), refs[not chain].out), "closer to the other recipe"
     want = ref.stats.lse2.double()
     finite = torch.isfinite(want)
     got = lse2.view_as(want).double()

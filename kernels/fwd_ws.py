@@ -10,12 +10,19 @@ The consumer, for its Q tile and then for every key tile of ``BLOCK_N`` keys:
 
     Q8 = Q(Q * 2**k_i), q_scale_i = 2**-k_i                 # Q-point Q: E4M3, per token, POW2_DOWN
     S  = wgmma(Q8, K8^T)                                    # float32, Hopper's FP8 chain
-    S2 = S * (q_scale_i * k_scale * tau * log2 e)           # one rounded multiply (mul.rn)
-    m  = max(m, rowmax(S2));  P = exp2(S2 - m)              # against the running max
-    l  = l * alpha + rowsum(P)                              # float32 P
-    T  = wgmma(Q(P * 2**8), V8)                             # Q-point P: E4M3, fixed 2**8
-    acc = acc * alpha + T                                   # one float32 promotion per tile
-    O  = acc / (l * 2**8) * v_scale_d;  LSE2 = m + log2(l)
+    c  = q_scale_i * k_scale * tau * log2 e                 # one factor per row, c > 0
+    m  = max(m, fl(rowmax(S) * c))                          # = the running max of fl(S c)
+    P8 = exp2(fma(S, c, 8 - m))                             # P * 2**8, the argument one FFMA
+    l  = l * alpha + rowsum(P8)                             # float32
+    acc = wgmma(Q(P8), V8, C = acc * alpha)                 # Q-point P: E4M3, fixed 2**8; one
+                                                            # chain over all keys (pv_chain)
+    O  = acc * fl(1 / l) * v_scale_d;  LSE2 = m - 8 + log2(l)
+
+The default schedule issues QK^T of tile j + 1 before the softmax of tile j (``OVERLAP``);
+``CHAIN=False`` is the per-tile promotion ``acc = acc * alpha + wgmma(Q(P8), V8)`` (a recipe
+with ``pv_chain=False``). ``dmref.tiled`` computes the same recipe with exp2's argument rounded
+as fl(fl(S c) - m) and O as fl(acc / l): the kernel differs from it in the last bits of float32
+intermediates, below the code-flip bound its tests hold it to.
 
 K is scaled per (batch, key/value head) and V per (batch, key/value head, channel) over all
 tokens (``dmref.kernels.quantize.quantize_kv_folded``), so every scale folds into a per-row factor of S or a
@@ -236,12 +243,14 @@ def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_
             acc, s_old, t_old, m_i, l_i = _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc,
                                                 s_old, t_old, m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout,
                                                 BLOCK_N, STAGES, True, CAUSAL, P_SCALE, CHAIN)
-    # epilogue: O = acc / (l * 2**8) * v_scale (per channel), LSE2 = m + log2(l)
+    # epilogue: O = acc * fl(1 / l) * v_scale (l sums P * 2**8; v_scale per channel, a power of
+    # two), one division per row; LSE2 = m - 8 + log2(l)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     v_scale = gl.load(V_SCALE + kv.to(gl.int64) * HEAD_DIM + offs_d)
     l_o = gl.convert_layout(l_i, row_o)
-    o = gl.div_rn(acc, gl.expand_dims(l_o, 1)) * gl.expand_dims(v_scale, 0)
+    inv_l = gl.div_rn(gl.full_like(l_o, 1.0), l_o)
+    o = acc * gl.expand_dims(inv_l, 1) * gl.expand_dims(v_scale, 0)
     lse2 = (m_i - gl.log2(P_SCALE)) + gl.log2(l_i)
     offs_mo = start_m + gl.arange(0, BLOCK_M, layout=row_o)
     o_ptrs = O + bh.to(gl.int64) * N * HEAD_DIM + gl.expand_dims(offs_mo, 1) * HEAD_DIM + gl.expand_dims(offs_d, 0)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .emulation import FLOAT8_E8M0FNU, Accumulation, MatmulModel, decode
+from .emulation import FLOAT8_E8M0FNU, Accumulation, MatmulModel, decode, encode
 from .emulation.blocked import Block, block_amax, scales_from_amax
 from .emulation.blocked_fast import abs_amax, fake_quantize_blocked
 from .emulation.constants import LN2, LOG2E
@@ -317,10 +317,17 @@ class SoftmaxStats:
 class ForwardResult:
     out: torch.Tensor  #: O after the recipe's ``o`` point: what is returned and saved
     stats: SoftmaxStats
+    #: with ``forward(..., p_codes=True)``: the codes of P~ = P * 2^offset at its quantization
+    #: point (``recipe.p``'s format), (B, H, N_q, N_k) uint8, each key tile against the running
+    #: max after it; 0 where a key is masked or a tile skipped
+    p_codes: torch.Tensor | None = None
 
 
-def forward(q, k, v, *, recipe="exact", causal: bool = False, scale=None, mask=None) -> ForwardResult:
-    """The tiled forward of ``recipe``; see the module docstring."""
+def forward(q, k, v, *, recipe="exact", causal: bool = False, scale=None, mask=None,
+            p_codes: bool = False) -> ForwardResult:
+    """The tiled forward of ``recipe``; see the module docstring. ``p_codes``: also return the
+    codes of the quantized P of every tile (:attr:`ForwardResult.p_codes`), for differential
+    tests of a kernel's P against the recipe's (the recipe's ``p`` point must be quantized)."""
     pb = _problem(q, k, v, recipe, causal, scale, mask)
     r, sh, wd = pb.recipe, pb.shape, pb.dtype
     acc_model = r.accumulation
@@ -336,6 +343,11 @@ def forward(q, k, v, *, recipe="exact", causal: bool = False, scale=None, mask=N
     l = torch.zeros(lead, dtype=wd, device=q.device)
     acc = torch.zeros(*lead, sh.head_dim_v, dtype=wd, device=q.device)
     pow2 = r.p_fwd.reference is PReference.POW2_RUNNING_MAX
+    codes = None
+    if p_codes:
+        if not r.p.quantized:
+            raise ValueError(f"p_codes: recipe {r.name!r} does not quantize P")
+        codes = torch.zeros(*lead, sh.seqlen_k, dtype=torch.uint8, device=q.device)
 
     for j0, j1, i0 in pb.key_tiles():
         x = _logits(pb, q_hat, k_hat, i0, j0, j1, acc_model.qk)
@@ -351,6 +363,9 @@ def forward(q, k, v, *, recipe="exact", causal: bool = False, scale=None, mask=N
         alpha = torch.exp2(ref_old - ref_use)  # 0 where nothing was seen yet
         # Q-point P (PV): fp32 p * 2^offset -> recipe.p (FA3: E4M3, fixed scale 2^-8, RNE, satfinite)
         p_hat = _quantize(p, r.p, contract_dim=-1, dtype=wd, fixed_log2=-r.p_fwd.offset_log2)
+        if codes is not None:  # P~ = p_hat * 2^offset is on the format's grid: encode is exact
+            codes[..., i0:, j0:j1] = torch.as_tensor(
+                encode(torch.ldexp(p_hat, torch.tensor(r.p_fwd.offset_log2)).float(), r.p.fmt)).to(codes.device)
         mass = p if r.normalizer is Normalizer.FP32_SUM else p_hat
         l[..., i0:] = l[..., i0:] * alpha + mass.sum(dim=-1)
         if r.pv_chain:  # the chain runs on from fl(alpha acc) (a wgmma with C = alpha acc)
@@ -368,7 +383,7 @@ def forward(q, k, v, *, recipe="exact", causal: bool = False, scale=None, mask=N
     lse2 = torch.where(dead, torch.full_like(l, _NEG_INF), _no_inf(ref) + torch.log2(l_div))
     # Q-point O (saved and returned): fp32 -> recipe.o (BF16 for FA2-style kernels, E4M3 for cuDNN FP8)
     out = _quantize(out, r.o, contract_dim=-1, dtype=wd)
-    return ForwardResult(out, SoftmaxStats(ref, l, lse2))
+    return ForwardResult(out, SoftmaxStats(ref, l, lse2), codes)
 
 
 # ==============================================================================================

@@ -99,7 +99,7 @@ def _quantize_q(Q, stride_qn, q_smem, start_m, N, HEAD_DIM: gl.constexpr):
 @gluon.jit
 def _softmax(sc, cs, m_i, l_i, i, offs_m, N, s_layout: gl.constexpr, o_layout: gl.constexpr,
              p_layout: gl.constexpr, BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
-             P_SCALE: gl.constexpr):
+             P_SCALE: gl.constexpr, PD, NPAD, DEBUG: gl.constexpr):
     """Tile i's scores S -> (P codes in the wgmma operand layout, alpha per O row, m, l), with l
     summing P * P_SCALE."""
     if MASK:
@@ -119,7 +119,12 @@ def _softmax(sc, cs, m_i, l_i, i, offs_m, N, s_layout: gl.constexpr, o_layout: g
     alpha = gl.exp2(m_i - m_sub)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     # Q-point P: float32 -> E4M3 (P_SCALE is in p), RNE, satfinite
-    p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+    p8 = p.to(gl.float8e4nv)
+    if DEBUG:  # the codes, (B*H, N, NPAD) row-major from PD (this head's rows)
+        offs_nd = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        gl.store(PD + gl.expand_dims(offs_m.to(gl.int64) * NPAD, 1) + gl.expand_dims(offs_nd, 0),
+                 p8.to(gl.uint8, bitcast=True), mask=gl.expand_dims(offs_m < N, 1))
+    p8 = gl.convert_layout(p8, p_layout)
     alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     return p8, alpha_o, m_new, l_i
 
@@ -147,7 +152,7 @@ def _pv(p8, v_bufs, v_ready, v_free, s, ph, acc, alpha_o, t_old, s_next, CHAIN: 
 def _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_old, t_old, m_i, l_i, cs,
           offs_m, N, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
-          P_SCALE: gl.constexpr, CHAIN: gl.constexpr):
+          P_SCALE: gl.constexpr, CHAIN: gl.constexpr, PD, NPAD, DEBUG: gl.constexpr):
     """Key tile i: QK^T, the softmax, PV, each waited on. ``s_old`` / ``t_old`` are the previous
     tile's dead registers, passed as the wgmmas' ignored accumulators (``use_acc=False``) so that
     no zero tile is written. Returns (acc, S, T, m, l)."""
@@ -158,7 +163,7 @@ def _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_ol
     sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
     mbarrier.arrive(k_free.index(s), count=1)
     p8, alpha_o, m_i, l_i = _softmax(sc, cs, m_i, l_i, i, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, MASK,
-                                     CAUSAL, P_SCALE)
+                                     CAUSAL, P_SCALE, PD, NPAD, DEBUG)
     acc, t, sc = _pv(p8, v_bufs, v_ready, v_free, s, ph, acc, alpha_o, t_old, sc, CHAIN)
     return acc, sc, t, m_i, l_i
 
@@ -167,7 +172,8 @@ def _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_ol
 def _tile_overlap(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, sc, s_old, t_old, m_i,
                   l_i, cs, offs_m, N, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
-                  P_SCALE: gl.constexpr, CHAIN: gl.constexpr, NEXT: gl.constexpr):
+                  P_SCALE: gl.constexpr, CHAIN: gl.constexpr, NEXT: gl.constexpr, PD, NPAD,
+                  DEBUG: gl.constexpr):
     """Key tile i, its QK^T ``sc`` done: QK^T of tile i + 1 is issued (``NEXT``) into the dead
     registers ``s_old`` and runs during the softmax of tile i (FA3's intra-warp-group overlap);
     both it and PV are waited on before the call returns, so no wgmma is in flight across the
@@ -180,7 +186,7 @@ def _tile_overlap(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, a
         mbarrier.wait(k_ready.index(s1), ((i + 1) // STAGES) & 1)
         s_next = warpgroup_mma(q_smem, k_bufs.index(s1).permute((1, 0)), s_old, use_acc=False, is_async=True)
     p8, alpha_o, m_i, l_i = _softmax(sc, cs, m_i, l_i, i, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, MASK,
-                                     CAUSAL, P_SCALE)
+                                     CAUSAL, P_SCALE, PD, NPAD, DEBUG)
     acc, t, s_next = _pv(p8, v_bufs, v_ready, v_free, s, ph, acc, alpha_o, t_old, s_next, CHAIN)
     if NEXT:
         mbarrier.arrive(k_free.index(s1), count=1)
@@ -191,7 +197,8 @@ def _tile_overlap(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, a
 def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, V_SCALE, O, LSE2,
               cs_head, bh, kv, start_m, n_plain, n_tiles, N,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, CHAIN: gl.constexpr, OVERLAP: gl.constexpr):
+              CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, CHAIN: gl.constexpr, OVERLAP: gl.constexpr,
+              PD, NPAD, DEBUG: gl.constexpr):
     """The consumer warp group: Q, the key tiles (masked from n_plain on), the epilogue."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
@@ -222,27 +229,32 @@ def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_
         for j in range(0, n_pairs):
             acc, s_next, s_old, t_old, m_i, l_i = _tile_overlap(
                 2 * j, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, t_old, m_i,
-                l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE, CHAIN, True)
+                l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE, CHAIN, True, PD,
+                NPAD, DEBUG)
             acc, s_next, s_old, t_old, m_i, l_i = _tile_overlap(
                 2 * j + 1, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, t_old, m_i,
-                l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE, CHAIN, True)
+                l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE, CHAIN, True, PD,
+                NPAD, DEBUG)
         if (n_tiles - 1) % 2 == 1:
             acc, s_next, s_old, t_old, m_i, l_i = _tile_overlap(
                 n_tiles - 2, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, t_old,
                 m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE, CHAIN,
-                True)
+                True, PD, NPAD, DEBUG)
         acc, s_next, s_old, t_old, m_i, l_i = _tile_overlap(
             n_tiles - 1, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, t_old, m_i,
-            l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, True, CAUSAL, P_SCALE, CHAIN, False)
+            l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, True, CAUSAL, P_SCALE, CHAIN, False, PD,
+            NPAD, DEBUG)
     else:
         for i in range(0, n_plain):
             acc, s_old, t_old, m_i, l_i = _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc,
                                                 s_old, t_old, m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout,
-                                                BLOCK_N, STAGES, False, CAUSAL, P_SCALE, CHAIN)
+                                                BLOCK_N, STAGES, False, CAUSAL, P_SCALE, CHAIN, PD, NPAD,
+                                                DEBUG)
         for i in range(n_plain, n_tiles):
             acc, s_old, t_old, m_i, l_i = _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc,
                                                 s_old, t_old, m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout,
-                                                BLOCK_N, STAGES, True, CAUSAL, P_SCALE, CHAIN)
+                                                BLOCK_N, STAGES, True, CAUSAL, P_SCALE, CHAIN, PD, NPAD,
+                                                DEBUG)
     # epilogue: O = acc * fl(1 / l) * v_scale (l sums P * 2**8; v_scale per channel, a power of
     # two), one division per row; LSE2 = m - 8 + log2(l)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -259,10 +271,11 @@ def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_
 
 
 @gluon.jit
-def _fwd_ws_kernel(Q, stride_qb, stride_qh, stride_qn, K8, K_SCALE, VT8, V_SCALE, O, LSE2,
+def _fwd_ws_kernel(Q, stride_qb, stride_qh, stride_qn, K8, K_SCALE, VT8, V_SCALE, O, LSE2, PD,
                    qk_scale, H, GROUP, N, NPAD, ROWS_KV,
                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, CHAIN: gl.constexpr, OVERLAP: gl.constexpr):
+                   CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, CHAIN: gl.constexpr, OVERLAP: gl.constexpr,
+                   DEBUG: gl.constexpr):
     n_m = gl.cdiv(N, BLOCK_M)
     # causal: the longest rows first (the grid's tail is then the short work)
     pid_m = (n_m - 1 - gl.program_id(0)) if CAUSAL else gl.program_id(0)
@@ -301,14 +314,14 @@ def _fwd_ws_kernel(Q, stride_qb, stride_qh, stride_qn, K8, K_SCALE, VT8, V_SCALE
     gl.warp_specialize([
         (_consumer, (q_ptr, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, V_SCALE, O, LSE2,
                      cs_head, bh, kv, start_m, n_plain, n_tiles, N, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, P_SCALE,
-                     CHAIN, OVERLAP)),
+                     CHAIN, OVERLAP, PD + bh.to(gl.int64) * N * NPAD, NPAD, DEBUG)),
         (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, kv * N, kv * HEAD_DIM,
                      n_tiles, BLOCK_N, STAGES)),
     ], [1], [PRODUCER_REGS])
 
 
 def _constexprs(head_dim: int, block_n: int, stages: int, causal: bool, chain: bool | None,
-                overlap: bool | None) -> dict:
+                overlap: bool | None, debug: bool = False) -> dict:
     """The kernel's constexprs: one description for the launcher and the compile check. P's
     fixed scale and PV's accumulation are the folded recipes' (``Recipe.p_fwd.offset_log2``,
     ``Recipe.pv_chain``; ``chain=None``); ``overlap=None`` is :func:`default_overlap`."""
@@ -321,20 +334,20 @@ def _constexprs(head_dim: int, block_n: int, stages: int, causal: bool, chain: b
     if overlap is None:
         overlap = default_overlap(head_dim, chain)
     return dict(HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), P_SCALE=p_scale,
-                CHAIN=bool(chain), OVERLAP=bool(overlap))
+                CHAIN=bool(chain), OVERLAP=bool(overlap), DEBUG=bool(debug))
 
 
 def compile_sm90(head_dim: int = 128, block_n: int = 128, stages: int = 2, causal: bool = False,
-                 chain: bool | None = None, overlap: bool | None = None):
+                 chain: bool | None = None, overlap: bool | None = None, debug: bool = False):
     """Compile the kernel for sm_90a without a GPU (ptxas included); returns the compiled kernel.
     ``chain=None, overlap=None``: as :func:`forward` launches it."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    consts = _constexprs(head_dim, block_n, stages, causal, chain, overlap)
+    consts = _constexprs(head_dim, block_n, stages, causal, chain, overlap, debug)
     sig = {"Q": "*bf16", "stride_qb": "i32", "stride_qh": "i32", "stride_qn": "i32", "K8": "*fp8e4nv",
            "K_SCALE": "*fp32", "VT8": "*fp8e4nv", "V_SCALE": "*fp32", "O": "*bf16", "LSE2": "*fp32",
-           "qk_scale": "fp32", "H": "i32", "GROUP": "i32", "N": "i32", "NPAD": "i32", "ROWS_KV": "i32",
+           "PD": "*u8", "qk_scale": "fp32", "H": "i32", "GROUP": "i32", "N": "i32", "NPAD": "i32", "ROWS_KV": "i32",
            **{name: "constexpr" for name in consts}}
     src = GluonASTSource(_fwd_ws_kernel, sig, constexprs=consts)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=LAUNCH_REGS))
@@ -355,12 +368,15 @@ def _allocator(size: int, alignment: int, stream):
 
 
 def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale: float,
-            block_n: int = 128, stages: int = 2, chain: bool | None = None, overlap: bool | None = None):
+            block_n: int = 128, stages: int = 2, chain: bool | None = None, overlap: bool | None = None,
+            debug: bool = False):
     """Run the warp-specialized forward: ``q (B, H, N, D)`` BF16 (quantized inside, per token;
     its last dim contiguous), ``k8 (B*HKV, N, D)`` with ``k_scale (B*HKV,)``, ``vt8 (B*HKV, D,
     NPAD)`` with ``v_scale (B*HKV, D)`` (:func:`dmref.kernels.quantize.quantize_kv_folded`). Returns O
-    ``(B, H, N, D)`` BF16 and LSE2 ``(B*H, N)`` float32 (base 2). ``chain=None``: the folded
-    recipes' ``pv_chain``; ``overlap=None``: :func:`default_overlap`."""
+    ``(B, H, N, D)`` BF16 and LSE2 ``(B*H, N)`` float32 (base 2), and with ``debug`` a third
+    result, the codes of P~ = P * 2**8 (E4M3) of every tile, ``(B*H, N, NPAD)`` uint8 (0 where
+    masked; columns past N unused). ``chain=None``: the folded recipes' ``pv_chain``;
+    ``overlap=None``: :func:`default_overlap`."""
     import torch
 
     from ..emulation.constants import LOG2E
@@ -371,21 +387,23 @@ def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale:
     triton.set_allocator(_allocator)
     o = torch.empty((b, h, n, d), device=q.device, dtype=torch.bfloat16)
     lse2 = torch.empty((b * h, n), device=q.device, dtype=torch.float32)
+    p_codes = torch.zeros((b * h, n, vt8.shape[-1]) if debug else (1,), device=q.device, dtype=torch.uint8)
     grid = (triton.cdiv(n, BLOCK_M.value), b * h)
     _fwd_ws_kernel[grid](q, q.stride(0), q.stride(1), q.stride(2), k8, k_scale, vt8, v_scale, o, lse2,
-                         scale * LOG2E, h, h // kv_heads, n, vt8.shape[-1], b * kv_heads * n,
-                         **_constexprs(d, block_n, stages, causal, chain, overlap), num_warps=4,
+                         p_codes, scale * LOG2E, h, h // kv_heads, n, vt8.shape[-1], b * kv_heads * n,
+                         **_constexprs(d, block_n, stages, causal, chain, overlap, debug), num_warps=4,
                          maxnreg=LAUNCH_REGS)
-    return o, lse2
+    return (o, lse2, p_codes) if debug else (o, lse2)
 
 
 def attention_forward(q, k, v, *, causal: bool = False, scale: float | None = None, **tiles):
     """Quantize k (per head) and v (per head and channel), then :func:`forward` (which quantizes q).
-    Returns (O, LSE2, the FP8 operands of K and V as a dict)."""
+    Returns (O, LSE2, the FP8 operands of K and V as a ``FoldedKV``), and with ``debug=True`` in
+    ``tiles`` the P codes of :func:`forward` last."""
     from .quantize import quantize_kv_folded
 
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     kv = quantize_kv_folded(k, v)
-    o, lse2 = forward(q, kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=k.shape[1], causal=causal, scale=scale,
-                      **tiles)
-    return o, lse2, kv
+    o, lse2, *p_codes = forward(q, kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=k.shape[1], causal=causal,
+                                scale=scale, **tiles)
+    return (o, lse2, kv, *p_codes)

@@ -314,7 +314,7 @@ def _bwd_dkdv_ws_kernel(Q8, Q_SCALE, QT8, QT_SCALE, K8, K_SCALE, V8, V_SCALE, DO
                      CAUSAL, P_SCALE, SPLIT)),
         (_producer, (k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, k_smem, v_smem, q_bufs,
                      do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs, kv_ready, rows_ready, rows_free, cols_ready,
-                     cols_free, bkv * N, bh0, lo, n_m, n_iter, N, NPAD, HEAD_DIM, BLOCK_M, STAGES)),
+                     cols_free, bkv * N + start_n, bh0, lo, n_m, n_iter, N, NPAD, HEAD_DIM, BLOCK_M, STAGES)),
     ], [1], [PRODUCER_REGS])
 
 

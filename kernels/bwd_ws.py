@@ -42,8 +42,18 @@ interval, and must stay so. What made it fit, each measured with ptxas at D = 12
 - S^T, the softmax, then dP^T: S^T and dP^T in flight together hold 64 registers beside dK and
   dV.
 
-The schedule is serial: every wgmma is waited on before its result is read. Barriers, in the
-order each role uses them:
+Schedules (``OVERLAP``; the same operations on the same values in every one, so the same bits):
+
+- 0, serial (the default): every wgmma is waited on before the next is issued.
+- 1: dP^T is issued right behind S^T and runs during the softmax (``warpgroup_mma_wait(1)``).
+- 2 (not with ``SPLIT``): 1, and P^T dO is issued right behind dP^T and runs during dS.
+
+Nothing is in flight across the loop's back edge. At D = 64 all three compile without spills
+and without ptxas serializing the wgmmas (C7514); at D = 128, 1 spills 16-72 B and 2 about 0.9 KB
+(the dP^T or P^T dO accumulator in flight beside dK and dV), so there the serial schedule is
+the one that fits. Which is fastest is for the H200 to say (benchmarks/gpu_bwd_ws_probe.py).
+
+Barriers, in the order each role uses them:
 
 - ``kv_ready``: the producer arms it once, TMA completes it with K and V.
 - ``rows_ready[s]`` / ``cols_ready[s]``: the Q and dO row tiles (for S^T and dP^T), and the Q^T
@@ -147,12 +157,13 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots
               rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV,
               qk_scale, sm_scale, bkv, bh0, start_n, lo, n_m, n_iter, N, NPAD,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              P_SCALE: gl.constexpr, SPLIT: gl.constexpr):
+              P_SCALE: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr):
     """The consumer warp group: the key tile's scales, every query tile, the stores. With
     ``SPLIT`` dK and dV are held as two halves of the head dim, each accumulated by its own
     wgmma (the same per-element chains: a wgmma's output element depends on its row of A, its
     column of B and the k order only)."""
     CH: gl.constexpr = HEAD_DIM // 2 if SPLIT else HEAD_DIM
+    gl.static_assert(OVERLAP < 2 or not SPLIT)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 32])
     a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -195,11 +206,17 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots
         lse2_v = gl.load(LSE2 + head + offs_v, mask=v_in, other=0.0)
         do_scale_v = gl.load(DO_SCALE + head + offs_v, mask=v_in, other=0.0)
         delta_v = gl.load(DELTA + head + offs_v, mask=v_in, other=0.0)
-        # S^T, then the softmax, transposed: P^T = exp2(S2^T - LSE2), 0 where masked
+        # S^T (with OVERLAP, dP^T issued behind it runs during the softmax)
         mbarrier.wait(rows_ready.index(s), ph)
         st = warpgroup_mma(k_smem, q_bufs.index(s).permute((1, 0)),
                            gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout), use_acc=False, is_async=True)
-        st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
+        if OVERLAP >= 1:
+            dpt = warpgroup_mma(v_smem, do_bufs.index(s).permute((1, 0)),
+                                gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout), use_acc=False, is_async=True)
+            st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
+        else:
+            st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
+        # the softmax, transposed: P^T = exp2(S2^T - LSE2), 0 where masked
         q_scale = gl.convert_layout(q_scale_v, col_s)
         lse2 = gl.convert_layout(lse2_v, col_s)
         s2 = _mul_rn(st, gl.expand_dims(k_scale, 1) * gl.expand_dims(q_scale, 0))
@@ -209,9 +226,22 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots
         p_t = gl.where(valid, gl.exp2(s2 - gl.expand_dims(lse2, 0)), 0.0)
         # Q-point P (dV): float32 -> E4M3, scale 2**8 against LSE
         p8 = gl.convert_layout(_to_fp8(p_t * P_SCALE, False, False), op_layout)
-        # dP^T (after the softmax: S^T and dP^T at once would hold 64 more registers beside dK, dV)
-        dpt = warpgroup_mma(v_smem, do_bufs.index(s).permute((1, 0)), st, use_acc=False, is_async=True)
-        dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
+        dot_s = dot_bufs.index(s)
+        qt_s = qt_bufs.index(s)
+        dots_s = dots_bufs.index(s).reshape([HEAD_DIM])
+        qts_s = qts_bufs.index(s).reshape([HEAD_DIM])
+        if OVERLAP == 0:
+            # dP^T after the softmax (serial)
+            dpt = warpgroup_mma(v_smem, do_bufs.index(s).permute((1, 0)), st, use_acc=False, is_async=True)
+            dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
+        elif OVERLAP == 1:
+            dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
+        else:
+            # P^T dO issued behind dP^T: it runs during dS
+            mbarrier.wait(cols_ready.index(s), ph)
+            t = warpgroup_mma(p8, dot_s.permute((1, 0)), gl.zeros([BLOCK_N, CH], gl.float32, a_layout),
+                              use_acc=False, is_async=True)
+            dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
         mbarrier.arrive(rows_free.index(s), count=1)
         do_scale = gl.convert_layout(do_scale_v, col_s)
         delta = gl.convert_layout(delta_v, col_s)
@@ -222,24 +252,25 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots
         ds8 = gl.convert_layout(_to_fp8(ds_t * gl.expand_dims(_exp2_int(k_ds), 1), False, False), op_layout)
         ds_inv = gl.convert_layout(_exp2_int(-k_ds), row_a)
         # P^T dO and dS^T Q, promoted: one wgmma chain per tile, then one float32 add
-        mbarrier.wait(cols_ready.index(s), ph)
-        dot_s = dot_bufs.index(s)
-        qt_s = qt_bufs.index(s)
-        dots_s = dots_bufs.index(s).reshape([HEAD_DIM])
-        qts_s = qts_bufs.index(s).reshape([HEAD_DIM])
-        t = gl.zeros([BLOCK_N, CH], gl.float32, a_layout)
-        if SPLIT:
-            dv0, t = _promote(dv0, p8, dot_s.slice(0, CH, dim=0).permute((1, 0)), t, dots_s.slice(0, CH), ds_inv,
-                              a_layout, False)
-            dv1, t = _promote(dv1, p8, dot_s.slice(CH, CH, dim=0).permute((1, 0)), t, dots_s.slice(CH, CH), ds_inv,
-                              a_layout, False)
-            dk0, t = _promote(dk0, ds8, qt_s.slice(0, CH, dim=0).permute((1, 0)), t, qts_s.slice(0, CH), ds_inv,
-                              a_layout, True)
-            dk1, t = _promote(dk1, ds8, qt_s.slice(CH, CH, dim=0).permute((1, 0)), t, qts_s.slice(CH, CH), ds_inv,
-                              a_layout, True)
-        else:
-            dv0, t = _promote(dv0, p8, dot_s.permute((1, 0)), t, dots_s, ds_inv, a_layout, False)
+        if OVERLAP == 2:
+            t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
+            dv0 += t * gl.expand_dims(dots_s.load(col_a), 0)
             dk0, t = _promote(dk0, ds8, qt_s.permute((1, 0)), t, qts_s, ds_inv, a_layout, True)
+        else:
+            mbarrier.wait(cols_ready.index(s), ph)
+            t = gl.zeros([BLOCK_N, CH], gl.float32, a_layout)
+            if SPLIT:
+                dv0, t = _promote(dv0, p8, dot_s.slice(0, CH, dim=0).permute((1, 0)), t, dots_s.slice(0, CH),
+                                  ds_inv, a_layout, False)
+                dv1, t = _promote(dv1, p8, dot_s.slice(CH, CH, dim=0).permute((1, 0)), t, dots_s.slice(CH, CH),
+                                  ds_inv, a_layout, False)
+                dk0, t = _promote(dk0, ds8, qt_s.slice(0, CH, dim=0).permute((1, 0)), t, qts_s.slice(0, CH),
+                                  ds_inv, a_layout, True)
+                dk1, t = _promote(dk1, ds8, qt_s.slice(CH, CH, dim=0).permute((1, 0)), t, qts_s.slice(CH, CH),
+                                  ds_inv, a_layout, True)
+            else:
+                dv0, t = _promote(dv0, p8, dot_s.permute((1, 0)), t, dots_s, ds_inv, a_layout, False)
+                dk0, t = _promote(dk0, ds8, qt_s.permute((1, 0)), t, qts_s, ds_inv, a_layout, True)
         mbarrier.arrive(cols_free.index(s), count=1)
     # stores
     offs_na = start_n + gl.arange(0, BLOCK_N, layout=row_a)
@@ -257,7 +288,7 @@ def _bwd_dkdv_ws_kernel(Q8, Q_SCALE, QT8, QT_SCALE, K8, K_SCALE, V8, V_SCALE, DO
                         LSE2, DELTA, DK, DV, qk_scale, sm_scale, H, HKV, N, NPAD, ROWS_Q, ROWS_KV,
                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, GROUP: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, P_SCALE: gl.constexpr,
-                        SPLIT: gl.constexpr):
+                        SPLIT: gl.constexpr, OVERLAP: gl.constexpr):
     gl.static_assert(QUANT_BLOCK % BLOCK_M == 0)
     gl.static_assert(BLOCK_N % BLOCK_M == 0 or BLOCK_M % BLOCK_N == 0)
     start_n = gl.program_id(0) * BLOCK_N
@@ -311,7 +342,7 @@ def _bwd_dkdv_ws_kernel(Q8, Q_SCALE, QT8, QT_SCALE, K8, K_SCALE, V8, V_SCALE, DO
         (_consumer, (k_smem, v_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs, kv_ready, rows_ready,
                      rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV,
                      qk_scale, sm_scale, bkv, bh0, start_n, lo, n_m, n_iter, N, NPAD, HEAD_DIM, BLOCK_M, STAGES,
-                     CAUSAL, P_SCALE, SPLIT)),
+                     CAUSAL, P_SCALE, SPLIT, OVERLAP)),
         (_producer, (k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, k_smem, v_smem, q_bufs,
                      do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs, kv_ready, rows_ready, rows_free, cols_ready,
                      cols_free, bkv * N + start_n, bh0, lo, n_m, n_iter, N, NPAD, HEAD_DIM, BLOCK_M, STAGES)),
@@ -329,15 +360,22 @@ def default_split(head_dim: int) -> bool:
     return False
 
 
+def default_overlap(head_dim: int) -> int:
+    """The schedule ``OVERLAP`` (module docstring): serial, the one measured to fit at both head
+    dims; the overlapped ones are there to be timed."""
+    return 0
+
+
 def _constexprs(recipe, head_dim: int, causal: bool, group: int, stages: int = STAGES,
-                split: bool | None = None) -> dict:
+                split: bool | None = None, overlap: int | None = None) -> dict:
     """The kernel's constexprs for ``recipe`` (a ``config.KernelRecipe``) at ``head_dim``: one
     description for the launcher and the compile check. The query tile is the recipe's
     ``block_m1`` (its dS block and promotion interval)."""
     t = recipe.bwd_tiles(head_dim)
     return dict(HEAD_DIM=head_dim, BLOCK_M=t.block_m1, GROUP=group, STAGES=stages, CAUSAL=bool(causal),
                 P_SCALE=float(2 ** recipe.p_scale_log2),
-                SPLIT=default_split(head_dim) if split is None else bool(split))
+                SPLIT=default_split(head_dim) if split is None else bool(split),
+                OVERLAP=default_overlap(head_dim) if overlap is None else int(overlap))
 
 
 def _check(recipe, head_dim: int, debug: bool = False) -> None:
@@ -358,7 +396,7 @@ _FP8_SIG = {"float8_e4m3fn": "*fp8e4nv", "float8_e5m2": "*fp8e5"}
 
 
 def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, recipe="delta_matching",
-                 stages: int = STAGES, split: bool | None = None):
+                 stages: int = STAGES, split: bool | None = None, overlap: int | None = None):
     """Compile the kernel for sm_90a without a GPU (ptxas included); returns the compiled kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -367,7 +405,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, reci
 
     r = get_recipe(recipe)
     _check(r, head_dim)
-    consts = _constexprs(r, head_dim, causal, group, stages, split)
+    consts = _constexprs(r, head_dim, causal, group, stages, split, overlap)
     do = _FP8_SIG[r.do_format]
     sig = {"Q8": "*fp8e4nv", "Q_SCALE": "*fp32", "QT8": "*fp8e4nv", "QT_SCALE": "*fp32", "K8": "*fp8e4nv",
            "K_SCALE": "*fp32", "V8": "*fp8e4nv", "V_SCALE": "*fp32", "DO8": do, "DO_SCALE": "*fp32", "DOT8": do,
@@ -386,12 +424,14 @@ def _allocator(size: int, alignment: int, stream):
 
 
 def dkdv(saved, do8, do_t, delta, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int,
-         causal: bool, scale: float, recipe, debug: bool = False, stages: int = STAGES, split: bool | None = None):
+         causal: bool, scale: float, recipe, debug: bool = False, stages: int = STAGES, split: bool | None = None,
+         overlap: int | None = None):
     """The Gluon dkdv kernel on what ``bwd.backward`` passes the Triton one: ``saved`` (the
     forward's ``SavedForward``: Q's row and transposed copies, K's and V's row copies, LSE2),
     ``do8`` / ``do_t`` (dO's row and transposed copies) and ``delta`` (the D that dS = P (dP - D)
-    subtracts: the dq kernel's matched one or the stale one). ``stages``, ``split``: the ring's
-    depth and :func:`default_split`'s choice, for experiments. Returns dk, dv ``(B, HKV, N, D)``
+    subtracts: the dq kernel's matched one or the stale one). ``stages``, ``split``, ``overlap``:
+    the ring's depth, :func:`default_split`'s and :func:`default_overlap`'s choices, for
+    experiments. Returns dk, dv ``(B, HKV, N, D)``
     BF16, the Triton kernel's values."""
     import torch
 
@@ -410,7 +450,7 @@ def dkdv(saved, do8, do_t, delta, *, batch: int, heads: int, kv_heads: int, n: i
         q8.rows, q8.row_scale, q8.cols, q8.col_scale, k8.rows, k8.row_scale, v8.rows, v8.row_scale,
         do8.rows, do8.row_scale, do_t.cols, do_t.col_scale, saved.lse2, delta, dk, dv,
         scale * LOG2E, scale, heads, kv_heads, n, do_t.npad, batch * heads * n, batch * kv_heads * n,
-        **_constexprs(r, head_dim, causal, heads // kv_heads, stages, split), num_warps=NUM_WARPS,
+        **_constexprs(r, head_dim, causal, heads // kv_heads, stages, split, overlap), num_warps=NUM_WARPS,
         maxnreg=LAUNCH_REGS)
     return dk, dv
 

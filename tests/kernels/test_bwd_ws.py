@@ -175,17 +175,24 @@ def test_bwd_ws_equals_the_triton_dkdv(case):
     assert torch.equal(dk1, dk) and torch.equal(dv1, dv)
 
 
+_VARIANTS = [dict(split=True), dict(overlap=1), dict(overlap=2), dict(stages=3)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("split", [False, True])
-def test_bwd_ws_split_accumulators_equal_the_whole(split):
-    """``split`` (dK and dV as two halves of the head dim, each its own wgmma) gives the same
-    values: a wgmma's output element depends on its row of A, its column of B and the k order."""
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("variant", _VARIANTS, ids=[",".join(f"{k}={v}" for k, v in x.items()) for x in _VARIANTS])
+def test_bwd_ws_variants_equal_the_triton_dkdv(variant, head_dim):
+    """The kernel's other forms give the same values: ``split`` (dK and dV as two halves of the
+    head dim, each its own wgmma: a wgmma's output element depends on its row of A, its column
+    of B and the k order only), the overlapped schedules (the same operations, issued earlier)
+    and a deeper ring."""
     device = require_backend("gpu")
     from dmref.kernels import bwd, bwd_ws
 
-    saved, do8, delta_stale, r, dims = _problem(ProblemShape(1, 4, 2, 1000, 128), True, "delta_matching", device)
+    shape = ProblemShape(1, 4, 2, 1000, head_dim)
+    saved, do8, delta_stale, r, dims = _problem(shape, True, "delta_matching", device)
     _, dk, dv, dbg = bwd.backward(saved, do8, do8, delta_stale, recipe=r, **dims)
-    dk_ws, dv_ws = bwd_ws.dkdv(saved, do8, do8, dbg["delta"], recipe=r, split=split, **dims)
+    dk_ws, dv_ws = bwd_ws.dkdv(saved, do8, do8, dbg["delta"], recipe=r, **variant, **dims)
     assert torch.equal(dk_ws, dk), f"dK: {_describe(dk_ws, dk)}"
     assert torch.equal(dv_ws, dv), f"dV: {_describe(dv_ws, dv)}"
 

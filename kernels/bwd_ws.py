@@ -12,7 +12,7 @@ The consumer, for its key tile (K8, V8 and their per-token scales) and every que
 same operations in the same order as the Triton kernel, so the results are bit for bit its own:
 
     S2^T = wgmma(K8, Q8^T) * (k_scale_j * q_scale_i * tau * log2 e)   # one rounded multiply
-    P^T  = exp2(S2^T - LSE2_i), 0 where masked (causal, keys or queries past N)
+    P^T  = exp2(S2^T - LSE2_i), 0 where masked (causal, queries past N)
     dP^T = wgmma(V8, dO8^T) * (v_scale_j * do_scale_i)                 # one rounded multiply
     dS^T = P^T (dP^T - D_i);  Q-point dS: E4M3, one POW2_DOWN scale per key row of the tile
     dV  += wgmma(E4M3(2**8 P^T), dO^T copy) * dO^T scale_c          # a chain per tile, promoted
@@ -63,10 +63,13 @@ Barriers, in the order each role uses them:
   been waited on; the producer waits (phase flipped: the first round passes) before overwriting.
 
 Tensors are those ``bwd.backward`` passes to the Triton kernel, read through device-side 2-D TMA
-descriptors: the row copies as ``(B*H*N, D)`` (a tile past a head's N reads the next head's
-tokens or TMA's zeros, masked like the Triton kernel's zero-filled rows) and the transposed
-copies as ``(B*H*D, NPAD)`` (padded with zero codes). Not supported (``dkdv`` raises): the debug
-dumps and the ``ds_tile_scales`` variant.
+descriptors: the row copies as ``(B*H*N, D)`` and the transposed copies as ``(B*H*D, NPAD)``
+(padded with zero codes). A tile past a head's N reads the next head's tokens (or TMA's zeros),
+where the Triton kernel reads zeros: queries past N get LSE2 = +inf (P = exp2(-inf) = 0, the
+Triton kernel's masked 0) and zero scales, so they add nothing to any sum (at most the sign of a
+zero dS differs); keys past N are not masked, since a row of P^T or dS^T reaches only its own
+row of dK and dV, which is not stored. Not supported (``dkdv`` raises): the debug dumps and the
+``ds_tile_scales`` variant.
 """
 
 from __future__ import annotations
@@ -176,6 +179,8 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots
     vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=row_s)
     in_seq = offs_n < N
+    # causal: the first query that sees key j is j (a key past N: none)
+    first_q = gl.where(in_seq, offs_n, 2**31 - 1)
     kv64 = bkv.to(gl.int64)
     k_scale = gl.load(K_SCALE + kv64 * N + offs_n, mask=in_seq, other=0.0)
     v_scale = gl.load(V_SCALE + kv64 * N + offs_n, mask=in_seq, other=0.0)
@@ -195,7 +200,6 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots
         bh = (bh0 + i // n_m).to(gl.int64)
         start_m = lo + (i % n_m) * BLOCK_M
         offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_s)
-        q_in = offs_m < N
         # the per-query vectors: loaded one element a thread, moved into S^T's column layout
         # (16 registers a thread each) through shared memory where they are used, so that none
         # is held across a wgmma
@@ -203,7 +207,7 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots
         v_in = offs_v < N
         head = bh * N
         q_scale_v = gl.load(Q_SCALE + head + offs_v, mask=v_in, other=0.0) * qk_scale
-        lse2_v = gl.load(LSE2 + head + offs_v, mask=v_in, other=0.0)
+        lse2_v = gl.load(LSE2 + head + offs_v, mask=v_in, other=float("inf"))
         do_scale_v = gl.load(DO_SCALE + head + offs_v, mask=v_in, other=0.0)
         delta_v = gl.load(DELTA + head + offs_v, mask=v_in, other=0.0)
         # S^T (with OVERLAP, dP^T issued behind it runs during the softmax)
@@ -220,10 +224,13 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots
         q_scale = gl.convert_layout(q_scale_v, col_s)
         lse2 = gl.convert_layout(lse2_v, col_s)
         s2 = _mul_rn(st, gl.expand_dims(k_scale, 1) * gl.expand_dims(q_scale, 0))
-        valid = gl.expand_dims(q_in, 0) & gl.expand_dims(in_seq, 1)
+        # masks: queries past N have LSE2 = +inf, so their P is exp2(-inf) = 0 (the Triton
+        # kernel's select gives the same 0); causal, one compare a element. Keys past N are not
+        # masked: a row of P^T or dS^T reaches only its own row of dK and dV (a wgmma's output row
+        # depends on that row of A alone), and those rows are not stored
+        p_t = gl.exp2(s2 - gl.expand_dims(lse2, 0))
         if CAUSAL:
-            valid = valid & (gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1))
-        p_t = gl.where(valid, gl.exp2(s2 - gl.expand_dims(lse2, 0)), 0.0)
+            p_t = gl.where(gl.expand_dims(offs_m, 0) >= gl.expand_dims(first_q, 1), p_t, 0.0)
         # Q-point P (dV): float32 -> E4M3, scale 2**8 against LSE
         p8 = gl.convert_layout(_to_fp8(p_t * P_SCALE, False, False), op_layout)
         dot_s = dot_bufs.index(s)

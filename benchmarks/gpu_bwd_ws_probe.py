@@ -13,7 +13,8 @@ wide-range inputs of the tests (outlier channels, per-head magnitudes 2**-6 .. 2
   recipe delta_matching, on the same matched D): max |diff|, the fraction of equal values and of
   equal bits (BF16), dQ and D equal between ``bwd.backward`` and ``bwd_ws.backward_ws``;
 - ``check="speed"``: ``triton.testing.do_bench`` medians in ms (bench_attention's ``_bench``) of
-  the Triton dkdv alone, the Gluon dkdv alone (and its overlapped and 3-stage forms), the
+  the Triton dkdv alone, the Gluon dkdv alone (and its overlapped, 3-stage and device-side
+  descriptor forms), the
   whole ``bwd.backward`` and ``bwd_ws.backward_ws`` (delta_matching: dq then dkdv), and cuDNN
   BF16 SDPA's backward; TFLOP/s with the backward's 2.5 x 4·B·H·N²·D FLOPs (dkdv alone: its four
   matmuls, 8·B·H·N²·D), halved when causal.
@@ -113,7 +114,8 @@ def run_shape(b, h, hkv, n, d, gluon=True):
             c["backward_ws_dq_equal"] = bool(torch.equal(dq2, dq))
             c["backward_ws_delta_equal"] = bool(torch.equal(dbg2["delta"], delta))
             c["backward_ws_dkdv_equal"] = bool(torch.equal(dk2, dk) and torch.equal(dv2, dv))
-            for name, kw in (("ov1", dict(overlap=1)), ("ov2", dict(overlap=2)), ("s3", dict(stages=3))):
+            for name, kw in (("ov1", dict(overlap=1)), ("ov2", dict(overlap=2)), ("s3", dict(stages=3)),
+                             ("devdesc", dict(host_descriptors=False))):
                 if name == "ov2" and d == 128:
                     continue
                 dk3, dv3 = bwd_ws.dkdv(saved, do8, do8, delta, recipe=r_m, **kw, **dims)
@@ -133,6 +135,8 @@ def run_shape(b, h, hkv, n, d, gluon=True):
             "gluon_dkdv": lambda: bwd_ws.dkdv(saved, do8, do8, delta, recipe=r_m, **dims),
             "gluon_dkdv_s3": lambda: bwd_ws.dkdv(saved, do8, do8, delta, recipe=r_m, stages=3, **dims),
             "gluon_dkdv_ov1": lambda: bwd_ws.dkdv(saved, do8, do8, delta, recipe=r_m, overlap=1, **dims),
+            "gluon_dkdv_devdesc": lambda: bwd_ws.dkdv(saved, do8, do8, delta, recipe=r_m, host_descriptors=False,
+                                                      **dims),
             "triton_bwd": lambda: bwd.backward(saved, do8, do8, d_stale, recipe=r_m, **dims),
             "ws_bwd": lambda: bwd_ws.backward_ws(saved, do8, do8, d_stale, recipe=r_m, **dims),
         }

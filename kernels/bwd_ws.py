@@ -62,9 +62,11 @@ Barriers, in the order each role uses them:
 - ``rows_free[s]`` / ``cols_free[s]``: the consumer arrives once the wgmmas that read them have
   been waited on; the producer waits (phase flipped: the first round passes) before overwriting.
 
-Tensors are those ``bwd.backward`` passes to the Triton kernel, read through device-side 2-D TMA
-descriptors: the row copies as ``(B*H*N, D)`` and the transposed copies as ``(B*H*D, NPAD)``
-(padded with zero codes). A tile past a head's N reads the next head's tokens (or TMA's zeros),
+Tensors are those ``bwd.backward`` passes to the Triton kernel, read through 2-D TMA descriptors
+built on the host once a launch (``_descriptors``; or, ``host_descriptors=False``, in every CTA
+as ``fwd_ws`` does: eight serialized tensor-map writes before the first load): the row copies as
+``(B*H*N, D)``, the transposed copies as ``(B*H*D, NPAD)`` (padded with zero codes) and their
+scales as ``(B*H*NPAD/128, D)``. A tile past a head's N reads the next head's tokens (or TMA's zeros),
 where the Triton kernel reads zeros: queries past N get LSE2 = +inf (P = exp2(-inf) = 0, the
 Triton kernel's masked 0) and zero scales, so they add nothing to any sum (at most the sign of a
 zero dS differs); keys past N are not masked, since a row of P^T or dS^T reaches only its own
@@ -291,11 +293,12 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots
 
 
 @gluon.jit
-def _bwd_dkdv_ws_kernel(Q8, Q_SCALE, QT8, QT_SCALE, K8, K_SCALE, V8, V_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE,
-                        LSE2, DELTA, DK, DV, qk_scale, sm_scale, H, HKV, N, NPAD, ROWS_Q, ROWS_KV,
-                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, GROUP: gl.constexpr,
-                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, P_SCALE: gl.constexpr,
-                        SPLIT: gl.constexpr, OVERLAP: gl.constexpr):
+def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, Q_SCALE, K_SCALE, V_SCALE,
+          DO_SCALE, LSE2, DELTA, DK, DV, qk_scale, sm_scale, H, HKV, N, NPAD,
+          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
+          CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr):
+    """The kernel on its TMA descriptors: K, V rows ``(B*HKV*N, D)``, Q, dO rows ``(B*H*N, D)``,
+    Q^T, dO^T ``(B*H*D, NPAD)`` and their scales ``(B*H*NPAD/128, D)``."""
     gl.static_assert(QUANT_BLOCK % BLOCK_M == 0)
     gl.static_assert(BLOCK_N % BLOCK_M == 0 or BLOCK_M % BLOCK_N == 0)
     start_n = gl.program_id(0) * BLOCK_N
@@ -309,30 +312,14 @@ def _bwd_dkdv_ws_kernel(Q8, Q_SCALE, QT8, QT_SCALE, K8, K_SCALE, V8, V_SCALE, DO
         lo = 0
     n_m = gl.cdiv(N - lo, BLOCK_M)
     n_iter = GROUP * n_m
-    row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float8e4nv)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float8e4nv)
-    col_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_M], gl.float8e4nv)
-    k_desc = tma.make_tensor_descriptor(K8, [ROWS_KV, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM], kv_layout)
-    v_desc = tma.make_tensor_descriptor(V8, [ROWS_KV, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM], kv_layout)
-    q_desc = tma.make_tensor_descriptor(Q8, [ROWS_Q, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M, HEAD_DIM], row_layout)
-    do_desc = tma.make_tensor_descriptor(DO8, [ROWS_Q, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M, HEAD_DIM], row_layout)
-    qt_desc = tma.make_tensor_descriptor(QT8, [ROWS_Q // N * HEAD_DIM, NPAD], [NPAD, 1], [HEAD_DIM, BLOCK_M],
-                                         col_layout)
-    dot_desc = tma.make_tensor_descriptor(DOT8, [ROWS_Q // N * HEAD_DIM, NPAD], [NPAD, 1], [HEAD_DIM, BLOCK_M],
-                                          col_layout)
-    # the transposed copies' scales, (B*H*NPAD/128, D) float32, one row a tile
-    sc_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    sc_rows = ROWS_Q // N * (NPAD // QUANT_BLOCK)
-    qts_desc = tma.make_tensor_descriptor(QT_SCALE, [sc_rows, HEAD_DIM], [HEAD_DIM, 1], [1, HEAD_DIM], sc_layout)
-    dots_desc = tma.make_tensor_descriptor(DOT_SCALE, [sc_rows, HEAD_DIM], [HEAD_DIM, 1], [1, HEAD_DIM], sc_layout)
-    k_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_N, HEAD_DIM], kv_layout)
-    v_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_N, HEAD_DIM], kv_layout)
-    q_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, HEAD_DIM], row_layout)
-    do_bufs = gl.allocate_shared_memory(DO8.dtype.element_ty, [STAGES, BLOCK_M, HEAD_DIM], row_layout)
-    qt_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_M], col_layout)
-    dot_bufs = gl.allocate_shared_memory(DOT8.dtype.element_ty, [STAGES, HEAD_DIM, BLOCK_M], col_layout)
-    qts_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, HEAD_DIM], sc_layout)
-    dots_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, HEAD_DIM], sc_layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_shape, v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_shape, do_desc.layout)
+    qt_bufs = gl.allocate_shared_memory(qt_desc.dtype, [STAGES] + qt_desc.block_shape, qt_desc.layout)
+    dot_bufs = gl.allocate_shared_memory(dot_desc.dtype, [STAGES] + dot_desc.block_shape, dot_desc.layout)
+    qts_bufs = gl.allocate_shared_memory(qts_desc.dtype, [STAGES] + qts_desc.block_shape, qts_desc.layout)
+    dots_bufs = gl.allocate_shared_memory(dots_desc.dtype, [STAGES] + dots_desc.block_shape, dots_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     rows_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     rows_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -354,6 +341,46 @@ def _bwd_dkdv_ws_kernel(Q8, Q_SCALE, QT8, QT_SCALE, K8, K_SCALE, V8, V_SCALE, DO
                      do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs, kv_ready, rows_ready, rows_free, cols_ready,
                      cols_free, bkv * N + start_n, bh0, lo, n_m, n_iter, N, NPAD, HEAD_DIM, BLOCK_M, STAGES)),
     ], [1], [PRODUCER_REGS])
+
+
+@gluon.jit
+def _bwd_dkdv_ws_kernel(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, Q_SCALE, K_SCALE,
+                        V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV, qk_scale, sm_scale, H, HKV, N, NPAD,
+                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, GROUP: gl.constexpr,
+                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, P_SCALE: gl.constexpr,
+                        SPLIT: gl.constexpr, OVERLAP: gl.constexpr):
+    """The kernel on host-side TMA descriptors (``_descriptors``): no descriptor is built per CTA."""
+    _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, Q_SCALE, K_SCALE, V_SCALE,
+          DO_SCALE, LSE2, DELTA, DK, DV, qk_scale, sm_scale, H, HKV, N, NPAD, HEAD_DIM, BLOCK_M, GROUP, STAGES,
+          CAUSAL, P_SCALE, SPLIT, OVERLAP)
+
+
+@gluon.jit
+def _bwd_dkdv_ws_kernel_dev(Q8, Q_SCALE, QT8, QT_SCALE, K8, K_SCALE, V8, V_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE,
+                            LSE2, DELTA, DK, DV, qk_scale, sm_scale, H, HKV, N, NPAD, ROWS_Q, ROWS_KV,
+                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, GROUP: gl.constexpr,
+                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, P_SCALE: gl.constexpr,
+                            SPLIT: gl.constexpr, OVERLAP: gl.constexpr):
+    """The kernel on device-side TMA descriptors, as ``fwd_ws`` builds them: every CTA writes its
+    eight 128-byte tensor maps and waits for them before its first load (``dkdv(..., host_descriptors=False)``)."""
+    row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float8e4nv)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float8e4nv)
+    col_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_M], gl.float8e4nv)
+    k_desc = tma.make_tensor_descriptor(K8, [ROWS_KV, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM], kv_layout)
+    v_desc = tma.make_tensor_descriptor(V8, [ROWS_KV, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM], kv_layout)
+    q_desc = tma.make_tensor_descriptor(Q8, [ROWS_Q, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M, HEAD_DIM], row_layout)
+    do_desc = tma.make_tensor_descriptor(DO8, [ROWS_Q, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M, HEAD_DIM], row_layout)
+    qt_desc = tma.make_tensor_descriptor(QT8, [ROWS_Q // N * HEAD_DIM, NPAD], [NPAD, 1], [HEAD_DIM, BLOCK_M],
+                                         col_layout)
+    dot_desc = tma.make_tensor_descriptor(DOT8, [ROWS_Q // N * HEAD_DIM, NPAD], [NPAD, 1], [HEAD_DIM, BLOCK_M],
+                                          col_layout)
+    sc_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    sc_rows = ROWS_Q // N * (NPAD // QUANT_BLOCK)
+    qts_desc = tma.make_tensor_descriptor(QT_SCALE, [sc_rows, HEAD_DIM], [HEAD_DIM, 1], [1, HEAD_DIM], sc_layout)
+    dots_desc = tma.make_tensor_descriptor(DOT_SCALE, [sc_rows, HEAD_DIM], [HEAD_DIM, 1], [1, HEAD_DIM], sc_layout)
+    _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, Q_SCALE, K_SCALE, V_SCALE,
+          DO_SCALE, LSE2, DELTA, DK, DV, qk_scale, sm_scale, H, HKV, N, NPAD, HEAD_DIM, BLOCK_M, GROUP, STAGES,
+          CAUSAL, P_SCALE, SPLIT, OVERLAP)
 
 
 #: shared-memory stages of the query-tile ring (two: 80 KB at D = 128, two CTAs an SM)
@@ -402,11 +429,52 @@ def _check(recipe, head_dim: int, debug: bool = False) -> None:
 _FP8_SIG = {"float8_e4m3fn": "*fp8e4nv", "float8_e5m2": "*fp8e5"}
 
 
+def _descriptors(q_rows, q_cols, q_col_scale, k_rows, v_rows, do_rows, do_cols, do_col_scale, block_m: int):
+    """Host-side TMA descriptors of the kernel's operands, in ``_body``'s order (K, V, Q, dO rows;
+    Q^T, dO^T; their scales), each of its copy viewed as 2-D: rows ``(B*H*N, D)``, transposed
+    copies ``(B*H*D, NPAD)``, scales ``(B*H*NPAD/128, D)``; the shared-memory layouts are those
+    of the device-side path."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    d = q_rows.shape[-1]
+
+    def rows(x, block):
+        x2 = x.reshape(-1, d)
+        layout = gl.NVMMASharedLayout.get_default_for([block, d], _GL_DTYPE[x.dtype])
+        return TensorDescriptor.from_tensor(x2, [block, d], layout)
+
+    def cols(x):
+        x2 = x.reshape(-1, x.shape[-1])
+        layout = gl.NVMMASharedLayout.get_default_for([d, block_m], _GL_DTYPE[x.dtype])
+        return TensorDescriptor.from_tensor(x2, [d, block_m], layout)
+
+    def scales(x):
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+        return TensorDescriptor.from_tensor(x.reshape(-1, d), [1, d], layout)
+
+    return (rows(k_rows, BLOCK_N.value), rows(v_rows, BLOCK_N.value), rows(q_rows, block_m), rows(do_rows, block_m),
+            cols(q_cols), cols(do_cols), scales(q_col_scale), scales(do_col_scale))
+
+
+def _gl_dtypes():
+    import torch
+
+    return {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5, torch.float32: gl.float32}
+
+
+_GL_DTYPE = _gl_dtypes()
+
+
 def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, recipe="delta_matching",
-                 stages: int = STAGES, split: bool | None = None, overlap: int | None = None):
-    """Compile the kernel for sm_90a without a GPU (ptxas included); returns the compiled kernel."""
+                 stages: int = STAGES, split: bool | None = None, overlap: int | None = None,
+                 host_descriptors: bool = True):
+    """Compile the kernel for sm_90a without a GPU (ptxas included); returns the compiled kernel.
+    ``host_descriptors``: the kernel :func:`dkdv` launches by default (descriptors as arguments),
+    else the one that builds them per CTA."""
+    import torch
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
 
     from .config import get_recipe
 
@@ -414,12 +482,28 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, reci
     _check(r, head_dim)
     consts = _constexprs(r, head_dim, causal, group, stages, split, overlap)
     do = _FP8_SIG[r.do_format]
-    sig = {"Q8": "*fp8e4nv", "Q_SCALE": "*fp32", "QT8": "*fp8e4nv", "QT_SCALE": "*fp32", "K8": "*fp8e4nv",
-           "K_SCALE": "*fp32", "V8": "*fp8e4nv", "V_SCALE": "*fp32", "DO8": do, "DO_SCALE": "*fp32", "DOT8": do,
-           "DOT_SCALE": "*fp32", "LSE2": "*fp32", "DELTA": "*fp32", "DK": "*bf16", "DV": "*bf16",
-           "qk_scale": "fp32", "sm_scale": "fp32", "H": "i32", "HKV": "i32", "N": "i32", "NPAD": "i32",
-           "ROWS_Q": "i32", "ROWS_KV": "i32", **{name: "constexpr" for name in consts}}
-    src = GluonASTSource(_bwd_dkdv_ws_kernel, sig, constexprs=consts)
+    scalars = {"qk_scale": "fp32", "sm_scale": "fp32", "H": "i32", "HKV": "i32", "N": "i32", "NPAD": "i32"}
+    vectors = {"Q_SCALE": "*fp32", "K_SCALE": "*fp32", "V_SCALE": "*fp32", "DO_SCALE": "*fp32", "LSE2": "*fp32",
+               "DELTA": "*fp32", "DK": "*bf16", "DV": "*bf16"}
+    if host_descriptors:
+        # descriptors of small CPU tensors: the signature holds only dtype, block shape and layout
+        fp8, do_dt = torch.float8_e4m3fn, getattr(torch, r.do_format)
+        n, npad, bm = 128, 128, consts["BLOCK_M"]
+        rows = torch.zeros(n, head_dim, dtype=fp8)
+        cols = torch.zeros(head_dim, npad, dtype=fp8)
+        sc = torch.zeros(npad // QUANT_BLOCK.value, head_dim)
+        descs = _descriptors(rows, cols, sc, rows, rows, rows.to(do_dt), cols.to(do_dt), sc, bm)
+        names = ("k_desc", "v_desc", "q_desc", "do_desc", "qt_desc", "dot_desc", "qts_desc", "dots_desc")
+        sig = {**{k: mangle_type(x) for k, x in zip(names, descs)}, **vectors, **scalars}
+        kernel = _bwd_dkdv_ws_kernel
+    else:
+        sig = {"Q8": "*fp8e4nv", "Q_SCALE": "*fp32", "QT8": "*fp8e4nv", "QT_SCALE": "*fp32", "K8": "*fp8e4nv",
+               "K_SCALE": "*fp32", "V8": "*fp8e4nv", "V_SCALE": "*fp32", "DO8": do, "DO_SCALE": "*fp32", "DOT8": do,
+               "DOT_SCALE": "*fp32", "LSE2": "*fp32", "DELTA": "*fp32", "DK": "*bf16", "DV": "*bf16",
+               **scalars, "ROWS_Q": "i32", "ROWS_KV": "i32"}
+        kernel = _bwd_dkdv_ws_kernel_dev
+    sig.update({name: "constexpr" for name in consts})
+    src = GluonASTSource(kernel, sig, constexprs=consts)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=NUM_WARPS, maxnreg=LAUNCH_REGS))
 
@@ -432,14 +516,15 @@ def _allocator(size: int, alignment: int, stream):
 
 def dkdv(saved, do8, do_t, delta, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int,
          causal: bool, scale: float, recipe, debug: bool = False, stages: int = STAGES, split: bool | None = None,
-         overlap: int | None = None):
+         overlap: int | None = None, host_descriptors: bool = True):
     """The Gluon dkdv kernel on what ``bwd.backward`` passes the Triton one: ``saved`` (the
     forward's ``SavedForward``: Q's row and transposed copies, K's and V's row copies, LSE2),
     ``do8`` / ``do_t`` (dO's row and transposed copies) and ``delta`` (the D that dS = P (dP - D)
-    subtracts: the dq kernel's matched one or the stale one). ``stages``, ``split``, ``overlap``:
-    the ring's depth, :func:`default_split`'s and :func:`default_overlap`'s choices, for
-    experiments. Returns dk, dv ``(B, HKV, N, D)``
-    BF16, the Triton kernel's values."""
+    subtracts: the dq kernel's matched one or the stale one). ``stages``, ``split``, ``overlap``,
+    ``host_descriptors``: the ring's depth, :func:`default_split`'s and :func:`default_overlap`'s
+    choices and the TMA descriptors' side (host: built once a launch; device: per CTA, as
+    ``fwd_ws``), for experiments. Returns dk, dv ``(B, HKV, N, D)`` BF16, the Triton kernel's
+    values."""
     import torch
 
     from .config import get_recipe
@@ -451,14 +536,20 @@ def dkdv(saved, do8, do_t, delta, *, batch: int, heads: int, kv_heads: int, n: i
     dev = do8.rows.device
     dk = torch.empty((batch, kv_heads, n, head_dim), device=dev, dtype=torch.bfloat16)
     dv = torch.empty_like(dk)
-    triton.set_allocator(_allocator)
     grid = (triton.cdiv(n, BLOCK_N.value), batch * kv_heads)
-    _bwd_dkdv_ws_kernel[grid](
-        q8.rows, q8.row_scale, q8.cols, q8.col_scale, k8.rows, k8.row_scale, v8.rows, v8.row_scale,
-        do8.rows, do8.row_scale, do_t.cols, do_t.col_scale, saved.lse2, delta, dk, dv,
-        scale * LOG2E, scale, heads, kv_heads, n, do_t.npad, batch * heads * n, batch * kv_heads * n,
-        **_constexprs(r, head_dim, causal, heads // kv_heads, stages, split, overlap), num_warps=NUM_WARPS,
-        maxnreg=LAUNCH_REGS)
+    consts = _constexprs(r, head_dim, causal, heads // kv_heads, stages, split, overlap)
+    scalars = (scale * LOG2E, scale, heads, kv_heads, n, do_t.npad)
+    if host_descriptors:
+        descs = _descriptors(q8.rows, q8.cols, q8.col_scale, k8.rows, v8.rows, do8.rows, do_t.cols, do_t.col_scale,
+                             consts["BLOCK_M"])
+        _bwd_dkdv_ws_kernel[grid](*descs, q8.row_scale, k8.row_scale, v8.row_scale, do8.row_scale, saved.lse2, delta,
+                                  dk, dv, *scalars, **consts, num_warps=NUM_WARPS, maxnreg=LAUNCH_REGS)
+    else:
+        triton.set_allocator(_allocator)
+        _bwd_dkdv_ws_kernel_dev[grid](
+            q8.rows, q8.row_scale, q8.cols, q8.col_scale, k8.rows, k8.row_scale, v8.rows, v8.row_scale,
+            do8.rows, do8.row_scale, do_t.cols, do_t.col_scale, saved.lse2, delta, dk, dv,
+            *scalars, batch * heads * n, batch * kv_heads * n, **consts, num_warps=NUM_WARPS, maxnreg=LAUNCH_REGS)
     return dk, dv
 
 

@@ -38,20 +38,20 @@ from triton.backends.nvidia.compiler import get_ptxas
 from dmref.kernels import bwd_ws
 from dmref.kernels.compile_check import resource_usage
 out = []
-for d in (64, 128):
-    for causal in (False, True):
-        for group in (1, 4):
-            k = bwd_ws.compile_sm90(head_dim=d, causal=causal, group=group)
-            ptx = k.asm["ptx"]
-            regs, spills, shared = resource_usage(k)
-            with tempfile.TemporaryDirectory() as tmp:
-                open(tmp + "/k.ptx", "w").write(ptx)
-                log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", tmp + "/k.ptx", "-o",
-                                      tmp + "/k.cubin"], capture_output=True, text=True).stderr
-            out.append(dict(d=d, causal=causal, group=group, regs=regs, spills=spills, shared=shared,
-                            serialized="C7514" in log,
-                            setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)}),
-                            threads=int(re.search(r"\\.reqntid (\\d+)", ptx).group(1))))
+cases = [(d, c, g, True) for d in (64, 128) for c in (False, True) for g in (1, 4)]
+cases += [(128, True, 1, False), (64, False, 4, False)]  # descriptors built per CTA
+for d, causal, group, host in cases:
+    k = bwd_ws.compile_sm90(head_dim=d, causal=causal, group=group, host_descriptors=host)
+    ptx = k.asm["ptx"]
+    regs, spills, shared = resource_usage(k)
+    with tempfile.TemporaryDirectory() as tmp:
+        open(tmp + "/k.ptx", "w").write(ptx)
+        log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", tmp + "/k.ptx", "-o",
+                              tmp + "/k.cubin"], capture_output=True, text=True).stderr
+    out.append(dict(d=d, causal=causal, group=group, host=host, regs=regs, spills=spills, shared=shared,
+                    serialized="C7514" in log,
+                    setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)}),
+                    threads=int(re.search(r"\\.reqntid (\\d+)", ptx).group(1))))
 print(json.dumps(out))
 """
 
@@ -67,7 +67,7 @@ def test_bwd_ws_compiles_for_sm90_with_its_register_budget():
     from dmref.kernels.bwd_ws import LAUNCH_REGS, PRODUCER_REGS
 
     usage = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(usage) == 8
+    assert len(usage) == 10
     for u in usage:
         assert u["spills"] == 0, u
         assert u["regs"] == LAUNCH_REGS, u
@@ -175,7 +175,7 @@ def test_bwd_ws_equals_the_triton_dkdv(case):
     assert torch.equal(dk1, dk) and torch.equal(dv1, dv)
 
 
-_VARIANTS = [dict(split=True), dict(overlap=1), dict(overlap=2), dict(stages=3)]
+_VARIANTS = [dict(split=True), dict(overlap=1), dict(overlap=2), dict(stages=3), dict(host_descriptors=False)]
 
 
 @pytest.mark.gpu
@@ -184,8 +184,8 @@ _VARIANTS = [dict(split=True), dict(overlap=1), dict(overlap=2), dict(stages=3)]
 def test_bwd_ws_variants_equal_the_triton_dkdv(variant, head_dim):
     """The kernel's other forms give the same values: ``split`` (dK and dV as two halves of the
     head dim, each its own wgmma: a wgmma's output element depends on its row of A, its column
-    of B and the k order only), the overlapped schedules (the same operations, issued earlier)
-    and a deeper ring."""
+    of B and the k order only), the overlapped schedules (the same operations, issued earlier),
+    a deeper ring and the descriptors built per CTA."""
     device = require_backend("gpu")
     from dmref.kernels import bwd, bwd_ws
 

@@ -467,10 +467,12 @@ _GL_DTYPE = _gl_dtypes()
 
 def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, recipe="delta_matching",
                  stages: int = STAGES, split: bool | None = None, overlap: int | None = None,
-                 host_descriptors: bool = True):
+                 host_descriptors: bool = True, n_multiple_of_16: bool = True):
     """Compile the kernel for sm_90a without a GPU (ptxas included); returns the compiled kernel.
     ``host_descriptors``: the kernel :func:`dkdv` launches by default (descriptors as arguments),
-    else the one that builds them per CTA."""
+    else the one that builds them per CTA. Specialized as a launch specializes it: every pointer
+    16-byte aligned (torch's allocations), NPAD a multiple of 16, and N too with
+    ``n_multiple_of_16`` (else N is a plain integer, as for N = 1000)."""
     import torch
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -503,7 +505,11 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, reci
                **scalars, "ROWS_Q": "i32", "ROWS_KV": "i32"}
         kernel = _bwd_dkdv_ws_kernel_dev
     sig.update({name: "constexpr" for name in consts})
-    src = GluonASTSource(kernel, sig, constexprs=consts)
+    names = list(kernel.arg_names)
+    aligned = {"NPAD", "N"} if n_multiple_of_16 else {"NPAD"}
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, t in sig.items()
+             if t.startswith("*") or k in aligned}
+    src = GluonASTSource(kernel, {k: sig[k] for k in names}, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=NUM_WARPS, maxnreg=LAUNCH_REGS))
 

@@ -38,17 +38,19 @@ from triton.backends.nvidia.compiler import get_ptxas
 from dmref.kernels import bwd_ws
 from dmref.kernels.compile_check import resource_usage
 out = []
-cases = [(d, c, g, True) for d in (64, 128) for c in (False, True) for g in (1, 4)]
-cases += [(128, True, 1, False), (64, False, 4, False)]  # descriptors built per CTA
-for d, causal, group, host in cases:
-    k = bwd_ws.compile_sm90(head_dim=d, causal=causal, group=group, host_descriptors=host)
+# (head dim, causal, group, host descriptors, N a multiple of 16): the launches' specializations
+cases = [(d, c, g, True, True) for d in (64, 128) for c in (False, True) for g in (1, 4)]
+cases += [(128, True, 4, True, False), (64, False, 1, True, False)]  # N = 1000, 777, ...
+cases += [(128, True, 1, False, True), (64, False, 4, False, False)]  # descriptors built per CTA
+for d, causal, group, host, n16 in cases:
+    k = bwd_ws.compile_sm90(head_dim=d, causal=causal, group=group, host_descriptors=host, n_multiple_of_16=n16)
     ptx = k.asm["ptx"]
     regs, spills, shared = resource_usage(k)
     with tempfile.TemporaryDirectory() as tmp:
         open(tmp + "/k.ptx", "w").write(ptx)
         log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", tmp + "/k.ptx", "-o",
                               tmp + "/k.cubin"], capture_output=True, text=True).stderr
-    out.append(dict(d=d, causal=causal, group=group, host=host, regs=regs, spills=spills, shared=shared,
+    out.append(dict(d=d, causal=causal, group=group, host=host, n16=n16, regs=regs, spills=spills, shared=shared,
                     serialized="C7514" in log,
                     setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)}),
                     threads=int(re.search(r"\\.reqntid (\\d+)", ptx).group(1))))
@@ -67,7 +69,7 @@ def test_bwd_ws_compiles_for_sm90_with_its_register_budget():
     from dmref.kernels.bwd_ws import LAUNCH_REGS, PRODUCER_REGS
 
     usage = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(usage) == 10
+    assert len(usage) == 12
     for u in usage:
         assert u["spills"] == 0, u
         assert u["regs"] == LAUNCH_REGS, u

@@ -9,7 +9,8 @@ through TMA. Two CTAs share an SM (128 registers a thread at launch; the consume
 so one CTA's elementwise work overlaps the other's wgmmas.
 
 The consumer, for its key tile (K8, V8 and their per-token scales) and every query tile, the
-same operations in the same order as the Triton kernel, so the results are bit for bit its own:
+same operations in the same order as the Triton kernel, so its dK and dV are the Triton kernel's
+value for value (the sign of a zero aside, below):
 
     S2^T = wgmma(K8, Q8^T) * (k_scale_j * q_scale_i * tau * log2 e)   # one rounded multiply
     P^T  = exp2(S2^T - LSE2_i), 0 where masked (causal, queries past N)
@@ -49,9 +50,9 @@ Schedules (``OVERLAP``; the same operations on the same values in every one, so 
 - 2 (not with ``SPLIT``): 1, and P^T dO is issued right behind dP^T and runs during dS.
 
 Nothing is in flight across the loop's back edge. At D = 64 all three compile without spills
-and without ptxas serializing the wgmmas (C7514); at D = 128, 1 spills 16-72 B and 2 about 0.9 KB
-(the dP^T or P^T dO accumulator in flight beside dK and dV), so there the serial schedule is
-the one that fits. Which is fastest is for the H200 to say (benchmarks/gpu_bwd_ws_probe.py).
+and without ptxas serializing the wgmmas (C7514); at D = 128, 1 spills 60 B (non-causal) and 2
+about 0.9 KB (the dP^T or P^T dO accumulator in flight beside dK and dV), so there the serial
+schedule is the one that fits. Which is fastest is for the H200 to say (benchmarks/gpu_bwd_ws_probe.py).
 
 Barriers, in the order each role uses them:
 
@@ -66,8 +67,8 @@ Tensors are those ``bwd.backward`` passes to the Triton kernel, read through 2-D
 built on the host once a launch (``_descriptors``; or, ``host_descriptors=False``, in every CTA
 as ``fwd_ws`` does: eight serialized tensor-map writes before the first load): the row copies as
 ``(B*H*N, D)``, the transposed copies as ``(B*H*D, NPAD)`` (padded with zero codes) and their
-scales as ``(B*H*NPAD/128, D)``. A tile past a head's N reads the next head's tokens (or TMA's zeros),
-where the Triton kernel reads zeros: queries past N get LSE2 = +inf (P = exp2(-inf) = 0, the
+scales as ``(B*H*NPAD/128, D)``. A tile past a head's N reads the next head's tokens (or TMA's
+zeros), where the Triton kernel reads zeros: queries past N get LSE2 = +inf (P = exp2(-inf) = 0, the
 Triton kernel's masked 0) and zero scales, so they add nothing to any sum (at most the sign of a
 zero dS differs); keys past N are not masked, since a row of P^T or dS^T reaches only its own
 row of dK and dV, which is not stored. Not supported (``dkdv`` raises): the debug dumps and the

@@ -1,0 +1,576 @@
+"""Warp-specialized FP8 dkdv kernel for Hopper, in Gluon: what ``bwd._bwd_dkdv_kernel`` computes.
+
+One CTA per ``BLOCK_N = 64`` keys of one key/value head, looping over its ``GROUP`` query heads
+and, per head, over query tiles of ``BLOCK_M`` (the recipe's ``block_m1``, 64). A consumer warp
+group (the default partition, four warps) runs the wgmmas and the elementwise work; a one-warp
+producer (a worker partition whose registers ``setmaxnreg`` lowers to 24) loads K and V once and
+streams each query tile's four operand tiles into a ring of ``STAGES`` shared-memory buffers
+through TMA. Two CTAs share an SM (128 registers a thread at launch; the consumer rises to 232),
+so one CTA's elementwise work overlaps the other's wgmmas.
+
+The consumer, for its key tile (K8, V8 and their per-token scales) and every query tile, the
+same operations in the same order as the Triton kernel, so its dK and dV are the Triton kernel's
+value for value (the sign of a zero aside, below):
+
+    S2^T = wgmma(K8, Q8^T) * (k_scale_j * q_scale_i * tau * log2 e)   # one rounded multiply
+    P^T  = exp2(S2^T - LSE2_i), 0 where masked (causal, queries past N)
+    dP^T = wgmma(V8, dO8^T) * (v_scale_j * do_scale_i)                 # one rounded multiply
+    dS^T = P^T (dP^T - D_i);  Q-point dS: E4M3, one POW2_DOWN scale per key row of the tile
+    dV  += wgmma(E4M3(2**8 P^T), dO^T copy) * dO^T scale_c          # a chain per tile, promoted
+    dK  += wgmma(E4M3(dS^T), Q^T copy) * Q^T scale_c * dS scale_j
+
+S^T and dP^T are m64 wgmmas over keys (A: the K and V row tiles, B: the Q and dO row tiles
+permuted, the head dim contiguous in both), so P^T and dS^T are born in the accumulator layout
+of an m64 wgmma over keys and become the A operand of the accumulating wgmmas by a register
+layout conversion (as ``fwd_ws`` does with P); their B operands are the transposed copies (tokens
+contiguous), permuted.
+
+Why 64 keys and one warp group: at D = 128 dK and dV are 64 float32 registers a thread each for
+64 keys, and the per-tile promotion needs a third such tile (the wgmma chain's result before its
+float32 add): 192 registers beside S^T or dP^T (32) and the FP8 operands (8 each). 128 keys in one
+warp group would need twice that, beyond the 255 a thread can hold; so a warp group holds one
+key tile of 64 and ptxas fits it in 232 registers without spills (``compile_sm90``;
+tests/kernels/test_bwd_ws.py). ``BLOCK_M = 64`` is the recipe's dS block (1 x 64) and promotion
+interval, and must stay so. What made it fit, each measured with ptxas at D = 128:
+
+- the transposed copies' per-channel scales (one row of D factors per tile) come through TMA into
+  shared memory with the Q^T and dO^T tiles and are read after the wgmma that needs them: loaded
+  from global memory with a 64-bit address per element, ptxas hoisted all of them above the
+  wgmmas and spilled 0.6-2.2 KB;
+- the per-query vectors (Q's scale, LSE2, dO's scale, D) are loaded one element a thread and
+  moved into S^T's column layout (16 registers a thread each) through shared memory where they
+  are used: loaded in that layout, ptxas hoists them above the wgmma (148-296 B of spills);
+- S^T, the softmax, then dP^T: S^T and dP^T in flight together hold 64 registers beside dK and
+  dV.
+
+Schedules (``OVERLAP``; the same operations on the same values in every one, so the same bits):
+
+- 0, serial (the default): every wgmma is waited on before the next is issued.
+- 1: dP^T is issued right behind S^T and runs during the softmax (``warpgroup_mma_wait(1)``).
+- 2 (not with ``SPLIT``): 1, and P^T dO is issued right behind dP^T and runs during dS.
+
+Nothing is in flight across the loop's back edge. At D = 64 all three compile without spills
+and without ptxas serializing the wgmmas (C7514); at D = 128, 1 spills 60 B (non-causal) and 2
+about 0.9 KB (the dP^T or P^T dO accumulator in flight beside dK and dV), so there the serial
+schedule is the one that fits. Which is fastest is for the H200 to say (benchmarks/gpu_bwd_ws_probe.py).
+
+Barriers, in the order each role uses them:
+
+- ``kv_ready``: the producer arms it once, TMA completes it with K and V.
+- ``rows_ready[s]`` / ``cols_ready[s]``: the Q and dO row tiles (for S^T and dP^T), and the Q^T
+  and dO^T tiles with their scales (for dK and dV), of the query tile in stage s; the consumer
+  waits with phase ``(i // STAGES) & 1`` for iteration i.
+- ``rows_free[s]`` / ``cols_free[s]``: the consumer arrives once the wgmmas that read them have
+  been waited on; the producer waits (phase flipped: the first round passes) before overwriting.
+
+Tensors are those ``bwd.backward`` passes to the Triton kernel, read through 2-D TMA descriptors
+built on the host once a launch (``_descriptors``; or, ``host_descriptors=False``, in every CTA
+as ``fwd_ws`` does: eight serialized tensor-map writes before the first load): the row copies as
+``(B*H*N, D)``, the transposed copies as ``(B*H*D, NPAD)`` (padded with zero codes) and their
+scales as ``(B*H*NPAD/128, D)``. A tile past a head's N reads the next head's tokens (or TMA's
+zeros), where the Triton kernel reads zeros: queries past N get LSE2 = +inf (P = exp2(-inf) = 0, the
+Triton kernel's masked 0) and zero scales, so they add nothing to any sum (at most the sign of a
+zero dS differs); keys past N are not masked, since a row of P^T or dS^T reaches only its own
+row of dK and dV, which is not stored. Not supported (``dkdv`` raises): the debug dumps and the
+``ds_tile_scales`` variant.
+"""
+
+from __future__ import annotations
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from . import _common
+from .config import QUANT_BLOCK as _QUANT_BLOCK
+
+#: tokens per scale block of a transposed copy (``config.QUANT_BLOCK``)
+QUANT_BLOCK = gl.constexpr(_QUANT_BLOCK)
+#: keys per CTA: one m64 wgmma row block of the consumer warp group
+BLOCK_N = gl.constexpr(64)
+#: registers per thread of the producer warp (setmaxnreg's minimum)
+PRODUCER_REGS = gl.constexpr(24)
+#: registers per thread at launch: two CTAs of 256 threads (the consumer warp group and the
+#: producer warp, padded to a warp group) share an SM's 65,536; the producer gives up 128 - 24,
+#: which lifts the consumer to 232
+LAUNCH_REGS = 128
+#: consumer warps (one warp group)
+NUM_WARPS = 4
+
+_pow2_down_exponent = gluon.jit(_common.pow2_down_exponent.fn)
+_exp2_int = gluon.jit(_common.exp2_int.fn)
+_to_fp8 = gluon.jit(_common.to_fp8.fn)
+
+
+@gluon.jit
+def _mul_rn(a, b):
+    """float32 ``a * b`` rounded on its own (never fused into the following subtraction)."""
+    return gl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=gl.float32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _producer(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, k_smem, v_smem, q_bufs,
+              do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs, kv_ready, rows_ready, rows_free, cols_ready,
+              cols_free, kv_row, bh0, lo, n_m, n_iter, N, NPAD,
+              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """TMA loads: K and V row tiles once, then per iteration i (query head ``bh0 + i // n_m``,
+    query tile ``lo + (i % n_m) * BLOCK_M``) the Q and dO row tiles, and the Q^T and dO^T tiles with
+    their scales (the row of ``(NPAD // QUANT_BLOCK, D)`` factors of the tile's token block)."""
+    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [kv_row, 0], kv_ready, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [kv_row, 0], kv_ready, v_smem)
+    for i in range(n_iter):
+        s = i % STAGES
+        ph = ((i // STAGES) & 1) ^ 1
+        bh = bh0 + i // n_m
+        start_m = lo + (i % n_m) * BLOCK_M
+        mbarrier.wait(rows_free.index(s), ph)
+        mbarrier.expect(rows_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [bh * N + start_m, 0], rows_ready.index(s), q_bufs.index(s))
+        tma.async_copy_global_to_shared(do_desc, [bh * N + start_m, 0], rows_ready.index(s), do_bufs.index(s))
+        mbarrier.wait(cols_free.index(s), ph)
+        mbarrier.expect(cols_ready.index(s), qt_desc.block_type.nbytes + dot_desc.block_type.nbytes
+                        + qts_desc.block_type.nbytes + dots_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(qt_desc, [bh * HEAD_DIM, start_m], cols_ready.index(s), qt_bufs.index(s))
+        tma.async_copy_global_to_shared(dot_desc, [bh * HEAD_DIM, start_m], cols_ready.index(s), dot_bufs.index(s))
+        sc_row = bh * (NPAD // QUANT_BLOCK) + start_m // QUANT_BLOCK
+        tma.async_copy_global_to_shared(qts_desc, [sc_row, 0], cols_ready.index(s), qts_bufs.index(s))
+        tma.async_copy_global_to_shared(dots_desc, [sc_row, 0], cols_ready.index(s), dots_bufs.index(s))
+
+
+@gluon.jit
+def _promote(acc, a8, b_smem, t_old, scale_smem, row_factor, acc_layout: gl.constexpr, ROW: gl.constexpr):
+    """acc + wgmma(a8, b) * scale_c (* row_factor_j with ``ROW``): one wgmma chain over the query
+    tile, waited on, then one float32 multiply-add. ``t_old``: a dead tile of acc's shape, the
+    wgmma's ignored accumulator (``use_acc=False``), so that no zero tile is written. Returns
+    (acc, the chain's result, now dead)."""
+    t = warpgroup_mma(a8, b_smem, t_old, use_acc=False, is_async=True)
+    t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
+    # the channel scales, from shared memory after the wait (not held across the wgmma)
+    scale = gl.expand_dims(scale_smem.load(gl.SliceLayout(0, acc_layout)), 0)
+    if ROW:
+        acc += t * scale * gl.expand_dims(row_factor, 1)
+    else:
+        acc += t * scale
+    return acc, t
+
+
+@gluon.jit
+def _consumer(k_smem, v_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs, kv_ready, rows_ready,
+              rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV,
+              qk_scale, sm_scale, bkv, bh0, start_n, lo, n_m, n_iter, N, NPAD,
+              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              P_SCALE: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr):
+    """The consumer warp group: the key tile's scales, every query tile, the stores. With
+    ``SPLIT`` dK and dV are held as two halves of the head dim, each accumulated by its own
+    wgmma (the same per-element chains: a wgmma's output element depends on its row of A, its
+    column of B and the k order only)."""
+    CH: gl.constexpr = HEAD_DIM // 2 if SPLIT else HEAD_DIM
+    gl.static_assert(OVERLAP < 2 or not SPLIT)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 32])
+    a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, CH, 32])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=4)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)  # per key of S^T
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)  # per query of S^T
+    row_a: gl.constexpr = gl.SliceLayout(1, a_layout)  # per key of dK, dV
+    col_a: gl.constexpr = gl.SliceLayout(0, a_layout)  # per channel of dK, dV
+    vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    offs_n = start_n + gl.arange(0, BLOCK_N, layout=row_s)
+    in_seq = offs_n < N
+    # causal: the first query that sees key j is j (a key past N: none)
+    first_q = gl.where(in_seq, offs_n, 2**31 - 1)
+    kv64 = bkv.to(gl.int64)
+    k_scale = gl.load(K_SCALE + kv64 * N + offs_n, mask=in_seq, other=0.0)
+    v_scale = gl.load(V_SCALE + kv64 * N + offs_n, mask=in_seq, other=0.0)
+    offs_c = gl.arange(0, CH, layout=col_a)
+    dk0 = gl.zeros([BLOCK_N, CH], gl.float32, a_layout)
+    dv0 = gl.zeros([BLOCK_N, CH], gl.float32, a_layout)
+    if SPLIT:
+        dk1 = gl.zeros([BLOCK_N, CH], gl.float32, a_layout)
+        dv1 = gl.zeros([BLOCK_N, CH], gl.float32, a_layout)
+    mbarrier.wait(kv_ready, 0)
+    # Invariant at the top of each iteration, over the query tiles (and query heads) done so far:
+    # dk = sum of deq(Q8(dS^T)) Q, dv = sum of Q8(2**8 P^T) deq(dO) (float32, one add per tile;
+    # dv carries P's 2**8, taken out at the store): the Triton kernel's
+    for i in range(n_iter):
+        s = i % STAGES
+        ph = (i // STAGES) & 1
+        bh = (bh0 + i // n_m).to(gl.int64)
+        start_m = lo + (i % n_m) * BLOCK_M
+        offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_s)
+        # the per-query vectors: loaded one element a thread, moved into S^T's column layout
+        # (16 registers a thread each) through shared memory where they are used, so that none
+        # is held across a wgmma
+        offs_v = start_m + gl.arange(0, BLOCK_M, layout=vec_layout)
+        v_in = offs_v < N
+        head = bh * N
+        q_scale_v = gl.load(Q_SCALE + head + offs_v, mask=v_in, other=0.0) * qk_scale
+        lse2_v = gl.load(LSE2 + head + offs_v, mask=v_in, other=float("inf"))
+        do_scale_v = gl.load(DO_SCALE + head + offs_v, mask=v_in, other=0.0)
+        delta_v = gl.load(DELTA + head + offs_v, mask=v_in, other=0.0)
+        # S^T (with OVERLAP, dP^T issued behind it runs during the softmax)
+        mbarrier.wait(rows_ready.index(s), ph)
+        st = warpgroup_mma(k_smem, q_bufs.index(s).permute((1, 0)),
+                           gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout), use_acc=False, is_async=True)
+        if OVERLAP >= 1:
+            dpt = warpgroup_mma(v_smem, do_bufs.index(s).permute((1, 0)),
+                                gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout), use_acc=False, is_async=True)
+            st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
+        else:
+            st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
+        # the softmax, transposed: P^T = exp2(S2^T - LSE2), 0 where masked
+        q_scale = gl.convert_layout(q_scale_v, col_s)
+        lse2 = gl.convert_layout(lse2_v, col_s)
+        s2 = _mul_rn(st, gl.expand_dims(k_scale, 1) * gl.expand_dims(q_scale, 0))
+        # masks: queries past N have LSE2 = +inf, so their P is exp2(-inf) = 0 (the Triton
+        # kernel's select gives the same 0); causal, one compare a element. Keys past N are not
+        # masked: a row of P^T or dS^T reaches only its own row of dK and dV (a wgmma's output row
+        # depends on that row of A alone), and those rows are not stored
+        p_t = gl.exp2(s2 - gl.expand_dims(lse2, 0))
+        if CAUSAL:
+            p_t = gl.where(gl.expand_dims(offs_m, 0) >= gl.expand_dims(first_q, 1), p_t, 0.0)
+        # Q-point P (dV): float32 -> E4M3, scale 2**8 against LSE
+        p8 = gl.convert_layout(_to_fp8(p_t * P_SCALE, False, False), op_layout)
+        dot_s = dot_bufs.index(s)
+        qt_s = qt_bufs.index(s)
+        dots_s = dots_bufs.index(s).reshape([HEAD_DIM])
+        qts_s = qts_bufs.index(s).reshape([HEAD_DIM])
+        if OVERLAP == 0:
+            # dP^T after the softmax (serial)
+            dpt = warpgroup_mma(v_smem, do_bufs.index(s).permute((1, 0)), st, use_acc=False, is_async=True)
+            dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
+        elif OVERLAP == 1:
+            dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
+        else:
+            # P^T dO issued behind dP^T: it runs during dS
+            mbarrier.wait(cols_ready.index(s), ph)
+            t = warpgroup_mma(p8, dot_s.permute((1, 0)), gl.zeros([BLOCK_N, CH], gl.float32, a_layout),
+                              use_acc=False, is_async=True)
+            dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
+        mbarrier.arrive(rows_free.index(s), count=1)
+        do_scale = gl.convert_layout(do_scale_v, col_s)
+        delta = gl.convert_layout(delta_v, col_s)
+        dp_t = _mul_rn(dpt, gl.expand_dims(v_scale, 1) * gl.expand_dims(do_scale, 0))
+        # dS = P (dP - D); Q-point dS: one POW2_DOWN scale per key row of the tile
+        ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+        k_ds = _pow2_down_exponent(gl.max(gl.abs(ds_t), axis=1), False)
+        ds8 = gl.convert_layout(_to_fp8(ds_t * gl.expand_dims(_exp2_int(k_ds), 1), False, False), op_layout)
+        ds_inv = gl.convert_layout(_exp2_int(-k_ds), row_a)
+        # P^T dO and dS^T Q, promoted: one wgmma chain per tile, then one float32 add
+        if OVERLAP == 2:
+            t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
+            dv0 += t * gl.expand_dims(dots_s.load(col_a), 0)
+            dk0, t = _promote(dk0, ds8, qt_s.permute((1, 0)), t, qts_s, ds_inv, a_layout, True)
+        else:
+            mbarrier.wait(cols_ready.index(s), ph)
+            t = gl.zeros([BLOCK_N, CH], gl.float32, a_layout)
+            if SPLIT:
+                dv0, t = _promote(dv0, p8, dot_s.slice(0, CH, dim=0).permute((1, 0)), t, dots_s.slice(0, CH),
+                                  ds_inv, a_layout, False)
+                dv1, t = _promote(dv1, p8, dot_s.slice(CH, CH, dim=0).permute((1, 0)), t, dots_s.slice(CH, CH),
+                                  ds_inv, a_layout, False)
+                dk0, t = _promote(dk0, ds8, qt_s.slice(0, CH, dim=0).permute((1, 0)), t, qts_s.slice(0, CH),
+                                  ds_inv, a_layout, True)
+                dk1, t = _promote(dk1, ds8, qt_s.slice(CH, CH, dim=0).permute((1, 0)), t, qts_s.slice(CH, CH),
+                                  ds_inv, a_layout, True)
+            else:
+                dv0, t = _promote(dv0, p8, dot_s.permute((1, 0)), t, dots_s, ds_inv, a_layout, False)
+                dk0, t = _promote(dk0, ds8, qt_s.permute((1, 0)), t, qts_s, ds_inv, a_layout, True)
+        mbarrier.arrive(cols_free.index(s), count=1)
+    # stores
+    offs_na = start_n + gl.arange(0, BLOCK_N, layout=row_a)
+    rows = kv64 * N * HEAD_DIM + gl.expand_dims(offs_na, 1) * HEAD_DIM + gl.expand_dims(offs_c, 0)
+    mask = gl.expand_dims(offs_na < N, 1)
+    gl.store(DK + rows, (dk0 * sm_scale).to(gl.bfloat16), mask=mask)
+    gl.store(DV + rows, (dv0 * (1.0 / P_SCALE)).to(gl.bfloat16), mask=mask)
+    if SPLIT:
+        gl.store(DK + rows + CH, (dk1 * sm_scale).to(gl.bfloat16), mask=mask)
+        gl.store(DV + rows + CH, (dv1 * (1.0 / P_SCALE)).to(gl.bfloat16), mask=mask)
+
+
+@gluon.jit
+def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, Q_SCALE, K_SCALE, V_SCALE,
+          DO_SCALE, LSE2, DELTA, DK, DV, qk_scale, sm_scale, H, HKV, N, NPAD,
+          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
+          CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr):
+    """The kernel on its TMA descriptors: K, V rows ``(B*HKV*N, D)``, Q, dO rows ``(B*H*N, D)``,
+    Q^T, dO^T ``(B*H*D, NPAD)`` and their scales ``(B*H*NPAD/128, D)``."""
+    gl.static_assert(QUANT_BLOCK % BLOCK_M == 0)
+    gl.static_assert(BLOCK_N % BLOCK_M == 0 or BLOCK_M % BLOCK_N == 0)
+    start_n = gl.program_id(0) * BLOCK_N
+    bkv = gl.program_id(1)
+    # first query head of this key/value head; its GROUP heads are consecutive
+    bh0 = (bkv // HKV) * H + (bkv % HKV) * GROUP
+    if CAUSAL:
+        # the first query tile that sees a key of this block (tiles divide one another)
+        lo = (start_n // BLOCK_M) * BLOCK_M
+    else:
+        lo = 0
+    n_m = gl.cdiv(N - lo, BLOCK_M)
+    n_iter = GROUP * n_m
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_shape, v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_shape, do_desc.layout)
+    qt_bufs = gl.allocate_shared_memory(qt_desc.dtype, [STAGES] + qt_desc.block_shape, qt_desc.layout)
+    dot_bufs = gl.allocate_shared_memory(dot_desc.dtype, [STAGES] + dot_desc.block_shape, dot_desc.layout)
+    qts_bufs = gl.allocate_shared_memory(qts_desc.dtype, [STAGES] + qts_desc.block_shape, qts_desc.layout)
+    dots_bufs = gl.allocate_shared_memory(dots_desc.dtype, [STAGES] + dots_desc.block_shape, dots_desc.layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    rows_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    rows_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    cols_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    cols_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(rows_ready.index(i), count=1)
+        mbarrier.init(rows_free.index(i), count=1)
+        mbarrier.init(cols_ready.index(i), count=1)
+        mbarrier.init(cols_free.index(i), count=1)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_consumer, (k_smem, v_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs, kv_ready, rows_ready,
+                     rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV,
+                     qk_scale, sm_scale, bkv, bh0, start_n, lo, n_m, n_iter, N, NPAD, HEAD_DIM, BLOCK_M, STAGES,
+                     CAUSAL, P_SCALE, SPLIT, OVERLAP)),
+        (_producer, (k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, k_smem, v_smem, q_bufs,
+                     do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs, kv_ready, rows_ready, rows_free, cols_ready,
+                     cols_free, bkv * N + start_n, bh0, lo, n_m, n_iter, N, NPAD, HEAD_DIM, BLOCK_M, STAGES)),
+    ], [1], [PRODUCER_REGS])
+
+
+@gluon.jit
+def _bwd_dkdv_ws_kernel(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, Q_SCALE, K_SCALE,
+                        V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV, qk_scale, sm_scale, H, HKV, N, NPAD,
+                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, GROUP: gl.constexpr,
+                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, P_SCALE: gl.constexpr,
+                        SPLIT: gl.constexpr, OVERLAP: gl.constexpr):
+    """The kernel on host-side TMA descriptors (``_descriptors``): no descriptor is built per CTA."""
+    _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, Q_SCALE, K_SCALE, V_SCALE,
+          DO_SCALE, LSE2, DELTA, DK, DV, qk_scale, sm_scale, H, HKV, N, NPAD, HEAD_DIM, BLOCK_M, GROUP, STAGES,
+          CAUSAL, P_SCALE, SPLIT, OVERLAP)
+
+
+@gluon.jit
+def _bwd_dkdv_ws_kernel_dev(Q8, Q_SCALE, QT8, QT_SCALE, K8, K_SCALE, V8, V_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE,
+                            LSE2, DELTA, DK, DV, qk_scale, sm_scale, H, HKV, N, NPAD, ROWS_Q, ROWS_KV,
+                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, GROUP: gl.constexpr,
+                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, P_SCALE: gl.constexpr,
+                            SPLIT: gl.constexpr, OVERLAP: gl.constexpr):
+    """The kernel on device-side TMA descriptors, as ``fwd_ws`` builds them: every CTA writes its
+    eight 128-byte tensor maps and waits for them before its first load (``dkdv(..., host_descriptors=False)``)."""
+    row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float8e4nv)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float8e4nv)
+    col_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_M], gl.float8e4nv)
+    k_desc = tma.make_tensor_descriptor(K8, [ROWS_KV, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM], kv_layout)
+    v_desc = tma.make_tensor_descriptor(V8, [ROWS_KV, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM], kv_layout)
+    q_desc = tma.make_tensor_descriptor(Q8, [ROWS_Q, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M, HEAD_DIM], row_layout)
+    do_desc = tma.make_tensor_descriptor(DO8, [ROWS_Q, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M, HEAD_DIM], row_layout)
+    qt_desc = tma.make_tensor_descriptor(QT8, [ROWS_Q // N * HEAD_DIM, NPAD], [NPAD, 1], [HEAD_DIM, BLOCK_M],
+                                         col_layout)
+    dot_desc = tma.make_tensor_descriptor(DOT8, [ROWS_Q // N * HEAD_DIM, NPAD], [NPAD, 1], [HEAD_DIM, BLOCK_M],
+                                          col_layout)
+    sc_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    sc_rows = ROWS_Q // N * (NPAD // QUANT_BLOCK)
+    qts_desc = tma.make_tensor_descriptor(QT_SCALE, [sc_rows, HEAD_DIM], [HEAD_DIM, 1], [1, HEAD_DIM], sc_layout)
+    dots_desc = tma.make_tensor_descriptor(DOT_SCALE, [sc_rows, HEAD_DIM], [HEAD_DIM, 1], [1, HEAD_DIM], sc_layout)
+    _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, Q_SCALE, K_SCALE, V_SCALE,
+          DO_SCALE, LSE2, DELTA, DK, DV, qk_scale, sm_scale, H, HKV, N, NPAD, HEAD_DIM, BLOCK_M, GROUP, STAGES,
+          CAUSAL, P_SCALE, SPLIT, OVERLAP)
+
+
+#: shared-memory stages of the query-tile ring (two: 80 KB at D = 128, two CTAs an SM)
+STAGES = 2
+
+
+def default_split(head_dim: int) -> bool:
+    """Whether dK and dV are held as two halves of the head dim (``SPLIT``, four n = D/2 wgmmas
+    a tile instead of two n = D ones; the same results bit for bit): not by default, as the whole
+    accumulators fit 232 registers at both head dims."""
+    return False
+
+
+def default_overlap(head_dim: int) -> int:
+    """The schedule ``OVERLAP`` (module docstring): serial, the one measured to fit at both head
+    dims; the overlapped ones are there to be timed."""
+    return 0
+
+
+def _constexprs(recipe, head_dim: int, causal: bool, group: int, stages: int = STAGES,
+                split: bool | None = None, overlap: int | None = None) -> dict:
+    """The kernel's constexprs for ``recipe`` (a ``config.KernelRecipe``) at ``head_dim``: one
+    description for the launcher and the compile check. The query tile is the recipe's
+    ``block_m1`` (its dS block and promotion interval)."""
+    t = recipe.bwd_tiles(head_dim)
+    return dict(HEAD_DIM=head_dim, BLOCK_M=t.block_m1, GROUP=group, STAGES=stages, CAUSAL=bool(causal),
+                P_SCALE=float(2 ** recipe.p_scale_log2),
+                SPLIT=default_split(head_dim) if split is None else bool(split),
+                OVERLAP=default_overlap(head_dim) if overlap is None else int(overlap))
+
+
+def _check(recipe, head_dim: int, debug: bool = False) -> None:
+    """Raise for what the kernel does not run."""
+    if debug:
+        raise ValueError("bwd_ws: the debug dumps exist for the Triton dkdv kernel only (bwd.backward)")
+    if recipe.ds_tile_scales:
+        raise ValueError("bwd_ws: the ds_tile_scales variant is the Triton dkdv kernel's only")
+    if head_dim not in (64, 128):
+        raise ValueError(f"bwd_ws: head dim {head_dim} must be 64 or 128")
+    bm = recipe.bwd_tiles(head_dim).block_m1
+    if bm != 64:
+        raise ValueError(f"bwd_ws: the query tile (block_m1={bm}) must be 64: the S^T tile of an m64 wgmma "
+                         "over keys, 64 queries wide")
+
+
+_FP8_SIG = {"float8_e4m3fn": "*fp8e4nv", "float8_e5m2": "*fp8e5"}
+
+
+def _descriptors(q_rows, q_cols, q_col_scale, k_rows, v_rows, do_rows, do_cols, do_col_scale, block_m: int):
+    """Host-side TMA descriptors of the kernel's operands, in ``_body``'s order (K, V, Q, dO rows;
+    Q^T, dO^T; their scales), each of its copy viewed as 2-D: rows ``(B*H*N, D)``, transposed
+    copies ``(B*H*D, NPAD)``, scales ``(B*H*NPAD/128, D)``; the shared-memory layouts are those
+    of the device-side path."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    d = q_rows.shape[-1]
+
+    def rows(x, block):
+        x2 = x.reshape(-1, d)
+        layout = gl.NVMMASharedLayout.get_default_for([block, d], _GL_DTYPE[x.dtype])
+        return TensorDescriptor.from_tensor(x2, [block, d], layout)
+
+    def cols(x):
+        x2 = x.reshape(-1, x.shape[-1])
+        layout = gl.NVMMASharedLayout.get_default_for([d, block_m], _GL_DTYPE[x.dtype])
+        return TensorDescriptor.from_tensor(x2, [d, block_m], layout)
+
+    def scales(x):
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+        return TensorDescriptor.from_tensor(x.reshape(-1, d), [1, d], layout)
+
+    return (rows(k_rows, BLOCK_N.value), rows(v_rows, BLOCK_N.value), rows(q_rows, block_m), rows(do_rows, block_m),
+            cols(q_cols), cols(do_cols), scales(q_col_scale), scales(do_col_scale))
+
+
+def _gl_dtypes():
+    import torch
+
+    return {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5, torch.float32: gl.float32}
+
+
+_GL_DTYPE = _gl_dtypes()
+
+
+def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, recipe="delta_matching",
+                 stages: int = STAGES, split: bool | None = None, overlap: int | None = None,
+                 host_descriptors: bool = True, n_multiple_of_16: bool = True):
+    """Compile the kernel for sm_90a without a GPU (ptxas included); returns the compiled kernel.
+    ``host_descriptors``: the kernel :func:`dkdv` launches by default (descriptors as arguments),
+    else the one that builds them per CTA. Specialized as a launch specializes it: every pointer
+    16-byte aligned (torch's allocations), NPAD a multiple of 16, and N too with
+    ``n_multiple_of_16`` (else N is a plain integer, as for N = 1000)."""
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from .config import get_recipe
+
+    r = get_recipe(recipe)
+    _check(r, head_dim)
+    consts = _constexprs(r, head_dim, causal, group, stages, split, overlap)
+    do = _FP8_SIG[r.do_format]
+    scalars = {"qk_scale": "fp32", "sm_scale": "fp32", "H": "i32", "HKV": "i32", "N": "i32", "NPAD": "i32"}
+    vectors = {"Q_SCALE": "*fp32", "K_SCALE": "*fp32", "V_SCALE": "*fp32", "DO_SCALE": "*fp32", "LSE2": "*fp32",
+               "DELTA": "*fp32", "DK": "*bf16", "DV": "*bf16"}
+    if host_descriptors:
+        # descriptors of small CPU tensors: the signature holds only dtype, block shape and layout
+        fp8, do_dt = torch.float8_e4m3fn, getattr(torch, r.do_format)
+        n, npad, bm = 128, 128, consts["BLOCK_M"]
+        rows = torch.zeros(n, head_dim, dtype=fp8)
+        cols = torch.zeros(head_dim, npad, dtype=fp8)
+        sc = torch.zeros(npad // QUANT_BLOCK.value, head_dim)
+        descs = _descriptors(rows, cols, sc, rows, rows, rows.to(do_dt), cols.to(do_dt), sc, bm)
+        names = ("k_desc", "v_desc", "q_desc", "do_desc", "qt_desc", "dot_desc", "qts_desc", "dots_desc")
+        sig = {**{k: mangle_type(x) for k, x in zip(names, descs)}, **vectors, **scalars}
+        kernel = _bwd_dkdv_ws_kernel
+    else:
+        sig = {"Q8": "*fp8e4nv", "Q_SCALE": "*fp32", "QT8": "*fp8e4nv", "QT_SCALE": "*fp32", "K8": "*fp8e4nv",
+               "K_SCALE": "*fp32", "V8": "*fp8e4nv", "V_SCALE": "*fp32", "DO8": do, "DO_SCALE": "*fp32", "DOT8": do,
+               "DOT_SCALE": "*fp32", "LSE2": "*fp32", "DELTA": "*fp32", "DK": "*bf16", "DV": "*bf16",
+               **scalars, "ROWS_Q": "i32", "ROWS_KV": "i32"}
+        kernel = _bwd_dkdv_ws_kernel_dev
+    sig.update({name: "constexpr" for name in consts})
+    names = list(kernel.arg_names)
+    aligned = {"NPAD", "N"} if n_multiple_of_16 else {"NPAD"}
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, t in sig.items()
+             if t.startswith("*") or k in aligned}
+    src = GluonASTSource(kernel, {k: sig[k] for k in names}, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=NUM_WARPS, maxnreg=LAUNCH_REGS))
+
+
+def _allocator(size: int, alignment: int, stream):
+    import torch
+
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def dkdv(saved, do8, do_t, delta, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int,
+         causal: bool, scale: float, recipe, debug: bool = False, stages: int = STAGES, split: bool | None = None,
+         overlap: int | None = None, host_descriptors: bool = True):
+    """The Gluon dkdv kernel on what ``bwd.backward`` passes the Triton one: ``saved`` (the
+    forward's ``SavedForward``: Q's row and transposed copies, K's and V's row copies, LSE2),
+    ``do8`` / ``do_t`` (dO's row and transposed copies) and ``delta`` (the D that dS = P (dP - D)
+    subtracts: the dq kernel's matched one or the stale one). ``stages``, ``split``, ``overlap``,
+    ``host_descriptors``: the ring's depth, :func:`default_split`'s and :func:`default_overlap`'s
+    choices and the TMA descriptors' side (host: built once a launch; device: per CTA, as
+    ``fwd_ws``), for experiments. Returns dk, dv ``(B, HKV, N, D)`` BF16, the Triton kernel's
+    values."""
+    import torch
+
+    from .config import get_recipe
+    from .fwd import LOG2E
+
+    r = get_recipe(recipe)
+    _check(r, head_dim, debug)
+    q8, k8, v8 = saved.q, saved.k, saved.v
+    dev = do8.rows.device
+    dk = torch.empty((batch, kv_heads, n, head_dim), device=dev, dtype=torch.bfloat16)
+    dv = torch.empty_like(dk)
+    grid = (triton.cdiv(n, BLOCK_N.value), batch * kv_heads)
+    consts = _constexprs(r, head_dim, causal, heads // kv_heads, stages, split, overlap)
+    scalars = (scale * LOG2E, scale, heads, kv_heads, n, do_t.npad)
+    if host_descriptors:
+        descs = _descriptors(q8.rows, q8.cols, q8.col_scale, k8.rows, v8.rows, do8.rows, do_t.cols, do_t.col_scale,
+                             consts["BLOCK_M"])
+        _bwd_dkdv_ws_kernel[grid](*descs, q8.row_scale, k8.row_scale, v8.row_scale, do8.row_scale, saved.lse2, delta,
+                                  dk, dv, *scalars, **consts, num_warps=NUM_WARPS, maxnreg=LAUNCH_REGS)
+    else:
+        triton.set_allocator(_allocator)
+        _bwd_dkdv_ws_kernel_dev[grid](
+            q8.rows, q8.row_scale, q8.cols, q8.col_scale, k8.rows, k8.row_scale, v8.rows, v8.row_scale,
+            do8.rows, do8.row_scale, do_t.cols, do_t.col_scale, saved.lse2, delta, dk, dv,
+            *scalars, batch * heads * n, batch * kv_heads * n, **consts, num_warps=NUM_WARPS, maxnreg=LAUNCH_REGS)
+    return dk, dv
+
+
+def backward_ws(saved, do8, do_t, delta_stale, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int,
+                causal: bool, scale: float, recipe, debug: bool = False):
+    """``bwd.backward`` with the dkdv step run by the Gluon kernel: the Triton dq kernel (which
+    makes the matched D first, when matched), then :func:`dkdv` on the D that ``bwd.backward``
+    hands its dkdv. Returns ``(dq, dk, dv, {"delta": D})``, ``bwd.backward``'s gradients."""
+    from . import bwd
+    from .config import get_recipe
+
+    r = get_recipe(recipe)
+    _check(r, head_dim, debug)
+    dims = dict(batch=batch, heads=heads, kv_heads=kv_heads, n=n, head_dim=head_dim, causal=causal, scale=scale)
+    dq, _, _, dbg = bwd.backward(saved, do8, do_t, delta_stale, recipe=r, kernels=("dq",), **dims)
+    dk, dv = dkdv(saved, do8, do_t, dbg["delta"], recipe=r, **dims)
+    return dq, dk, dv, dbg

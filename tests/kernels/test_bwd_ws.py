@@ -1,0 +1,219 @@
+"""The warp-specialized Gluon dkdv kernel (``dmref.kernels.bwd_ws``).
+
+- it compiles for sm_90a on a machine without a GPU, at both head dims, causal and not, with the
+  register budget its docstring states and no spills (Gluon kernels do not run in Triton's
+  interpreter);
+- it refuses what it does not run (debug dumps, ``ds_tile_scales``, a query tile other than 64);
+- on the H200 its dK and dV equal the Triton dkdv kernel's (``bwd._bwd_dkdv_kernel``), value for
+  value, on wide-range inputs with GQA, tails and causal masks: it runs the same operations in
+  the same order on the same FP8 operands (the same wgmma chains over the same k order, the same
+  promotion per 64-query tile, the same rounded multiplies, casts and float32 adds), so no
+  tolerance is derived; the one freedom is the sign of a zero (a masked query past N reads the
+  next head's dO codes, whose dP is then multiplied by a zero scale), which ``torch.equal``
+  ignores and the BF16 values cannot show otherwise;
+- ``backward_ws`` is ``bwd.backward`` with the dkdv step replaced: dQ and the delta are the same
+  tensors' values, so the matched delta's row-sum property (dS = P (dP - D) with D = sum_j P dP,
+  ``test_kernels_vs_model::test_matched_delta_ds_rowsums_within_delta_matching_bound``, checked
+  there on the Triton kernel's dS) holds for the Gluon kernel's dS, which it forms from the same
+  float32 P, dP and D; and the kernel does read that D (another D gives other dK).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernel_model import ProblemShape, outlier_inputs, require_backend
+
+#: The register budget of bwd_ws's docstring: producer 24, consumer 232, 128 at launch.
+_SCRIPT = """
+import json, re, subprocess, tempfile
+from triton.backends.nvidia.compiler import get_ptxas
+from dmref.kernels import bwd_ws
+from dmref.kernels.compile_check import resource_usage
+out = []
+# (head dim, causal, group, host descriptors, N a multiple of 16): the launches' specializations
+cases = [(d, c, g, True, True) for d in (64, 128) for c in (False, True) for g in (1, 4)]
+cases += [(128, True, 4, True, False), (64, False, 1, True, False)]  # N = 1000, 777, ...
+cases += [(128, True, 1, False, True), (64, False, 4, False, False)]  # descriptors built per CTA
+for d, causal, group, host, n16 in cases:
+    k = bwd_ws.compile_sm90(head_dim=d, causal=causal, group=group, host_descriptors=host, n_multiple_of_16=n16)
+    ptx = k.asm["ptx"]
+    regs, spills, shared = resource_usage(k)
+    with tempfile.TemporaryDirectory() as tmp:
+        open(tmp + "/k.ptx", "w").write(ptx)
+        log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", tmp + "/k.ptx", "-o",
+                              tmp + "/k.cubin"], capture_output=True, text=True).stderr
+    out.append(dict(d=d, causal=causal, group=group, host=host, n16=n16, regs=regs, spills=spills, shared=shared,
+                    serialized="C7514" in log,
+                    setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)}),
+                    threads=int(re.search(r"\\.reqntid (\\d+)", ptx).group(1))))
+print(json.dumps(out))
+"""
+
+#: Hopper: 228 KB of shared memory per SM; two CTAs an SM need at most half of it each.
+MAX_SHARED_TWO_CTAS = 228 * 1024 // 2
+
+
+def test_bwd_ws_compiles_for_sm90_with_its_register_budget():
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from dmref.kernels.bwd_ws import LAUNCH_REGS, PRODUCER_REGS
+
+    usage = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(usage) == 12
+    for u in usage:
+        assert u["spills"] == 0, u
+        assert u["regs"] == LAUNCH_REGS, u
+        assert u["threads"] == 256, u  # the consumer warp group and the producer's, padded
+        assert PRODUCER_REGS.value in u["setmaxnreg"] and 2 * LAUNCH_REGS - PRODUCER_REGS.value in u["setmaxnreg"], u
+        assert u["shared"] <= MAX_SHARED_TWO_CTAS, u
+        assert not u["serialized"], u
+
+
+@pytest.mark.parametrize("what", ["debug", "ds_tile_scales", "block_m1"])
+def test_bwd_ws_refuses_what_it_does_not_run(what):
+    pytest.importorskip("triton")
+    import dataclasses
+
+    from dmref.kernels import bwd_ws
+    from dmref.kernels.config import RECIPES, BwdTiles
+
+    r = RECIPES["delta_matching"]
+    kwargs = {}
+    if what == "debug":
+        kwargs["debug"] = True
+    elif what == "ds_tile_scales":
+        r = dataclasses.replace(r, ds_tile_scales=True)
+    else:
+        r = r.with_tiles(bwd=BwdTiles(block_m1=128, block_n1=128))
+    with pytest.raises(ValueError, match="bwd_ws"):
+        bwd_ws.dkdv(None, None, None, None, batch=1, heads=1, kv_heads=1, n=128, head_dim=128, causal=False,
+                    scale=1.0, recipe=r, **kwargs)
+
+
+def _wide_inputs(shape: ProblemShape, device: str, seed: int = 0):
+    """Outlier inputs (every 16th channel of q and k 3x) with per-head magnitudes spread over
+    2**-6 .. 2**6 (q, k, v per head; dO per query head), BF16."""
+    q, k, v, do = outlier_inputs(shape, "cpu", seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+
+    def spread(x, heads):
+        return x.float() * torch.exp2(torch.randint(-6, 7, (1, heads, 1, 1), generator=g).float())
+
+    q, do = spread(q, shape.heads), spread(do, shape.heads)
+    k, v = spread(k, shape.kv_heads), spread(v, shape.kv_heads)
+    return [t.to(torch.bfloat16).to(device) for t in (q, k, v, do)]
+
+
+_GPU_CASES = [
+    (ProblemShape(2, 4, 2, 1000, 128), False, "delta_matching"),
+    (ProblemShape(2, 4, 2, 1000, 128), True, "delta_matching"),
+    (ProblemShape(1, 4, 4, 777, 64), True, "delta_matching"),
+    (ProblemShape(1, 4, 1, 777, 64), False, "delta_matching"),
+    (ProblemShape(1, 2, 1, 203, 128), True, "delta_matching"),
+    (ProblemShape(1, 2, 2, 64, 64), False, "delta_matching"),
+    (ProblemShape(2, 4, 2, 1000, 128), True, "naive_fp8"),
+    (ProblemShape(1, 4, 4, 777, 64), False, "naive_fp8"),
+    (ProblemShape(1, 4, 2, 515, 128), True, "folded_delta_matching"),
+]
+
+
+def _id(case):
+    s, c, r = case
+    return f"{r}-{s.batch}x{s.heads}x{s.kv_heads}x{s.n}x{s.head_dim}{'-causal' if c else ''}"
+
+
+def _problem(shape, causal, recipe, device, seed=0):
+    """The forward's saved copies and dO's copies, as ``api.attention_backward`` makes them."""
+    from dmref.kernels import api
+    from dmref.kernels.config import RECIPES
+    from dmref.kernels.quantize import quantize
+
+    r = RECIPES[recipe]
+    q, k, v, do = _wide_inputs(shape, device, seed)
+    scale = 1.0 / math.sqrt(shape.head_dim)
+    o, _, saved, _ = api.attention_forward(q, k, v, causal=causal, scale=scale, recipe=r)
+    do8, delta_stale = quantize(do, r.do_format, rows=True, cols=True, delta_with=o)
+    dims = dict(batch=shape.batch, heads=shape.heads, kv_heads=shape.kv_heads, n=shape.n,
+                head_dim=shape.head_dim, causal=causal, scale=scale)
+    return saved, do8, delta_stale, r, dims
+
+
+def _describe(got, want):
+    d = (got.float() - want.float()).abs()
+    return f"max |diff| {d.max().item():.3e}, equal fraction {(got == want).float().mean().item():.6f}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _GPU_CASES, ids=[_id(c) for c in _GPU_CASES])
+def test_bwd_ws_equals_the_triton_dkdv(case):
+    device = require_backend("gpu")
+    from dmref.kernels import bwd, bwd_ws
+
+    shape, causal, recipe = case
+    saved, do8, delta_stale, r, dims = _problem(shape, causal, recipe, device)
+    dq, dk, dv, dbg = bwd.backward(saved, do8, do8, delta_stale, recipe=r, **dims)
+    dq_ws, dk_ws, dv_ws, dbg_ws = bwd_ws.backward_ws(saved, do8, do8, delta_stale, recipe=r, **dims)
+    torch.cuda.synchronize()
+    assert dk_ws.shape == dk.shape and dk_ws.stride() == dk.stride() and dk_ws.dtype == dk.dtype
+    assert dv_ws.shape == dv.shape and dv_ws.stride() == dv.stride() and dv_ws.dtype == dv.dtype
+    assert torch.isfinite(dk).all() and torch.isfinite(dv).all()
+    assert torch.equal(dk_ws, dk), f"dK: {_describe(dk_ws, dk)}"
+    assert torch.equal(dv_ws, dv), f"dV: {_describe(dv_ws, dv)}"
+    # the dq step is the Triton kernel in both, and so is the D the dkdv step reads
+    assert torch.equal(dq_ws, dq)
+    assert torch.equal(dbg_ws["delta"], dbg["delta"])
+    # dkdv alone, on that D: the same
+    dk1, dv1 = bwd_ws.dkdv(saved, do8, do8, dbg["delta"], recipe=r, **dims)
+    assert torch.equal(dk1, dk) and torch.equal(dv1, dv)
+
+
+_VARIANTS = [dict(split=True), dict(overlap=1), dict(overlap=2), dict(stages=3), dict(host_descriptors=False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("variant", _VARIANTS, ids=[",".join(f"{k}={v}" for k, v in x.items()) for x in _VARIANTS])
+def test_bwd_ws_variants_equal_the_triton_dkdv(variant, head_dim):
+    """The kernel's other forms give the same values: ``split`` (dK and dV as two halves of the
+    head dim, each its own wgmma: a wgmma's output element depends on its row of A, its column
+    of B and the k order only), the overlapped schedules (the same operations, issued earlier),
+    a deeper ring and the descriptors built per CTA."""
+    device = require_backend("gpu")
+    from dmref.kernels import bwd, bwd_ws
+
+    shape = ProblemShape(1, 4, 2, 1000, head_dim)
+    saved, do8, delta_stale, r, dims = _problem(shape, True, "delta_matching", device)
+    _, dk, dv, dbg = bwd.backward(saved, do8, do8, delta_stale, recipe=r, **dims)
+    dk_ws, dv_ws = bwd_ws.dkdv(saved, do8, do8, dbg["delta"], recipe=r, **variant, **dims)
+    assert torch.equal(dk_ws, dk), f"dK: {_describe(dk_ws, dk)}"
+    assert torch.equal(dv_ws, dv), f"dV: {_describe(dv_ws, dv)}"
+
+
+@pytest.mark.gpu
+def test_bwd_ws_reads_the_delta_it_is_given():
+    """delta_matching: the matched D of the dq kernel is what the Gluon kernel subtracts (the
+    Triton kernel's dK on it, above); on the stale D its dK is the Triton kernel's on the stale D,
+    and differs from the matched one, while dV (no D in it) does not change."""
+    device = require_backend("gpu")
+    from dmref.kernels import bwd, bwd_ws
+    from dmref.kernels.config import RECIPES
+
+    saved, do8, delta_stale, r, dims = _problem(ProblemShape(1, 4, 2, 777, 128), True, "delta_matching", device)
+    _, dk, dv, dbg = bwd.backward(saved, do8, do8, delta_stale, recipe=r, **dims)
+    assert not torch.equal(dbg["delta"], delta_stale)
+    dk_st, dv_st = bwd_ws.dkdv(saved, do8, do8, delta_stale, recipe=r, **dims)
+    _, dk_tr, _, _ = bwd.backward(saved, do8, do8, delta_stale, recipe=RECIPES["naive_fp8"], **dims)
+    assert torch.equal(dk_st, dk_tr), f"dK (stale D): {_describe(dk_st, dk_tr)}"
+    assert not torch.equal(dk_st, dk)
+    assert torch.equal(dv_st, dv)
+

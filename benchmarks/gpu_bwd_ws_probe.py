@@ -31,8 +31,8 @@ import torch
 OUT = os.environ.get("OUT", ".")
 PATH = os.path.join(OUT, "bwd_ws_probe.jsonl")
 SHAPES = [(4, 16, 16, 4096, 128), (1, 16, 16, 16384, 128), (4, 32, 32, 4096, 64), (1, 32, 8, 8192, 128)]
-#: seconds for the whole probe, and for one shape's process
-BUDGET_S, SHAPE_S = 230, 90
+#: seconds for the whole probe (DMREF_PROBE_BUDGET_S overrides), and for one shape's process
+BUDGET_S, SHAPE_S = int(os.environ.get("DMREF_PROBE_BUDGET_S", 230)), 90
 
 
 def emit(**r):

@@ -311,7 +311,7 @@ def _constexprs(head_dim: int, block_n: int, stages: int, causal: bool, chain: b
     :func:`default_overlap`."""
     from .config import RECIPES
 
-    p_scale = float(2 ** RECIPES["folded_delta_matching"].p_scale_log2)
+    p_scale = float(2 ** RECIPES["kernels_folded_delta_matching"].p_scale_log2)
     if overlap is None:
         overlap = default_overlap(head_dim)
     return dict(HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), P_SCALE=p_scale,

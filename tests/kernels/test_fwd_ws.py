@@ -5,7 +5,7 @@
 - it compiles for sm_90a on a machine without a GPU, with the register budget its docstring
   states and no spills (Gluon kernels do not run in Triton's interpreter);
 - on the H200 its O and LSE equal the emulated reference ``dmref.tiled`` on its recipe
-  (``config.RECIPES["folded_naive_fp8"]``), with the Hopper wgmma model, up to the bounds of the other kernels'
+  (``config.RECIPES["kernels_folded_naive_fp8"]``), with the Hopper wgmma model, up to the bounds of the other kernels'
   differential tests.
 """
 
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from kernel_bounds import code_flip_rel_bound, lse2_tolerance, rel_err
-from kernel_model import ProblemShape, outlier_inputs, require_backend
+from kernel_inputs import ProblemShape, outlier_inputs, require_backend
 
 
 def _wide_inputs(shape: ProblemShape, device: str):
@@ -148,7 +148,7 @@ def test_fwd_ws_equals_the_reference_on_its_recipe(shape, causal):
     q, k, v = _wide_inputs(shape, device)
     scale = 1.0 / math.sqrt(shape.head_dim)
     o, lse2, _ = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale)
-    ref = tiled.forward(q.float(), k.float(), v.float(), recipe=RECIPES["folded_naive_fp8"].recipe, causal=causal, scale=scale)
+    ref = tiled.forward(q.float(), k.float(), v.float(), recipe=RECIPES["kernels_folded_naive_fp8"].recipe, causal=causal, scale=scale)
     # O: one FP8 operand (P) that each side quantizes from float32 it computed itself
     diff = rel_err(o.float(), ref.out)
     assert diff <= code_flip_rel_bound(1), f"O: kernel vs reference {diff:.3e}"
@@ -176,7 +176,7 @@ def test_chained_overlapped_schedule_equals_the_reference_with_pv_chain(shape, c
 
     q, k, v = _wide_inputs(shape, device)
     scale = 1.0 / math.sqrt(shape.head_dim)
-    promoted = RECIPES["folded_naive_fp8"].recipe
+    promoted = RECIPES["kernels_folded_naive_fp8"].recipe
     refs = {chain: tiled.forward(q.float(), k.float(), v.float(), recipe=replace(promoted, pv_chain=chain),
                                  causal=causal, scale=scale) for chain in (False, True)}
     for chain in (False, True):

@@ -70,6 +70,15 @@ class Case(ProblemShape):
                 f"kv{self.kv_heads}n{self.n}d{self.head_dim}{t}")
 
 
+def backend_params(cases: dict, keep=None) -> list:
+    """pytest parameters ``(backend, case)`` of ``{backend: [Case, ...]}`` (those ``keep(case)``
+    accepts, where given), the GPU ones marked ``gpu``."""
+    import pytest
+
+    return [pytest.param(backend, c, id=f"{backend}-{c}", marks=[pytest.mark.gpu] if backend == "gpu" else [])
+            for backend, group in cases.items() for c in group if keep is None or keep(c)]
+
+
 def require_backend(backend: str) -> str:
     """Skip unless this process runs ``backend`` ("gpu": compiled kernels, "interpreter":
     Triton's interpreter); return the torch device of its tensors."""

@@ -32,7 +32,7 @@ from kernel_bounds import (
     gamma,
     rel_err,
 )
-from kernel_inputs import Case, outlier_inputs, require_backend
+from kernel_inputs import Case, backend_params, outlier_inputs, require_backend
 from reference_intermediates import flat, tap
 
 #: dS in 1x32 blocks (MX-32 extents) and kbar tiles of 32 keys: the smallest backward tiles
@@ -148,15 +148,8 @@ def run_case(backend: str, case: Case) -> dict:
 
 
 def _cases(matched: bool | None = None):
-    """(backend, case) parameters: interpreter cases and GPU cases, GPU ones marked."""
-    params = []
-    for backend, cases in CASES.items():
-        for c in cases:
-            if matched is not None and c.matched != matched:
-                continue
-            marks = [pytest.mark.gpu] if backend == "gpu" else []
-            params.append(pytest.param(backend, c, id=f"{backend}-{c}", marks=marks))
-    return params
+    """(backend, case) parameters of :data:`CASES` (of one delta where ``matched`` is given)."""
+    return backend_params(CASES, None if matched is None else (lambda c: c.matched == matched))
 
 
 def _code_report(kc: torch.Tensor, mc: torch.Tensor, valid: torch.Tensor) -> str:
@@ -330,14 +323,22 @@ def test_outputs_and_gradients_match_reference_within_recipe_noise(backend, case
     assert (kern["lse2"] - ref["lse2"]).abs().max().item() <= lse_tol
 
 
-@pytest.mark.parametrize("backend,case", _cases(matched=True))
-def test_matched_delta_ds_rowsums_within_delta_matching_bound(backend, case):
+def _rowsum_bound(backend: str, case: Case):
+    """(the run, the Delta-Matching bound on |sum_j dS_ij| for the kernel's delta and the
+    reference's P and dP)."""
     require_backend(backend)
     r = run_case(backend, case)
-    kern, ref = r["kernel"], r["ref"]
+    ref = r["ref"]
     bound = delta_matching_rowsum_bound(
-        ref["p"], ref["dp"], kern["delta"], s2_abs=ref["s2_abs"], dp_abs=ref["dp_abs"],
+        ref["p"], ref["dp"], r["kernel"]["delta"], s2_abs=ref["s2_abs"], dp_abs=ref["dp_abs"],
         head_dim=case.head_dim, recompute_unit=0.0 if backend == "gpu" else U32)
+    return r, bound
+
+
+@pytest.mark.parametrize("backend,case", _cases(matched=True))
+def test_matched_delta_ds_rowsums_within_delta_matching_bound(backend, case):
+    r, bound = _rowsum_bound(backend, case)
+    kern = r["kernel"]
     for name in ("ds_rowsum", "dq_ds_rowsum"):
         excess = (kern[name].double().abs() - bound).max().item()
         assert excess <= 0, f"{name} exceeds the Delta-Matching bound by {excess:.3e}"
@@ -345,12 +346,8 @@ def test_matched_delta_ds_rowsums_within_delta_matching_bound(backend, case):
 
 @pytest.mark.parametrize("backend,case", _cases(matched=False))
 def test_stale_delta_ds_rowsums_visibly_outside_delta_matching_bound(backend, case):
-    require_backend(backend)
-    r = run_case(backend, case)
+    r, bound = _rowsum_bound(backend, case)
     kern, ref = r["kernel"], r["ref"]
-    bound = delta_matching_rowsum_bound(
-        ref["p"], ref["dp"], kern["delta"], s2_abs=ref["s2_abs"], dp_abs=ref["dp_abs"],
-        head_dim=case.head_dim, recompute_unit=0.0 if backend == "gpu" else U32)
     outside = (kern["ds_rowsum"].double().abs() > bound).double().mean().item()
     # "visibly": most rows, not a rounding accident
     assert outside > 0.5, f"only {outside:.3f} of stale rows exceed the bound"

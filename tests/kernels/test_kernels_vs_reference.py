@@ -23,7 +23,7 @@ from kernel_bounds import (
     gamma,
     rel_err,
 )
-from kernel_inputs import Case, outlier_inputs, require_backend
+from kernel_inputs import Case, backend_params, outlier_inputs, require_backend
 
 CASES = {
     "interpreter": [
@@ -44,12 +44,7 @@ CASES = {
 
 
 def _params():
-    out = []
-    for backend, cases in CASES.items():
-        for c in cases:
-            marks = [pytest.mark.gpu] if backend == "gpu" else []
-            out.append(pytest.param(backend, c, id=f"{backend}-{c}", marks=marks))
-    return out
+    return backend_params(CASES)
 
 
 _RUNS: dict = {}

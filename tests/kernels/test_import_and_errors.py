@@ -15,8 +15,16 @@ from dmref.kernels.config import RECIPES, BwdTiles, FwdTiles, KernelSpec, get_re
 _SCRIPT = """
 import sys
 import torch
+import dmref
 import dmref.kernels as K
-assert "triton" not in sys.modules, "importing dmref.kernels imported triton"
+for name in K.RECIPES:
+    assert dmref.get_recipe(name) is K.get_recipe(name).recipe, name
+assert "triton" not in sys.modules, "importing dmref.kernels or resolving its recipe names imported triton"
+try:
+    K.attention(torch.zeros(1, 1, 16, 64, dtype=torch.bfloat16), *[torch.zeros(1, 1, 16, 64, dtype=torch.bfloat16)] * 2,
+                recipe="delta_matching")
+except ValueError as exc:
+    print("PRESET:", exc)
 q = torch.zeros(1, 1, 16, 64, dtype=torch.bfloat16)
 try:
     K.attention(q, q, q)
@@ -33,6 +41,8 @@ def test_import_does_not_load_triton_and_cpu_call_fails_with_a_clear_message():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "ERROR:" in proc.stdout
     assert "CUDA GPU" in proc.stdout or "needs triton" in proc.stdout
+    # a preset name: the recipe's error, before any device check, naming the kernel recipe to use
+    assert "PRESET: the kernels do not run recipe 'delta_matching'; use 'kernels_delta_matching'" in proc.stdout
 
 
 def test_recipes_are_named_by_their_recipes_and_validate_tiles():

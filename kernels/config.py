@@ -272,7 +272,8 @@ class KernelSpec:
 
     @property
     def name(self) -> str:
-        """The recipe's name: one name for one numerics (``dmref.get_recipe(name)`` is ``recipe``)."""
+        """The recipe's name: one name for one numerics (for the specs of :data:`RECIPES`,
+        ``dmref.get_recipe(name)`` is ``recipe``)."""
         return self.recipe.name
 
     @staticmethod
@@ -280,7 +281,7 @@ class KernelSpec:
         """None if the kernels run ``recipe``, else why not (:func:`unsupported`)."""
         return unsupported(recipe, bwd)
 
-    # ---- what the launchers read, derived from the recipe ---------------------------------------
+    # ---- derived from the recipe ---------------------------------------------------------------
     @property
     def matched(self) -> bool:
         """Whether the delta is matched (the dq kernel's deferred dQ, ``recipe.delta.deferred_dq``)

@@ -12,8 +12,9 @@ replaces the file that docs/kernels_speed.md cites.
 Measures, per shape B·H·N·D and causal or not, medians of ``triton.testing.do_bench``:
 
 - ours: forward kernel alone (pre-quantized operands); forward incl. its fused quantization;
-  end to end also with ``folded_delta_matching`` (the warp-specialized forward, the same backward);
-  backward with stale delta (``naive_fp8``) and with matched delta (``delta_matching``), each incl.
+  end to end also with ``kernels_folded_delta_matching`` (the warp-specialized forward, the same
+  backward); backward with stale delta (``kernels_naive_fp8``) and with matched delta
+  (``kernels_delta_matching``), each incl.
   the preprocess (dO quantization + stale delta) and split into the dq and dkdv kernels;
   end to end (quantization + forward + backward through ``torch.autograd``);
 - the warp-specialized Gluon forward (``dmref.kernels.fwd_ws``, the ``folded`` scales): kernel
@@ -50,8 +51,8 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SHAPES = [(4, 16, 4096, 128), (1, 16, 16384, 128), (4, 32, 4096, 64)]
 
 # Candidate tilings, tried on the first shape of each head dim (the winner is used for the rest).
-FWD_CANDIDATES = [  # block_m, block_n, num_warps, num_stages[, tma[, maxnreg]] (block_n = 128: the reference's tile)
-    (64, 128, 4, 3, True), (64, 128, 4, 3, True, 168),  # the defaults at D = 128 and D = 64
+FWD_CANDIDATES = [  # block_m, num_warps, num_stages[, tma[, maxnreg]] (key tiles: the recipe's 128)
+    (64, 4, 3, True), (64, 4, 3, True, 168),  # the defaults at D = 128 and D = 64
 ]
 # per head dim; dkdv: block_m1, block_n1, warps, stages; dq: block_m2, block_n2, warps, stages
 # [, tma[, maxnreg_dq[, maxnreg_dkdv]]]; every candidate keeps whole accumulators
@@ -125,7 +126,7 @@ def _warm_one(job):
 
         torch.manual_seed(0)
         q, k, v, do = (torch.randn(1, heads, 512, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-        for name in ("naive_fp8", "delta_matching"):
+        for name in ("kernels_naive_fp8", "kernels_delta_matching"):
             r = _recipe(name, fwd_c, bwd_c)
             o, _, saved, _ = api.attention_forward(q, k, v, causal=causal, recipe=r, for_backward=True)
             api.attention_forward(q, k, v, causal=causal, recipe=r, for_backward=False)
@@ -213,8 +214,8 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
     scale = 1 / math.sqrt(d)
     shape = api.Shape.of(q, k, v)
     fl = _flops(b, h, n, d, causal)
-    r_st = _recipe("naive_fp8", fwd_c, bwd_c)
-    r_dm = _recipe("delta_matching", fwd_c, bwd_c)
+    r_st = _recipe("kernels_naive_fp8", fwd_c, bwd_c)
+    r_dm = _recipe("kernels_delta_matching", fwd_c, bwd_c)
     res = dict(shape=[b, h, n, d], causal=causal, tiles=_describe_tiles(r_dm, d))
     ms = {}
 
@@ -249,7 +250,7 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
                 **dims))
     # --- ours: end to end through autograd
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    r_fdm = _recipe("folded_delta_matching", fwd_c, bwd_c)
+    r_fdm = _recipe("kernels_folded_delta_matching", fwd_c, bwd_c)
     for tag, r in (("stale", r_st), ("matched", r_dm), ("matched_folded", r_fdm)):
         def step(r=r):
             out = api.attention(qg, kg, vg, causal=causal, scale=scale, recipe=r)
@@ -313,18 +314,18 @@ def sweep(d, causal, h, n, b):
     dims = dict(batch=b, heads=h, kv_heads=h, n=n, head_dim=d)
     out = {"fwd": {}, "bwd": {}}
     base_bwd = BWD_CANDIDATES[d][0]
-    r0 = _recipe("delta_matching", FWD_CANDIDATES[0], base_bwd)
+    r0 = _recipe("kernels_delta_matching", FWD_CANDIDATES[0], base_bwd)
     o, _, saved, _ = api.attention_forward(q, k, v, causal=causal, scale=scale, recipe=r0)
     for fc in FWD_CANDIDATES:
         try:
-            r = _recipe("delta_matching", fc, base_bwd)
+            r = _recipe("kernels_delta_matching", fc, base_bwd)
             out["fwd"][str(fc)] = _bench(lambda: fwd_mod.forward(saved.q, saved.k, saved.v, causal=causal,
                                                                 scale=scale, recipe=r, **dims))
         except Exception as exc:
             out["fwd"][str(fc)] = f"{type(exc).__name__}: {exc}"[:200]
     do8, d_stale = quantize(do, "float8_e4m3fn", rows=True, cols=True, delta_with=o)
     for bc in BWD_CANDIDATES[d]:
-        for name in ("delta_matching", "naive_fp8"):
+        for name in ("kernels_delta_matching", "kernels_naive_fp8"):
             try:
                 r = _recipe(name, FWD_CANDIDATES[0], bc)
                 out["bwd"][f"{name}{bc}"] = _bench(lambda: bwd_mod.backward(
@@ -334,8 +335,8 @@ def sweep(d, causal, h, n, b):
     ok_f = {k2: v2 for k2, v2 in out["fwd"].items() if isinstance(v2, float)}
     best_f = eval(min(ok_f, key=ok_f.get)) if ok_f else FWD_CANDIDATES[0]
     # backward: the tiling whose matched backward is fastest
-    ok_b = {k2: v2 for k2, v2 in out["bwd"].items() if isinstance(v2, float) and k2.startswith("delta")}
-    best_b = eval(min(ok_b, key=ok_b.get)[len("delta_matching"):]) if ok_b else base_bwd
+    ok_b = {k2: v2 for k2, v2 in out["bwd"].items() if isinstance(v2, float) and k2.startswith("kernels_delta")}
+    best_b = eval(min(ok_b, key=ok_b.get)[len("kernels_delta_matching"):]) if ok_b else base_bwd
     return tuple(best_f), tuple(best_b), out
 
 
@@ -368,7 +369,7 @@ def accuracy(out_dir):
             got = dict(o=o.detach(), dq=qg.grad, dk=kg.grad, dv=vg.grad)
             return {x: ((got[x].double() - ref[x]).norm() / ref[x].norm()).item() for x in ref}
 
-        for name in ("delta_matching", "naive_fp8"):
+        for name in ("kernels_delta_matching", "kernels_naive_fp8"):
             row[f"ours_{name}"] = errs(lambda a, b_, c, name=name: attention(a, b_, c, causal=causal, recipe=name))
         for name, backend in (("cudnn_bf16", SDPBackend.CUDNN_ATTENTION), ("flash_bf16", SDPBackend.FLASH_ATTENTION)):
             try:
@@ -390,8 +391,8 @@ def profile_one(head_dims):
     for d in head_dims:
         torch.manual_seed(0)
         q, k, v, do = (torch.randn(1, 16, 4096, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-        o, _, saved, _ = api.attention_forward(q, k, v, recipe="delta_matching")
-        for name in ("naive_fp8", "delta_matching"):
+        o, _, saved, _ = api.attention_forward(q, k, v, recipe="kernels_delta_matching")
+        for name in ("kernels_naive_fp8", "kernels_delta_matching"):
             api.attention_backward(saved, o, do, shape=api.Shape.of(q, k, v), causal=False,
                                    scale=1 / math.sqrt(d), recipe=name)
         torch.cuda.synchronize()

@@ -6,7 +6,7 @@
 For (1, H, 2048, 128) causal and (1, H, 2048, 64) not causal, q, k, v, dO ~ randn with every 16th
 channel of q and k x4, rounded to BF16: the relative errors ||X - X*|| / ||X*|| of O, dQ, dK, dV
 under ``dmref.tiled`` for the presets bf16, naive_fp8, cudnn_fp8, delta_matching and the recipes
-the kernels declare (``KernelRecipe.reference_recipe``, float32 accumulation). The GPU numbers of
+the kernels run (``KernelSpec.reference_recipe``, float32 accumulation). The GPU numbers of
 the kernels and cuDNN (bench_attention ``--accuracy``) were measured on a CUDA draw of the same
 distribution: normwise errors over 8 x 2048 x D elements differ between draws far less than
 between recipes. Writes DIR/cpu_accuracy.json; docs/kernels_speed.md ("Accuracy") cites it.
@@ -49,7 +49,7 @@ def main() -> int:
         row = dict(shape=[b, h, n, d], causal=causal, inputs="randn (CPU draw, seed 0), every 16th channel of q and k x4")
         recipes = {name: name for name in ("bf16", "naive_fp8", "cudnn_fp8", "delta_matching")}
         for name, kr in RECIPES.items():
-            recipes[f"kernels_{name} (declared, fp32 accumulation)"] = kr.reference_recipe(d, "fp32")
+            recipes[f"{name} (declared, fp32 accumulation)"] = kr.reference_recipe("fp32")
         for label, recipe in recipes.items():
             t0 = time.perf_counter()
             fwd, bwd = tiled.attention(*(t.float() for t in (q, k, v, do)), recipe=recipe, causal=causal)

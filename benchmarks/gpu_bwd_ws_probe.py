@@ -65,11 +65,11 @@ def smoke():
     from dmref.kernels.config import RECIPES
     from dmref.kernels.quantize import quantize
 
-    r = RECIPES["delta_matching"]
+    r = RECIPES["kernels_delta_matching"]
     for (b, h, hkv, n, d, causal) in [(1, 2, 1, 203, 128, True), (1, 4, 4, 777, 64, False)]:
         q, k, v, do = inputs(b, h, hkv, n, d)
         o, _, saved, _ = api.attention_forward(q, k, v, causal=causal, recipe=r)
-        do8, d_stale = quantize(do, r.do_format, rows=True, cols=True, delta_with=o)
+        do8, d_stale = quantize(do, r.recipe.do_dp.fmt.name, rows=True, cols=True, delta_with=o)
         dims = dict(batch=b, heads=h, kv_heads=hkv, n=n, head_dim=d, causal=causal, scale=d ** -0.5)
         _, dk, dv, dbg = bwd.backward(saved, do8, do8, d_stale, recipe=r, **dims)
         dk2, dv2 = bwd_ws.dkdv(saved, do8, do8, dbg["delta"], recipe=r, **dims)
@@ -87,14 +87,14 @@ def run_shape(b, h, hkv, n, d, gluon=True):
     from dmref.kernels.config import RECIPES
     from dmref.kernels.quantize import quantize
 
-    r_m, r_s = RECIPES["delta_matching"], RECIPES["naive_fp8"]
+    r_m, r_s = RECIPES["kernels_delta_matching"], RECIPES["kernels_naive_fp8"]
     scale = 1.0 / math.sqrt(d)
     for causal in (False, True):
         t0 = time.time()
         shape = dict(shape=[b, h, hkv, n, d], causal=causal)
         q, k, v, do = inputs(b, h, hkv, n, d)
         o, _, saved, _ = api.attention_forward(q, k, v, causal=causal, scale=scale, recipe=r_m)
-        do8, d_stale = quantize(do, r_m.do_format, rows=True, cols=True, delta_with=o)
+        do8, d_stale = quantize(do, r_m.recipe.do_dp.fmt.name, rows=True, cols=True, delta_with=o)
         dims = dict(batch=b, heads=h, kv_heads=hkv, n=n, head_dim=d, causal=causal, scale=scale)
         dq, dk, dv, dbg = bwd.backward(saved, do8, do8, d_stale, recipe=r_m, **dims)
         delta = dbg["delta"]

@@ -1,13 +1,17 @@
-"""Exact P and dS code agreement of the kernels with their model, on the GPU test cases.
+"""Exact P and dS agreement of the kernels with the emulated reference, on the GPU test cases.
 
     python benchmarks/gpu_code_agreement.py [--out DIR] [--no-fp-fusion]
 
-For every GPU case of tests/kernels/test_kernels_vs_model.py: the fraction of FP8 codes (forward
-P, dkdv P, dS) equal to the model's (``kernel_model``), the number of mismatches, how many of them
-are one code step apart (a value on the other side of a rounding boundary), and timings of the
-forward and the matched backward at 4x16x4096x128. ``--no-fp-fusion`` sets
-TRITON_DEFAULT_FP_FUSION=0 before triton is imported: the compilers then keep every float32
-multiply and add separately rounded, as the model computes them (no fused multiply-add).
+For every GPU case of tests/kernels/test_kernels_intermediates.py: the fraction of FP8 codes
+(forward P, dkdv P) equal to the reference's (``dmref.tiled`` on the kernels' recipe, read where it
+casts: tests/kernels/reference_intermediates.py) and of dS values as the dK matmul sees them
+(codes times scales, ``ds_dk``), the number of mismatches, how many of the code mismatches are one
+code step apart (a value on the other side of a rounding boundary), and timings of the forward
+and the matched backward at 4x16x4096x128. ``--no-fp-fusion`` sets TRITON_DEFAULT_FP_FUSION=0
+before triton is imported: the compilers then keep every float32 multiply and add separately
+rounded, as the reference computes them (no fused multiply-add). Result files written before
+these tests compared with the reference compare with a plain-torch model of the recipe
+(``kernel_model``, since removed) and call dS ``ds_codes``.
 Writes DIR/<device>_code_agreement[_nofusion].json (<device>: the GPU's model in lower case,
 ``h200``; DIR: benchmarks/results by default, the files docs/kernels.md and docs/kernels_speed.md cite).
 """
@@ -35,16 +39,20 @@ def main() -> int:
     import torch
     import triton
 
-    import test_kernels_vs_model as tm
+    import test_kernels_intermediates as tm
     from dmref.emulation import decode
 
     rows = []
     for case in tm.CASES["gpu"]:
         r = tm.run_case("gpu", case)
-        kern, mod = r["kernel"], r["model"]
+        kern, mod = r["kernel"], r["ref"]
         valid = tm._valid(case, kern["o"].device).expand_as(mod["p_fwd"])
         row = {"case": str(case)}
-        for name in ("p_fwd", "p_codes", "ds_codes"):
+        ds = tm._kernel_ds_dk(case, kern)
+        diff = (ds != mod["ds_dk"]) & valid
+        row["ds_dk"] = {"agreement": (~diff)[valid].double().mean().item(), "mismatches": int(diff.sum()),
+                        "elements": int(valid.sum()), "kernel_larger": int((diff & (ds > mod["ds_dk"])).sum())}
+        for name in ("p_fwd", "p_codes"):
             kc, mc = kern[name].view(torch.uint8), mod[name]
             diff = (kc != mc) & valid
             # adjacent codes: the same sign and magnitude codes one apart (0x7F masks the sign)

@@ -65,12 +65,12 @@ def speed(shapes, variants):
                 except Exception as e:
                     r["cudnn_fp8_error"] = repr(e)[:300]
             try:
-                o, lse, saved, _ = api.attention_forward(q, k, v, causal=causal, recipe="delta_matching")
+                o, lse, saved, _ = api.attention_forward(q, k, v, causal=causal, recipe="kernels_delta_matching")
                 dims = dict(batch=b, heads=h, kv_heads=hkv, n=n, head_dim=d)
                 r["triton_fwd_kernel"] = tf(bench(lambda: fwd_mod.forward(saved.q, saved.k, saved.v, causal=causal,
-                                                                         scale=d ** -0.5, recipe=RECIPES["delta_matching"], **dims)))
+                                                                         scale=d ** -0.5, recipe=RECIPES["kernels_delta_matching"], **dims)))
                 r["triton_fwd_incl_quant"] = tf(bench(lambda: api.attention_forward(
-                    q, k, v, causal=causal, recipe="delta_matching", for_backward=False)))
+                    q, k, v, causal=causal, recipe="kernels_delta_matching", for_backward=False)))
             except Exception as e:
                 r["triton_error"] = repr(e)[:200]
             from dmref.kernels.quantize import quantize_kv_folded
@@ -144,7 +144,7 @@ def accuracy():
             o, _, _ = fwd_ws.attention_forward(q, k, v, causal=causal, **tiles_for(name, d))
             r[name] = rel(o, ref)
             r[name + "_mean_ratio"] = (o.double() * ref).sum().item() / (ref * ref).sum().item()
-        o, _, _, _ = api.attention_forward(q, k, v, causal=causal, recipe="delta_matching", for_backward=False)
+        o, _, _, _ = api.attention_forward(q, k, v, causal=causal, recipe="kernels_delta_matching", for_backward=False)
         r["triton_fine"] = rel(o, ref)
         try:
             f = targets.cudnn_fp8_forward(q, k, v, causal=causal)

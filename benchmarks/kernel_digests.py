@@ -8,7 +8,9 @@ a wide exponent range, not plain randn), runs ``dmref.kernels.attention`` forwar
 through torch.autograd, and records the SHA-256 of the bytes of O, dQ, dK and dV. Each problem runs
 twice; the two runs must agree (the kernels are deterministic). Two trees whose digests agree
 compute bit-identical outputs and gradients on these problems: ``--compare FILE`` checks this
-tree against a digest file written by another tree and exits 1 on any difference.
+tree against a digest file written by another tree and exits 1 on any difference (a file written
+before the kernels' recipes had names of their own, ``delta_matching``, ``folded_naive_fp8``, ...,
+is read under the names ``kernels_delta_matching``, ``kernels_folded_naive_fp8``, ...).
 
 Writes ``<device>_kernel_digests.json`` into ``--out``.
 """
@@ -65,6 +67,11 @@ def run_problem(shape, causal, recipe, seed=0):
     return digests[0]
 
 
+def _current_name(recipe: str) -> str:
+    """A recipe name of a digest file: the kernels' recipes were once named without ``kernels_``."""
+    return recipe if recipe.startswith("kernels_") else f"kernels_{recipe}"
+
+
 def main(argv=None):
     from dmref.kernels import RECIPES
 
@@ -90,7 +97,7 @@ def main(argv=None):
     print("wrote", path)
     if args.compare:
         with open(args.compare) as f:
-            other = {(tuple(r["shape"]), r["causal"], r["recipe"]): r["digests"]
+            other = {(tuple(r["shape"]), r["causal"], _current_name(r["recipe"])): r["digests"]
                      for r in json.load(f)["rows"]}
         key = lambda r: (tuple(r["shape"]), r["causal"], r["recipe"])  # noqa: E731
         new = sorted({r["recipe"] for r in rows if key(r) not in other})

@@ -1,7 +1,7 @@
 """Where the compiled kernels wait for their tensor cores (sm_90a PTX, no GPU needed).
 
     python benchmarks/ptx_wgmma_schedule.py      # writes benchmarks/results/sm90_ptx_wgmma_schedule.txt
-    python benchmarks/ptx_wgmma_schedule.py --head-dim 64 --recipe naive_fp8 --out -   # print only
+    python benchmarks/ptx_wgmma_schedule.py --head-dim 64 --recipe kernels_naive_fp8 --out -   # print only
 
 Compiles the forward, dq and dkdv kernels with Triton's own compiler (``dmref.kernels.
 compile_check``) and prints, per kernel, the order of the loop's wgmma issues (``MMA``), commits
@@ -49,7 +49,7 @@ def schedule(compiled) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--head-dim", type=int, choices=(64, 128), default=None, help="default: both")
-    ap.add_argument("--recipe", default="delta_matching")
+    ap.add_argument("--recipe", default="kernels_delta_matching")
     ap.add_argument("--out", default=RESULT, help="result file, '-' to print only (default: %(default)s)")
     args = ap.parse_args()
     import triton
@@ -61,11 +61,10 @@ def main() -> int:
     lines = [f"# sm_90a PTX wgmma schedule, recipe {args.recipe}, Triton {triton.__version__}, compiled "
              "without a GPU: python benchmarks/ptx_wgmma_schedule.py"]
     for d in (args.head_dim,) if args.head_dim else (128, 64):
-        for name, kernel, consts, warps, stages, maxnreg in cc.recipe_variants(r, d, False):
+        for name, kernel, run in cc.recipe_variants(r, d, False):
             if name == "quantize":
                 continue
-            ck = cc.compile_sm90(kernel, consts, num_warps=warps, num_stages=stages, maxnreg=maxnreg,
-                                 do_format=r.do_format, descriptors=cc._descriptor_blocks(name, consts, d))
+            ck = cc.compile_launch(kernel, run, do_format=r.recipe.do_dp.fmt.name)
             lines.append(f"D={d:<3d} {name:5s} {schedule(ck)}")
             print(lines[-1], flush=True)
     if args.out != "-":

@@ -6,6 +6,8 @@ Delta-Matching.
 - ``dmref.attention(q, k, v, *, causal=False, scale=None, mask=None, recipe="exact")``: the
   differentiable emulated attention (:mod:`dmref.api`);
 - ``dmref.Recipe``, ``dmref.PRESETS``, ``dmref.get_recipe``: recipes as data (:mod:`dmref.recipes`);
+  ``get_recipe`` also returns the Recipes dmref.kernels runs, by their names
+  (``"kernels_delta_matching"``, ...);
 - ``dmref.attention_ref``: the exact float64 reference (:mod:`dmref.reference`);
 - ``dmref.evaluate``: diagnostics of a recipe against the reference (:mod:`dmref.diagnostics`).
 """

@@ -52,6 +52,7 @@ __all__ = [
     "ScaleRule",
     "Tiles",
     "get_recipe",
+    "kernel_recipes",
     "MATMULS",
     "NONE",
     "STALE",
@@ -540,21 +541,34 @@ def _check_model(preset: Recipe, model: str, name: str) -> None:
                              f"other operands: {', '.join(bad)} ({bad[0]}: {points[bad[0]].describe()})")
 
 
+def kernel_recipes() -> dict[str, Recipe]:
+    """The Recipes ``dmref.kernels`` runs, by name (``kernels_delta_matching``,
+    ``kernels_naive_fp8``, ``kernels_folded_delta_matching``, ``kernels_folded_naive_fp8``):
+    each is the ``recipe`` of ``dmref.kernels.RECIPES[name]`` (its config imports no triton)."""
+    from dmref.kernels.config import RECIPES as SPECS
+
+    return {name: spec.recipe for name, spec in SPECS.items()}
+
+
 def get_recipe(recipe: Recipe | str) -> Recipe:
-    """A :class:`Recipe`, or a preset by name (``"delta_matching"``; ``"naive_fp8@hopper"`` for
-    a preset with every matmul under another accumulation model, one of
-    :data:`ACCUMULATION_MODELS`). Raises TypeError for other types, ValueError for an unknown
-    preset or model, and for a hopper model on a preset with operands that are not FP8 with
-    power-of-two scales."""
+    """A :class:`Recipe`, or one by name: a preset (``"delta_matching"``) or a recipe the kernels
+    run (``"kernels_delta_matching"``, :func:`kernel_recipes`); ``"naive_fp8@hopper"`` for one
+    with every matmul under another accumulation model, one of :data:`ACCUMULATION_MODELS`.
+    Raises TypeError for other types, ValueError for an unknown name or model, and for a hopper
+    model on a recipe with operands that are not FP8 with power-of-two scales."""
     if isinstance(recipe, Recipe):
         return recipe
     if not isinstance(recipe, str):
         raise TypeError(f"recipe must be a Recipe or a preset name, got {type(recipe).__name__}")
     base, at, model = recipe.partition("@")
-    if base not in PRESETS:
-        raise ValueError(f"unknown recipe {recipe!r}; presets: {', '.join(PRESETS)} "
-                         f"(NAME@MODEL for another accumulation model)")
+    named = PRESETS.get(base)
+    if named is None:
+        kernels = kernel_recipes()
+        named = kernels.get(base)
+        if named is None:
+            raise ValueError(f"unknown recipe {recipe!r}; presets: {', '.join(PRESETS)}; the kernels' "
+                             f"recipes: {', '.join(kernels)} (NAME@MODEL for another accumulation model)")
     if not at:
-        return PRESETS[base]
-    _check_model(PRESETS[base], model, recipe)
-    return PRESETS[base].with_accumulation(model)
+        return named
+    _check_model(named, model, recipe)
+    return named.with_accumulation(model)

@@ -64,7 +64,7 @@ def fail(message: str):
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", choices=MODES, default="ddp")
-    ap.add_argument("--recipe", default="delta_matching", help="a dmref recipe preset (default: %(default)s)")
+    ap.add_argument("--recipe", default="delta_matching", help="a dmref recipe: a preset or a kernel recipe (default: %(default)s)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                     help="auto: cuda when GPUs are present, else cpu")
     ap.add_argument("--steps", type=int, default=20)

@@ -7,13 +7,15 @@ examples/results_gpu/). For a short example to copy, see examples/train_tiny.py.
     python examples/train_gpt.py --steps 100 --recipes bf16 delta_matching   # quicker
     python examples/train_gpt.py --device cuda --kernels --d-model 512 --heads 8 --layers 8 \\
         --context 1024 --steps 2000 --batch 32 --eval-every 500 --diag-heads 1 \\
-        --recipes exact bf16 naive_fp8 delta_matching --out examples/results_gpu    # GPU variant
+        --recipes exact bf16 kernels_naive_fp8 kernels_delta_matching --out examples/results_gpu  # GPU
 
 Everything but attention is float32 (embeddings, linear layers, LayerNorm, AdamW); attention is
 ``dmref.attention(q, k, v, causal=True, recipe=R)``, whose forward and backward follow recipe R
-bit for bit on the CPU (FP8 casts, block scales, the delta strategy). With ``--kernels`` the FP8
-recipes run ``dmref.kernels.attention`` instead (Hopper GPU, BF16 q/k/v, head dim 64 or 128) and
-``bf16`` runs torch SDPA in BF16.
+bit for bit on the CPU (FP8 casts, block scales, the delta strategy). With ``--kernels`` the
+recipes the kernels run (``kernels_naive_fp8``, ``kernels_delta_matching``) run
+``dmref.kernels.attention`` instead (Hopper GPU, BF16 q/k/v, head dim 64 or 128) and ``bf16`` runs
+torch SDPA in BF16 (examples/results_gpu/ was written when the kernels ran under the preset names
+``naive_fp8`` and ``delta_matching``).
 
 The corpus: every ``*.py`` file under ``sysconfig.get_paths()['stdlib']`` (sorted by path, no
 site-packages), read as bytes; tokens are bytes (vocabulary 256). Files are split 95/5 by a hash
@@ -54,6 +56,8 @@ LABELS = {
     "cudnn_fp8": "stale-delta FP8 (cuDNN-style: per-tensor E4M3/E5M2, FP8 delta)",
     "mxfp8_stale": "stale-delta MXFP8 (cuDNN MXFP8-style)",
     "delta_matching": "Delta-Matching (naive FP8 + matched delta)",
+    "kernels_naive_fp8": "the kernels' naive FP8 (per-token E4M3 Q/K/dO, 1x64 dS, stale delta)",
+    "kernels_delta_matching": "the kernels' Delta-Matching (per-token E4M3 Q/K/dO, 1x64 dS, deferred dQ)",
 }
 DEFAULT_RECIPES = ["exact", "bf16", "naive_fp8", "cudnn_fp8", "delta_matching"]
 

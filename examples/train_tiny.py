@@ -3,12 +3,14 @@ with ``dmref.attention``, or on a Hopper GPU with the Triton kernels ``dmref.ker
 
     python examples/train_tiny.py                          # CPU, delta_matching, 20 steps (< 1 min)
     python examples/train_tiny.py --recipe naive_fp8       # the same with a stale delta
-    python examples/train_tiny.py --steps 500 --context 256 --batch 32   # on an H100/H200: kernels
+    python examples/train_tiny.py --recipe kernels_delta_matching --steps 500 --context 256 \
+        --batch 32                                         # on an H100/H200: the kernels
 
 The text is this file's own bytes, so nothing is downloaded. Everything but attention is float32.
-On a GPU of compute capability 9.0 the FP8 recipes (``delta_matching``, ``naive_fp8``) run the
-kernels, which take BF16 q, k, v and head dims of 64 or 128; elsewhere ``dmref.attention`` runs
-the recipe on the CPU. examples/train_gpt.py is the longer study behind examples/README.md.
+On a GPU of compute capability 9.0 the recipes the kernels run (``kernels_delta_matching``,
+``kernels_naive_fp8``) run the kernels, which take BF16 q, k, v and head dims of 64 or 128;
+elsewhere ``dmref.attention`` runs the recipe (the kernels' too, emulated) on the CPU.
+examples/train_gpt.py is the longer study behind examples/README.md.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import dmref  # noqa: E402
 
-KERNEL_RECIPES = ("delta_matching", "naive_fp8")
+KERNEL_RECIPES = ("kernels_delta_matching", "kernels_naive_fp8")  #: names of dmref.kernels.RECIPES
 
 
 def hopper_available() -> bool:
@@ -87,7 +89,7 @@ def fail(message: str):
 
 def main(argv=None) -> list[float]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--recipe", default="delta_matching", help="a dmref recipe preset (default: %(default)s)")
+    ap.add_argument("--recipe", default="delta_matching", help="a dmref recipe: a preset or a kernel recipe (default: %(default)s)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                     help="auto: the kernels on a Hopper GPU, else the CPU emulation")
     ap.add_argument("--steps", type=int, default=20)

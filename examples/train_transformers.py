@@ -4,6 +4,11 @@ stale-delta FP8 recipe, Delta-Matching); plot the loss and the row-sum residual 
     python examples/train_transformers.py                 # CPU: the recipes emulated, a few minutes
     python examples/train_transformers.py --device cuda   # Hopper GPU: dmref.kernels, a larger model
 
+On the CPU the backends are the presets ``naive_fp8`` and ``delta_matching``, emulated; on the GPU
+the recipes the kernels run, ``kernels_naive_fp8`` and ``kernels_delta_matching`` (the committed
+examples/results/h200/train_transformers.json was written when the kernels ran under the preset
+names, ``dmref:naive_fp8`` and ``dmref:delta_matching``).
+
 ``LlamaForCausalLM`` from a ``LlamaConfig`` (random weights, nothing downloaded); dmref enters only
 as ``attn_implementation``. The task is made here: PAIRS (key, value) pairs, one per position (input
 embedding: key's plus value's token embedding, as ``inputs_embeds``), then QUERIES of those keys (key
@@ -32,12 +37,15 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 import dmref.integrations.transformers as dmt  # noqa: E402
 
 LABELS = {"dmref": "exact attention (dmref, float64)", "sdpa": "BF16 SDPA (residual: dmref exact)",
-          "dmref:naive_fp8": "FP8, stale delta (naive_fp8)", "dmref:delta_matching": "FP8, Delta-Matching"}
+          "dmref:naive_fp8": "FP8, stale delta (naive_fp8)", "dmref:delta_matching": "FP8, Delta-Matching",
+          "dmref:kernels_naive_fp8": "FP8 kernels, stale delta (kernels_naive_fp8)",
+          "dmref:kernels_delta_matching": "FP8 kernels, Delta-Matching (kernels_delta_matching)"}
 SIZES = {  # the CPU size runs in a few minutes on 2 cores; the GPU size in about 3.5 minutes on an H200
     "cpu": dict(pairs=48, queries=16, keys=64, values=16, hidden=64, heads=2, layers=2, batch=32, steps=300,
                 lr=3e-3, diag_every=25, backends=["dmref", "dmref:naive_fp8", "dmref:delta_matching"]),
     "cuda": dict(pairs=256, queries=64, keys=320, values=32, hidden=256, heads=4, layers=4, batch=64, steps=2000,
-                 lr=3e-3, diag_every=250, backends=["sdpa", "dmref:naive_fp8", "dmref:delta_matching"]),
+                 lr=3e-3, diag_every=250, backends=["sdpa", "dmref:kernels_naive_fp8",
+                                                                 "dmref:kernels_delta_matching"]),
 }
 
 

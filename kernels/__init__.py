@@ -5,18 +5,20 @@ This is the only part of dmref that imports triton, and only lazily: importing
 raises a clear error.
 
 - :func:`attention` — ``torch.autograd.Function`` over BF16 ``(B, H, N, D)`` tensors.
-- :mod:`dmref.kernels.config` — tile configurations and the recipes the kernels implement
-  (``RECIPES["delta_matching"]``, ``RECIPES["naive_fp8"]``), importable without triton.
+- :mod:`dmref.kernels.config` — what the kernels run, importable without triton: a
+  :class:`KernelSpec` (a ``dmref.recipes.Recipe`` and the tilings) per recipe name of
+  :data:`RECIPES` (``kernels_delta_matching``, ``kernels_naive_fp8`` and their
+  ``kernels_folded_`` forms); ``dmref.get_recipe(name)`` is the spec's Recipe.
 """
 
 from __future__ import annotations
 
-from .config import RECIPES, BwdTiles, FwdTiles, KernelRecipe, get_recipe
+from .config import RECIPES, BwdTiles, FwdTiles, KernelSpec, get_recipe
 
-__all__ = ["attention", "RECIPES", "BwdTiles", "FwdTiles", "KernelRecipe", "get_recipe"]
+__all__ = ["attention", "RECIPES", "BwdTiles", "FwdTiles", "KernelSpec", "get_recipe"]
 
 
-def attention(q, k, v, *, causal=False, scale=None, recipe="delta_matching"):
+def attention(q, k, v, *, causal=False, scale=None, recipe="kernels_delta_matching"):
     """FP8 attention with Delta-Matching; see :func:`dmref.kernels.api.attention`."""
     from .api import attention as _attention
 

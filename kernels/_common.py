@@ -122,16 +122,6 @@ def exp2_int(k):
 
 
 @triton.jit
-def quantize_tile(x, IS_E5M2: tl.constexpr, INTERPRET: tl.constexpr):
-    """One POW2_DOWN scale for the whole 2-D tile: returns (codes, dequantization factor,
-    the scaled float32 tile the cast received)."""
-    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    k = pow2_down_exponent(amax, IS_E5M2)
-    scaled = x * exp2_int(k)
-    return to_fp8(scaled, IS_E5M2, INTERPRET), exp2_int(-k), scaled
-
-
-@triton.jit
 def quantize_rows(x, IS_E5M2: tl.constexpr, INTERPRET: tl.constexpr):
     """One POW2_DOWN scale per row of the 2-D tile: returns (codes, dequantization factors,
     the scaled float32 tile the cast received)."""

@@ -7,6 +7,7 @@ before ``dmref.kernels``' kernel modules are first imported (the tests do it in 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,3 +53,21 @@ def register_cap(maxnreg: int | None) -> dict:
     """Launch options for a tiling's register cap (Triton's ``maxnreg``); none under the
     interpreter, which does not compile."""
     return {} if maxnreg is None or interpreting() else {"maxnreg": maxnreg}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How one kernel is launched: its constexprs, Triton's launch options and the block shapes
+    of the arguments it takes as TMA tensor descriptors. Each kernel has one function that
+    returns it (``fwd.launch``, ``bwd.launch``, ``quantize.launch``), read by its launcher and by
+    ``compile_check`` alike."""
+
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+    maxnreg: int | None = None  #: register cap per thread (None: the compiler's choice)
+    descriptors: dict = field(default_factory=dict)  #: argument name -> TMA block shape
+
+    def options(self) -> dict:
+        """The launch options as keyword arguments (``num_warps``, ``num_stages``, ``maxnreg``)."""
+        return dict(num_warps=self.num_warps, num_stages=self.num_stages, **register_cap(self.maxnreg))

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from dmref.recipes import Recipe
+
 from ._runtime import require_runnable
-from .config import KernelRecipe, get_recipe
+from .config import KernelSpec, get_recipe
 
 
 @dataclass
@@ -63,7 +65,7 @@ def _dims(s: Shape) -> dict:
 
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-    scale: float | None = None, recipe: str | KernelRecipe = "delta_matching",
+    scale: float | None = None, recipe: str | KernelSpec | Recipe = "kernels_delta_matching",
     for_backward: bool = True, debug: bool = False,
 ):
     """Quantize (fused) and run the forward kernel.
@@ -76,16 +78,17 @@ def attention_forward(
     from . import fwd
     from .quantize import quantize
 
-    require_runnable(q, k, v)
     r = get_recipe(recipe)
+    require_runnable(q, k, v)
     s = Shape.of(q, k, v)
     scale = 1.0 / math.sqrt(s.head_dim) if scale is None else float(scale)
     if r.folded:
         return _folded_forward(q, k, v, s, r, causal=causal, scale=scale, for_backward=for_backward, debug=debug)
-    fmt = r.qkv_format
-    q8, _ = quantize(q, fmt, rows=True, cols=for_backward)
-    k8, _ = quantize(k, fmt, rows=True, cols=for_backward)
-    v8, _ = quantize(v, fmt, rows=for_backward, cols=True)
+    # one quantization kernel per operand writes the copies of all its Q-points (formats equal:
+    # config.unsupported)
+    q8, _ = quantize(q, r.recipe.q.fmt.name, rows=True, cols=for_backward)
+    k8, _ = quantize(k, r.recipe.k.fmt.name, rows=True, cols=for_backward)
+    v8, _ = quantize(v, r.recipe.v.fmt.name, rows=for_backward, cols=True)
     o, lse2, p_codes = fwd.forward(q8, k8, v8, causal=causal, scale=scale, recipe=r, debug=debug,
                                    **_dims(s))
     lse = (lse2 * fwd.LN2).view(s.batch, s.heads, s.n)
@@ -93,7 +96,7 @@ def attention_forward(
     return o, lse, saved, ({"p_codes": p_codes} if debug else {})
 
 
-def _folded_forward(q, k, v, s: Shape, r: KernelRecipe, *, causal: bool, scale: float, for_backward: bool, debug: bool):
+def _folded_forward(q, k, v, s: Shape, r: KernelSpec, *, causal: bool, scale: float, for_backward: bool, debug: bool):
     """The folded recipes' forward: the warp-specialized Gluon kernel (``fwd_ws``, which
     quantizes Q itself) on K and V with folded scales; for the backward, the copies its kernels
     read, K's rows with its head's scale for every token (the same codes and scale)."""
@@ -105,24 +108,25 @@ def _folded_forward(q, k, v, s: Shape, r: KernelRecipe, *, causal: bool, scale: 
     if interpreting():
         raise RuntimeError("the folded recipes' forward is a Gluon kernel, which Triton's interpreter does not run")
     if debug:
-        raise ValueError("debug dumps exist for the Triton forward only (recipes delta_matching, naive_fp8)")
+        raise ValueError("debug dumps exist for the Triton forward only (recipes kernels_delta_matching, "
+                         "kernels_naive_fp8)")
     kv = quantize_kv_folded(k, v)
     o, lse2 = fwd_ws.forward(q.contiguous(), kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=s.kv_heads,
                              causal=causal, scale=scale, chain=r.recipe.pv_chain)
     saved = None
     if for_backward:
-        q8, _ = quantize(q, r.qkv_format, rows=True, cols=True)
-        k_cols, _ = quantize(k, r.qkv_format, rows=False, cols=True)
+        q8, _ = quantize(q, r.recipe.q.fmt.name, rows=True, cols=True)
+        k_cols, _ = quantize(k, r.recipe.k_dq.fmt.name, rows=False, cols=True)
         k8 = Quantized(n=s.n, rows=kv.k8, row_scale=kv.k_scale[:, None].expand(-1, s.n).contiguous(),
                        cols=k_cols.cols, col_scale=k_cols.col_scale)
-        v8, _ = quantize(v, r.qkv_format, rows=True, cols=False)
+        v8, _ = quantize(v, r.recipe.v_dp.fmt.name, rows=True, cols=False)
         saved = SavedForward(q8, k8, v8, lse2)
     return o, (lse2 * LN2).view(s.batch, s.heads, s.n), saved, {}
 
 
 def attention_backward(
     saved: SavedForward, o: torch.Tensor, do: torch.Tensor, *, shape: Shape, causal: bool,
-    scale: float, recipe: str | KernelRecipe = "delta_matching", debug: bool = False,
+    scale: float, recipe: str | KernelSpec | Recipe = "kernels_delta_matching", debug: bool = False,
 ):
     """Preprocess (dO quantization + stale delta, one kernel), then the dq and dkdv kernels.
 
@@ -139,7 +143,7 @@ def attention_backward(
     if do.dtype != torch.bfloat16:
         do = do.to(torch.bfloat16)
     # delta step (stale) fused into the quantization of dO: one read of dO and O
-    do8, delta_stale = quantize(do, r.do_format, rows=True, cols=True, delta_with=o)
+    do8, delta_stale = quantize(do, r.recipe.do_dp.fmt.name, rows=True, cols=True, delta_with=o)
     return bwd.backward(saved, do8, do8, delta_stale, causal=causal, scale=scale, recipe=r,
                         debug=debug, **_dims(shape))
 
@@ -167,15 +171,19 @@ class _FP8Attention(torch.autograd.Function):
 
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-    scale: float | None = None, recipe: str | KernelRecipe = "delta_matching",
+    scale: float | None = None, recipe: str | KernelSpec | Recipe = "kernels_delta_matching",
 ) -> torch.Tensor:
     """FP8 attention with Delta-Matching (or stale delta), forward and backward.
 
     q: (B, H, N, D), k and v: (B, HKV, N, D), all BF16 on a Hopper GPU; D in {64, 128};
-    ``scale`` defaults to 1/sqrt(D); ``recipe`` is a name of ``config.RECIPES`` (``"delta_matching"``,
-    ``"naive_fp8"`` with the stale delta, and their ``folded_`` forms, whose forward is the
-    warp-specialized Gluon kernel) or a ``config.KernelRecipe``. Returns O (B, H, N, D) BF16. Fails with a clear message where no
-    Hopper GPU is available (unless Triton's interpreter is switched on).
+    ``scale`` defaults to 1/sqrt(D); ``recipe`` is a name of ``config.RECIPES``
+    (``"kernels_delta_matching"``, ``"kernels_naive_fp8"`` with the stale delta, and their
+    ``kernels_folded_`` forms, whose forward is the warp-specialized Gluon kernel), a
+    ``config.KernelSpec``, or a ``dmref.recipes.Recipe`` the kernels run; ``dmref.get_recipe(name)``
+    is the Recipe a name runs. Another recipe (a dmref preset such as ``"delta_matching"``) is a
+    ValueError naming the kernel recipe to use. Returns O (B, H, N, D) BF16. Fails with a clear
+    message where no Hopper GPU is available (unless Triton's interpreter is switched on).
     """
+    spec = get_recipe(recipe)
     require_runnable(q, k, v)
-    return _FP8Attention.apply(q, k, v, causal, scale, get_recipe(recipe))
+    return _FP8Attention.apply(q, k, v, causal, scale, spec)

@@ -46,9 +46,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import mul_rn, quantize_rows, quantize_tile, to_bf16, to_fp8
-from ._runtime import interpreting, register_cap
-from .config import KBAR_P_SCALE_LOG2, QUANT_BLOCK, KernelRecipe
+from ._common import mul_rn, quantize_rows, to_bf16, to_fp8
+from ._runtime import Launch, interpreting
+from .config import KBAR_P_SCALE_LOG2, QUANT_BLOCK, KernelSpec
 
 #: P's scale at the kbar quantization point (see config.KBAR_P_SCALE_LOG2).
 KBAR_P_SCALE = tl.constexpr(float(2**KBAR_P_SCALE_LOG2))
@@ -98,17 +98,11 @@ def _dot_rn(a8, b8, a_scale, b_scale, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _quantize_ds(ds, ROWS: tl.constexpr, DS_ROWWISE: tl.constexpr, INTERPRET: tl.constexpr):
-    """Q-point dS: float32 -> E4M3 with one POW2_DOWN scale per row of the tile (``rowwise``:
-    per row and the whole contraction of the tile) or per tile. Returns (codes, the
-    dequantization factor of each of the ``ROWS`` rows, the scaled float32 tile the cast
-    received)."""
-    if DS_ROWWISE:
-        ds8, ds_inv, ds_scaled = quantize_rows(ds, False, INTERPRET)
-    else:
-        ds8, ds_inv_t, ds_scaled = quantize_tile(ds, False, INTERPRET)
-        ds_inv = tl.full([ROWS], 1.0, tl.float32) * ds_inv_t
-    return ds8, ds_inv, ds_scaled
+def _quantize_ds(ds, INTERPRET: tl.constexpr):
+    """Q-point dS: float32 -> E4M3 with one POW2_DOWN scale per row of the tile and its whole
+    contraction (the recipe's ``ds_dq`` / ``ds_dk``: 1 x tile blocks). Returns (codes, the
+    dequantization factor of each row, the scaled float32 tile the cast received)."""
+    return quantize_rows(ds, False, INTERPRET)
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,8 +164,7 @@ def _bwd_dq_kernel(
     DQ, DQ_ROWSUM,
     qk_scale, sm_scale, H, GROUP, N, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
-    CAUSAL: tl.constexpr, MATCHED: tl.constexpr, P_SCALE: tl.constexpr,
-    DS_ROWWISE: tl.constexpr, TMA: tl.constexpr,
+    CAUSAL: tl.constexpr, MATCHED: tl.constexpr, P_SCALE: tl.constexpr, TMA: tl.constexpr,
     DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     tl.static_assert(QB % BLOCK_N == 0)
@@ -237,7 +230,7 @@ def _bwd_dq_kernel(
             rowsum += tl.sum(ds, axis=1)
         # Every FP8 operand exists before the first matmul below, so the float32 P, dP and dS
         # tiles are dead while a matmul's float32 result is live (registers).
-        ds8, ds_inv, _ = _quantize_ds(ds, BLOCK_M, DS_ROWWISE, INTERPRET)
+        ds8, ds_inv, _ = _quantize_ds(ds, INTERPRET)
         if MATCHED:
             # Q-point P (kbar): float32 -> E4M3, scale KBAR_P_SCALE against LSE: with codes of
             # P <= 2**4 and of K <= 448 a float16 wgmma chain cannot overflow, as sum_j P <= 1
@@ -312,7 +305,7 @@ def _dkdv_head(
     Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA,
     DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE, qk_scale, N, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
-    CAUSAL: tl.constexpr, P_SCALE: tl.constexpr, DS_ROWWISE: tl.constexpr,
+    CAUSAL: tl.constexpr, P_SCALE: tl.constexpr,
     TMA: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """The query tiles of one query head, accumulated into this key block's dK and dV.
@@ -349,7 +342,7 @@ def _dkdv_head(
         p8_t = to_fp8(p_t * P_SCALE, False, INTERPRET)
         # dS = P (dP - D), with D stale or matched (the dq kernel's) as the caller chose
         ds_t = p_t * (dp_t - delta[None, :])
-        ds8_t, ds_inv, ds_scaled = _quantize_ds(ds_t, BLOCK_N, DS_ROWWISE, INTERPRET)
+        ds8_t, ds_inv, ds_scaled = _quantize_ds(ds_t, INTERPRET)
         if DEBUG:
             _dkdv_debug_store(p_t, ds_t, ds_scaled, ds_inv, offs_m, offs_n, in_seq, q_in, start_m, head, bh64,
                               DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE, N, BLOCK_M, P_SCALE)
@@ -372,7 +365,7 @@ def _bwd_dkdv_kernel(
     DK, DV, DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE,
     qk_scale, sm_scale, H, HKV, N, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
-    GROUP: tl.constexpr, CAUSAL: tl.constexpr, P_SCALE: tl.constexpr, DS_ROWWISE: tl.constexpr,
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr, P_SCALE: tl.constexpr,
     TMA: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     tl.static_assert(QB % BLOCK_M == 0)
@@ -405,7 +398,7 @@ def _bwd_dkdv_kernel(
             dk, dv, k, k_scale, v, v_scale, offs_n, in_seq, bh0, lo,
             Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA,
             DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE, qk_scale, N, NPAD,
-            HEAD_DIM, BLOCK_M, BLOCK_N, QB, CAUSAL, P_SCALE, DS_ROWWISE, TMA, DEBUG, INTERPRET)
+            HEAD_DIM, BLOCK_M, BLOCK_N, QB, CAUSAL, P_SCALE, TMA, DEBUG, INTERPRET)
     else:
         # GQA: dK and dV sum over the GROUP query heads that read this key/value head
         for g in range(0, GROUP):
@@ -413,7 +406,7 @@ def _bwd_dkdv_kernel(
                 dk, dv, k, k_scale, v, v_scale, offs_n, in_seq, bh0 + g, lo,
                 Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA,
                 DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE, qk_scale, N, NPAD,
-                HEAD_DIM, BLOCK_M, BLOCK_N, QB, CAUSAL, P_SCALE, DS_ROWWISE, TMA, DEBUG, INTERPRET)
+                HEAD_DIM, BLOCK_M, BLOCK_N, QB, CAUSAL, P_SCALE, TMA, DEBUG, INTERPRET)
     # stores
     tl.store(DK + kv_rows + rows, to_bf16(dk * sm_scale, INTERPRET), mask=in_seq[:, None])
     tl.store(DV + kv_rows + rows, to_bf16(dv * (1.0 / P_SCALE), INTERPRET), mask=in_seq[:, None])
@@ -428,27 +421,34 @@ def _bwd_dkdv_kernel(
 KERNELS = ("dq", "dkdv")
 
 
-def launch(recipe: KernelRecipe, *, head_dim: int, causal: bool, kernel: str, group: int = 1,
-           debug: bool = False) -> tuple[dict, dict]:
-    """The constexprs and launch options (warps, stages, register cap) of the backward kernel
-    ``kernel`` (``"dq"`` or ``"dkdv"``) for ``recipe`` at ``head_dim``; ``group``: query heads
-    per key/value head. The one description that :func:`backward` and ``compile_check`` read."""
-    t = recipe.bwd_tiles(head_dim)
-    common = dict(HEAD_DIM=head_dim, QB=QUANT_BLOCK, CAUSAL=causal, P_SCALE=float(2 ** recipe.p_scale_log2),
-                  DS_ROWWISE=recipe.ds_granularity == "rowwise", TMA=t.tma, DEBUG=bool(debug),
-                  INTERPRET=interpreting())
+def launch(spec: KernelSpec, *, head_dim: int, causal: bool, kernel: str, group: int = 1,
+           debug: bool = False) -> Launch:
+    """The launch of the backward kernel ``kernel`` (``"dq"`` or ``"dkdv"``) for ``spec`` at
+    ``head_dim``; ``group``: query heads per key/value head. P's fixed scale is
+    ``2**recipe.p_bwd.offset_log2``, dq's deferred dQ runs where ``recipe.delta.deferred_dq`` is
+    set, and dS is quantized per row of the tile (the recipe's 1 x tile ``ds_dq``/``ds_dk``,
+    which the tiling decides: ``config.fit_to_tiles``). The one description that
+    :func:`backward` and ``compile_check`` read."""
+    t = spec.bwd_tiles(head_dim)
+    d = head_dim
+    common = dict(HEAD_DIM=d, QB=QUANT_BLOCK, CAUSAL=causal, P_SCALE=float(2 ** spec.recipe.p_bwd.offset_log2),
+                  TMA=t.tma, DEBUG=bool(debug), INTERPRET=interpreting())
     if kernel == "dq":
-        return (dict(common, BLOCK_M=t.block_m2, BLOCK_N=t.block_n2, MATCHED=recipe.delta == "matched"),
-                dict(num_warps=t.num_warps_dq, num_stages=t.num_stages_dq, **register_cap(t.maxnreg_dq)))
+        bn = t.block_n2
+        return Launch(dict(common, BLOCK_M=t.block_m2, BLOCK_N=bn, MATCHED=spec.recipe.delta.deferred_dq is not None),
+                      t.num_warps_dq, t.num_stages_dq, t.maxnreg_dq,
+                      {"K8": [1, bn, d], "V8": [1, bn, d], "KT8": [1, d, bn]} if t.tma else {})
     if kernel == "dkdv":
-        return (dict(common, BLOCK_M=t.block_m1, BLOCK_N=t.block_n1, GROUP=group),
-                dict(num_warps=t.num_warps_dkdv, num_stages=t.num_stages_dkdv, **register_cap(t.maxnreg_dkdv)))
+        bm = t.block_m1
+        return Launch(dict(common, BLOCK_M=bm, BLOCK_N=t.block_n1, GROUP=group),
+                      t.num_warps_dkdv, t.num_stages_dkdv, t.maxnreg_dkdv,
+                      {"Q8": [1, bm, d], "DO8": [1, bm, d], "QT8": [1, d, bm], "DOT8": [1, d, bm]} if t.tma else {})
     raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}")
 
 
 def backward(
     saved, do8, do_t, delta_stale, *, batch: int, heads: int, kv_heads: int, n: int,
-    head_dim: int, causal: bool, scale: float, recipe: KernelRecipe, debug: bool = False,
+    head_dim: int, causal: bool, scale: float, recipe: KernelSpec, debug: bool = False,
     kernels: tuple[str, ...] = KERNELS,
 ):
     """Run the backward kernels in the order the delta strategy needs.
@@ -468,15 +468,14 @@ def backward(
     dq = torch.empty((batch, heads, n, head_dim), device=dev, dtype=torch.bfloat16)
     dk = torch.empty((batch, kv_heads, n, head_dim), device=dev, dtype=torch.bfloat16)
     dv = torch.empty_like(dk)
-    matched = recipe.delta == "matched"
+    dq_run = launch(recipe, head_dim=head_dim, causal=causal, kernel="dq", debug=debug)
+    dkdv_run = launch(recipe, head_dim=head_dim, causal=causal, kernel="dkdv", group=heads // kv_heads, debug=debug)
+    matched = dq_run.constexprs["MATCHED"]
     delta_matched = torch.empty_like(delta_stale) if matched else delta_stale
     dbg = _debug_buffers(batch * heads, n, t.block_m1, dev) if debug else {}
     dummy32 = torch.empty(1, device=dev, dtype=torch.float32)
     q8, k8, v8 = saved.q, saved.k, saved.v
-    dq_ops, dkdv_ops = _operands(q8, k8, v8, do8, do_t, t, head_dim)
-    dq_consts, dq_options = launch(recipe, head_dim=head_dim, causal=causal, kernel="dq", debug=debug)
-    dkdv_consts, dkdv_options = launch(recipe, head_dim=head_dim, causal=causal, kernel="dkdv",
-                                       group=heads // kv_heads, debug=debug)
+    dq_ops, dkdv_ops = _operands(q8, k8, v8, do8, do_t, dq_run, dkdv_run)
     scalars = (scale * LOG2E, scale)
 
     def run_dq():
@@ -490,7 +489,7 @@ def backward(
             dq_ops[2], k8.col_scale, k_unit, do8.rows, do8.row_scale, saved.lse2, delta_stale,
             delta_matched if matched else dummy32,
             dq, dbg.get("dq_ds_rowsum", dummy32),
-            *scalars, heads, heads // kv_heads, n, do_t.npad, **dq_consts, **dq_options)
+            *scalars, heads, heads // kv_heads, n, do_t.npad, **dq_run.constexprs, **dq_run.options())
 
     def run_dkdv():
         _bwd_dkdv_kernel[(triton.cdiv(n, t.block_n1), batch * kv_heads)](
@@ -499,7 +498,7 @@ def backward(
             saved.lse2, delta_matched,
             dk, dv, dbg.get("ds_rowsum", dummy32), dbg.get("p_codes", dummy32),
             dbg.get("ds_codes", dummy32), dbg.get("ds_scale", dummy32),
-            *scalars, heads, kv_heads, n, do_t.npad, **dkdv_consts, **dkdv_options)
+            *scalars, heads, kv_heads, n, do_t.npad, **dkdv_run.constexprs, **dkdv_run.options())
 
     runs = {"dq": run_dq, "dkdv": run_dkdv}
     # matched: dq runs first and makes D; stale: either order
@@ -525,18 +524,20 @@ def _debug_buffers(rows: int, n: int, block_m1: int, dev) -> dict:
                 ds_codes=zeros(rows, n, n), ds_scale=zeros(rows, triton.cdiv(n, block_m1), n))
 
 
-def _operands(q8, k8, v8, do8, do_t, t, head_dim: int):
-    """The FP8 operand copies each kernel loads tiles from: TMA tensor descriptors with
-    ``t.tma`` (dq: K, V rows per ``block_n2`` keys, K cols; dkdv: Q, dO rows per ``block_m1``
-    queries, Q, dO cols), else the tensors themselves. Returns (dq's K, V, K^T; dkdv's Q, Q^T,
-    dO, dO^T)."""
-    if not t.tma:
-        return (k8.rows, v8.rows, k8.cols), (q8.rows, q8.cols, do8.rows, do_t.cols)
+def _operands(q8, k8, v8, do8, do_t, dq_run: Launch, dkdv_run: Launch):
+    """The FP8 operand copies each kernel loads tiles from: TMA tensor descriptors of the
+    launches' block shapes where they take descriptors (dq: K, V rows per ``block_n2`` keys, K
+    cols; dkdv: Q, dO rows per ``block_m1`` queries, Q, dO cols), else the tensors themselves.
+    Returns (dq's K, V, K^T; dkdv's Q, Q^T, dO, dO^T)."""
+    dq_ops = (k8.rows, v8.rows, k8.cols)
+    dkdv_ops = (q8.rows, q8.cols, do8.rows, do_t.cols)
+    if not (dq_run.descriptors or dkdv_run.descriptors):
+        return dq_ops, dkdv_ops
     from triton.tools.tensor_descriptor import TensorDescriptor as TD
 
-    d = head_dim
-    dq_ops = (TD.from_tensor(k8.rows, [1, t.block_n2, d]), TD.from_tensor(v8.rows, [1, t.block_n2, d]),
-              TD.from_tensor(k8.cols, [1, d, t.block_n2]))
-    dkdv_ops = (TD.from_tensor(q8.rows, [1, t.block_m1, d]), TD.from_tensor(q8.cols, [1, d, t.block_m1]),
-                TD.from_tensor(do8.rows, [1, t.block_m1, d]), TD.from_tensor(do_t.cols, [1, d, t.block_m1]))
-    return dq_ops, dkdv_ops
+    def described(run, names, tensors):
+        return tuple(TD.from_tensor(x, run.descriptors[name]) if name in run.descriptors else x
+                     for name, x in zip(names, tensors))
+
+    return (described(dq_run, ("K8", "V8", "KT8"), dq_ops),
+            described(dkdv_run, ("Q8", "QT8", "DO8", "DOT8"), dkdv_ops))

@@ -71,8 +71,7 @@ scales as ``(B*H*NPAD/128, D)``. A tile past a head's N reads the next head's to
 zeros), where the Triton kernel reads zeros: queries past N get LSE2 = +inf (P = exp2(-inf) = 0, the
 Triton kernel's masked 0) and zero scales, so they add nothing to any sum (at most the sign of a
 zero dS differs); keys past N are not masked, since a row of P^T or dS^T reaches only its own
-row of dK and dV, which is not stored. Not supported (``dkdv`` raises): the debug dumps and the
-``ds_tile_scales`` variant.
+row of dK and dV, which is not stored. Not supported (``dkdv`` raises): the debug dumps.
 """
 
 from __future__ import annotations
@@ -403,7 +402,7 @@ def default_overlap(head_dim: int) -> int:
 
 def _constexprs(recipe, head_dim: int, causal: bool, group: int, stages: int = STAGES,
                 split: bool | None = None, overlap: int | None = None) -> dict:
-    """The kernel's constexprs for ``recipe`` (a ``config.KernelRecipe``) at ``head_dim``: one
+    """The kernel's constexprs for ``recipe`` (a ``config.KernelSpec``) at ``head_dim``: one
     description for the launcher and the compile check. The query tile is the recipe's
     ``block_m1`` (its dS block and promotion interval)."""
     t = recipe.bwd_tiles(head_dim)
@@ -417,8 +416,6 @@ def _check(recipe, head_dim: int, debug: bool = False) -> None:
     """Raise for what the kernel does not run."""
     if debug:
         raise ValueError("bwd_ws: the debug dumps exist for the Triton dkdv kernel only (bwd.backward)")
-    if recipe.ds_tile_scales:
-        raise ValueError("bwd_ws: the ds_tile_scales variant is the Triton dkdv kernel's only")
     if head_dim not in (64, 128):
         raise ValueError(f"bwd_ws: head dim {head_dim} must be 64 or 128")
     bm = recipe.bwd_tiles(head_dim).block_m1
@@ -466,7 +463,7 @@ def _gl_dtypes():
 _GL_DTYPE = _gl_dtypes()
 
 
-def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, recipe="delta_matching",
+def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, recipe="kernels_delta_matching",
                  stages: int = STAGES, split: bool | None = None, overlap: int | None = None,
                  host_descriptors: bool = True, n_multiple_of_16: bool = True):
     """Compile the kernel for sm_90a without a GPU (ptxas included); returns the compiled kernel.
@@ -484,13 +481,14 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, reci
     r = get_recipe(recipe)
     _check(r, head_dim)
     consts = _constexprs(r, head_dim, causal, group, stages, split, overlap)
-    do = _FP8_SIG[r.do_format]
+    do_format = r.recipe.do_dp.fmt.name
+    do = _FP8_SIG[do_format]
     scalars = {"qk_scale": "fp32", "sm_scale": "fp32", "H": "i32", "HKV": "i32", "N": "i32", "NPAD": "i32"}
     vectors = {"Q_SCALE": "*fp32", "K_SCALE": "*fp32", "V_SCALE": "*fp32", "DO_SCALE": "*fp32", "LSE2": "*fp32",
                "DELTA": "*fp32", "DK": "*bf16", "DV": "*bf16"}
     if host_descriptors:
         # descriptors of small CPU tensors: the signature holds only dtype, block shape and layout
-        fp8, do_dt = torch.float8_e4m3fn, getattr(torch, r.do_format)
+        fp8, do_dt = torch.float8_e4m3fn, getattr(torch, do_format)
         n, npad, bm = 128, 128, consts["BLOCK_M"]
         rows = torch.zeros(n, head_dim, dtype=fp8)
         cols = torch.zeros(head_dim, npad, dtype=fp8)

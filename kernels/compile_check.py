@@ -4,7 +4,7 @@ Triton's front end, its MLIR passes and the ptxas it ships run on any machine, s
 what the interpreter cannot (Triton language rules, layouts, wgmma lowering) and a developer can
 read registers, spills and shared memory of a tiling before spending GPU time on it.
 
-    python -m dmref.kernels.compile_check            # the default recipe, both head dims
+    python -m dmref.kernels.compile_check            # kernels_delta_matching, both head dims
 
 Must run with ``TRITON_INTERPRET`` unset (under the interpreter kernels are not compiled).
 """
@@ -17,8 +17,8 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 
-from ._runtime import register_cap
-from .config import QUANT_BLOCK, KernelRecipe, get_recipe
+from ._runtime import Launch, register_cap
+from .config import KernelSpec, get_recipe
 
 _INT_ARGS = ("H", "HKV", "GROUP", "N", "NPAD")
 _FP8 = {"float8_e4m3fn": "*fp8e4nv", "float8_e5m2": "*fp8e5"}
@@ -93,60 +93,44 @@ def resource_usage(compiled) -> tuple[int, int, int]:
     return regs, spills, int(compiled.metadata.shared)
 
 
-def recipe_variants(recipe: KernelRecipe, head_dim: int, causal: bool, group: int = 1):
-    """(name, kernel, constexprs, num_warps, num_stages, maxnreg) of every kernel a training step
-    runs, from the launchers' own descriptions (``fwd.launch``, ``bwd.launch``)."""
+def recipe_variants(spec: KernelSpec, head_dim: int, causal: bool, group: int = 1):
+    """(name, kernel, launch) of every kernel a training step runs, from the launchers' own
+    descriptions (``quantize.launch``, ``fwd.launch``, ``bwd.launch``)."""
     from . import bwd, fwd, quantize
 
-    def variant(name, kernel, launch):
-        consts, options = launch
-        return (name, kernel, consts, options["num_warps"], options["num_stages"], options.get("maxnreg"))
-
     yield ("quantize", quantize._quantize_kernel,
-           dict(HEAD_DIM=head_dim, BLOCK_T=QUANT_BLOCK, EMIT_ROWS=True, EMIT_COLS=True,
-                WITH_DELTA=True, IS_E5M2=False, INTERPRET=False), 8, 3, None)
-    yield variant("fwd", fwd._fwd_kernel, fwd.launch(recipe, head_dim=head_dim, causal=causal))
-    yield variant("dq", bwd._bwd_dq_kernel, bwd.launch(recipe, head_dim=head_dim, causal=causal, kernel="dq"))
-    yield variant("dkdv", bwd._bwd_dkdv_kernel,
-                  bwd.launch(recipe, head_dim=head_dim, causal=causal, kernel="dkdv", group=group))
+           quantize.launch(head_dim, spec.recipe.do_dp.fmt.name, rows=True, cols=True, with_delta=True))
+    yield ("fwd", fwd._fwd_kernel, fwd.launch(spec, head_dim=head_dim, causal=causal))
+    yield ("dq", bwd._bwd_dq_kernel, bwd.launch(spec, head_dim=head_dim, causal=causal, kernel="dq"))
+    yield ("dkdv", bwd._bwd_dkdv_kernel,
+           bwd.launch(spec, head_dim=head_dim, causal=causal, kernel="dkdv", group=group))
 
 
-def _descriptor_blocks(name: str, consts: dict, head_dim: int) -> dict | None:
-    """Block shapes of the arguments a TMA variant takes as tensor descriptors."""
-    if not consts.get("TMA"):
-        return None
-    d = head_dim
-    if name == "fwd":
-        return {"K8": [1, consts["BLOCK_N"], d], "VT8": [1, d, consts["BLOCK_N"]]}
-    if name == "dq":
-        bn = consts["BLOCK_N"]
-        return {"K8": [1, bn, d], "V8": [1, bn, d], "KT8": [1, d, bn]}
-    if name == "dkdv":
-        bm = consts["BLOCK_M"]
-        return {"Q8": [1, bm, d], "DO8": [1, bm, d], "QT8": [1, d, bm], "DOT8": [1, d, bm]}
-    return None
-
-
-def check(recipe: str | KernelRecipe = "delta_matching", head_dims=(64, 128), causal=(False, True),
+def check(recipe: str | KernelSpec = "kernels_delta_matching", head_dims=(64, 128), causal=(False, True),
           only: tuple[str, ...] | None = None) -> list[Usage]:
-    r = get_recipe(recipe)
+    spec = get_recipe(recipe)
     out = []
     for d in head_dims:
         for c in causal:
-            for name, kernel, consts, warps, stages, maxnreg in recipe_variants(r, d, c):
+            for name, kernel, run in recipe_variants(spec, d, c):
                 if only is not None and name not in only:
                     continue
-                ck = compile_sm90(kernel, consts, num_warps=warps, num_stages=stages, maxnreg=maxnreg,
-                                  do_format=r.do_format, descriptors=_descriptor_blocks(name, consts, d))
+                ck = compile_launch(kernel, run, do_format=spec.recipe.do_dp.fmt.name)
                 regs, spills, shared = resource_usage(ck)
-                cap = "" if maxnreg is None else f" maxnreg={maxnreg}"
+                cap = "" if run.maxnreg is None else f" maxnreg={run.maxnreg}"
                 out.append(Usage(name, regs, spills, shared,
-                                 f"{r.name} d={d} causal={c} warps={warps} stages={stages}{cap}"))
+                                 f"{spec.name} d={d} causal={c} warps={run.num_warps} stages={run.num_stages}{cap}"))
     return out
+
+
+def compile_launch(kernel, run: Launch, *, do_format: str = "float8_e4m3fn"):
+    """:func:`compile_sm90` of ``kernel`` as ``run`` launches it."""
+    return compile_sm90(kernel, run.constexprs, num_warps=run.num_warps, num_stages=run.num_stages,
+                        do_format=do_format, descriptors=run.descriptors or None, maxnreg=run.maxnreg)
 
 
 if __name__ == "__main__":  # pragma: no cover
     # both recipes: they differ in the dq kernel only (kbar and the matched delta)
-    usage = check("delta_matching") + check("naive_fp8", only=("dq",))
+    usage = check("kernels_delta_matching") + check("kernels_naive_fp8", only=("dq",))
     for u in usage:
         print(f"{u.kernel:9s} regs {u.registers:4d} spill {u.spill_bytes:6d} B  smem {u.shared_bytes:7d} B  {u.variant}")

@@ -1,7 +1,7 @@
-"""Tile configurations and the recipe each kernel implements, as data.
-
-Nothing here imports triton. A :class:`KernelRecipe` holds the ``dmref.recipes.Recipe`` the
-kernels run (the object the reference ``dmref.tiled`` takes) and the kernels' tilings.
+"""What the kernels run, as data: a :class:`KernelSpec` is a ``dmref.recipes.Recipe`` the
+kernels run (the object the reference ``dmref.tiled`` takes) and the kernels' tilings, built once
+(:func:`unsupported` says why a Recipe is not run); :data:`RECIPES` holds the shipped specs under
+their recipes' names. Nothing here imports triton.
 
 Layout conventions used by every kernel (``B`` batch, ``H`` query heads, ``HKV`` key/value heads,
 ``N`` tokens, ``D`` head dim; ``H % HKV == 0``, query head ``h`` reads key/value head
@@ -38,20 +38,17 @@ QUANT_BLOCK = 128
 #: below 2**4 * 448 * (1 + 2**-4) < 65504 (float16's max) for any input.
 KBAR_P_SCALE_LOG2 = 4
 
-#: The kernels' two deltas by the launchers' names (``recipe.delta`` of the Recipe they run).
+#: The two deltas :func:`kernel_recipe` builds a Recipe for.
 KernelDelta = Literal["stale", "matched"]
 
 
 @dataclass(frozen=True)
 class FwdTiles:
-    """Forward tiling: one program per ``block_m`` queries, looping over ``block_n`` keys.
-
-    ``block_n`` is both the PV contraction length per promotion (``acc += dot(P~, V^)`` once per
-    tile) and the granularity of the running max P is quantized against.
-    """
+    """Forward tiling: one program per ``block_m`` queries, looping over key tiles of the
+    recipe's ``Tiles.block_k`` (128) keys, the running-max granularity P is quantized against
+    and the PV contraction per promotion (``acc += dot(P~, V^)`` once per tile)."""
 
     block_m: int = 64  #: queries per program
-    block_n: int = 128  #: keys per inner step (divides QUANT_BLOCK)
     num_warps: int = 4  #: warps per program (Triton launch option)
     num_stages: int = 3  #: software-pipelining depth (Triton launch option)
     #: load K and V tiles through TMA tensor descriptors instead of per-element pointers (faster on
@@ -63,7 +60,6 @@ class FwdTiles:
 
     def __post_init__(self) -> None:
         _check_tile("block_m", self.block_m)
-        _check_tile("block_n", self.block_n)
 
 
 @dataclass(frozen=True)
@@ -74,10 +70,10 @@ class BwdTiles:
       heads), looping over ``block_m1`` queries.
     - ``dq``: one program per ``block_m2`` queries, looping over ``block_n2`` keys.
 
-    With the ``rowwise`` dS granularity dS is quantized per ``block_m1`` queries for dK and per
+    dS is quantized with one scale per row and ``block_m1`` queries for dK and per row and
     ``block_n2`` keys for dQ (the contraction of the tile): tiles of 128 give the reference
-    presets' 1x128 granularity, tiles of 64 and 32 the 1x64 and 1x32 ones; all are expressible in
-    ``dmref.recipes`` (``KernelRecipe.reference_recipe``). Tiles of 128 spill at head
+    presets' 1x128 granularity, tiles of 64 and 32 the 1x64 and 1x32 ones (the Recipe's
+    ``ds_dq`` and ``ds_dk``, :func:`fit_to_tiles`). Tiles of 128 spill at head
     dim 128. The defaults (D = 128) are the fastest tiling and loads of the H200 sweeps that
     ``benchmarks/bench_attention.py`` runs (docs/kernels_speed.md; benchmarks/results/h200_bench_attention.json).
     """
@@ -143,7 +139,13 @@ def fit_to_tiles(recipe, bwd: BwdTiles):
 
 def unsupported(recipe, bwd: BwdTiles | None = None) -> str | None:
     """None if the kernels run ``recipe`` (a ``dmref.recipes.Recipe``) with the backward tiling
-    ``bwd`` (None: any tiling the dS blocks allow), else the reason they do not."""
+    ``bwd`` (None: any tiling the dS blocks allow), else the reasons they do not, "; "-joined."""
+    reasons = _differences(recipe, bwd)
+    return "; ".join(reasons) if reasons else None
+
+
+def _differences(recipe, bwd: BwdTiles | None) -> list[str]:
+    """What the kernels do otherwise than ``recipe`` (with ``bwd``), one line per difference."""
     e4m3, e5m2 = FLOAT8_E4M3FN, FLOAT8_E5M2  # the formats of the kernels' casts (_common.to_fp8)
 
     def point(name, fmts, granularity, rule=ScaleRule.POW2_DOWN):
@@ -192,8 +194,7 @@ def unsupported(recipe, bwd: BwdTiles | None = None) -> str | None:
     if bwd is not None and not any(checks) and fit_to_tiles(recipe, bwd) != recipe:
         checks.append(f"tiles: the backward tiling {bwd.block_m1}x{bwd.block_n1} / {bwd.block_m2}x{bwd.block_n2} "
                       "quantizes dS, promotes the backward matmuls and tiles kbar differently from the recipe")
-    reasons = [c for c in checks if c]
-    return "; ".join(reasons) if reasons else None
+    return [c for c in checks if c]
 
 
 def _deferred(tile: int):
@@ -241,26 +242,24 @@ def kernel_recipe(delta: KernelDelta, bwd: BwdTiles | None = None, do_format: st
 
 
 @dataclass(frozen=True)
-class KernelRecipe:
-    """A recipe the kernels run: ``recipe``, the very ``dmref.recipes.Recipe`` the emulated
-    reference ``dmref.tiled`` takes, and the kernels' tilings.
+class KernelSpec:
+    """What the kernels run: ``recipe``, the very ``dmref.recipes.Recipe`` the emulated reference
+    ``dmref.tiled`` takes, and the kernels' tilings. Built from a Recipe the kernels run
+    (:func:`unsupported` is None at every tiling), else ``ValueError`` with the reason.
 
-    ``recipe`` states every quantization point, the delta and the accumulation at the
-    hardware (HOPPER wgmma chains, promoted to float32 between backward tiles shorter than
-    128); :func:`unsupported` says what the kernels cannot run. The backward tiling decides the
-    dS block extents, the promotion interval and kbar's tile (:func:`fit_to_tiles`), so every
-    tiling of one KernelRecipe must agree with its recipe. Two kernel variants the Recipe cannot
-    express (:meth:`reference_recipe` refuses them): ``ds_tile_scales``, one dS scale per whole
-    backward tile instead of the recipe's per-row blocks, and a forward key tile ``block_n``
-    other than the recipe's 128 (the running-max granularity).
+    ``recipe`` states every quantization point, the delta and the accumulation at the hardware
+    (HOPPER wgmma chains, promoted to float32 between backward tiles shorter than 128). The
+    backward tiling decides the dS block extents, the promotion interval and kbar's tile
+    (:func:`fit_to_tiles`), so every tiling of a spec agrees with its recipe; the forward's key
+    tile is the recipe's ``Tiles.block_k``. The launchers read the spec through one launch
+    description per kernel (``fwd.launch``, ``bwd.launch``), which ``compile_check`` reads too.
     """
 
-    name: str
     recipe: Recipe
     fwd: FwdTiles = field(default_factory=FwdTiles)
-    #: forward tiling at head dim 64 (None: ``fwd``); same key tile (the recipe's running-max
-    #: granularity), with a register cap of 168 so that three CTAs share an SM (H200: 3% faster
-    #: at D = 64, benchmarks/results/h200_sweep_d64.json; at D = 128 the cap spills and loses)
+    #: forward tiling at head dim 64 (None: ``fwd``): a register cap of 168 so that three CTAs
+    #: share an SM (H200: 3% faster at D = 64, benchmarks/results/h200_sweep_d64.json; at
+    #: D = 128 the cap spills and loses)
     fwd_d64: FwdTiles | None = field(default_factory=lambda: FwdTiles(maxnreg=168))
     bwd: BwdTiles = field(default_factory=BwdTiles)
     #: backward tiling at head dim 64 (None: ``bwd``): the H200 sweep picks 64 x 64 tiles on 4
@@ -268,66 +267,56 @@ class KernelRecipe:
     #: 2; capping dkdv too is slower; benchmarks/results/h200_sweep_d64.json)
     bwd_d64: BwdTiles | None = field(
         default_factory=lambda: BwdTiles(64, 64, 64, 64, 4, 2, 4, 2, tma=False, maxnreg_dq=168))
-    ds_tile_scales: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.recipe, Recipe):
+            raise TypeError(f"recipe must be a dmref.recipes.Recipe, got {type(self.recipe).__name__}")
         for tiles in {self.bwd, self.bwd_d64 or self.bwd}:
             reason = unsupported(self.recipe, tiles)
             if reason is not None:
-                raise ValueError(f"kernel recipe {self.name!r}: {reason}")
-        if self.fwd_d64 is not None and self.fwd_d64.block_n != self.fwd.block_n:
-            raise ValueError(f"fwd_d64.block_n={self.fwd_d64.block_n} != fwd.block_n={self.fwd.block_n}: "
-                             "the forward's key tile is the recipe's running-max granularity")
+                raise ValueError(f"the kernels do not run recipe {self.recipe.name!r}: {reason}")
+
+    @property
+    def name(self) -> str:
+        """The recipe's name: one name for one numerics (for the specs of :data:`RECIPES`,
+        ``dmref.get_recipe(name)`` is ``recipe``)."""
+        return self.recipe.name
 
     @staticmethod
     def unsupported(recipe, bwd: BwdTiles | None = None) -> str | None:
         """None if the kernels run ``recipe``, else why not (:func:`unsupported`)."""
         return unsupported(recipe, bwd)
 
-    # ---- what the launchers read ---------------------------------------------------------------
+    # ---- derived from the recipe ---------------------------------------------------------------
     @property
     def matched(self) -> bool:
-        """Whether the delta is matched (the dq kernel's deferred dQ) rather than stale."""
+        """Whether the delta is matched (the dq kernel's deferred dQ, ``recipe.delta.deferred_dq``)
+        rather than stale."""
         return self.recipe.delta.deferred_dq is not None
 
     @property
     def folded(self) -> bool:
-        """Whether the forward is the warp-specialized one (``fwd_ws``) with folded K and V scales."""
+        """Whether the forward is the warp-specialized one (``fwd_ws``): K scaled per head
+        (``recipe.k.granularity`` is HEAD) and V per head and channel."""
         return self.recipe.k.granularity is Granularity.HEAD
 
     @property
-    def delta(self) -> KernelDelta:
-        """``"matched"`` or ``"stale"``: the launchers' name for ``recipe.delta``."""
-        return "matched" if self.matched else "stale"
-
-    @property
-    def ds_granularity(self) -> Literal["rowwise", "tile"]:
-        """``"rowwise"`` (the recipe's 1 x tile dS blocks) or ``"tile"`` (``ds_tile_scales``)."""
-        return "tile" if self.ds_tile_scales else "rowwise"
-
-    @property
     def p_scale_log2(self) -> int:
-        """log2 of P's fixed scale in both passes (``recipe.p_fwd.offset_log2``)."""
+        """log2 of P's fixed scale in both passes (``recipe.p_fwd.offset_log2``, equal to
+        ``recipe.p_bwd.offset_log2``)."""
         return self.recipe.p_fwd.offset_log2
 
-    @property
-    def qkv_format(self) -> str:
-        """Name of the format of Q, K, V (all copies)."""
-        return self.recipe.q.fmt.name
-
-    @property
-    def do_format(self) -> str:
-        """Name of the format of both dO copies."""
-        return self.recipe.do_dp.fmt.name
-
     # ---- tilings -------------------------------------------------------------------------------
-    def with_tiles(self, fwd: FwdTiles | None = None, bwd: BwdTiles | None = None) -> "KernelRecipe":
-        """The same recipe with these tilings (a given tiling applies to every head dim; a new
-        backward tiling refits the recipe's dS blocks, promotion and kbar tile to it)."""
-        return dataclasses.replace(self, fwd=fwd or self.fwd, bwd=bwd or self.bwd,
+    def with_tiles(self, fwd: FwdTiles | None = None, bwd: BwdTiles | None = None) -> "KernelSpec":
+        """The spec with these tilings (a given tiling applies to every head dim). A backward
+        tiling that quantizes dS, promotes or tiles kbar otherwise refits the recipe to it
+        (:func:`fit_to_tiles`) under a name of its own, ``<name>_tiles<block_m1>x<block_n2>``."""
+        recipe = self.recipe
+        if bwd is not None and fit_to_tiles(recipe, bwd) != recipe:
+            recipe = dataclasses.replace(fit_to_tiles(recipe, bwd), name=f"{self.name}_tiles{bwd.block_m1}x{bwd.block_n2}")
+        return dataclasses.replace(self, recipe=recipe, fwd=fwd or self.fwd, bwd=bwd or self.bwd,
                                    fwd_d64=None if fwd is not None else self.fwd_d64,
-                                   bwd_d64=None if bwd is not None else self.bwd_d64,
-                                   recipe=fit_to_tiles(self.recipe, bwd) if bwd is not None else self.recipe)
+                                   bwd_d64=None if bwd is not None else self.bwd_d64)
 
     def fwd_tiles(self, head_dim: int) -> FwdTiles:
         """The forward tiling used at ``head_dim``."""
@@ -337,45 +326,69 @@ class KernelRecipe:
         """The backward tiling used at ``head_dim``."""
         return self.bwd_d64 if (head_dim == 64 and self.bwd_d64 is not None) else self.bwd
 
-    def reference_recipe(self, head_dim: int, accumulation: str = "hopper"):
-        """``recipe`` as the kernels run it at ``head_dim``, for the emulated reference
-        ``dmref.tiled``: ``accumulation="hopper"`` for the H200 (the recipe itself), ``"fp32"``
-        for Triton's interpreter (float32 matmuls everywhere).
+    def reference_recipe(self, accumulation: str = "hopper") -> Recipe:
+        """``recipe`` for the emulated reference ``dmref.tiled`` under ``accumulation``:
+        ``"hopper"`` for the H200 (``recipe`` itself), ``"fp32"`` for Triton's interpreter (every
+        matmul in float32: ``recipe.with_accumulation("fp32")``, named ``<name>@fp32``)."""
+        from dmref.emulation import MatmulModel
 
-        Raises ``ValueError`` for the kernel variants the Recipe cannot express: ``ds_tile_scales``
-        (no per-tile dS scale) and a forward key tile other than the recipe's 128 (the running
-        max is rescaled every ``Tiles.block_k`` keys).
-        """
-        from dmref.recipes import MatmulModel, MatmulModels
-
-        if self.ds_tile_scales:
-            raise ValueError("ds_tile_scales: the reference has no per-tile dS scale")
-        if self.fwd.block_n != QUANT_BLOCK:
-            raise ValueError(f"forward block_n={self.fwd.block_n}: the reference rescales the "
-                             f"running max every {QUANT_BLOCK} keys (Tiles.block_k)")
-        r = fit_to_tiles(self.recipe, self.bwd_tiles(head_dim))
-        model = MatmulModel.get(accumulation)
-        if model != MatmulModel.get("hopper"):
-            r = dataclasses.replace(r, accumulation=MatmulModels.all(model))
-        return dataclasses.replace(r, name=f"kernels_{self.name}_d{head_dim}")
+        if MatmulModel.get(accumulation) == MatmulModel.get("hopper"):
+            return self.recipe
+        return self.recipe.with_accumulation(accumulation)
 
 
-#: The recipes the kernels implement, by name.
-#: The names are those of the reference presets they implement (``dmref.recipes``):
-#: ``naive_fp8`` is every matmul in block-scaled FP8 with the stale delta.
-RECIPES: dict[str, KernelRecipe] = {
-    "delta_matching": KernelRecipe(name="delta_matching", recipe=kernel_recipe("matched")),
-    "naive_fp8": KernelRecipe(name="naive_fp8", recipe=kernel_recipe("stale")),
+def _specs(*recipes: Recipe) -> dict[str, KernelSpec]:
+    return {r.name: KernelSpec(r) for r in recipes}
+
+
+#: The specs the kernels ship, by their recipes' names; ``dmref.get_recipe(name)`` is the
+#: ``recipe`` of each. ``kernels_naive_fp8``: naive_fp8's quantization with the kernels' scales
+#: (Q, K, dO, V of dP per token) and the stale delta; ``kernels_delta_matching``: the same with
+#: the matched delta and the kernels' deferred dQ; ``kernels_folded_*``: the same backward with the
+#: warp-specialized forward's folded K and V scales.
+RECIPES: dict[str, KernelSpec] = _specs(
+    kernel_recipe("matched"),
+    kernel_recipe("stale"),
     # the warp-specialized Gluon forward (fwd_ws), the same backward kernels
-    "folded_delta_matching": KernelRecipe(name="folded_delta_matching", recipe=kernel_recipe("matched", folded=True)),
-    "folded_naive_fp8": KernelRecipe(name="folded_naive_fp8", recipe=kernel_recipe("stale", folded=True)),
-}
+    kernel_recipe("matched", folded=True),
+    kernel_recipe("stale", folded=True),
+)
 
 
-def get_recipe(recipe: str | KernelRecipe) -> KernelRecipe:
-    if isinstance(recipe, KernelRecipe):
+def _suggestion(recipe: Recipe) -> str:
+    """The shipped spec of the same delta (and forward) as ``recipe``."""
+    folded = recipe.k.granularity is Granularity.HEAD
+    matched = recipe.delta.kind is DeltaKind.MATCHED
+    return f"kernels_{'folded_' if folded else ''}{'delta_matching' if matched else 'naive_fp8'}"
+
+
+def _not_run(recipe: Recipe) -> ValueError:
+    """One line: the kernel recipe to use instead of ``recipe``, and the first thing that differs."""
+    first, *rest = _differences(recipe, BwdTiles())
+    more = f" (and {len(rest)} more: KernelSpec.unsupported(recipe))" if rest else ""
+    suggest = _suggestion(recipe)
+    return ValueError(f"the kernels do not run recipe {recipe.name!r}; use {suggest!r} "
+                      f"(dmref.get_recipe({suggest!r}) is its Recipe). First difference{more}: {first}")
+
+
+def get_recipe(recipe: "str | Recipe | KernelSpec") -> KernelSpec:
+    """The spec the kernels run for ``recipe``: a name of :data:`RECIPES`, a ``KernelSpec``, or a
+    ``dmref.recipes.Recipe`` the kernels run (the shipped spec holding it, else a spec with the
+    default tilings). Raises ValueError with the reason for a recipe or preset name the kernels
+    do not run, naming the kernel recipe to use."""
+    if isinstance(recipe, KernelSpec):
         return recipe
-    try:
+    if isinstance(recipe, Recipe):
+        for spec in RECIPES.values():
+            if spec.recipe == recipe:
+                return spec
+        if _differences(recipe, BwdTiles()):
+            raise _not_run(recipe)
+        return KernelSpec(recipe)
+    if not isinstance(recipe, str):
+        raise TypeError(f"recipe must be a name, a Recipe or a KernelSpec, got {type(recipe).__name__}")
+    if recipe in RECIPES:
         return RECIPES[recipe]
-    except KeyError:
-        raise ValueError(f"recipe={recipe!r} is not one of {sorted(RECIPES)}") from None
+    if recipe in PRESETS:
+        return get_recipe(PRESETS[recipe])
+    raise ValueError(f"recipe={recipe!r} is not one of the kernels' recipes {sorted(RECIPES)}")

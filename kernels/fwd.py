@@ -8,7 +8,7 @@ Per program: ``BLOCK_M`` queries of one head, looping over ``BLOCK_N`` keys of i
     acc = acc * alpha + dot(Q8(P * 2**8), V8T) * v_scale # promoted: one float32 add per tile
     O = acc / (l * 2**8);  LSE2 = m + log2(l)
 
-The quantization points are those of ``KernelRecipe.recipe`` (docs/kernels.md). P is quantized against the running
+The quantization points are those of ``KernelSpec.recipe`` (docs/kernels.md). P is quantized against the running
 max with a fixed 2**8 offset; V comes from its transposed copy (tokens contiguous) so that the PV
 wgmma reads both operands K-major.
 """
@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from ._common import mul_rn, to_bf16, to_fp8
-from ._runtime import interpreting, register_cap
-from .config import QUANT_BLOCK, FwdTiles, KernelRecipe
+from ._runtime import Launch, interpreting
+from .config import QUANT_BLOCK, FwdTiles, KernelSpec
 from ..emulation.constants import LN2, LOG2E  # noqa: F401  (bwd and api take them from here)
 
 # log2(e): the kernels compute exp2(S * log2(e)) = exp(S); tau * log2(e) rides on Q's scale
@@ -183,19 +183,23 @@ def _fwd_kernel(
     tl.store(LSE2 + offs_m, m_i + tl.math.log2(l_i), mask=in_seq)
 
 
-def launch(recipe: KernelRecipe, *, head_dim: int, causal: bool, debug: bool = False) -> tuple[dict, dict]:
-    """The forward kernel's constexprs and launch options (warps, stages, register cap) for
-    ``recipe`` at ``head_dim``: the one description that :func:`forward` and
+def launch(spec: KernelSpec, *, head_dim: int, causal: bool, debug: bool = False) -> Launch:
+    """The forward kernel's launch for ``spec`` at ``head_dim``: key tiles of the recipe's
+    ``Tiles.block_k``, P's fixed scale ``2**recipe.p_fwd.offset_log2``, the tiling's warps,
+    stages, register cap and loads. The one description that :func:`forward` and
     ``compile_check`` read."""
-    tiles: FwdTiles = recipe.fwd_tiles(head_dim)
-    consts = dict(HEAD_DIM=head_dim, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, QB=QUANT_BLOCK, CAUSAL=causal,
-                  P_SCALE=float(2 ** recipe.p_scale_log2), TMA=tiles.tma, DEBUG=bool(debug), INTERPRET=interpreting())
-    return consts, dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages, **register_cap(tiles.maxnreg))
+    tiles: FwdTiles = spec.fwd_tiles(head_dim)
+    block_n = spec.recipe.tiles.block_k
+    consts = dict(HEAD_DIM=head_dim, BLOCK_M=tiles.block_m, BLOCK_N=block_n, QB=QUANT_BLOCK, CAUSAL=causal,
+                  P_SCALE=float(2 ** spec.recipe.p_fwd.offset_log2), TMA=tiles.tma, DEBUG=bool(debug),
+                  INTERPRET=interpreting())
+    descriptors = {"K8": [1, block_n, head_dim], "VT8": [1, head_dim, block_n]} if tiles.tma else {}
+    return Launch(consts, tiles.num_warps, tiles.num_stages, tiles.maxnreg, descriptors)
 
 
 def forward(
     q8, k8, vt, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int,
-    causal: bool, scale: float, recipe: KernelRecipe, debug: bool = False,
+    causal: bool, scale: float, recipe: KernelSpec, debug: bool = False,
 ):
     """Run the forward kernel on quantized operands.
 
@@ -204,25 +208,24 @@ def forward(
     (``LSE = LSE2 * ln 2``), and with ``debug`` the E4M3 codes of every quantized P as
     ``(B*H, N, N)`` uint8 (0 where masked).
     """
-    tiles: FwdTiles = recipe.fwd_tiles(head_dim)
-    consts, options = launch(recipe, head_dim=head_dim, causal=causal, debug=debug)
+    run = launch(recipe, head_dim=head_dim, causal=causal, debug=debug)
     dev = q8.rows.device
     o = torch.empty((batch, heads, n, head_dim), device=dev, dtype=torch.bfloat16)
     lse2 = torch.empty((batch * heads, n), device=dev, dtype=torch.float32)
     p_dump = (torch.zeros((batch * heads, n, n), device=dev, dtype=torch.float32) if debug
               else torch.empty(1, device=dev, dtype=torch.float32))
-    grid = (triton.cdiv(n, tiles.block_m), batch * heads)
+    grid = (triton.cdiv(n, run.constexprs["BLOCK_M"]), batch * heads)
     k_rows, v_cols = k8.rows, vt.cols
-    if tiles.tma:
+    if run.descriptors:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        k_rows = TensorDescriptor.from_tensor(k8.rows, [1, tiles.block_n, head_dim])
-        v_cols = TensorDescriptor.from_tensor(vt.cols, [1, head_dim, tiles.block_n])
+        k_rows = TensorDescriptor.from_tensor(k8.rows, run.descriptors["K8"])
+        v_cols = TensorDescriptor.from_tensor(vt.cols, run.descriptors["VT8"])
     _fwd_kernel[grid](
         q8.rows, q8.row_scale, k_rows, k8.row_scale, v_cols, vt.col_scale,
         o, lse2, p_dump,
         scale * LOG2E, heads, heads // kv_heads, n, vt.npad,
-        **consts, **options,
+        **run.constexprs, **run.options(),
     )
     return o, lse2, (fp8_codes(p_dump) if debug else None)
 

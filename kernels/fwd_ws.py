@@ -327,7 +327,7 @@ def _constexprs(head_dim: int, block_n: int, stages: int, causal: bool, chain: b
     ``Recipe.pv_chain``; ``chain=None``); ``overlap=None`` is :func:`default_overlap`."""
     from .config import RECIPES
 
-    recipe = RECIPES["folded_delta_matching"]
+    recipe = RECIPES["kernels_folded_delta_matching"]
     p_scale = float(2 ** recipe.p_scale_log2)
     if chain is None:
         chain = recipe.recipe.pv_chain

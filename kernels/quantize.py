@@ -22,7 +22,7 @@ import triton.language as tl
 from dmref.emulation import get_format
 
 from ._common import exp2_int, from_bf16, pow2_down_exponent, to_fp8
-from ._runtime import interpreting
+from ._runtime import Launch, interpreting
 from .config import QUANT_BLOCK
 
 #: The FP8 formats of the kernels' casts (``_common.to_fp8``); their torch dtypes are the formats'
@@ -94,6 +94,15 @@ def _quantize_kernel(
         tl.store(DELTA + offs_t, tl.sum(o * x, axis=1), mask=in_seq)
 
 
+def launch(head_dim: int, fmt: str, *, rows: bool = True, cols: bool = True, with_delta: bool = False) -> Launch:
+    """The quantization kernel's launch for ``head_dim`` and the FP8 format ``fmt``: the copies
+    it writes and whether it computes the stale delta. The one description that
+    :func:`quantize` and ``compile_check`` read."""
+    consts = dict(HEAD_DIM=head_dim, BLOCK_T=QUANT_BLOCK, EMIT_ROWS=bool(rows), EMIT_COLS=bool(cols),
+                  WITH_DELTA=bool(with_delta), IS_E5M2=fmt == "float8_e5m2", INTERPRET=interpreting())
+    return Launch(consts, num_warps=8, num_stages=3)
+
+
 def quantize(
     x: torch.Tensor,
     fmt: str = "float8_e4m3fn",
@@ -133,6 +142,7 @@ def quantize(
             raise ValueError(f"delta_with shape {tuple(delta_with.shape)} != x shape {tuple(x.shape)}")
         delta = torch.empty((bsz * heads, n), device=dev, dtype=torch.float32)
         o = delta_with
+    run = launch(d, fmt, rows=rows, cols=cols, with_delta=delta is not None)
     grid = (npad // QUANT_BLOCK, bsz * heads)
     _quantize_kernel[grid](
         x, *x.stride(),
@@ -140,10 +150,7 @@ def quantize(
         out.cols if cols else dummy8, out.col_scale if cols else dummy32,
         o, *o.stride(), delta if delta is not None else dummy32,
         heads, n, npad,
-        HEAD_DIM=d, BLOCK_T=QUANT_BLOCK,
-        EMIT_ROWS=rows, EMIT_COLS=cols, WITH_DELTA=delta is not None,
-        IS_E5M2=fmt == "float8_e5m2", INTERPRET=interpreting(),
-        num_warps=8,
+        **run.constexprs, **run.options(),
     )
     return out, delta
 

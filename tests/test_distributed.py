@@ -237,7 +237,9 @@ def _attention_digests_worker(kind: str, out: str):
         dist.init_process_group("gloo")
         shape, dtype, where = (1, 2, 32, 16), torch.float32, f"cpu pid {os.getpid()}"
     digests = {"where": where}
-    for recipe in ("delta_matching", "naive_fp8"):
+    # the kernels run their own recipes; the CPU emulates the presets
+    recipes = ("kernels_delta_matching", "kernels_naive_fp8") if kind == "kernels" else ("delta_matching", "naive_fp8")
+    for recipe in recipes:
         for causal in (False, True):
             gen = torch.Generator().manual_seed(1234)
             q, k, v, dout = (torch.randn(*shape, generator=gen).to(device, dtype) for _ in range(4))
@@ -289,8 +291,8 @@ def test_training_on_two_gpus_is_accumulation(td, tmp_path):
     """DDP and FSDP2 (no clipping) with the kernels, on two GPUs: bit for bit the curve of one GPU
     accumulating the same two micro-batches, and within the first-step bound of one GPU on the
     whole batch."""
-    gpu = ["--device", "cuda", "--steps", "6", "--batch", "8", "--context", "64", "--d-model", "128",
-           "--heads", "2", "--layers", "2", "--max-grad-norm", "0"]
+    gpu = ["--device", "cuda", "--recipe", "kernels_delta_matching", "--steps", "6", "--batch", "8", "--context",
+           "64", "--d-model", "128", "--heads", "2", "--layers", "2", "--max-grad-norm", "0"]
     single = torchrun(gpu + ["--mode", "single"], tmp_path / "single.json", nproc=1)
     accumulate = torchrun(gpu + ["--mode", "single", "--accumulate", "2"], tmp_path / "acc.json", nproc=1)
     for mode in ("ddp", "fsdp2"):

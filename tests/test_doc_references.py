@@ -5,13 +5,13 @@ docstrings and comments of every Python file of the packages (dmref/, emulation/
 proofs/) and of tests/.
 
 - A path is a token ending in a known file extension (``docs/gemm.md``, ``tests/data/x.npz``,
-  ``kernel_model.py``); it resolves when it names a file or folder git tracks: from the
+  ``kernel_inputs.py``); it resolves when it names a file or folder git tracks: from the
   repository root, from the citing file's folder, or (a bare file name) as the name of a tracked
   file anywhere. Not references: URLs, absolute paths, patterns (``*``, ``<...>``, ``{...}``),
   placeholders (``FILE.npz``, ``OUT/...``), a file a command writes (after ``--out``), and the
   paths of other repositories in :data:`EXTERNAL_PATHS`.
 - A dotted name is ``dmref.a.b...``, ``Class.attribute`` of a class of :data:`CLASS_HOMES`
-  (``KernelRecipe.reference_recipe``), or a Sphinx role target (``:func:`name```,
+  (``KernelSpec.reference_recipe``), or a Sphinx role target (``:func:`name```,
   ``:class:`~mod.Name```) in a docstring. It resolves when the longest prefix that imports as a
   module has the rest as attributes; a role target is looked up first in the citing class and
   module (a test file: its top-level names).
@@ -52,7 +52,7 @@ EXTERNAL_PATHS = {
     "config.json": "each model's configuration on the Hugging Face hub",
 }
 #: Classes whose ``Class.attribute`` the docs and docstrings cite without the module.
-CLASS_HOMES = {"KernelRecipe": "dmref.kernels.config", "Recipe": "dmref.recipes", "QuantPoint": "dmref.recipes",
+CLASS_HOMES = {"KernelSpec": "dmref.kernels.config", "Recipe": "dmref.recipes", "QuantPoint": "dmref.recipes",
                "Format": "dmref.emulation.formats", "Block": "dmref.emulation.blocked",
                "ScaleRule": "dmref.emulation.blocked"}
 

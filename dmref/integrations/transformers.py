@@ -9,19 +9,20 @@ Importing this module registers, with ``transformers.AttentionInterface`` (and, 
 ``"dmref:<preset>"``            a preset of :data:`dmref.PRESETS` (``bf16``, ``naive_fp8``,
                                 ``cudnn_fp8``, ``mxfp8_stale``, ``delta_matching``,
                                 ``consistent_p``, ``fp32``, ``exact``): ``dmref.attention`` with
-                                that recipe, emulated on the tensors' device; on a Hopper GPU
-                                (compute capability 9.0) the presets that have a kernel
-                                (``naive_fp8``, ``delta_matching``) run ``dmref.kernels``
-``"dmref:kernels:<name>"``      the kernels' own recipe (``dmref.kernels.RECIPES[name]``): the
-                                kernel on a Hopper GPU, and elsewhere its emulated reference
-                                (``KernelRecipe.reference_recipe(head_dim)``: the same scales,
-                                dS blocks, deferred dQ and Hopper accumulation)
+                                that recipe, emulated on the tensors' device
+``"dmref:kernels_<name>"``      a recipe the kernels run (``kernels_delta_matching``,
+                                ``kernels_naive_fp8``, ``kernels_folded_*``: the names of
+                                ``dmref.kernels.RECIPES``): the kernel on a Hopper GPU (compute
+                                capability 9.0), and elsewhere ``dmref.attention`` on the very
+                                same Recipe (``dmref.get_recipe(name)``: the same scales, dS
+                                blocks, deferred dQ and Hopper accumulation)
 ==============================  ===============================================================
 
 Usage (three lines)::
 
     import dmref.integrations.transformers  # registers the names
     model = AutoModelForCausalLM.from_config(config, attn_implementation="dmref:delta_matching")
+    # or attn_implementation="dmref:kernels_delta_matching": dmref.kernels on a Hopper GPU
     # train as usual; record(...) and layer_reports(...) read the row-sum residual per layer
 
 The calling convention is transformers' own (``integrations/sdpa_attention.py``): ``query``
@@ -65,7 +66,7 @@ from ..recipes import PRESETS, Recipe, get_recipe
 __all__ = ["AttentionCall", "NAMES", "attention_forward", "layer_reports", "record", "register"]
 
 def _kernel_recipes() -> tuple[str, ...]:
-    """The kernels' recipes by name (``dmref.kernels.RECIPES``; its config imports no triton)."""
+    """The recipes the kernels run, by name (``dmref.kernels.RECIPES``; its config imports no triton)."""
     from ..kernels.config import RECIPES
 
     return tuple(RECIPES)
@@ -75,15 +76,15 @@ _KERNEL_RECIPES = _kernel_recipes()
 
 
 def _names() -> dict[str, tuple[str, bool]]:
-    """Registered name -> (recipe name, whether the name means the kernels' own recipe)."""
+    """Registered name -> (recipe name, whether the kernels run it on a Hopper GPU)."""
     names = {"dmref": ("exact", False)}
     names.update({f"dmref:{p}": (p, False) for p in PRESETS})
-    names.update({f"dmref:kernels:{k}": (k, True) for k in _KERNEL_RECIPES})
+    names.update({f"dmref:{k}": (k, True) for k in _KERNEL_RECIPES})
     return names
 
 
-#: Every name this module registers, with the recipe it runs.
-NAMES: dict[str, str] = {name: (f"kernels:{r}" if k else r) for name, (r, k) in _names().items()}
+#: Every name this module registers, with the recipe it runs (``dmref.get_recipe`` of it).
+NAMES: dict[str, str] = {name: r for name, (r, _) in _names().items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -99,7 +100,7 @@ class AttentionCall:
 
     layer: int | None  #: ``module.layer_idx``
     name: str  #: the registered name
-    recipe: Recipe  #: the recipe the numbers follow (for a kernel: its emulated reference)
+    recipe: Recipe  #: the recipe the numbers follow (a kernel's: the Recipe it runs)
     kernels: bool  #: True when dmref.kernels ran it
     q: torch.Tensor
     k: torch.Tensor
@@ -234,28 +235,21 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if kernel_recipe and query.shape[-1] not in (64, 128):
         raise ValueError(f"{name}: the kernels' recipes are defined for head dims 64 and 128; the model has "
                          f"head_dim={query.shape[-1]}")
-    use_kernels = recipe in _KERNEL_RECIPES and _hopper(query)
+    use_kernels = kernel_recipe and _hopper(query)
+    run = get_recipe(recipe)  # a kernel recipe's name: the Recipe the kernels run
     if use_kernels:
         if query.dtype != torch.bfloat16 and torch.is_autocast_enabled("cuda") \
                 and torch.get_autocast_dtype("cuda") == torch.bfloat16:
             # what autocast does to torch's SDPA: q, k, v in the autocast dtype, the output in it too
             query, key, value = (t.to(torch.bfloat16) for t in (query, key, value))
         out = _kernels(name, module, query, key, value, mask, causal, scale, recipe, kwargs)
-        run = _kernel_reference(recipe, query.shape[-1])
     else:
-        run = _kernel_reference(recipe, query.shape[-1]) if kernel_recipe else get_recipe(recipe)
         out = emulated_attention(query, key, value, causal=causal, scale=scale, mask=mask, recipe=run)
     if _RECORDERS:
         _record(AttentionCall(getattr(module, "layer_idx", None), name, run, use_kernels, query.detach(),
                               key.detach(), value.detach(), None if mask is None else mask.detach(),
                               causal, scale, out.detach()), out)
     return out.transpose(1, 2).contiguous(), None
-
-
-def _kernel_reference(recipe: str, head_dim: int) -> Recipe:
-    from ..kernels import RECIPES
-
-    return RECIPES[recipe].reference_recipe(head_dim)
 
 
 def _kernels(name, module, query, key, value, mask, causal, scale, recipe, kwargs) -> torch.Tensor:

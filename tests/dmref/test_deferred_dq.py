@@ -22,10 +22,10 @@ from hypothesis import strategies as st
 from dmref import reference, tiled
 from dmref.diagnostics import U_FP32, gamma
 from dmref.kernels.config import RECIPES  # dataclasses only: no triton import
-from dmref.recipes import MATCHED, NONE, PRESETS, STALE_UNROUNDED, DeltaKind, DeltaStrategy
+from dmref.recipes import MATCHED, NONE, PRESETS, STALE_UNROUNDED, DeltaKind, DeltaStrategy, get_recipe
 
-#: the recipe the kernels declare at head dim 64 (float32 accumulation)
-KERNEL_RECIPE = RECIPES["delta_matching"].reference_recipe(64, "fp32")
+#: the recipe the kernels run, with float32 accumulation
+KERNEL_RECIPE = get_recipe("kernels_delta_matching@fp32")
 #: its kbar: E4M3 P * 2^4, 64-key tiles, float16 tile results and accumulator
 KERNEL_LIKE = KERNEL_RECIPE.delta.deferred_dq
 
@@ -104,19 +104,29 @@ def test_deferred_dq_refuses_what_it_cannot_mean():
 
 
 def test_kernels_run_their_own_recipes_and_say_why_not_for_the_presets():
-    """KernelRecipe.unsupported: None for the Recipe a KernelRecipe holds (at its tiling), a
-    reason naming the first differing point for a preset or a changed point."""
+    """KernelSpec.unsupported: None for the Recipe a KernelSpec holds (at its tiling), a reason
+    naming the first differing point for a preset or a changed point; one name, one Recipe."""
     from dmref.emulation import ScaleRule
-    from dmref.kernels.config import KernelRecipe
+    from dmref.kernels.config import KernelSpec, get_recipe as kernel_spec
 
-    for kr in RECIPES.values():
-        assert KernelRecipe.unsupported(kr.recipe, kr.bwd) is None
-        assert kr.reference_recipe(64, "hopper").accumulation == kr.recipe.accumulation
-    assert "q:" in KernelRecipe.unsupported(PRESETS["naive_fp8"])
-    kr = RECIPES["naive_fp8"]
-    amax_k = replace(kr.recipe, k=replace(kr.recipe.k, scale_rule=ScaleRule.AMAX))
-    reason = KernelRecipe.unsupported(amax_k)
+    for name, spec in RECIPES.items():
+        assert KernelSpec.unsupported(spec.recipe, spec.bwd) is None
+        assert spec.name == spec.recipe.name == name
+        assert get_recipe(name) == spec.recipe
+        assert spec.reference_recipe("hopper") is spec.recipe
+        assert name not in PRESETS
+    assert KERNEL_RECIPE == RECIPES["kernels_delta_matching"].reference_recipe("fp32")
+    assert "q:" in KernelSpec.unsupported(PRESETS["naive_fp8"])
+    spec = RECIPES["kernels_naive_fp8"]
+    amax_k = replace(spec.recipe, k=replace(spec.recipe.k, scale_rule=ScaleRule.AMAX))
+    reason = KernelSpec.unsupported(amax_k)
     assert reason.startswith("k:") and "amax" in reason
-    with pytest.raises(ValueError, match="kernel recipe 'x': k:"):
-        KernelRecipe(name="x", recipe=amax_k)
-    assert "tiles" in KernelRecipe.unsupported(kr.recipe, replace(kr.bwd, block_n2=128))
+    with pytest.raises(ValueError, match="the kernels do not run recipe 'kernels_naive_fp8': k:"):
+        KernelSpec(amax_k)
+    assert "tiles" in KernelSpec.unsupported(spec.recipe, replace(spec.bwd, block_n2=128))
+    # a preset by name: one line naming the kernel recipe of the same delta and the first difference
+    for preset, use in (("delta_matching", "kernels_delta_matching"), ("naive_fp8", "kernels_naive_fp8")):
+        with pytest.raises(ValueError, match=f"use '{use}'.*First difference.*q: ") as err:
+            kernel_spec(preset)
+        assert "\n" not in str(err.value)
+    assert kernel_spec(get_recipe("kernels_naive_fp8")) is spec

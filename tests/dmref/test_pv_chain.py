@@ -43,7 +43,7 @@ def test_chained_product_equals_the_wgmma_chain_in_the_kernels_units(seed):
     # dmref.tiled: dequantized operands, the accumulator in value units
     p_deq = decode(p_codes, FLOAT8_E4M3FN).float() * p_scale
     v_deq = (decode(v_codes, FLOAT8_E4M3FN).float() * v_scale[:, None]).T
-    recipe = RECIPES["folded_naive_fp8"].reference_recipe(64, "hopper")
+    recipe = RECIPES["kernels_folded_naive_fp8"].reference_recipe("hopper")
     points = (recipe.p, recipe.v)
     got = tiled._matmul(p_deq, v_deq, MatmulModel.get("hopper"), torch.float32, points,
                         c=acc_units * (p_scale * v_scale))
@@ -58,7 +58,7 @@ def _problem(seed=0, n=300, d=64):
 
 
 def test_the_option_changes_nothing_under_float32_adds():
-    recipe = replace(RECIPES["folded_naive_fp8"].reference_recipe(64, "hopper"),
+    recipe = replace(RECIPES["kernels_folded_naive_fp8"].reference_recipe("hopper"),
                      accumulation=MatmulModels.all("fp32"))
     q, k, v = _problem()
     promoted = tiled.forward(q, k, v, recipe=recipe, causal=True).out
@@ -69,7 +69,7 @@ def test_the_option_changes_nothing_under_float32_adds():
 def test_under_hopper_the_chain_changes_o():
     """The option is not a no-op where it matters: the wgmma chain aligns each k-step to the
     accumulator as well as the products, so O differs from the promoted form's."""
-    recipe = RECIPES["folded_naive_fp8"].reference_recipe(64, "hopper")
+    recipe = RECIPES["kernels_folded_naive_fp8"].reference_recipe("hopper")
     assert recipe.pv_chain  # the folded recipes chain PV (the warp-specialized forward's accumulation)
     q, k, v = _problem(seed=1)
     promoted = tiled.forward(q, k, v, recipe=replace(recipe, pv_chain=False)).out

@@ -117,8 +117,12 @@ def test_every_name_is_registered_with_attention_and_mask_interfaces():
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     assert dmt.NAMES["dmref"] == "exact" and dmt.NAMES["dmref:delta_matching"] == "delta_matching"
-    assert {"dmref:naive_fp8", "dmref:cudnn_fp8", "dmref:mxfp8_stale", "dmref:kernels:delta_matching",
-            "dmref:kernels:naive_fp8"} <= set(dmt.NAMES)
+    assert {"dmref:naive_fp8", "dmref:cudnn_fp8", "dmref:mxfp8_stale", "dmref:kernels_delta_matching",
+            "dmref:kernels_naive_fp8"} <= set(dmt.NAMES)
+    # one name, one numerics: every registered name runs dmref.get_recipe of its recipe name
+    import dmref
+
+    assert all(dmref.get_recipe(r).name == r for r in dmt.NAMES.values())
     for name in dmt.NAMES:
         assert name in transformers.AttentionInterface._global_mapping
         assert name in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
@@ -199,25 +203,24 @@ def test_fp8_recipe_row_sum_residual_per_layer(recipe):
                 assert r.rowsum_over_bound_max <= 1, where
 
 
-@pytest.mark.parametrize("name", ["delta_matching", "naive_fp8"])
-def test_kernels_recipe_name_emulates_the_kernels_reference_off_hopper(name):
+@pytest.mark.parametrize("name", ["kernels_delta_matching", "kernels_naive_fp8"])
+def test_kernels_recipe_name_emulates_the_kernels_recipe_off_hopper(name):
     from dmref.kernels import RECIPES
 
     model, batch = build("llama")
-    model.set_attn_implementation(f"dmref:kernels:{name}")
+    model.set_attn_implementation(f"dmref:{name}")
     with pytest.raises(ValueError, match="head_dim=16"):
         model(**batch)
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                                   attn_implementation=f"dmref:kernels:{name}")
+                                   attn_implementation=f"dmref:{name}")
     with dmt.record() as calls:
         transformers.LlamaForCausalLM(cfg)(**batch).loss.backward()
-    head_dim = calls[0].q.shape[-1]
-    assert all(c.recipe == RECIPES[name].reference_recipe(head_dim) and not c.kernels for c in calls)
+    assert all(c.recipe is RECIPES[name].recipe and not c.kernels for c in calls)
     for layer, r in dmt.layer_reports(calls):
         within = r.rowsum_over_bound_max <= 1
-        assert within if name == "delta_matching" else not within, (layer, r.rowsum_over_bound_max)
+        assert within if name == "kernels_delta_matching" else not within, (layer, r.rowsum_over_bound_max)
 
 
 def test_bfloat16_model_gets_bfloat16_from_the_float32_emulation():
@@ -270,7 +273,7 @@ def test_kernels_refuse_what_they_do_not_implement_before_they_run(dtype, mask, 
     q = torch.zeros(1, 2, 3, 64, dtype=dtype)
     module = SimpleNamespace(sliding_window=window, layer_idx=0)
     with pytest.raises((TypeError, ValueError), match=named):
-        dmt._kernels("dmref:delta_matching", module, q, q, q, mask, False, 0.125, "delta_matching",
+        dmt._kernels("dmref:kernels_delta_matching", module, q, q, q, mask, False, 0.125, "kernels_delta_matching",
                      {"sliding_window": window})
 
 
@@ -317,9 +320,9 @@ def test_kernels_take_a_causal_or_full_boolean_mask_as_their_causal_flag(monkeyp
     launched = {}
     monkeypatch.setattr(dmref.kernels, "attention", lambda q, k, v, **kw: launched.update(kw) or q)
     q = torch.zeros(1, 2, 4, 64, dtype=torch.bfloat16)
-    dmt._kernels("dmref:delta_matching", SimpleNamespace(layer_idx=0), q, q, q, mask, False, 0.125,
-                 "delta_matching", {})
-    assert launched == dict(causal=causal, scale=0.125, recipe="delta_matching")
+    dmt._kernels("dmref:kernels_delta_matching", SimpleNamespace(layer_idx=0), q, q, q, mask, False, 0.125,
+                 "kernels_delta_matching", {})
+    assert launched == dict(causal=causal, scale=0.125, recipe="kernels_delta_matching")
 
 
 def test_kernel_path_in_a_bfloat16_llama_with_a_stand_in_kernel(monkeypatch):
@@ -333,7 +336,7 @@ def test_kernel_path_in_a_bfloat16_llama_with_a_stand_in_kernel(monkeypatch):
 
     def stand_in(q, k, v, *, causal, scale, recipe):
         launched.append(causal)
-        reference = dmref.kernels.RECIPES[recipe].reference_recipe(q.shape[-1], accumulation="fp32")
+        reference = dmref.kernels.RECIPES[recipe].reference_recipe(accumulation="fp32")
         return emulated(q, k, v, causal=causal, scale=scale, recipe=reference)
 
     monkeypatch.setattr(dmt, "_hopper", lambda t: True)
@@ -341,7 +344,7 @@ def test_kernel_path_in_a_bfloat16_llama_with_a_stand_in_kernel(monkeypatch):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                                   attn_implementation="dmref:delta_matching")
+                                   attn_implementation="dmref:kernels_delta_matching")
     model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
     ids = build("qwen2")[1]["input_ids"]
     with dmt.record() as calls:
@@ -357,7 +360,7 @@ def test_kernels_run_a_llama_under_bfloat16_autocast_with_delta_matching_within_
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).to("cuda")
-    model.set_attn_implementation("dmref:delta_matching")
+    model.set_attn_implementation("dmref:kernels_delta_matching")
     ids = torch.randint(0, VOCAB, (2, 300), device="cuda")
     with dmt.record() as calls, torch.autocast("cuda", dtype=torch.bfloat16):
         model(input_ids=ids, labels=ids).loss.backward()

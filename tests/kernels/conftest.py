@@ -54,5 +54,5 @@ if not hopper_available():
     else:
         patch_interpreter_scalar_index()
 
-# the helper modules beside this file (kernel_model, kernel_bounds) import by name
+# the helper modules beside this file (kernel_inputs, kernel_bounds, reference_intermediates) import by name
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

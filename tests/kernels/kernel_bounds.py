@@ -9,12 +9,14 @@ import torch
 from dmref.emulation.constants import U_FP16, U_FP32 as U32, gamma  # noqa: F401  (the tests import them here)
 
 #: Issue 5: quantized P and dS codes of kernel and reference agree on at least 99.9% of elements.
-#: Measured on the H200 (benchmarks/gpu_code_agreement.py): P codes all equal, dS codes
-#: >= 0.999998 in every case (one-step flips, 18 of 28.3M), once S2 and dP are rounded on their
-#: own (_common.mul_rn); before, fused multiply-adds flipped codes, and at large logits broke P.
+#: Measured on the H200 against a plain-torch model of the recipe (benchmarks/gpu_code_agreement.py,
+#: benchmarks/results/h200_code_agreement.json): P codes all equal, dS codes >= 0.999998 in every
+#: case (one-step flips, 18 of 28.3M), once S2 and dP are rounded on their own (_common.mul_rn);
+#: before, fused multiply-adds flipped codes, and at large logits broke P. In the interpreter, P
+#: and dS agree with the reference's 100% (99.992% with the 32-key backward tiles).
 CODE_AGREEMENT = 0.999
 
-#: Kernel and model implement the same recipe: they differ by accumulation order, fused
+#: Kernel and reference implement the same recipe: they differ by accumulation order, fused
 #: multiply-adds and the rare FP8 code flips those cause (capped by CODE_AGREEMENT), each far below the
 #: recipe's own FP8 quantization error. A difference of a quarter of that error (measured in the
 #: same run against float64 attention) would mean a different recipe, so that is the bound.
@@ -44,7 +46,7 @@ def delta_matching_rowsum_bound(p, dp, delta, *, s2_abs=None, dp_abs=None, head_
     With sigma = sum_j P_ij: sum_j P(dP - D) = (sum_j P dP - D) + D (1 - sigma), D formed by a
     float32 sum of n terms and each fl(dS_ij) by two roundings, then summed, so
     |r_i| <= gamma_{2n+2} sum_j P_ij (|dP_ij - D_i| + |dP_ij|) + |D_i| |1 - sigma_i|.
-    sigma is the kernel's, which differs from the model's ``p`` by the GPU's exp2 error
+    sigma is the kernel's, which differs from the reference's ``p`` by the GPU's exp2 error
     (EXP2_APPROX_REL per element): |1 - sigma_kernel| <= |1 - sigma| + EXP2_APPROX_REL sigma.
 
     When the dq and dkdv kernels may recompute P and dP with different summation orders (the

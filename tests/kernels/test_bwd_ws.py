@@ -3,7 +3,7 @@
 - it compiles for sm_90a on a machine without a GPU, at both head dims, causal and not, with the
   register budget its docstring states and no spills (Gluon kernels do not run in Triton's
   interpreter);
-- it refuses what it does not run (debug dumps, ``ds_tile_scales``, a query tile other than 64);
+- it refuses what it does not run (debug dumps, a query tile other than 64);
 - on the H200 its dK and dV equal the Triton dkdv kernel's (``bwd._bwd_dkdv_kernel``), value for
   value, on wide-range inputs with GQA, tails and causal masks: it runs the same operations in
   the same order on the same FP8 operands (the same wgmma chains over the same k order, the same
@@ -29,7 +29,7 @@ import sys
 import pytest
 import torch
 
-from kernel_model import ProblemShape, outlier_inputs, require_backend
+from kernel_inputs import ProblemShape, outlier_inputs, require_backend
 
 #: The register budget of bwd_ws's docstring: producer 24, consumer 232, 128 at launch.
 _SCRIPT = """
@@ -79,20 +79,16 @@ def test_bwd_ws_compiles_for_sm90_with_its_register_budget():
         assert not u["serialized"], u
 
 
-@pytest.mark.parametrize("what", ["debug", "ds_tile_scales", "block_m1"])
+@pytest.mark.parametrize("what", ["debug", "block_m1"])
 def test_bwd_ws_refuses_what_it_does_not_run(what):
     pytest.importorskip("triton")
-    import dataclasses
-
     from dmref.kernels import bwd_ws
     from dmref.kernels.config import RECIPES, BwdTiles
 
-    r = RECIPES["delta_matching"]
+    r = RECIPES["kernels_delta_matching"]
     kwargs = {}
     if what == "debug":
         kwargs["debug"] = True
-    elif what == "ds_tile_scales":
-        r = dataclasses.replace(r, ds_tile_scales=True)
     else:
         r = r.with_tiles(bwd=BwdTiles(block_m1=128, block_n1=128))
     with pytest.raises(ValueError, match="bwd_ws"):
@@ -115,15 +111,15 @@ def _wide_inputs(shape: ProblemShape, device: str, seed: int = 0):
 
 
 _GPU_CASES = [
-    (ProblemShape(2, 4, 2, 1000, 128), False, "delta_matching"),
-    (ProblemShape(2, 4, 2, 1000, 128), True, "delta_matching"),
-    (ProblemShape(1, 4, 4, 777, 64), True, "delta_matching"),
-    (ProblemShape(1, 4, 1, 777, 64), False, "delta_matching"),
-    (ProblemShape(1, 2, 1, 203, 128), True, "delta_matching"),
-    (ProblemShape(1, 2, 2, 64, 64), False, "delta_matching"),
-    (ProblemShape(2, 4, 2, 1000, 128), True, "naive_fp8"),
-    (ProblemShape(1, 4, 4, 777, 64), False, "naive_fp8"),
-    (ProblemShape(1, 4, 2, 515, 128), True, "folded_delta_matching"),
+    (ProblemShape(2, 4, 2, 1000, 128), False, "kernels_delta_matching"),
+    (ProblemShape(2, 4, 2, 1000, 128), True, "kernels_delta_matching"),
+    (ProblemShape(1, 4, 4, 777, 64), True, "kernels_delta_matching"),
+    (ProblemShape(1, 4, 1, 777, 64), False, "kernels_delta_matching"),
+    (ProblemShape(1, 2, 1, 203, 128), True, "kernels_delta_matching"),
+    (ProblemShape(1, 2, 2, 64, 64), False, "kernels_delta_matching"),
+    (ProblemShape(2, 4, 2, 1000, 128), True, "kernels_naive_fp8"),
+    (ProblemShape(1, 4, 4, 777, 64), False, "kernels_naive_fp8"),
+    (ProblemShape(1, 4, 2, 515, 128), True, "kernels_folded_delta_matching"),
 ]
 
 
@@ -142,7 +138,7 @@ def _problem(shape, causal, recipe, device, seed=0):
     q, k, v, do = _wide_inputs(shape, device, seed)
     scale = 1.0 / math.sqrt(shape.head_dim)
     o, _, saved, _ = api.attention_forward(q, k, v, causal=causal, scale=scale, recipe=r)
-    do8, delta_stale = quantize(do, r.do_format, rows=True, cols=True, delta_with=o)
+    do8, delta_stale = quantize(do, r.recipe.do_dp.fmt.name, rows=True, cols=True, delta_with=o)
     dims = dict(batch=shape.batch, heads=shape.heads, kv_heads=shape.kv_heads, n=shape.n,
                 head_dim=shape.head_dim, causal=causal, scale=scale)
     return saved, do8, delta_stale, r, dims
@@ -192,7 +188,7 @@ def test_bwd_ws_variants_equal_the_triton_dkdv(variant, head_dim):
     from dmref.kernels import bwd, bwd_ws
 
     shape = ProblemShape(1, 4, 2, 1000, head_dim)
-    saved, do8, delta_stale, r, dims = _problem(shape, True, "delta_matching", device)
+    saved, do8, delta_stale, r, dims = _problem(shape, True, "kernels_delta_matching", device)
     _, dk, dv, dbg = bwd.backward(saved, do8, do8, delta_stale, recipe=r, **dims)
     dk_ws, dv_ws = bwd_ws.dkdv(saved, do8, do8, dbg["delta"], recipe=r, **variant, **dims)
     assert torch.equal(dk_ws, dk), f"dK: {_describe(dk_ws, dk)}"
@@ -208,11 +204,11 @@ def test_bwd_ws_reads_the_delta_it_is_given():
     from dmref.kernels import bwd, bwd_ws
     from dmref.kernels.config import RECIPES
 
-    saved, do8, delta_stale, r, dims = _problem(ProblemShape(1, 4, 2, 777, 128), True, "delta_matching", device)
+    saved, do8, delta_stale, r, dims = _problem(ProblemShape(1, 4, 2, 777, 128), True, "kernels_delta_matching", device)
     _, dk, dv, dbg = bwd.backward(saved, do8, do8, delta_stale, recipe=r, **dims)
     assert not torch.equal(dbg["delta"], delta_stale)
     dk_st, dv_st = bwd_ws.dkdv(saved, do8, do8, delta_stale, recipe=r, **dims)
-    _, dk_tr, _, _ = bwd.backward(saved, do8, do8, delta_stale, recipe=RECIPES["naive_fp8"], **dims)
+    _, dk_tr, _, _ = bwd.backward(saved, do8, do8, delta_stale, recipe=RECIPES["kernels_naive_fp8"], **dims)
     assert torch.equal(dk_st, dk_tr), f"dK (stale D): {_describe(dk_st, dk_tr)}"
     assert not torch.equal(dk_st, dk)
     assert torch.equal(dv_st, dv)

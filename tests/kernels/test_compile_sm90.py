@@ -23,7 +23,7 @@ _SCRIPT = """
 import dataclasses, json
 from dmref.kernels import compile_check as cc
 from dmref.kernels.config import RECIPES
-r = RECIPES["delta_matching"]
+r = RECIPES["kernels_delta_matching"]
 # the other load path too (TMA descriptors or pointers, whichever the defaults do not use)
 other = r.with_tiles(fwd=dataclasses.replace(r.fwd, tma=not r.fwd.tma),
                      bwd=dataclasses.replace(r.bwd, tma=not r.bwd.tma))

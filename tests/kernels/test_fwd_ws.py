@@ -5,7 +5,7 @@
 - it compiles for sm_90a on a machine without a GPU, with the register budget its docstring
   states and no spills (Gluon kernels do not run in Triton's interpreter);
 - on the H200 its O and LSE equal the emulated reference ``dmref.tiled`` on its recipe
-  (``config.RECIPES["folded_naive_fp8"]``), with the Hopper wgmma model, up to the bounds of the other kernels'
+  (``config.RECIPES["kernels_folded_naive_fp8"]``), with the Hopper wgmma model, up to the bounds of the other kernels'
   differential tests.
 """
 
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from kernel_bounds import code_flip_rel_bound, lse2_tolerance, rel_err
-from kernel_model import ProblemShape, outlier_inputs, require_backend
+from kernel_inputs import ProblemShape, outlier_inputs, require_backend
 
 
 def _wide_inputs(shape: ProblemShape, device: str):
@@ -118,7 +118,7 @@ def test_overlapped_schedule_is_not_serialized_by_ptxas(causal, head_dim):
     from dmref.kernels.config import RECIPES
     from dmref.kernels.fwd_ws import default_overlap
 
-    assert RECIPES["folded_delta_matching"].recipe.pv_chain and default_overlap(head_dim, True)
+    assert RECIPES["kernels_folded_delta_matching"].recipe.pv_chain and default_overlap(head_dim, True)
     assert not default_overlap(128, False)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _SCHEDULE_SCRIPT, str(int(causal)), str(head_dim)], capture_output=True, text=True,
@@ -152,7 +152,7 @@ def test_fwd_ws_equals_the_reference_on_its_recipe(shape, causal):
     q, k, v = _wide_inputs(shape, device)
     scale = 1.0 / math.sqrt(shape.head_dim)
     o, lse2, _ = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale)
-    ref = tiled.forward(q.float(), k.float(), v.float(), recipe=RECIPES["folded_naive_fp8"].recipe, causal=causal, scale=scale)
+    ref = tiled.forward(q.float(), k.float(), v.float(), recipe=RECIPES["kernels_folded_naive_fp8"].recipe, causal=causal, scale=scale)
     # O: one FP8 operand (P) that each side quantizes from float32 it computed itself
     diff = rel_err(o.float(), ref.out)
     assert diff <= code_flip_rel_bound(1), f"O: kernel vs reference {diff:.3e}"
@@ -187,7 +187,7 @@ def test_every_schedule_equals_the_reference_of_its_pv_accumulation(shape, causa
         pytest.skip("the promoted overlap needs 64-key tiles at D = 128 (fwd_ws.default_overlap)")
     q, k, v = _wide_inputs(shape, device)
     scale = 1.0 / math.sqrt(shape.head_dim)
-    folded = RECIPES["folded_naive_fp8"].recipe
+    folded = RECIPES["kernels_folded_naive_fp8"].recipe
     refs = {c: tiled.forward(q.float(), k.float(), v.float(), recipe=replace(folded, pv_chain=c), causal=causal,
                              scale=scale) for c in (False, True)}
     o, lse2, _ = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, chain=chain, overlap=overlap)
@@ -226,7 +226,7 @@ def test_p_codes_equal_the_reference(shape, causal, record_property):
     o, lse2, _, codes = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, debug=True)
     o_plain, lse2_plain, _ = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale)
     assert torch.equal(o, o_plain) and torch.equal(lse2, lse2_plain)
-    ref = tiled.forward(q.float(), k.float(), v.float(), recipe=RECIPES["folded_naive_fp8"].recipe, causal=causal,
+    ref = tiled.forward(q.float(), k.float(), v.float(), recipe=RECIPES["kernels_folded_naive_fp8"].recipe, causal=causal,
                         scale=scale, p_codes=True)
     n = shape.n
     got = codes.view(shape.batch, shape.heads, n, -1)[..., :n].cpu()

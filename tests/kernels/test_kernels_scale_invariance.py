@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_model import ProblemShape, outlier_inputs, require_backend
+from kernel_inputs import ProblemShape, outlier_inputs, require_backend
 
 E = 17  # |K| * 2^17 > 65504 for |K| > 0.5: beyond float16's range
 
@@ -23,7 +23,7 @@ _CASES = [
 ]
 
 
-@pytest.mark.parametrize("recipe", ["delta_matching", "naive_fp8"])
+@pytest.mark.parametrize("recipe", ["kernels_delta_matching", "kernels_naive_fp8"])
 @pytest.mark.parametrize("backend,case,causal", _CASES)
 def test_pow2_rescaling_of_q_and_k_is_exact(backend, case, causal, recipe):
     device = require_backend(backend)

@@ -12,7 +12,7 @@ import torch
 
 from dmref.kernels.config import RECIPES
 
-from kernel_model import ProblemShape, outlier_inputs, require_backend
+from kernel_inputs import ProblemShape, outlier_inputs, require_backend
 
 _CASES = [
     pytest.param("interpreter", ProblemShape(1, 4, 2, 130, 64), id="interpreter-gqa-n130-d64"),
@@ -28,7 +28,7 @@ def _variant(recipe, head_dim, *, tma: bool):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("recipe", ["delta_matching", "naive_fp8"])
+@pytest.mark.parametrize("recipe", ["kernels_delta_matching", "kernels_naive_fp8"])
 @pytest.mark.parametrize("backend,case", _CASES)
 def test_load_and_register_variants_equal_the_pointer_variant_bit_for_bit(backend, case, recipe, causal):
     device = require_backend(backend)

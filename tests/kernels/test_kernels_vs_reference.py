@@ -1,5 +1,5 @@
 """Differential tests: dmref.kernels against the emulated reference ``dmref.tiled`` on the recipe
-the kernels declare (``KernelRecipe.reference_recipe``).
+the kernels run (``KernelSpec.reference_recipe``).
 
 The reference reproduces the kernels' forward (P against the running max of 128-key tiles), the
 matched and stale delta, dV, dK and dQ, the matched dQ with its deferred kbar correction
@@ -23,33 +23,28 @@ from kernel_bounds import (
     gamma,
     rel_err,
 )
-from kernel_model import Case, outlier_inputs, require_backend
+from kernel_inputs import Case, backend_params, outlier_inputs, require_backend
 
 CASES = {
     "interpreter": [
-        Case(1, 2, 1, 203, 64, True, "naive_fp8"),
-        Case(1, 2, 2, 150, 64, False, "delta_matching"),
+        Case(1, 2, 1, 203, 64, True, "kernels_naive_fp8"),
+        Case(1, 2, 2, 150, 64, False, "kernels_delta_matching"),
     ],
     "gpu": [
-        Case(2, 4, 2, 1000, 128, False, "naive_fp8"),
-        Case(2, 4, 2, 1000, 128, True, "delta_matching"),
-        Case(1, 4, 4, 777, 64, True, "naive_fp8"),
-        Case(1, 4, 1, 777, 64, False, "delta_matching"),
+        Case(2, 4, 2, 1000, 128, False, "kernels_naive_fp8"),
+        Case(2, 4, 2, 1000, 128, True, "kernels_delta_matching"),
+        Case(1, 4, 4, 777, 64, True, "kernels_naive_fp8"),
+        Case(1, 4, 1, 777, 64, False, "kernels_delta_matching"),
         # the warp-specialized forward with the same backward kernels
-        Case(2, 4, 2, 1000, 128, True, "folded_delta_matching"),
-        Case(1, 4, 1, 777, 64, False, "folded_naive_fp8"),
-        Case(1, 2, 2, 203, 128, True, "folded_delta_matching"),
+        Case(2, 4, 2, 1000, 128, True, "kernels_folded_delta_matching"),
+        Case(1, 4, 1, 777, 64, False, "kernels_folded_naive_fp8"),
+        Case(1, 2, 2, 203, 128, True, "kernels_folded_delta_matching"),
     ],
 }
 
 
 def _params():
-    out = []
-    for backend, cases in CASES.items():
-        for c in cases:
-            marks = [pytest.mark.gpu] if backend == "gpu" else []
-            out.append(pytest.param(backend, c, id=f"{backend}-{c}", marks=marks))
-    return out
+    return backend_params(CASES)
 
 
 _RUNS: dict = {}
@@ -63,8 +58,8 @@ def _run(backend: str, case: Case) -> dict:
     from dmref.kernels import api
 
     q, k, v, do = outlier_inputs(case, device)
-    kr = case.recipe_obj()
-    rr = kr.reference_recipe(case.head_dim, "hopper" if backend == "gpu" else "fp32")
+    kr = case.spec()
+    rr = kr.reference_recipe("hopper" if backend == "gpu" else "fp32")
     scale = 1.0 / math.sqrt(case.head_dim)
     o, _lse, saved, _ = api.attention_forward(q, k, v, causal=case.causal, scale=scale, recipe=kr)
     dq, dk, dv, dbg = api.attention_backward(saved, o, do, shape=api.Shape.of(q, k, v),
@@ -95,7 +90,7 @@ def test_outputs_and_gradients_equal_reference_up_to_code_flips(backend, case):
     r = _run(backend, case)
     kern, ref = r["kernel"], r["ref"]
     for name, n_ops in _FP8_FROM_FLOAT32.items():
-        if name == "dq" and case.recipe.endswith("delta_matching"):
+        if name == "dq" and case.matched:
             n_ops = _FP8_FROM_FLOAT32_MATCHED_DQ
         diff = rel_err(kern[name], ref[name])
         tol = code_flip_rel_bound(n_ops) if backend == "gpu" else BF16_REL
@@ -125,7 +120,7 @@ def test_lse_and_delta_equal_reference(backend, case):
     #   |D_k - D_r| <= |dO| |O_k - O_r| + gamma_D sum_d |dO O|  (both sides round).
     # Matched: sum_j P dP of the same dP codes and a P that differs by exp2's error and by the
     # two LSEs: |D_k - D_r| <= (2 gamma_n + EXP2_APPROX_REL + ln2 |lse2_k - lse2_r|) sum_j |P dP|.
-    if case.recipe == "naive_fp8":
+    if not case.matched:
         do, o_k, o_r = (x.double().flatten(0, 1) for x in (r["do"], kern["o"], ref["o"]))
         d_tol = do.norm(dim=-1) * (o_k - o_r).norm(dim=-1) + \
             2 * gamma(case.head_dim) * (do * o_r).abs().sum(-1)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dmref.emulation import get_format
-from kernel_model import require_backend
+from kernel_inputs import require_backend
 
 E4M3_MAX = get_format("float8_e4m3fn").max
 #: the smallest block amax at which the kernels' scale is the emulation's (E4M3)

@@ -365,7 +365,7 @@ def forward(q, k, v, *, recipe="exact", causal: bool = False, scale=None, mask=N
         p_hat = _quantize(p, r.p, contract_dim=-1, dtype=wd, fixed_log2=-r.p_fwd.offset_log2)
         if codes is not None:  # P~ = p_hat * 2^offset is on the format's grid: encode is exact
             codes[..., i0:, j0:j1] = torch.as_tensor(
-                encode(torch.ldexp(p_hat, torch.tensor(r.p_fwd.offset_log2)).float(), r.p.fmt)).to(codes.device)
+                encode((p_hat * 2.0 ** r.p_fwd.offset_log2).float(), r.p.fmt)).to(codes.device)
         mass = p if r.normalizer is Normalizer.FP32_SUM else p_hat
         l[..., i0:] = l[..., i0:] * alpha + mass.sum(dim=-1)
         if r.pv_chain:  # the chain runs on from fl(alpha acc) (a wgmma with C = alpha acc)

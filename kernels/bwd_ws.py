@@ -481,8 +481,10 @@ _GL_DTYPE = _gl_dtypes()
 
 def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, recipe="delta_matching",
                  stages: int = STAGES, split: bool | None = None, overlap: int | None = None,
-                 host_descriptors: bool = True, n_multiple_of_16: bool = True):
+                 host_descriptors: bool = True, n_multiple_of_16: bool = True, kernel: str = "dkdv"):
     """Compile the kernel for sm_90a without a GPU (ptxas included); returns the compiled kernel.
+    ``kernel="dq"``: the dq kernel (:func:`compile_sm90_dq`; ``group``, ``split``, ``overlap`` and
+    ``host_descriptors`` are the dkdv kernel's only).
     ``host_descriptors``: the kernel :func:`dkdv` launches by default (descriptors as arguments),
     else the one that builds them per CTA. Specialized as a launch specializes it: every pointer
     16-byte aligned (torch's allocations), NPAD a multiple of 16, and N too with
@@ -494,6 +496,11 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, reci
 
     from .config import get_recipe
 
+    if kernel == "dq":
+        return compile_sm90_dq(head_dim=head_dim, causal=causal, recipe=recipe, stages=stages,
+                               n_multiple_of_16=n_multiple_of_16)
+    if kernel != "dkdv":
+        raise ValueError(f"bwd_ws: kernel={kernel!r} is not one of ('dq', 'dkdv')")
     r = get_recipe(recipe)
     _check(r, head_dim)
     consts = _constexprs(r, head_dim, causal, group, stages, split, overlap)

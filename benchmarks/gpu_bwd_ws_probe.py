@@ -22,7 +22,8 @@ magnitudes 2**-6 .. 2**6). Lines:
   naive_fp8), the whole ``bwd.backward``, ``bwd_ws.backward_ws`` (``ws_bwd``: Triton dq, Gluon
   dkdv; ``ws2_bwd``: both Gluon; delta_matching: dq then dkdv), and cuDNN BF16 SDPA's backward;
   TFLOP/s with the backward's 2.5 x 4·B·H·N²·D FLOPs (dkdv alone: its four matmuls, 8·B·H·N²·D;
-  dq alone: its three, 6·B·H·N²·D, kbar's not counted), halved when causal.
+  dq alone: its three, 6·B·H·N²·D, kbar's not counted; its overlapped schedules ``gluon_dq_ov1``,
+  and ``gluon_dq_ov2`` at D = 64), halved when causal.
 """
 import json
 import math
@@ -148,6 +149,9 @@ def run_shape(b, h, hkv, n, d, gluon=True, gluon_dq=True):
             dq_st, _, _, _ = bwd.backward(saved, do8, do8, d_stale, recipe=r_s, kernels=("dq",), **dims)
             dq_st_ws, _ = bwd_ws.dq(saved, do8, d_stale, recipe=r_s, **dims)
             _compare(c, "dq_stale", dq_st_ws, dq_st, torch.int16)
+            for ov in (1, 2):
+                dq_ov, delta_ov = bwd_ws.dq(saved, do8, d_stale, recipe=r_m, overlap=ov, **dims)
+                c[f"dq_ov{ov}_equal"] = bool(torch.equal(dq_ov, dq) and torch.equal(delta_ov, delta))
             del dq_ws, dq_st, dq_st_ws
             if gluon:
                 dq2, dk2, dv2, dbg2 = bwd_ws.backward_ws(saved, do8, do8, d_stale, recipe=r_m, kernels=("dq", "dkdv"),
@@ -174,6 +178,7 @@ def run_shape(b, h, hkv, n, d, gluon=True, gluon_dq=True):
                                                       **dims),
             "triton_dq": lambda: bwd.backward(saved, do8, do8, d_stale, recipe=r_m, kernels=("dq",), **dims),
             "gluon_dq": lambda: bwd_ws.dq(saved, do8, d_stale, recipe=r_m, **dims),
+            "gluon_dq_ov1": lambda: bwd_ws.dq(saved, do8, d_stale, recipe=r_m, overlap=1, **dims),
             "triton_dq_stale": lambda: bwd.backward(saved, do8, do8, d_stale, recipe=r_s, kernels=("dq",), **dims),
             "gluon_dq_stale": lambda: bwd_ws.dq(saved, do8, d_stale, recipe=r_s, **dims),
             "triton_bwd": lambda: bwd.backward(saved, do8, do8, d_stale, recipe=r_m, **dims),
@@ -183,6 +188,8 @@ def run_shape(b, h, hkv, n, d, gluon=True, gluon_dq=True):
         }
         if d == 64:  # at D = 128 it spills 0.9 KB (bwd_ws docstring)
             timers["gluon_dkdv_ov2"] = lambda: bwd_ws.dkdv(saved, do8, do8, delta, recipe=r_m, overlap=2, **dims)
+            # the dq kernel's OVERLAP 2 spills about 60 B at D = 128
+            timers["gluon_dq_ov2"] = lambda: bwd_ws.dq(saved, do8, d_stale, recipe=r_m, overlap=2, **dims)
         for name, fn in timers.items():
             if not gluon and name.startswith(("gluon_dkdv", "ws")):
                 continue

@@ -498,7 +498,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, reci
 
     if kernel == "dq":
         return compile_sm90_dq(head_dim=head_dim, causal=causal, recipe=recipe, stages=stages,
-                               n_multiple_of_16=n_multiple_of_16)
+                               n_multiple_of_16=n_multiple_of_16, overlap=overlap)
     if kernel != "dkdv":
         raise ValueError(f"bwd_ws: kernel={kernel!r} is not one of ('dq', 'dkdv')")
     r = get_recipe(recipe)
@@ -659,9 +659,10 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
                  cols_free, Q_SCALE, K_SCALE, V_SCALE, K_UNIT, DO_SCALE, LSE2, DELTA_STALE, DELTA_MATCHED, DQ,
                  qk_scale, sm_scale, bh, kv, start_m, n_iter, N,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 CAUSAL: gl.constexpr, MATCHED: gl.constexpr):
+                 CAUSAL: gl.constexpr, MATCHED: gl.constexpr, OVERLAP: gl.constexpr):
     """The consumer warp group of the dq kernel: its queries' scales, every key tile, the matched
-    delta's correction, the stores."""
+    delta's correction, the stores. ``OVERLAP`` 1: dP is issued right behind S and runs during
+    the softmax; 2 (matched): also kbar's wgmma right behind dS K, running during dQ's promotion."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
     a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -711,7 +712,12 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
         mbarrier.wait(rows_ready.index(s), ph)
         st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)),
                            gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-        st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
+        if OVERLAP >= 1:
+            dpt = warpgroup_mma(do_smem, v_bufs.index(s).permute((1, 0)),
+                                gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+            st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
+        else:
+            st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
         k_scale = gl.convert_layout(k_scale_v, col_s)
         s2 = _mul_rn(st, gl.expand_dims(q_scale, 1) * gl.expand_dims(k_scale, 0))
         # the softmax: P = exp2(S2 - LSE2), 0 where masked. Keys past N (the last tile reads the
@@ -724,7 +730,8 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
         else:
             p = gl.where(gl.expand_dims(offs_n < N, 0), p, 0.0)
         # dP = wgmma(dO8, V8^T) * (do_scale_i * v_scale_j), one rounded multiply
-        dpt = warpgroup_mma(do_smem, v_bufs.index(s).permute((1, 0)), st, use_acc=False, is_async=True)
+        if OVERLAP == 0:
+            dpt = warpgroup_mma(do_smem, v_bufs.index(s).permute((1, 0)), st, use_acc=False, is_async=True)
         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
         mbarrier.arrive(rows_free.index(s), count=1)
         v_scale = gl.convert_layout(v_scale_v, col_s)
@@ -748,13 +755,19 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
         kts_s = kts_bufs.index(s).reshape([HEAD_DIM])
         t = warpgroup_mma(ds8, kt_s, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, a_layout), use_acc=False,
                           is_async=True)
-        t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
+        if MATCHED and OVERLAP >= 2:
+            kb = warpgroup_mma(p8, kt_s, gl.zeros([BLOCK_M, HEAD_DIM], gl.float16, a_layout), use_acc=False,
+                               is_async=True)
+            t = warpgroup_mma_wait(num_outstanding=1, deps=(t, ))
+        else:
+            t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
         dq += t * gl.expand_dims(kts_s.load(col_a), 0) * gl.expand_dims(ds_inv, 1)
         if MATCHED:
             # kbar: a float16 wgmma chain per tile, scaled to units u in float32, added and
             # rounded to float16
-            kb = warpgroup_mma(p8, kt_s, gl.zeros([BLOCK_M, HEAD_DIM], gl.float16, a_layout), use_acc=False,
-                               is_async=True)
+            if OVERLAP < 2:
+                kb = warpgroup_mma(p8, kt_s, gl.zeros([BLOCK_M, HEAD_DIM], gl.float16, a_layout), use_acc=False,
+                                   is_async=True)
             kb = warpgroup_mma_wait(num_outstanding=0, deps=(kb, ))
             kbar = (kbar.to(gl.float32) + kb.to(gl.float32) * gl.expand_dims(kts_s.load(col_a) * kb_c, 0)
                     ).to(gl.float16)
@@ -776,7 +789,7 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
 def _bwd_dq_ws_kernel(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, Q_SCALE, K_SCALE, V_SCALE, K_UNIT,
                       DO_SCALE, LSE2, DELTA_STALE, DELTA_MATCHED, DQ, qk_scale, sm_scale, H, GROUP, N, NPAD,
                       HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                      MATCHED: gl.constexpr):
+                      MATCHED: gl.constexpr, OVERLAP: gl.constexpr):
     """The dq kernel on host-side TMA descriptors: Q, dO rows ``(B*H*N, D)``, K, V rows
     ``(B*HKV*N, D)``, K^T ``(B*HKV*D, NPAD)`` and its scales ``(B*HKV*NPAD/128, D)``."""
     BLOCK_M: gl.constexpr = DQ_BLOCK_M
@@ -815,7 +828,7 @@ def _bwd_dq_ws_kernel(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, Q_SCAL
         (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, rows_ready, rows_free,
                         cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, K_UNIT, DO_SCALE, LSE2, DELTA_STALE,
                         DELTA_MATCHED, DQ, qk_scale, sm_scale, bh, kv, start_m, n_iter, N, HEAD_DIM, BLOCK_M,
-                        BLOCK_N, STAGES, CAUSAL, MATCHED)),
+                        BLOCK_N, STAGES, CAUSAL, MATCHED, OVERLAP)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, q_smem, do_smem, k_bufs, v_bufs,
                         kt_bufs, kts_bufs, q_ready, rows_ready, rows_free, cols_ready, cols_free, bh * N + start_m,
                         kv, n_iter, N, NPAD, HEAD_DIM, BLOCK_N, STAGES)),
@@ -826,12 +839,19 @@ def _bwd_dq_ws_kernel(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, Q_SCAL
 DQ_STAGES = 2
 
 
-def _dq_constexprs(recipe, head_dim: int, causal: bool, stages: int = DQ_STAGES) -> dict:
+def default_dq_overlap(head_dim: int) -> int:
+    """The dq kernel's schedule ``OVERLAP`` (``_dq_consumer``): serial; the overlapped ones are
+    there to be timed."""
+    return 0
+
+
+def _dq_constexprs(recipe, head_dim: int, causal: bool, stages: int = DQ_STAGES, overlap: int | None = None) -> dict:
     """The dq kernel's constexprs for ``recipe`` at ``head_dim``: the key tile is the recipe's
     ``block_n2`` (its dS block for dQ, its promotion interval and kbar's tile)."""
     t = recipe.bwd_tiles(head_dim)
     return dict(HEAD_DIM=head_dim, BLOCK_N=t.block_n2, STAGES=stages, CAUSAL=bool(causal),
-                MATCHED=recipe.delta == "matched")
+                MATCHED=recipe.delta == "matched",
+                OVERLAP=default_dq_overlap(head_dim) if overlap is None else int(overlap))
 
 
 def _check_dq(recipe, head_dim: int, debug: bool = False) -> None:
@@ -858,7 +878,7 @@ def _dq_descriptors(q_rows, do_rows, k_rows, v_rows, k_cols, k_col_scale, block_
 
 
 def compile_sm90_dq(head_dim: int = 128, causal: bool = False, recipe="delta_matching", stages: int = DQ_STAGES,
-                    n_multiple_of_16: bool = True):
+                    n_multiple_of_16: bool = True, overlap: int | None = None):
     """Compile the dq kernel for sm_90a without a GPU (ptxas included), specialized as
     :func:`dq` launches it (16-byte aligned pointers, NPAD a multiple of 16, N too with
     ``n_multiple_of_16``); returns the compiled kernel. GQA is a run-time argument (GROUP)."""
@@ -871,7 +891,7 @@ def compile_sm90_dq(head_dim: int = 128, causal: bool = False, recipe="delta_mat
 
     r = get_recipe(recipe)
     _check_dq(r, head_dim)
-    consts = _dq_constexprs(r, head_dim, causal, stages)
+    consts = _dq_constexprs(r, head_dim, causal, stages, overlap)
     fp8, do_dt = torch.float8_e4m3fn, getattr(torch, r.do_format)
     n = npad = 128
     rows = torch.zeros(n, head_dim, dtype=fp8)
@@ -895,7 +915,7 @@ def compile_sm90_dq(head_dim: int = 128, causal: bool = False, recipe="delta_mat
 
 
 def dq(saved, do8, delta_stale, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int, causal: bool,
-       scale: float, recipe, debug: bool = False, stages: int = DQ_STAGES):
+       scale: float, recipe, debug: bool = False, stages: int = DQ_STAGES, overlap: int | None = None):
     """The Gluon dq kernel on what ``bwd.backward`` passes the Triton one: ``saved`` (the forward's
     ``SavedForward``: Q's row copy, K's row and transposed copies, V's row copy, LSE2), ``do8``
     (dO's row copy) and ``delta_stale`` (the preprocess's rowsum(dO * O)). Returns ``(dq, delta)``:
@@ -911,7 +931,7 @@ def dq(saved, do8, delta_stale, *, batch: int, heads: int, kv_heads: int, n: int
     q8, k8, v8 = saved.q, saved.k, saved.v
     dev = do8.rows.device
     out = torch.empty((batch, heads, n, head_dim), device=dev, dtype=torch.bfloat16)
-    consts = _dq_constexprs(r, head_dim, causal, stages)
+    consts = _dq_constexprs(r, head_dim, causal, stages, overlap)
     matched = consts["MATCHED"]
     delta = torch.empty_like(delta_stale) if matched else delta_stale
     # kbar's unit per key/value head: the largest of its K block scales (as bwd.backward)

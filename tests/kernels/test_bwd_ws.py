@@ -99,18 +99,21 @@ from triton.backends.nvidia.compiler import get_ptxas
 from dmref.kernels import bwd_ws
 from dmref.kernels.compile_check import resource_usage
 out = []
-# (head dim, causal, recipe, N a multiple of 16): the launches' specializations
-cases = [(d, c, r, True) for d in (64, 128) for c in (False, True) for r in ("delta_matching", "naive_fp8")]
-cases += [(128, True, "delta_matching", False), (64, False, "naive_fp8", False)]  # N = 1000, 777, ...
-for d, causal, recipe, n16 in cases:
-    k = bwd_ws.compile_sm90(kernel="dq", head_dim=d, causal=causal, recipe=recipe, n_multiple_of_16=n16)
+# (head dim, causal, recipe, N a multiple of 16, schedule): the launches' specializations
+cases = [(d, c, r, True, 0) for d in (64, 128) for c in (False, True) for r in ("delta_matching", "naive_fp8")]
+cases += [(128, True, "delta_matching", False, 0), (64, False, "naive_fp8", False, 0)]  # N = 1000, 777, ...
+# the overlapped schedules where they fit (OVERLAP 2 spills about 60 B at D = 128)
+cases += [(128, c, r, True, 1) for c in (False, True) for r in ("delta_matching", "naive_fp8")]
+cases += [(64, True, "naive_fp8", True, 1), (64, False, "delta_matching", True, 2), (64, True, "delta_matching", True, 2)]
+for d, causal, recipe, n16, ov in cases:
+    k = bwd_ws.compile_sm90(kernel="dq", head_dim=d, causal=causal, recipe=recipe, n_multiple_of_16=n16, overlap=ov)
     ptx = k.asm["ptx"]
     regs, spills, shared = resource_usage(k)
     with tempfile.TemporaryDirectory() as tmp:
         open(tmp + "/k.ptx", "w").write(ptx)
         log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", tmp + "/k.ptx", "-o",
                               tmp + "/k.cubin"], capture_output=True, text=True).stderr
-    out.append(dict(d=d, causal=causal, recipe=recipe, n16=n16, regs=regs, spills=spills, shared=shared,
+    out.append(dict(d=d, causal=causal, recipe=recipe, n16=n16, overlap=ov, regs=regs, spills=spills, shared=shared,
                     serialized="C7514" in log,
                     wgmma=sorted(set(re.findall(r"wgmma\\.mma_async\\.sync\\.aligned\\.(\\w+)\\.", ptx))),
                     setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)}),
@@ -127,7 +130,7 @@ def test_bwd_ws_dq_compiles_for_sm90_with_its_register_budget():
     from dmref.kernels.bwd_ws import LAUNCH_REGS, PRODUCER_REGS
 
     usage = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(usage) == 10
+    assert len(usage) == 17
     for u in usage:
         assert u["spills"] == 0, u
         assert u["regs"] == LAUNCH_REGS, u
@@ -336,18 +339,23 @@ def test_bwd_ws_dq_equals_the_triton_dq(case):
     assert torch.equal(dq3, dq) and torch.equal(dk3, dk) and torch.equal(dv3, dv)
 
 
+_DQ_VARIANTS = [dict(stages=1), dict(stages=3), dict(overlap=1), dict(overlap=2)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("stages", [1, 3])
-def test_bwd_ws_dq_ring_depths_equal_the_triton_dq(stages, head_dim):
-    """Other depths of the dq kernel's key-tile ring (one stage: the producer waits for every
-    tile to be consumed; three) give the same values."""
+@pytest.mark.parametrize("variant", _DQ_VARIANTS,
+                         ids=[",".join(f"{k}={v}" for k, v in x.items()) for x in _DQ_VARIANTS])
+def test_bwd_ws_dq_variants_equal_the_triton_dq(variant, head_dim):
+    """The dq kernel's other forms give the same values: other depths of its key-tile ring (one
+    stage: the producer waits for every tile to be consumed; three) and the overlapped schedules
+    (the same operations, issued earlier)."""
     device = require_backend("gpu")
     from dmref.kernels import bwd, bwd_ws
 
     saved, do8, delta_stale, r, dims = _problem(ProblemShape(1, 4, 2, 1000, head_dim), True, "delta_matching", device)
     dq, _, _, dbg = bwd.backward(saved, do8, do8, delta_stale, recipe=r, kernels=("dq",), **dims)
-    dq_ws, delta_ws = bwd_ws.dq(saved, do8, delta_stale, recipe=r, stages=stages, **dims)
+    dq_ws, delta_ws = bwd_ws.dq(saved, do8, delta_stale, recipe=r, **variant, **dims)
     assert torch.equal(dq_ws, dq), f"dQ: {_describe(dq_ws, dq)}"
     assert torch.equal(delta_ws, dbg["delta"])
 

@@ -1,6 +1,7 @@
-"""Warp-specialized FP8 dkdv kernel for Hopper, in Gluon: what ``bwd._bwd_dkdv_kernel`` computes.
+"""Warp-specialized FP8 backward kernels for Hopper, in Gluon: what ``bwd._bwd_dkdv_kernel`` and
+``bwd._bwd_dq_kernel`` compute (the dq kernel at the end of this docstring).
 
-One CTA per ``BLOCK_N = 64`` keys of one key/value head, looping over its ``GROUP`` query heads
+The dkdv kernel: one CTA per ``BLOCK_N = 64`` keys of one key/value head, looping over its ``GROUP`` query heads
 and, per head, over query tiles of ``BLOCK_M`` (the recipe's ``block_m1``, 64). A consumer warp
 group (the default partition, four warps) runs the wgmmas and the elementwise work; a one-warp
 producer (a worker partition whose registers ``setmaxnreg`` lowers to 24) loads K and V once and
@@ -73,6 +74,42 @@ Triton kernel's masked 0) and zero scales, so they add nothing to any sum (at mo
 zero dS differs); keys past N are not masked, since a row of P^T or dS^T reaches only its own
 row of dK and dV, which is not stored. Not supported (``dkdv`` raises): the debug dumps and the
 ``ds_tile_scales`` variant.
+
+The dq kernel (``_bwd_dq_ws_kernel``, launched by :func:`dq`): what ``bwd._bwd_dq_kernel``
+computes, for the stale and the matched delta, on the same inputs. One CTA per 64 queries of one
+query head (``DQ_BLOCK_M``; the Triton kernel takes 128 at D = 128, which no stored value sees:
+every row of dQ and D depends on its own rows of P and dP alone), looping over the key tiles of
+``BLOCK_N`` = the recipe's ``block_n2`` = 64 keys (its dS block for dQ, its promotion interval and
+kbar's tile). The producer warp loads the Q and dO row tiles once, then streams each key tile's
+K and V row tiles and the K^T tile with its scale row into a ring of ``DQ_STAGES`` stages. The
+consumer, for every key tile, the Triton kernel's operations in its order:
+
+    S2 = wgmma(Q8, K8^T) * (q_scale_i * tau * log2 e * k_scale_j)   # one rounded multiply
+    P  = exp2(S2 - LSE2_i), 0 where masked (causal; keys past N)
+    dP = wgmma(dO8, V8^T) * (do_scale_i * v_scale_j)                # one rounded multiply
+    pdp_i += sum_j P dP                                             # matched: the D it stores
+    dS = P (dP - Dst_i);  Q-point dS: E4M3, one POW2_DOWN scale per query row of the tile
+    dQ += wgmma(E4M3(dS), K^T copy) * K^T scale_c * dS scale_i      # a chain per tile, promoted
+    kbar = f16(kbar + f16wgmma(E4M3(2**4 P), K^T copy) * K^T scale_c / (2**4 u))   # matched
+
+and after the last tile (matched) D = pdp is stored and dQ -= (D - Dst) kbar u; dQ * tau is
+stored in BF16. S and dP are m64 wgmmas over queries (A: the Q and dO tiles, loaded once; B: the
+K and V row tiles permuted), so P and dS are born in the accumulator layout of S and become the
+A operands of dS K and kbar's wgmma by a register layout conversion; their B is the K^T tile
+permuted. The per-query vectors (Q's scale, dO's scale, LSE2, Dst) are loaded once, two
+registers a thread each in S's row layout; the per-key scales one element a thread, moved into
+S's column layout where used; the K^T channel scales come with the tile by TMA. Registers at
+D = 128: dQ 64 float32 a thread, kbar 32 (float16 pairs), the promoted chain's result 64 (kbar's
+float16 one 32), S and dP 32 each; serial, this fits 232 without spills, and so does
+``OVERLAP`` 1 (dP issued behind S, running during the softmax); ``OVERLAP`` 2 (matched: kbar's
+wgmma issued behind dS K) spills about 60 B at D = 128 and none at D = 64. Queries past N get
+LSE2 = +inf (P = 0) and are not stored; keys past N (the last tile reads the next head's K and
+V rows, or TMA's zeros, where the Triton kernel reads zeros) are masked by the causal compare or,
+non-causal, by one compare of their own, and the K^T copy is zero there: the extra zeros the
+Triton kernel's causal tiles add beyond a row's diagonal and these differ from it at most in
+the sign of a zero term, which no sum it adds to can show (dQ, kbar and the row sums start at
++0). Not supported (``dq`` raises): the debug row sums and ``ds_tile_scales``. Not yet run on a
+GPU.
 """
 
 from __future__ import annotations

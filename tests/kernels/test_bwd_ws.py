@@ -307,7 +307,6 @@ def test_bwd_ws_reads_the_delta_it_is_given():
     assert torch.equal(dv_st, dv)
 
 
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", _GPU_CASES, ids=[_id(c) for c in _GPU_CASES])
 def test_bwd_ws_dq_equals_the_triton_dq(case):

@@ -104,7 +104,7 @@ cases = [(d, c, r, True, 0) for d in (64, 128) for c in (False, True) for r in (
 cases += [(128, True, "delta_matching", False, 0), (64, False, "naive_fp8", False, 0)]  # N = 1000, 777, ...
 # the overlapped schedules where they fit (OVERLAP 2 spills about 60 B at D = 128)
 cases += [(128, c, r, True, 1) for c in (False, True) for r in ("delta_matching", "naive_fp8")]
-cases += [(64, True, "naive_fp8", True, 1), (64, False, "delta_matching", True, 2), (64, True, "delta_matching", True, 2)]
+cases += [(64, True, "naive_fp8", True, 1)] + [(64, c, "delta_matching", True, 2) for c in (False, True)]
 for d, causal, recipe, n16, ov in cases:
     k = bwd_ws.compile_sm90(kernel="dq", head_dim=d, causal=causal, recipe=recipe, n_multiple_of_16=n16, overlap=ov)
     ptx = k.asm["ptx"]

@@ -23,7 +23,7 @@ magnitudes 2**-6 .. 2**6). Lines:
   dkdv; ``ws2_bwd``: both Gluon; delta_matching: dq then dkdv), and cuDNN BF16 SDPA's backward;
   TFLOP/s with the backward's 2.5 x 4·B·H·N²·D FLOPs (dkdv alone: its four matmuls, 8·B·H·N²·D;
   dq alone: its three, 6·B·H·N²·D, kbar's not counted; its overlapped schedules ``gluon_dq_ov1``,
-  and ``gluon_dq_ov2`` at D = 64), halved when causal.
+  ``gluon_dq_ov3`` (and stale), ``gluon_dq_ov2`` at D = 64), halved when causal.
 """
 import json
 import math
@@ -149,7 +149,7 @@ def run_shape(b, h, hkv, n, d, gluon=True, gluon_dq=True):
             dq_st, _, _, _ = bwd.backward(saved, do8, do8, d_stale, recipe=r_s, kernels=("dq",), **dims)
             dq_st_ws, _ = bwd_ws.dq(saved, do8, d_stale, recipe=r_s, **dims)
             _compare(c, "dq_stale", dq_st_ws, dq_st, torch.int16)
-            for ov in (1, 2):
+            for ov in (1, 2, 3):
                 dq_ov, delta_ov = bwd_ws.dq(saved, do8, d_stale, recipe=r_m, overlap=ov, **dims)
                 c[f"dq_ov{ov}_equal"] = bool(torch.equal(dq_ov, dq) and torch.equal(delta_ov, delta))
             del dq_ws, dq_st, dq_st_ws
@@ -179,8 +179,10 @@ def run_shape(b, h, hkv, n, d, gluon=True, gluon_dq=True):
             "triton_dq": lambda: bwd.backward(saved, do8, do8, d_stale, recipe=r_m, kernels=("dq",), **dims),
             "gluon_dq": lambda: bwd_ws.dq(saved, do8, d_stale, recipe=r_m, **dims),
             "gluon_dq_ov1": lambda: bwd_ws.dq(saved, do8, d_stale, recipe=r_m, overlap=1, **dims),
+            "gluon_dq_ov3": lambda: bwd_ws.dq(saved, do8, d_stale, recipe=r_m, overlap=3, **dims),
             "triton_dq_stale": lambda: bwd.backward(saved, do8, do8, d_stale, recipe=r_s, kernels=("dq",), **dims),
             "gluon_dq_stale": lambda: bwd_ws.dq(saved, do8, d_stale, recipe=r_s, **dims),
+            "gluon_dq_stale_ov3": lambda: bwd_ws.dq(saved, do8, d_stale, recipe=r_s, overlap=3, **dims),
             "triton_bwd": lambda: bwd.backward(saved, do8, do8, d_stale, recipe=r_m, **dims),
             "ws_bwd": lambda: bwd_ws.backward_ws(saved, do8, do8, d_stale, recipe=r_m, **dims),
             "ws2_bwd": lambda: bwd_ws.backward_ws(saved, do8, do8, d_stale, recipe=r_m, kernels=("dq", "dkdv"),

@@ -100,9 +100,14 @@ permuted. The per-query vectors (Q's scale, dO's scale, LSE2, Dst) are loaded on
 registers a thread each in S's row layout; the per-key scales one element a thread, moved into
 S's column layout where used; the K^T channel scales come with the tile by TMA. Registers at
 D = 128: dQ 64 float32 a thread, kbar 32 (float16 pairs), the promoted chain's result 64 (kbar's
-float16 one 32), S and dP 32 each; serial, this fits 232 without spills, and so does
-``OVERLAP`` 1 (dP issued behind S, running during the softmax); ``OVERLAP`` 2 (matched: kbar's
-wgmma issued behind dS K) spills about 60 B at D = 128 and none at D = 64. Queries past N get
+float16 one 32), S and dP 32 each; serial, this fits 232 without spills, and so do
+``OVERLAP`` 1 (dP issued behind S, running during the softmax) and 3 (S of the next key tile
+issued behind dS K, stale, or behind kbar's wgmma, matched, running during that promotion and
+waited on before the loop's back edge; then dP runs during the softmax; the producer loads one K
+tile past the last, which that last issue reads and nothing uses); ``OVERLAP`` 2 (matched: kbar's
+wgmma issued behind dS K) spills about 60 B at D = 128 and none at D = 64. In the SASS, ptxas
+places the softmax's exp2s after dP's wait (1 and 3), while 3's next S does run during the
+promotion it is issued before. Queries past N get
 LSE2 = +inf (P = 0) and are not stored; keys past N (the last tile reads the next head's K and
 V rows, or TMA's zeros, where the Triton kernel reads zeros) are masked by the causal compare or,
 non-causal, by one compare of their own, and the K^T copy is zero there: the extra zeros the
@@ -669,7 +674,7 @@ KBAR_P_SCALE = gl.constexpr(float(2**_KBAR_P_SCALE_LOG2))
 @gluon.jit
 def _dq_producer(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, q_smem, do_smem, k_bufs, v_bufs, kt_bufs,
                  kts_bufs, q_ready, rows_ready, rows_free, cols_ready, cols_free, q_row, kv, n_iter, N, NPAD,
-                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NEXT_S: gl.constexpr):
     """TMA loads: the Q and dO row tiles once, then per key tile i (keys ``i * BLOCK_N``) the K and
     V row tiles, and the K^T tile with its scales (the row of ``(NPAD // QUANT_BLOCK, D)`` factors
     of the tile's token block)."""
@@ -689,6 +694,22 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, q_smem, do_
         tma.async_copy_global_to_shared(kt_desc, [kv * HEAD_DIM, start_n], cols_ready.index(s), kt_bufs.index(s))
         sc_row = kv * (NPAD // QUANT_BLOCK) + start_n // QUANT_BLOCK
         tma.async_copy_global_to_shared(kts_desc, [sc_row, 0], cols_ready.index(s), kts_bufs.index(s))
+    if NEXT_S:
+        # the consumer issues S of tile i + 1 behind dS K of tile i, the last one too: one more K
+        # row tile (past the last key tile: the next head's keys or TMA's zeros), never used
+        s = n_iter % STAGES
+        mbarrier.wait(rows_free.index(s), ((n_iter // STAGES) & 1) ^ 1)
+        mbarrier.expect(rows_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [kv * N + n_iter * BLOCK_N, 0], rows_ready.index(s), k_bufs.index(s))
+
+
+@gluon.jit
+def _dq_next_s(q_smem, k_bufs, rows_ready, j, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAGES: gl.constexpr):
+    """``OVERLAP`` 3: S of key tile j issued (not waited on), once its K rows have landed."""
+    mbarrier.wait(rows_ready.index(j % STAGES), (j // STAGES) & 1)
+    return warpgroup_mma(q_smem, k_bufs.index(j % STAGES).permute((1, 0)),
+                         gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
 
 
 @gluon.jit
@@ -699,7 +720,9 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
                  CAUSAL: gl.constexpr, MATCHED: gl.constexpr, OVERLAP: gl.constexpr):
     """The consumer warp group of the dq kernel: its queries' scales, every key tile, the matched
     delta's correction, the stores. ``OVERLAP`` 1: dP is issued right behind S and runs during
-    the softmax; 2 (matched): also kbar's wgmma right behind dS K, running during dQ's promotion."""
+    the softmax; 2 (matched): also kbar's wgmma right behind dS K, running during dQ's promotion;
+    3: S of tile i + 1 is issued right behind dS K of tile i (running during dQ's promotion and
+    kbar) and waited on before the loop's back edge, and dP of tile i + 1 runs during its softmax."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
     a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -731,6 +754,9 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
         kb_c = gl.div_rn(1.0 / KBAR_P_SCALE, unit)  # powers of two: exact
     pdp = gl.zeros([BLOCK_M], gl.float32, row_s)
     mbarrier.wait(q_ready, 0)
+    if OVERLAP == 3:
+        s_next = _dq_next_s(q_smem, k_bufs, rows_ready, 0, s_layout, BLOCK_M, BLOCK_N, STAGES)
+        s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, ))
     # Invariant at the top of each iteration, over the key tiles done so far: the Triton kernel's
     # dq = sum of deq(Q8(P (dP - Dst))) K (float32, one add per tile); kbar (MATCHED) = the float16
     # sum of Q8(2**4 P) K / (2**4 u); pdp (MATCHED) = sum_j P dP
@@ -746,10 +772,18 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
         k_scale_v = gl.load(K_SCALE + kv64 * N + offs_v, mask=v_in, other=0.0)
         v_scale_v = gl.load(V_SCALE + kv64 * N + offs_v, mask=v_in, other=0.0)
         # QK^T: S2 = wgmma(Q8, K8^T) * (q_scale_i * tau * log2 e * k_scale_j), one rounded multiply
-        mbarrier.wait(rows_ready.index(s), ph)
-        st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)),
-                           gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-        if OVERLAP >= 1:
+        if OVERLAP == 3:
+            # S done (issued behind the previous tile's dS K); dP runs during the softmax
+            st = s_next
+            dpt = warpgroup_mma(do_smem, v_bufs.index(s).permute((1, 0)),
+                                gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+        else:
+            mbarrier.wait(rows_ready.index(s), ph)
+            st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)),
+                               gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+        if OVERLAP == 3:
+            pass
+        elif OVERLAP >= 1:
             dpt = warpgroup_mma(do_smem, v_bufs.index(s).permute((1, 0)),
                                 gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
             st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
@@ -792,7 +826,11 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
         kts_s = kts_bufs.index(s).reshape([HEAD_DIM])
         t = warpgroup_mma(ds8, kt_s, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, a_layout), use_acc=False,
                           is_async=True)
-        if MATCHED and OVERLAP >= 2:
+        if OVERLAP == 3 and not MATCHED:
+            # S of tile i + 1 behind it, running during dQ's promotion
+            s_next = _dq_next_s(q_smem, k_bufs, rows_ready, i + 1, s_layout, BLOCK_M, BLOCK_N, STAGES)
+            t = warpgroup_mma_wait(num_outstanding=1, deps=(t, ))
+        elif MATCHED and OVERLAP == 2:
             kb = warpgroup_mma(p8, kt_s, gl.zeros([BLOCK_M, HEAD_DIM], gl.float16, a_layout), use_acc=False,
                                is_async=True)
             t = warpgroup_mma_wait(num_outstanding=1, deps=(t, ))
@@ -802,12 +840,21 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
         if MATCHED:
             # kbar: a float16 wgmma chain per tile, scaled to units u in float32, added and
             # rounded to float16
-            if OVERLAP < 2:
+            if OVERLAP != 2:
                 kb = warpgroup_mma(p8, kt_s, gl.zeros([BLOCK_M, HEAD_DIM], gl.float16, a_layout), use_acc=False,
                                    is_async=True)
-            kb = warpgroup_mma_wait(num_outstanding=0, deps=(kb, ))
+            if OVERLAP == 3:
+                # S of tile i + 1 behind it, running during kbar's promotion (dQ's chain result is
+                # dead by then: fewer registers than behind dS K)
+                s_next = _dq_next_s(q_smem, k_bufs, rows_ready, i + 1, s_layout, BLOCK_M, BLOCK_N, STAGES)
+                kb = warpgroup_mma_wait(num_outstanding=1, deps=(kb, ))
+            else:
+                kb = warpgroup_mma_wait(num_outstanding=0, deps=(kb, ))
             kbar = (kbar.to(gl.float32) + kb.to(gl.float32) * gl.expand_dims(kts_s.load(col_a) * kb_c, 0)
                     ).to(gl.float16)
+        if OVERLAP == 3:
+            # nothing in flight across the loop's back edge
+            s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, ))
         mbarrier.arrive(cols_free.index(s), count=1)
     offs_ma = start_m + gl.arange(0, BLOCK_M, layout=row_a)
     if MATCHED:
@@ -868,7 +915,7 @@ def _bwd_dq_ws_kernel(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, Q_SCAL
                         BLOCK_N, STAGES, CAUSAL, MATCHED, OVERLAP)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, q_smem, do_smem, k_bufs, v_bufs,
                         kt_bufs, kts_bufs, q_ready, rows_ready, rows_free, cols_ready, cols_free, bh * N + start_m,
-                        kv, n_iter, N, NPAD, HEAD_DIM, BLOCK_N, STAGES)),
+                        kv, n_iter, N, NPAD, HEAD_DIM, BLOCK_N, STAGES, OVERLAP == 3)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -877,8 +924,9 @@ DQ_STAGES = 2
 
 
 def default_dq_overlap(head_dim: int) -> int:
-    """The dq kernel's schedule ``OVERLAP`` (``_dq_consumer``): serial; the overlapped ones are
-    there to be timed."""
+    """The dq kernel's schedule ``OVERLAP`` (``_dq_consumer``): serial, until the H200 says
+    otherwise; the overlapped ones (1 and 3 fit 232 registers at both head dims) are there to be
+    timed."""
     return 0
 
 

@@ -105,6 +105,8 @@ cases += [(128, True, "delta_matching", False, 0), (64, False, "naive_fp8", Fals
 # the overlapped schedules where they fit (OVERLAP 2 spills about 60 B at D = 128)
 cases += [(128, c, r, True, 1) for c in (False, True) for r in ("delta_matching", "naive_fp8")]
 cases += [(64, True, "naive_fp8", True, 1)] + [(64, c, "delta_matching", True, 2) for c in (False, True)]
+cases += [(128, c, r, True, 3) for c in (False, True) for r in ("delta_matching", "naive_fp8")]
+cases += [(64, True, "delta_matching", True, 3), (64, False, "naive_fp8", False, 3)]
 for d, causal, recipe, n16, ov in cases:
     k = bwd_ws.compile_sm90(kernel="dq", head_dim=d, causal=causal, recipe=recipe, n_multiple_of_16=n16, overlap=ov)
     ptx = k.asm["ptx"]
@@ -130,7 +132,7 @@ def test_bwd_ws_dq_compiles_for_sm90_with_its_register_budget():
     from dmref.kernels.bwd_ws import LAUNCH_REGS, PRODUCER_REGS
 
     usage = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(usage) == 17
+    assert len(usage) == 23
     for u in usage:
         assert u["spills"] == 0, u
         assert u["regs"] == LAUNCH_REGS, u
@@ -338,7 +340,9 @@ def test_bwd_ws_dq_equals_the_triton_dq(case):
     assert torch.equal(dq3, dq) and torch.equal(dk3, dk) and torch.equal(dv3, dv)
 
 
-_DQ_VARIANTS = [dict(stages=1), dict(stages=3), dict(overlap=1), dict(overlap=2)]
+_DQ_VARIANTS = [dict(stages=1), dict(stages=3), dict(overlap=1), dict(overlap=2), dict(overlap=3),
+                dict(overlap=3, stages=1), dict(overlap=3, recipe="naive_fp8"),
+                dict(overlap=3, recipe="naive_fp8", causal=False)]
 
 
 @pytest.mark.gpu
@@ -348,11 +352,13 @@ _DQ_VARIANTS = [dict(stages=1), dict(stages=3), dict(overlap=1), dict(overlap=2)
 def test_bwd_ws_dq_variants_equal_the_triton_dq(variant, head_dim):
     """The dq kernel's other forms give the same values: other depths of its key-tile ring (one
     stage: the producer waits for every tile to be consumed; three) and the overlapped schedules
-    (the same operations, issued earlier)."""
+    (the same operations, issued earlier; OVERLAP 3 also loads one K tile past the last)."""
     device = require_backend("gpu")
     from dmref.kernels import bwd, bwd_ws
 
-    saved, do8, delta_stale, r, dims = _problem(ProblemShape(1, 4, 2, 1000, head_dim), True, "delta_matching", device)
+    variant = dict(variant)
+    recipe, causal = variant.pop("recipe", "delta_matching"), variant.pop("causal", True)
+    saved, do8, delta_stale, r, dims = _problem(ProblemShape(1, 4, 2, 1000, head_dim), causal, recipe, device)
     dq, _, _, dbg = bwd.backward(saved, do8, do8, delta_stale, recipe=r, kernels=("dq",), **dims)
     dq_ws, delta_ws = bwd_ws.dq(saved, do8, delta_stale, recipe=r, **variant, **dims)
     assert torch.equal(dq_ws, dq), f"dQ: {_describe(dq_ws, dq)}"

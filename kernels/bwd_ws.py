@@ -773,7 +773,8 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
         v_scale_v = gl.load(V_SCALE + kv64 * N + offs_v, mask=v_in, other=0.0)
         # QK^T: S2 = wgmma(Q8, K8^T) * (q_scale_i * tau * log2 e * k_scale_j), one rounded multiply
         if OVERLAP == 3:
-            # S done (issued behind the previous tile's dS K); dP runs during the softmax
+            # S done (issued in the previous iteration, or before the loop); dP runs during the
+            # softmax
             st = s_next
             dpt = warpgroup_mma(do_smem, v_bufs.index(s).permute((1, 0)),
                                 gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
@@ -781,13 +782,11 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
             mbarrier.wait(rows_ready.index(s), ph)
             st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)),
                                gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-        if OVERLAP == 3:
-            pass
-        elif OVERLAP >= 1:
+        if OVERLAP == 1 or OVERLAP == 2:
             dpt = warpgroup_mma(do_smem, v_bufs.index(s).permute((1, 0)),
                                 gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
             st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
-        else:
+        elif OVERLAP == 0:
             st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
         k_scale = gl.convert_layout(k_scale_v, col_s)
         s2 = _mul_rn(st, gl.expand_dims(q_scale, 1) * gl.expand_dims(k_scale, 0))

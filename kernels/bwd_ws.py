@@ -1,6 +1,7 @@
-"""Warp-specialized FP8 dkdv kernel for Hopper, in Gluon: what ``bwd._bwd_dkdv_kernel`` computes.
+"""Warp-specialized FP8 backward kernels for Hopper, in Gluon: what ``bwd._bwd_dkdv_kernel`` and
+``bwd._bwd_dq_kernel`` compute (the dq kernel at the end of this docstring).
 
-One CTA per ``BLOCK_N = 64`` keys of one key/value head, looping over its ``GROUP`` query heads
+The dkdv kernel: one CTA per ``BLOCK_N = 64`` keys of one key/value head, looping over its ``GROUP`` query heads
 and, per head, over query tiles of ``BLOCK_M`` (the recipe's ``block_m1``, 64). A consumer warp
 group (the default partition, four warps) runs the wgmmas and the elementwise work; a one-warp
 producer (a worker partition whose registers ``setmaxnreg`` lowers to 24) loads K and V once and
@@ -72,6 +73,46 @@ zeros), where the Triton kernel reads zeros: queries past N get LSE2 = +inf (P =
 Triton kernel's masked 0) and zero scales, so they add nothing to any sum (at most the sign of a
 zero dS differs); keys past N are not masked, since a row of P^T or dS^T reaches only its own
 row of dK and dV, which is not stored. Not supported (``dkdv`` raises): the debug dumps.
+
+The dq kernel (``_bwd_dq_ws_kernel``, launched by :func:`dq`): what ``bwd._bwd_dq_kernel``
+computes, for the stale and the matched delta, on the same inputs. One CTA per 64 queries of one
+query head (``DQ_BLOCK_M``; the Triton kernel takes 128 at D = 128, which no stored value sees:
+every row of dQ and D depends on its own rows of P and dP alone), looping over the key tiles of
+``BLOCK_N`` = the recipe's ``block_n2`` = 64 keys (its dS block for dQ, its promotion interval and
+kbar's tile). The producer warp loads the Q and dO row tiles once, then streams each key tile's
+K and V row tiles and the K^T tile with its scale row into a ring of ``DQ_STAGES`` stages. The
+consumer, for every key tile, the Triton kernel's operations in its order:
+
+    S2 = wgmma(Q8, K8^T) * (q_scale_i * tau * log2 e * k_scale_j)   # one rounded multiply
+    P  = exp2(S2 - LSE2_i), 0 where masked (causal; keys past N)
+    dP = wgmma(dO8, V8^T) * (do_scale_i * v_scale_j)                # one rounded multiply
+    pdp_i += sum_j P dP                                             # matched: the D it stores
+    dS = P (dP - Dst_i);  Q-point dS: E4M3, one POW2_DOWN scale per query row of the tile
+    dQ += wgmma(E4M3(dS), K^T copy) * K^T scale_c * dS scale_i      # a chain per tile, promoted
+    kbar = f16(kbar + f16wgmma(E4M3(2**4 P), K^T copy) * K^T scale_c / (2**4 u))   # matched
+
+and after the last tile (matched) D = pdp is stored and dQ -= (D - Dst) kbar u; dQ * tau is
+stored in BF16. S and dP are m64 wgmmas over queries (A: the Q and dO tiles, loaded once; B: the
+K and V row tiles permuted), so P and dS are born in the accumulator layout of S and become the
+A operands of dS K and kbar's wgmma by a register layout conversion; their B is the K^T tile
+permuted. The per-query vectors (Q's scale, dO's scale, LSE2, Dst) are loaded once, two
+registers a thread each in S's row layout; the per-key scales one element a thread, moved into
+S's column layout where used; the K^T channel scales come with the tile by TMA. Registers at
+D = 128: dQ 64 float32 a thread, kbar 32 (float16 pairs), the promoted chain's result 64 (kbar's
+float16 one 32), S and dP 32 each; serial, this fits 232 without spills, and so do
+``OVERLAP`` 1 (dP issued behind S, running during the softmax) and 3 (S of the next key tile
+issued behind dS K, stale, or behind kbar's wgmma, matched, running during that promotion and
+waited on before the loop's back edge; then dP runs during the softmax; the producer loads one K
+tile past the last, which that last issue reads and nothing uses); ``OVERLAP`` 2 (matched: kbar's
+wgmma issued behind dS K) spills about 60 B at D = 128 and none at D = 64. In the SASS, ptxas
+places the softmax's exp2s after dP's wait (1 and 3), while 3's next S does run during the
+promotion it is issued before. Queries past N get
+LSE2 = +inf (P = 0) and are not stored; keys past N (the last tile reads the next head's K and
+V rows, or TMA's zeros, where the Triton kernel reads zeros) are masked by the causal compare or,
+non-causal, by one compare of their own, and the K^T copy is zero there: the extra zeros the
+Triton kernel's causal tiles add beyond a row's diagonal and these differ from it at most in
+the sign of a zero term, which no sum it adds to can show (dQ, kbar and the row sums start at
++0). Not supported (``dq`` raises): the debug row sums. Not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -83,6 +124,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from . import _common
+from .config import KBAR_P_SCALE_LOG2 as _KBAR_P_SCALE_LOG2
 from .config import QUANT_BLOCK as _QUANT_BLOCK
 
 #: tokens per scale block of a transposed copy (``config.QUANT_BLOCK``)
@@ -427,31 +469,43 @@ def _check(recipe, head_dim: int, debug: bool = False) -> None:
 _FP8_SIG = {"float8_e4m3fn": "*fp8e4nv", "float8_e5m2": "*fp8e5"}
 
 
+def _row_desc(x, block: int):
+    """Host-side TMA descriptor of a row copy ``(..., N, D)`` viewed as ``(rows, D)``, ``block``
+    tokens a tile (the device-side path's shared-memory layout)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    d = x.shape[-1]
+    layout = gl.NVMMASharedLayout.get_default_for([block, d], _GL_DTYPE[x.dtype])
+    return TensorDescriptor.from_tensor(x.reshape(-1, d), [block, d], layout)
+
+
+def _col_desc(x, head_dim: int, block: int):
+    """Host-side TMA descriptor of a transposed copy ``(..., D, NPAD)`` viewed as
+    ``(rows * D, NPAD)``, ``(D, block)`` tiles."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout.get_default_for([head_dim, block], _GL_DTYPE[x.dtype])
+    return TensorDescriptor.from_tensor(x.reshape(-1, x.shape[-1]), [head_dim, block], layout)
+
+
+def _scale_desc(x, head_dim: int):
+    """Host-side TMA descriptor of a transposed copy's scales ``(..., NPAD / 128, D)`` viewed as
+    ``(rows, D)``, one row of D factors a tile."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return TensorDescriptor.from_tensor(x.reshape(-1, head_dim), [1, head_dim], layout)
+
+
 def _descriptors(q_rows, q_cols, q_col_scale, k_rows, v_rows, do_rows, do_cols, do_col_scale, block_m: int):
     """Host-side TMA descriptors of the kernel's operands, in ``_body``'s order (K, V, Q, dO rows;
     Q^T, dO^T; their scales), each of its copy viewed as 2-D: rows ``(B*H*N, D)``, transposed
     copies ``(B*H*D, NPAD)``, scales ``(B*H*NPAD/128, D)``; the shared-memory layouts are those
     of the device-side path."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     d = q_rows.shape[-1]
-
-    def rows(x, block):
-        x2 = x.reshape(-1, d)
-        layout = gl.NVMMASharedLayout.get_default_for([block, d], _GL_DTYPE[x.dtype])
-        return TensorDescriptor.from_tensor(x2, [block, d], layout)
-
-    def cols(x):
-        x2 = x.reshape(-1, x.shape[-1])
-        layout = gl.NVMMASharedLayout.get_default_for([d, block_m], _GL_DTYPE[x.dtype])
-        return TensorDescriptor.from_tensor(x2, [d, block_m], layout)
-
-    def scales(x):
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-        return TensorDescriptor.from_tensor(x.reshape(-1, d), [1, d], layout)
-
-    return (rows(k_rows, BLOCK_N.value), rows(v_rows, BLOCK_N.value), rows(q_rows, block_m), rows(do_rows, block_m),
-            cols(q_cols), cols(do_cols), scales(q_col_scale), scales(do_col_scale))
+    return (_row_desc(k_rows, BLOCK_N.value), _row_desc(v_rows, BLOCK_N.value), _row_desc(q_rows, block_m),
+            _row_desc(do_rows, block_m), _col_desc(q_cols, d, block_m), _col_desc(do_cols, d, block_m),
+            _scale_desc(q_col_scale, d), _scale_desc(do_col_scale, d))
 
 
 def _gl_dtypes():
@@ -465,8 +519,10 @@ _GL_DTYPE = _gl_dtypes()
 
 def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, recipe="kernels_delta_matching",
                  stages: int = STAGES, split: bool | None = None, overlap: int | None = None,
-                 host_descriptors: bool = True, n_multiple_of_16: bool = True):
+                 host_descriptors: bool = True, n_multiple_of_16: bool = True, kernel: str = "dkdv"):
     """Compile the kernel for sm_90a without a GPU (ptxas included); returns the compiled kernel.
+    ``kernel="dq"``: the dq kernel (:func:`compile_sm90_dq`; ``group``, ``split``, ``overlap`` and
+    ``host_descriptors`` are the dkdv kernel's only).
     ``host_descriptors``: the kernel :func:`dkdv` launches by default (descriptors as arguments),
     else the one that builds them per CTA. Specialized as a launch specializes it: every pointer
     16-byte aligned (torch's allocations), NPAD a multiple of 16, and N too with
@@ -478,6 +534,11 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, reci
 
     from .config import get_recipe
 
+    if kernel == "dq":
+        return compile_sm90_dq(head_dim=head_dim, causal=causal, recipe=recipe, stages=stages,
+                               n_multiple_of_16=n_multiple_of_16, overlap=overlap)
+    if kernel != "dkdv":
+        raise ValueError(f"bwd_ws: kernel={kernel!r} is not one of ('dq', 'dkdv')")
     r = get_recipe(recipe)
     _check(r, head_dim)
     consts = _constexprs(r, head_dim, causal, group, stages, split, overlap)
@@ -559,16 +620,405 @@ def dkdv(saved, do8, do_t, delta, *, batch: int, heads: int, kv_heads: int, n: i
 
 
 def backward_ws(saved, do8, do_t, delta_stale, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int,
-                causal: bool, scale: float, recipe, debug: bool = False):
-    """``bwd.backward`` with the dkdv step run by the Gluon kernel: the Triton dq kernel (which
-    makes the matched D first, when matched), then :func:`dkdv` on the D that ``bwd.backward``
-    hands its dkdv. Returns ``(dq, dk, dv, {"delta": D})``, ``bwd.backward``'s gradients."""
+                causal: bool, scale: float, recipe, debug: bool = False, kernels: tuple[str, ...] = ("dkdv",)):
+    """``bwd.backward`` with the steps named in ``kernels`` (of ``"dq"``, ``"dkdv"``) run by the Gluon
+    kernels, the others by the Triton ones: the dq step first (it makes the matched D, when
+    matched), then the dkdv step on the D the dq step hands it (the stale D when stale). By
+    default only dkdv is Gluon (the Gluon dq is not yet run on the H200); ``kernels=("dq", "dkdv")``
+    is the whole backward in Gluon. Returns ``(dq, dk, dv, {"delta": D})``, ``bwd.backward``'s
+    gradients."""
+    import dataclasses
+
+    from dmref.recipes import STALE
+
     from . import bwd
     from .config import get_recipe
 
+    unknown = sorted(set(kernels) - {"dq", "dkdv"})
+    if unknown:
+        raise ValueError(f"bwd_ws: kernels={kernels!r}: {unknown} not among ('dq', 'dkdv')")
     r = get_recipe(recipe)
-    _check(r, head_dim, debug)
+    if "dq" in kernels:
+        _check_dq(r, head_dim, debug)
+    if "dkdv" in kernels:
+        _check(r, head_dim, debug)
     dims = dict(batch=batch, heads=heads, kv_heads=kv_heads, n=n, head_dim=head_dim, causal=causal, scale=scale)
-    dq, _, _, dbg = bwd.backward(saved, do8, do_t, delta_stale, recipe=r, kernels=("dq",), **dims)
-    dk, dv = dkdv(saved, do8, do_t, dbg["delta"], recipe=r, **dims)
-    return dq, dk, dv, dbg
+    if "dq" in kernels:
+        dq_, delta = dq(saved, do8, delta_stale, recipe=r, **dims)
+    else:
+        dq_, _, _, dbg = bwd.backward(saved, do8, do_t, delta_stale, recipe=r, kernels=("dq",), **dims)
+        delta = dbg["delta"]
+    if "dkdv" in kernels:
+        dk, dv = dkdv(saved, do8, do_t, delta, recipe=r, **dims)
+    else:
+        # the Triton dkdv on this D: the stale recipe's launch runs the same dkdv kernel (bwd.launch
+        # reads no delta for it) on the D it is given as the stale one
+        r_st = dataclasses.replace(r, recipe=dataclasses.replace(r.recipe, delta=STALE))
+        _, dk, dv, _ = bwd.backward(saved, do8, do_t, delta, recipe=r_st, kernels=("dkdv",), **dims)
+    return dq_, dk, dv, {"delta": delta}
+
+
+# --------------------------------------------------------------------------------------------
+# dq: what bwd._bwd_dq_kernel computes, one CTA per 64 queries of one query head
+# --------------------------------------------------------------------------------------------
+
+#: queries per CTA of the dq kernel: one m64 wgmma row block of the consumer warp group
+DQ_BLOCK_M = gl.constexpr(64)
+#: P's scale at kbar's quantization point (``config.KBAR_P_SCALE_LOG2``)
+KBAR_P_SCALE = gl.constexpr(float(2**_KBAR_P_SCALE_LOG2))
+
+
+@gluon.jit
+def _dq_producer(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, q_smem, do_smem, k_bufs, v_bufs, kt_bufs,
+                 kts_bufs, q_ready, rows_ready, rows_free, cols_ready, cols_free, q_row, kv, n_iter, N, NPAD,
+                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NEXT_S: gl.constexpr):
+    """TMA loads: the Q and dO row tiles once, then per key tile i (keys ``i * BLOCK_N``) the K and
+    V row tiles, and the K^T tile with its scales (the row of ``(NPAD // QUANT_BLOCK, D)`` factors
+    of the tile's token block)."""
+    mbarrier.expect(q_ready, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_ready, q_smem)
+    tma.async_copy_global_to_shared(do_desc, [q_row, 0], q_ready, do_smem)
+    for i in range(n_iter):
+        s = i % STAGES
+        ph = ((i // STAGES) & 1) ^ 1
+        start_n = i * BLOCK_N
+        mbarrier.wait(rows_free.index(s), ph)
+        mbarrier.expect(rows_ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [kv * N + start_n, 0], rows_ready.index(s), k_bufs.index(s))
+        tma.async_copy_global_to_shared(v_desc, [kv * N + start_n, 0], rows_ready.index(s), v_bufs.index(s))
+        mbarrier.wait(cols_free.index(s), ph)
+        mbarrier.expect(cols_ready.index(s), kt_desc.block_type.nbytes + kts_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(kt_desc, [kv * HEAD_DIM, start_n], cols_ready.index(s), kt_bufs.index(s))
+        sc_row = kv * (NPAD // QUANT_BLOCK) + start_n // QUANT_BLOCK
+        tma.async_copy_global_to_shared(kts_desc, [sc_row, 0], cols_ready.index(s), kts_bufs.index(s))
+    if NEXT_S:
+        # the consumer issues S of tile i + 1 behind dS K of tile i, the last one too: one more K
+        # row tile (past the last key tile: the next head's keys or TMA's zeros), never used
+        s = n_iter % STAGES
+        mbarrier.wait(rows_free.index(s), ((n_iter // STAGES) & 1) ^ 1)
+        mbarrier.expect(rows_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [kv * N + n_iter * BLOCK_N, 0], rows_ready.index(s), k_bufs.index(s))
+
+
+@gluon.jit
+def _dq_next_s(q_smem, k_bufs, rows_ready, j, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAGES: gl.constexpr):
+    """``OVERLAP`` 3: S of key tile j issued (not waited on), once its K rows have landed."""
+    mbarrier.wait(rows_ready.index(j % STAGES), (j // STAGES) & 1)
+    return warpgroup_mma(q_smem, k_bufs.index(j % STAGES).permute((1, 0)),
+                         gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, rows_ready, rows_free, cols_ready,
+                 cols_free, Q_SCALE, K_SCALE, V_SCALE, K_UNIT, DO_SCALE, LSE2, DELTA_STALE, DELTA_MATCHED, DQ,
+                 qk_scale, sm_scale, bh, kv, start_m, n_iter, N,
+                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 CAUSAL: gl.constexpr, MATCHED: gl.constexpr, OVERLAP: gl.constexpr):
+    """The consumer warp group of the dq kernel: its queries' scales, every key tile, the matched
+    delta's correction, the stores. ``OVERLAP`` 1: dP is issued right behind S and runs during
+    the softmax; 2 (matched): also kbar's wgmma right behind dS K, running during dQ's promotion;
+    3: S of tile i + 1 is issued right behind dS K of tile i (running during dQ's promotion and
+    kbar) and waited on before the loop's back edge, and dP of tile i + 1 runs during its softmax."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 32])
+    a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 32])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=4)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)  # per query of S
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)  # per key of S
+    row_a: gl.constexpr = gl.SliceLayout(1, a_layout)  # per query of dQ
+    col_a: gl.constexpr = gl.SliceLayout(0, a_layout)  # per channel of dQ
+    vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    bh64 = bh.to(gl.int64)
+    kv64 = kv.to(gl.int64)
+    # the per-query vectors, in S's row layout (two registers a thread each), for the whole loop;
+    # queries past N get LSE2 = +inf, so their P is exp2(-inf) = 0 (their rows are not stored: a
+    # row of dQ and of D depends on that row of P and dP alone)
+    offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_s)
+    in_seq = offs_m < N
+    head = bh64 * N
+    q_scale = gl.load(Q_SCALE + head + offs_m, mask=in_seq, other=0.0) * qk_scale
+    do_scale = gl.load(DO_SCALE + head + offs_m, mask=in_seq, other=0.0)
+    lse2 = gl.load(LSE2 + head + offs_m, mask=in_seq, other=float("inf"))
+    d_stale = gl.load(DELTA_STALE + head + offs_m, mask=in_seq, other=0.0)
+    dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, a_layout)
+    # kbar is second order (it is multiplied by D - D_stale): float16, in units u of the largest
+    # K scale of this head (K_UNIT), so |kbar / u| <= 448 can never overflow float16
+    kbar = gl.zeros([BLOCK_M, HEAD_DIM], gl.float16, a_layout)
+    if MATCHED:
+        unit = gl.load(K_UNIT + kv64)
+        kb_c = gl.div_rn(1.0 / KBAR_P_SCALE, unit)  # powers of two: exact
+    pdp = gl.zeros([BLOCK_M], gl.float32, row_s)
+    mbarrier.wait(q_ready, 0)
+    if OVERLAP == 3:
+        s_next = _dq_next_s(q_smem, k_bufs, rows_ready, 0, s_layout, BLOCK_M, BLOCK_N, STAGES)
+        s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, ))
+    # Invariant at the top of each iteration, over the key tiles done so far: the Triton kernel's
+    # dq = sum of deq(Q8(P (dP - Dst))) K (float32, one add per tile); kbar (MATCHED) = the float16
+    # sum of Q8(2**4 P) K / (2**4 u); pdp (MATCHED) = sum_j P dP
+    for i in range(n_iter):
+        s = i % STAGES
+        ph = (i // STAGES) & 1
+        start_n = i * BLOCK_N
+        # the per-key scales: loaded one element a thread, moved into S's column layout (16
+        # registers a thread each) through shared memory where they are used, so that none is
+        # held across a wgmma
+        offs_v = start_n + gl.arange(0, BLOCK_N, layout=vec_layout)
+        v_in = offs_v < N
+        k_scale_v = gl.load(K_SCALE + kv64 * N + offs_v, mask=v_in, other=0.0)
+        v_scale_v = gl.load(V_SCALE + kv64 * N + offs_v, mask=v_in, other=0.0)
+        # QK^T: S2 = wgmma(Q8, K8^T) * (q_scale_i * tau * log2 e * k_scale_j), one rounded multiply
+        if OVERLAP == 3:
+            # S done (issued in the previous iteration, or before the loop); dP runs during the
+            # softmax
+            st = s_next
+            dpt = warpgroup_mma(do_smem, v_bufs.index(s).permute((1, 0)),
+                                gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+        else:
+            mbarrier.wait(rows_ready.index(s), ph)
+            st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)),
+                               gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+        if OVERLAP == 1 or OVERLAP == 2:
+            dpt = warpgroup_mma(do_smem, v_bufs.index(s).permute((1, 0)),
+                                gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+            st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
+        elif OVERLAP == 0:
+            st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
+        k_scale = gl.convert_layout(k_scale_v, col_s)
+        s2 = _mul_rn(st, gl.expand_dims(q_scale, 1) * gl.expand_dims(k_scale, 0))
+        # the softmax: P = exp2(S2 - LSE2), 0 where masked. Keys past N (the last tile reads the
+        # next head's K rows, or TMA's zeros) are masked, by the causal compare (a key past N is
+        # past every stored query) or by one of its own
+        p = gl.exp2(s2 - gl.expand_dims(lse2, 1))
+        offs_n = start_n + gl.arange(0, BLOCK_N, layout=col_s)
+        if CAUSAL:
+            p = gl.where(gl.expand_dims(offs_m, 1) >= gl.expand_dims(offs_n, 0), p, 0.0)
+        else:
+            p = gl.where(gl.expand_dims(offs_n < N, 0), p, 0.0)
+        # dP = wgmma(dO8, V8^T) * (do_scale_i * v_scale_j), one rounded multiply
+        if OVERLAP == 0:
+            dpt = warpgroup_mma(do_smem, v_bufs.index(s).permute((1, 0)), st, use_acc=False, is_async=True)
+        dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
+        mbarrier.arrive(rows_free.index(s), count=1)
+        v_scale = gl.convert_layout(v_scale_v, col_s)
+        dp = _mul_rn(dpt, gl.expand_dims(do_scale, 1) * gl.expand_dims(v_scale, 0))
+        if MATCHED:
+            # the matched delta: sum_j P dP from the very float32 P and dP that dS uses
+            pdp += gl.sum(p * dp, axis=1)
+        # dS against the stale D (the matched D is not known yet: deferred correction below);
+        # Q-point dS: one POW2_DOWN scale per query row of the tile (its 64 keys)
+        ds = p * (dp - gl.expand_dims(d_stale, 1))
+        k_ds = _pow2_down_exponent(gl.max(gl.abs(ds), axis=1), False)
+        ds8 = gl.convert_layout(_to_fp8(ds * gl.expand_dims(_exp2_int(k_ds), 1), False, False), op_layout)
+        ds_inv = gl.convert_layout(_exp2_int(-k_ds), row_a)
+        if MATCHED:
+            # Q-point P (kbar): E4M3, scale KBAR_P_SCALE against LSE
+            p8 = gl.convert_layout(_to_fp8(p * KBAR_P_SCALE, False, False), op_layout)
+        # dS K, promoted: one wgmma chain per tile, then one float32 multiply-add (the channel
+        # scales from shared memory after the wait, not held across the wgmma)
+        mbarrier.wait(cols_ready.index(s), ph)
+        kt_s = kt_bufs.index(s).permute((1, 0))
+        kts_s = kts_bufs.index(s).reshape([HEAD_DIM])
+        t = warpgroup_mma(ds8, kt_s, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, a_layout), use_acc=False,
+                          is_async=True)
+        if OVERLAP == 3 and not MATCHED:
+            # S of tile i + 1 behind it, running during dQ's promotion
+            s_next = _dq_next_s(q_smem, k_bufs, rows_ready, i + 1, s_layout, BLOCK_M, BLOCK_N, STAGES)
+            t = warpgroup_mma_wait(num_outstanding=1, deps=(t, ))
+        elif MATCHED and OVERLAP == 2:
+            kb = warpgroup_mma(p8, kt_s, gl.zeros([BLOCK_M, HEAD_DIM], gl.float16, a_layout), use_acc=False,
+                               is_async=True)
+            t = warpgroup_mma_wait(num_outstanding=1, deps=(t, ))
+        else:
+            t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
+        dq += t * gl.expand_dims(kts_s.load(col_a), 0) * gl.expand_dims(ds_inv, 1)
+        if MATCHED:
+            # kbar: a float16 wgmma chain per tile, scaled to units u in float32, added and
+            # rounded to float16
+            if OVERLAP != 2:
+                kb = warpgroup_mma(p8, kt_s, gl.zeros([BLOCK_M, HEAD_DIM], gl.float16, a_layout), use_acc=False,
+                                   is_async=True)
+            if OVERLAP == 3:
+                # S of tile i + 1 behind it, running during kbar's promotion (dQ's chain result is
+                # dead by then: fewer registers than behind dS K)
+                s_next = _dq_next_s(q_smem, k_bufs, rows_ready, i + 1, s_layout, BLOCK_M, BLOCK_N, STAGES)
+                kb = warpgroup_mma_wait(num_outstanding=1, deps=(kb, ))
+            else:
+                kb = warpgroup_mma_wait(num_outstanding=0, deps=(kb, ))
+            kbar = (kbar.to(gl.float32) + kb.to(gl.float32) * gl.expand_dims(kts_s.load(col_a) * kb_c, 0)
+                    ).to(gl.float16)
+        if OVERLAP == 3:
+            # nothing in flight across the loop's back edge
+            s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, ))
+        mbarrier.arrive(cols_free.index(s), count=1)
+    offs_ma = start_m + gl.arange(0, BLOCK_M, layout=row_a)
+    if MATCHED:
+        # the matched delta, after the last key tile: D = sum_j P dP, and dQ's deferred correction
+        # dS K = (P (dP - Dst)) K - (D - Dst) (P K), with P K = kbar * u
+        gl.store(DELTA_MATCHED + head + offs_m, pdp, mask=in_seq)
+        corr = gl.convert_layout(pdp - d_stale, row_a)
+        dq -= gl.expand_dims(corr, 1) * (kbar.to(gl.float32) * unit)
+    # stores
+    offs_c = gl.arange(0, HEAD_DIM, layout=col_a)
+    rows = head * HEAD_DIM + gl.expand_dims(offs_ma, 1) * HEAD_DIM + gl.expand_dims(offs_c, 0)
+    gl.store(DQ + rows, (dq * sm_scale).to(gl.bfloat16), mask=gl.expand_dims(offs_ma < N, 1))
+
+
+@gluon.jit
+def _bwd_dq_ws_kernel(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, Q_SCALE, K_SCALE, V_SCALE, K_UNIT,
+                      DO_SCALE, LSE2, DELTA_STALE, DELTA_MATCHED, DQ, qk_scale, sm_scale, H, GROUP, N, NPAD,
+                      HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                      MATCHED: gl.constexpr, OVERLAP: gl.constexpr):
+    """The dq kernel on host-side TMA descriptors: Q, dO rows ``(B*H*N, D)``, K, V rows
+    ``(B*HKV*N, D)``, K^T ``(B*HKV*D, NPAD)`` and its scales ``(B*HKV*NPAD/128, D)``."""
+    BLOCK_M: gl.constexpr = DQ_BLOCK_M
+    gl.static_assert(QUANT_BLOCK % BLOCK_N == 0)
+    pid = gl.program_id(0)
+    if CAUSAL:
+        # the longest rows first (the last query tile sees every key)
+        pid = gl.num_programs(0) - 1 - pid
+    start_m = pid * BLOCK_M
+    bh = gl.program_id(1)
+    # the key/value head query head bh reads (its GROUP heads are consecutive)
+    kv = (bh // H) * (H // GROUP) + (bh % H) // GROUP
+    if CAUSAL:
+        n_iter = gl.cdiv(gl.minimum(start_m + BLOCK_M, N), BLOCK_N)
+    else:
+        n_iter = gl.cdiv(N, BLOCK_N)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, do_desc.block_shape, do_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_shape, v_desc.layout)
+    kt_bufs = gl.allocate_shared_memory(kt_desc.dtype, [STAGES] + kt_desc.block_shape, kt_desc.layout)
+    kts_bufs = gl.allocate_shared_memory(kts_desc.dtype, [STAGES] + kts_desc.block_shape, kts_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    rows_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    rows_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    cols_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    cols_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(rows_ready.index(i), count=1)
+        mbarrier.init(rows_free.index(i), count=1)
+        mbarrier.init(cols_ready.index(i), count=1)
+        mbarrier.init(cols_free.index(i), count=1)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, rows_ready, rows_free,
+                        cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, K_UNIT, DO_SCALE, LSE2, DELTA_STALE,
+                        DELTA_MATCHED, DQ, qk_scale, sm_scale, bh, kv, start_m, n_iter, N, HEAD_DIM, BLOCK_M,
+                        BLOCK_N, STAGES, CAUSAL, MATCHED, OVERLAP)),
+        (_dq_producer, (q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, q_smem, do_smem, k_bufs, v_bufs,
+                        kt_bufs, kts_bufs, q_ready, rows_ready, rows_free, cols_ready, cols_free, bh * N + start_m,
+                        kv, n_iter, N, NPAD, HEAD_DIM, BLOCK_N, STAGES, OVERLAP == 3)),
+    ], [1], [PRODUCER_REGS])
+
+
+#: shared-memory stages of the dq kernel's key-tile ring (two: 65 KB at D = 128, two CTAs an SM)
+DQ_STAGES = 2
+
+
+def default_dq_overlap(head_dim: int) -> int:
+    """The dq kernel's schedule ``OVERLAP`` (``_dq_consumer``): serial, until the H200 says
+    otherwise; the overlapped ones (1 and 3 fit 232 registers at both head dims) are there to be
+    timed."""
+    return 0
+
+
+def _dq_constexprs(recipe, head_dim: int, causal: bool, stages: int = DQ_STAGES, overlap: int | None = None) -> dict:
+    """The dq kernel's constexprs for ``recipe`` at ``head_dim``: the key tile is the recipe's
+    ``block_n2`` (its dS block for dQ, its promotion interval and kbar's tile)."""
+    t = recipe.bwd_tiles(head_dim)
+    return dict(HEAD_DIM=head_dim, BLOCK_N=t.block_n2, STAGES=stages, CAUSAL=bool(causal),
+                MATCHED=recipe.matched,
+                OVERLAP=default_dq_overlap(head_dim) if overlap is None else int(overlap))
+
+
+def _check_dq(recipe, head_dim: int, debug: bool = False) -> None:
+    """Raise for what the dq kernel does not run."""
+    if debug:
+        raise ValueError("bwd_ws: the debug row sums exist for the Triton dq kernel only (bwd.backward)")
+    if head_dim not in (64, 128):
+        raise ValueError(f"bwd_ws: head dim {head_dim} must be 64 or 128")
+    bn = recipe.bwd_tiles(head_dim).block_n2
+    if bn != 64:
+        raise ValueError(f"bwd_ws: the dq key tile (block_n2={bn}) must be 64: the S tile of an m64 wgmma over "
+                         "queries, 64 keys wide")
+
+
+def _dq_descriptors(q_rows, do_rows, k_rows, v_rows, k_cols, k_col_scale, block_n: int):
+    """Host-side TMA descriptors of the dq kernel's operands, in its order (Q, dO, K, V rows;
+    K^T; its scales)."""
+    d = q_rows.shape[-1]
+    bm = DQ_BLOCK_M.value
+    return (_row_desc(q_rows, bm), _row_desc(do_rows, bm), _row_desc(k_rows, block_n), _row_desc(v_rows, block_n),
+            _col_desc(k_cols, d, block_n), _scale_desc(k_col_scale, d))
+
+
+def compile_sm90_dq(head_dim: int = 128, causal: bool = False, recipe="kernels_delta_matching", stages: int = DQ_STAGES,
+                    n_multiple_of_16: bool = True, overlap: int | None = None):
+    """Compile the dq kernel for sm_90a without a GPU (ptxas included), specialized as
+    :func:`dq` launches it (16-byte aligned pointers, NPAD a multiple of 16, N too with
+    ``n_multiple_of_16``); returns the compiled kernel. GQA is a run-time argument (GROUP)."""
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from .config import get_recipe
+
+    r = get_recipe(recipe)
+    _check_dq(r, head_dim)
+    consts = _dq_constexprs(r, head_dim, causal, stages, overlap)
+    fp8, do_dt = torch.float8_e4m3fn, getattr(torch, r.recipe.do_dp.fmt.name)
+    n = npad = 128
+    rows = torch.zeros(n, head_dim, dtype=fp8)
+    cols = torch.zeros(head_dim, npad, dtype=fp8)
+    sc = torch.zeros(npad // QUANT_BLOCK.value, head_dim)
+    descs = _dq_descriptors(rows, rows.to(do_dt), rows, rows, cols, sc, consts["BLOCK_N"])
+    names = ("q_desc", "do_desc", "k_desc", "v_desc", "kt_desc", "kts_desc")
+    sig = {k: mangle_type(x) for k, x in zip(names, descs)}
+    sig.update({k: "*fp32" for k in ("Q_SCALE", "K_SCALE", "V_SCALE", "K_UNIT", "DO_SCALE", "LSE2", "DELTA_STALE",
+                                     "DELTA_MATCHED")})
+    sig.update(DQ="*bf16", qk_scale="fp32", sm_scale="fp32", H="i32", GROUP="i32", N="i32", NPAD="i32")
+    sig.update({name: "constexpr" for name in consts})
+    kernel = _bwd_dq_ws_kernel
+    names = list(kernel.arg_names)
+    aligned = {"NPAD", "N"} if n_multiple_of_16 else {"NPAD"}
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, t in sig.items()
+             if t.startswith("*") or k in aligned}
+    src = GluonASTSource(kernel, {k: sig[k] for k in names}, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=NUM_WARPS, maxnreg=LAUNCH_REGS))
+
+
+def dq(saved, do8, delta_stale, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int, causal: bool,
+       scale: float, recipe, debug: bool = False, stages: int = DQ_STAGES, overlap: int | None = None):
+    """The Gluon dq kernel on what ``bwd.backward`` passes the Triton one: ``saved`` (the forward's
+    ``SavedForward``: Q's row copy, K's row and transposed copies, V's row copy, LSE2), ``do8``
+    (dO's row copy) and ``delta_stale`` (the preprocess's rowsum(dO * O)). Returns ``(dq, delta)``:
+    dQ ``(B, H, N, D)`` BF16 and the D the dkdv kernel is to subtract (matched: the D this kernel
+    made, ``sum_j P dP``; stale: ``delta_stale`` itself), the Triton kernel's values."""
+    import torch
+
+    from .config import get_recipe
+    from .fwd import LOG2E
+
+    r = get_recipe(recipe)
+    _check_dq(r, head_dim, debug)
+    q8, k8, v8 = saved.q, saved.k, saved.v
+    dev = do8.rows.device
+    out = torch.empty((batch, heads, n, head_dim), device=dev, dtype=torch.bfloat16)
+    consts = _dq_constexprs(r, head_dim, causal, stages, overlap)
+    matched = consts["MATCHED"]
+    delta = torch.empty_like(delta_stale) if matched else delta_stale
+    # kbar's unit per key/value head: the largest of its K block scales (as bwd.backward)
+    k_unit = k8.col_scale.amax(dim=(1, 2)).contiguous() if matched else delta_stale
+    descs = _dq_descriptors(q8.rows, do8.rows, k8.rows, v8.rows, k8.cols, k8.col_scale, consts["BLOCK_N"])
+    npad = triton.cdiv(n, QUANT_BLOCK.value) * QUANT_BLOCK.value
+    grid = (triton.cdiv(n, DQ_BLOCK_M.value), batch * heads)
+    _bwd_dq_ws_kernel[grid](*descs, q8.row_scale, k8.row_scale, v8.row_scale, k_unit, do8.row_scale, saved.lse2,
+                            delta_stale, delta, out, scale * LOG2E, scale, heads, heads // kv_heads, n, npad,
+                            **consts, num_warps=NUM_WARPS, maxnreg=LAUNCH_REGS)
+    return out, delta

@@ -653,7 +653,8 @@ def backward_ws(saved, do8, do_t, delta_stale, *, batch: int, heads: int, kv_hea
     else:
         # the Triton dkdv on this D: the stale recipe's launch runs the same dkdv kernel (bwd.launch
         # reads no delta for it) on the D it is given as the stale one
-        r_st = dataclasses.replace(r, recipe=dataclasses.replace(r.recipe, delta=STALE))
+        r_st = dataclasses.replace(r, recipe=dataclasses.replace(r.recipe, delta=STALE,
+                                                                 name=f"{r.recipe.name}_dkdv_on_a_given_delta"))
         _, dk, dv, _ = bwd.backward(saved, do8, do_t, delta, recipe=r_st, kernels=("dkdv",), **dims)
     return dq_, dk, dv, {"delta": delta}
 

@@ -335,6 +335,23 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots
 
 
 @gluon.jit
+def _ring_barriers(STAGES: gl.constexpr):
+    """The two rings' barriers of both kernels, initialized: ``rows_ready`` / ``rows_free`` (the
+    row tiles of a stage) and ``cols_ready`` / ``cols_free`` (its transposed tiles and scales),
+    one arrival each."""
+    rows_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    rows_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    cols_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    cols_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(rows_ready.index(i), count=1)
+        mbarrier.init(rows_free.index(i), count=1)
+        mbarrier.init(cols_ready.index(i), count=1)
+        mbarrier.init(cols_free.index(i), count=1)
+    return rows_ready, rows_free, cols_ready, cols_free
+
+
+@gluon.jit
 def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, Q_SCALE, K_SCALE, V_SCALE,
           DO_SCALE, LSE2, DELTA, DK, DV, qk_scale, sm_scale, H, HKV, N, NPAD,
           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
@@ -363,16 +380,8 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
     qts_bufs = gl.allocate_shared_memory(qts_desc.dtype, [STAGES] + qts_desc.block_shape, qts_desc.layout)
     dots_bufs = gl.allocate_shared_memory(dots_desc.dtype, [STAGES] + dots_desc.block_shape, dots_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    rows_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    rows_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    cols_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    cols_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(rows_ready.index(i), count=1)
-        mbarrier.init(rows_free.index(i), count=1)
-        mbarrier.init(cols_ready.index(i), count=1)
-        mbarrier.init(cols_free.index(i), count=1)
+    rows_ready, rows_free, cols_ready, cols_free = _ring_barriers(STAGES)
     fence_async_shared()
     gl.warp_specialize([
         (_consumer, (k_smem, v_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs, kv_ready, rows_ready,
@@ -894,16 +903,8 @@ def _bwd_dq_ws_kernel(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, Q_SCAL
     kt_bufs = gl.allocate_shared_memory(kt_desc.dtype, [STAGES] + kt_desc.block_shape, kt_desc.layout)
     kts_bufs = gl.allocate_shared_memory(kts_desc.dtype, [STAGES] + kts_desc.block_shape, kts_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    rows_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    rows_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    cols_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    cols_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_ready, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(rows_ready.index(i), count=1)
-        mbarrier.init(rows_free.index(i), count=1)
-        mbarrier.init(cols_ready.index(i), count=1)
-        mbarrier.init(cols_free.index(i), count=1)
+    rows_ready, rows_free, cols_ready, cols_free = _ring_barriers(STAGES)
     fence_async_shared()
     gl.warp_specialize([
         (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, rows_ready, rows_free,

@@ -75,22 +75,31 @@ print(json.dumps(out))
 MAX_SHARED_TWO_CTAS = 228 * 1024 // 2
 
 
-def test_bwd_ws_compiles_for_sm90_with_its_register_budget():
+def _compile_usage(script: str, configurations: int) -> list[dict]:
+    """Run a compile script (without the interpreter) and check every configuration it reports
+    against the kernels' budget: no spills, 128 registers at launch, 256 threads (the consumer
+    warp group and the producer's, padded), setmaxnreg to 24 and 232, shared memory for two CTAs
+    an SM, no serialized wgmma."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     from dmref.kernels.bwd_ws import LAUNCH_REGS, PRODUCER_REGS
 
     usage = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(usage) == 12
+    assert len(usage) == configurations
     for u in usage:
         assert u["spills"] == 0, u
         assert u["regs"] == LAUNCH_REGS, u
-        assert u["threads"] == 256, u  # the consumer warp group and the producer's, padded
+        assert u["threads"] == 256, u
         assert PRODUCER_REGS.value in u["setmaxnreg"] and 2 * LAUNCH_REGS - PRODUCER_REGS.value in u["setmaxnreg"], u
         assert u["shared"] <= MAX_SHARED_TWO_CTAS, u
         assert not u["serialized"], u
+    return usage
+
+
+def test_bwd_ws_compiles_for_sm90_with_its_register_budget():
+    _compile_usage(_SCRIPT, 12)
 
 
 _DQ_SCRIPT = """
@@ -125,28 +134,17 @@ print(json.dumps(out))
 
 
 def test_bwd_ws_dq_compiles_for_sm90_with_its_register_budget():
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _DQ_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    from dmref.kernels.bwd_ws import LAUNCH_REGS, PRODUCER_REGS
-
-    usage = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(usage) == 23
-    for u in usage:
-        assert u["spills"] == 0, u
-        assert u["regs"] == LAUNCH_REGS, u
-        assert u["threads"] == 256, u
-        assert PRODUCER_REGS.value in u["setmaxnreg"] and 2 * LAUNCH_REGS - PRODUCER_REGS.value in u["setmaxnreg"], u
-        assert u["shared"] <= MAX_SHARED_TWO_CTAS, u
-        assert not u["serialized"], u
+    for u in _compile_usage(_DQ_SCRIPT, 23):
         # m64 wgmmas over queries: S and dP n64, dS K (and kbar's float16 chain, matched) n = D
         want = {"m64n64k32"} | {f"m64n{u['d']}k32"}
         assert set(u["wgmma"]) == want, u
 
 
-@pytest.mark.parametrize("what", ["debug", "block_n2"])
-def test_bwd_ws_dq_refuses_what_it_does_not_run(what):
+@pytest.mark.parametrize("kernel,what", [("dq", "debug"), ("dq", "block_n2"), ("dkdv", "debug"), ("dkdv", "block_m1")])
+def test_bwd_ws_refuses_what_it_does_not_run(kernel, what):
+    """Each Gluon kernel refuses the debug dumps and a tile other than its 64 (``block_n2`` for
+    dq, ``block_m1`` for dkdv), alone and through ``backward_ws``; ``backward_ws`` refuses an
+    unknown step."""
     pytest.importorskip("triton")
     from dmref.kernels import bwd_ws
     from dmref.kernels.config import RECIPES, BwdTiles
@@ -156,31 +154,17 @@ def test_bwd_ws_dq_refuses_what_it_does_not_run(what):
     if what == "debug":
         kwargs["debug"] = True
     else:
-        r = r.with_tiles(bwd=BwdTiles(block_m2=128, block_n2=128))
+        r = r.with_tiles(bwd=BwdTiles(block_m2=128, block_n2=128) if kernel == "dq" else BwdTiles(block_m1=128, block_n1=128))
     dims = dict(batch=1, heads=1, kv_heads=1, n=128, head_dim=128, causal=False, scale=1.0, recipe=r)
     with pytest.raises(ValueError, match="bwd_ws"):
-        bwd_ws.dq(None, None, None, **dims, **kwargs)
+        if kernel == "dq":
+            bwd_ws.dq(None, None, None, **dims, **kwargs)
+        else:
+            bwd_ws.dkdv(None, None, None, None, **dims, **kwargs)
     with pytest.raises(ValueError, match="bwd_ws"):
-        bwd_ws.backward_ws(None, None, None, None, kernels=("dq", "dkdv"), **dims, **kwargs)
+        bwd_ws.backward_ws(None, None, None, None, kernels=(kernel,), **dims, **kwargs)
     with pytest.raises(ValueError, match="bwd_ws"):
         bwd_ws.backward_ws(None, None, None, None, kernels=("dq", "fwd"), **dims)
-
-
-@pytest.mark.parametrize("what", ["debug", "block_m1"])
-def test_bwd_ws_refuses_what_it_does_not_run(what):
-    pytest.importorskip("triton")
-    from dmref.kernels import bwd_ws
-    from dmref.kernels.config import RECIPES, BwdTiles
-
-    r = RECIPES["kernels_delta_matching"]
-    kwargs = {}
-    if what == "debug":
-        kwargs["debug"] = True
-    else:
-        r = r.with_tiles(bwd=BwdTiles(block_m1=128, block_n1=128))
-    with pytest.raises(ValueError, match="bwd_ws"):
-        bwd_ws.dkdv(None, None, None, None, batch=1, heads=1, kv_heads=1, n=128, head_dim=128, causal=False,
-                    scale=1.0, recipe=r, **kwargs)
 
 
 def _wide_inputs(shape: ProblemShape, device: str, seed: int = 0):

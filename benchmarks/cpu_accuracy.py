@@ -4,7 +4,9 @@
     python benchmarks/cpu_accuracy.py [--out DIR] [--heads 8]   # writes benchmarks/results/cpu_accuracy.json
 
 For (1, H, 2048, 128) causal and (1, H, 2048, 64) not causal, q, k, v, dO ~ randn with every 16th
-channel of q and k x4, rounded to BF16: the relative errors ||X - X*|| / ||X*|| of O, dQ, dK, dV
+channel of q and k x4, rounded to BF16, and for (1, H, 2048, 128) causal the same with K and V
+scaled per token (log-uniform over 2^-3 .. 2^3, 1% of tokens 16x more: what per-head scales
+cannot follow): the relative errors ||X - X*|| / ||X*|| of O, dQ, dK, dV
 under ``dmref.tiled`` for the presets bf16, naive_fp8, cudnn_fp8, delta_matching and the recipes
 the kernels run (``KernelSpec.reference_recipe``, float32 accumulation). The GPU numbers of
 the kernels and cuDNN (bench_attention ``--accuracy``) were measured on a CUDA draw of the same
@@ -34,19 +36,30 @@ def main() -> int:
     from dmref.kernels.config import RECIPES
 
     rows = []
-    for (b, n, d), causal in (((1, 2048, 128), True), ((1, 2048, 64), False)):
+    problems = [((1, 2048, 128), True, "channels"), ((1, 2048, 64), False, "channels"),
+                ((1, 2048, 128), True, "tokens")]
+    for (b, n, d), causal, kind in problems:
         h = args.heads
         g = torch.Generator().manual_seed(0)
         outlier = torch.ones(d)
         outlier[::16] = 4.0
-        q = (torch.randn(b, h, n, d, generator=g) * outlier).bfloat16()
-        k = (torch.randn(b, h, n, d, generator=g) * outlier).bfloat16()
-        v = torch.randn(b, h, n, d, generator=g).bfloat16()
-        do = torch.randn(b, h, n, d, generator=g).bfloat16()
+        q = torch.randn(b, h, n, d, generator=g) * outlier
+        k = torch.randn(b, h, n, d, generator=g) * outlier
+        v = torch.randn(b, h, n, d, generator=g)
+        do = torch.randn(b, h, n, d, generator=g)
+        inputs = "randn (CPU draw, seed 0), every 16th channel of q and k x4"
+        if kind == "tokens":
+            # magnitudes that vary by token, which a per-head (folded) scale of K and V cannot follow
+            # and a per-token one can: log-uniform over 2^-3 .. 2^3, and 1% of tokens 16x more
+            for x in (k, v):
+                x *= torch.exp2(torch.empty(b, h, n, 1).uniform_(-3, 3, generator=g))
+                x[:, :, torch.randperm(n, generator=g)[: n // 100]] *= 16.0
+            inputs += "; k and v scaled per token by 2^U(-3, 3), 1% of tokens x16 more"
+        q, k, v, do = (t.bfloat16() for t in (q, k, v, do))
         _, _, dq, dk, dv = reference.attention_ref(*(t.double() for t in (q, k, v, do)), causal=causal)
         out = reference.attention_forward(*(t.double() for t in (q, k, v)), causal=causal)[0]
         ref = dict(o=out, dq=dq, dk=dk, dv=dv)
-        row = dict(shape=[b, h, n, d], causal=causal, inputs="randn (CPU draw, seed 0), every 16th channel of q and k x4")
+        row = dict(shape=[b, h, n, d], causal=causal, inputs=inputs)
         recipes = {name: name for name in ("bf16", "naive_fp8", "cudnn_fp8", "delta_matching")}
         for name, kr in RECIPES.items():
             recipes[f"{name} (declared, fp32 accumulation)"] = kr.reference_recipe("fp32")

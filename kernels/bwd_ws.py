@@ -123,7 +123,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from . import _common
+from ._gluon import LAUNCH_REGS, PRODUCER_REGS, allocator
+from ._gluon import exp2_int as _exp2_int
+from ._gluon import mul_rn as _mul_rn
+from ._gluon import pow2_down_exponent as _pow2_down_exponent
+from ._gluon import to_fp8 as _to_fp8
 from .config import KBAR_P_SCALE_LOG2 as _KBAR_P_SCALE_LOG2
 from .config import QUANT_BLOCK as _QUANT_BLOCK
 
@@ -131,26 +135,8 @@ from .config import QUANT_BLOCK as _QUANT_BLOCK
 QUANT_BLOCK = gl.constexpr(_QUANT_BLOCK)
 #: keys per CTA: one m64 wgmma row block of the consumer warp group
 BLOCK_N = gl.constexpr(64)
-#: registers per thread of the producer warp (setmaxnreg's minimum)
-PRODUCER_REGS = gl.constexpr(24)
-#: registers per thread at launch: two CTAs of 256 threads (the consumer warp group and the
-#: producer warp, padded to a warp group) share an SM's 65,536; the producer gives up 128 - 24,
-#: which lifts the consumer to 232
-LAUNCH_REGS = 128
 #: consumer warps (one warp group)
 NUM_WARPS = 4
-
-_pow2_down_exponent = gluon.jit(_common.pow2_down_exponent.fn)
-_exp2_int = gluon.jit(_common.exp2_int.fn)
-_to_fp8 = gluon.jit(_common.to_fp8.fn)
-
-
-@gluon.jit
-def _mul_rn(a, b):
-    """float32 ``a * b`` rounded on its own (never fused into the following subtraction)."""
-    return gl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=gl.float32,
-                                     is_pure=True, pack=1)
-
 
 @gluon.jit
 def _producer(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, k_smem, v_smem, q_bufs,
@@ -267,7 +253,7 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots
         # the softmax, transposed: P^T = exp2(S2^T - LSE2), 0 where masked
         q_scale = gl.convert_layout(q_scale_v, col_s)
         lse2 = gl.convert_layout(lse2_v, col_s)
-        s2 = _mul_rn(st, gl.expand_dims(k_scale, 1) * gl.expand_dims(q_scale, 0))
+        s2 = _mul_rn(st, gl.expand_dims(k_scale, 1) * gl.expand_dims(q_scale, 0), False)
         # masks: queries past N have LSE2 = +inf, so their P is exp2(-inf) = 0 (the Triton
         # kernel's select gives the same 0); causal, one compare a element. Keys past N are not
         # masked: a row of P^T or dS^T reaches only its own row of dK and dV (a wgmma's output row
@@ -296,7 +282,7 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots
         mbarrier.arrive(rows_free.index(s), count=1)
         do_scale = gl.convert_layout(do_scale_v, col_s)
         delta = gl.convert_layout(delta_v, col_s)
-        dp_t = _mul_rn(dpt, gl.expand_dims(v_scale, 1) * gl.expand_dims(do_scale, 0))
+        dp_t = _mul_rn(dpt, gl.expand_dims(v_scale, 1) * gl.expand_dims(do_scale, 0), False)
         # dS = P (dP - D); Q-point dS: one POW2_DOWN scale per key row of the tile
         ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
         k_ds = _pow2_down_exponent(gl.max(gl.abs(ds_t), axis=1), False)
@@ -583,12 +569,6 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, reci
                           options=dict(num_warps=NUM_WARPS, maxnreg=LAUNCH_REGS))
 
 
-def _allocator(size: int, alignment: int, stream):
-    import torch
-
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
 def dkdv(saved, do8, do_t, delta, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int,
          causal: bool, scale: float, recipe, debug: bool = False, stages: int = STAGES, split: bool | None = None,
          overlap: int | None = None, host_descriptors: bool = True):
@@ -620,7 +600,7 @@ def dkdv(saved, do8, do_t, delta, *, batch: int, heads: int, kv_heads: int, n: i
         _bwd_dkdv_ws_kernel[grid](*descs, q8.row_scale, k8.row_scale, v8.row_scale, do8.row_scale, saved.lse2, delta,
                                   dk, dv, *scalars, **consts, num_warps=NUM_WARPS, maxnreg=LAUNCH_REGS)
     else:
-        triton.set_allocator(_allocator)
+        triton.set_allocator(allocator)
         _bwd_dkdv_ws_kernel_dev[grid](
             q8.rows, q8.row_scale, q8.cols, q8.col_scale, k8.rows, k8.row_scale, v8.rows, v8.row_scale,
             do8.rows, do8.row_scale, do_t.cols, do_t.col_scale, saved.lse2, delta, dk, dv,
@@ -796,7 +776,7 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
         elif OVERLAP == 0:
             st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
         k_scale = gl.convert_layout(k_scale_v, col_s)
-        s2 = _mul_rn(st, gl.expand_dims(q_scale, 1) * gl.expand_dims(k_scale, 0))
+        s2 = _mul_rn(st, gl.expand_dims(q_scale, 1) * gl.expand_dims(k_scale, 0), False)
         # the softmax: P = exp2(S2 - LSE2), 0 where masked. Keys past N (the last tile reads the
         # next head's K rows, or TMA's zeros) are masked, by the causal compare (a key past N is
         # past every stored query) or by one of its own
@@ -812,7 +792,7 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
         mbarrier.arrive(rows_free.index(s), count=1)
         v_scale = gl.convert_layout(v_scale_v, col_s)
-        dp = _mul_rn(dpt, gl.expand_dims(do_scale, 1) * gl.expand_dims(v_scale, 0))
+        dp = _mul_rn(dpt, gl.expand_dims(do_scale, 1) * gl.expand_dims(v_scale, 0), False)
         if MATCHED:
             # the matched delta: sum_j P dP from the very float32 P and dP that dS uses
             pdp += gl.sum(p * dp, axis=1)

@@ -77,8 +77,9 @@ def compile_sm90(kernel, constexprs: dict, *, num_warps: int, num_stages: int,
                           options=dict(num_warps=num_warps, num_stages=num_stages, **register_cap(maxnreg)))
 
 
-def resource_usage(compiled) -> tuple[int, int, int]:
-    """(registers, spill bytes, shared bytes) of a compiled kernel, from ptxas's own report."""
+def ptxas_report(compiled) -> str:
+    """ptxas's verbose report (``-v``, sm_90a) on a compiled kernel's PTX: its resource lines
+    and warnings such as C7514 (wgmma serialized)."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     ptxas = get_ptxas(90).path
@@ -86,11 +87,30 @@ def resource_usage(compiled) -> tuple[int, int, int]:
         ptx = os.path.join(tmp, "k.ptx")
         with open(ptx, "w") as f:
             f.write(compiled.asm["ptx"])
-        out = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", ptx, "-o", os.path.join(tmp, "k.o")],
-                             capture_output=True, text=True, check=True).stderr
+        return subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", ptx, "-o", os.path.join(tmp, "k.o")],
+                              capture_output=True, text=True, check=True).stderr
+
+
+def resource_usage(compiled, report: str | None = None) -> tuple[int, int, int]:
+    """(registers, spill bytes, shared bytes) of a compiled kernel, from ptxas's own report
+    (``report``: :func:`ptxas_report`'s, when already made)."""
+    out = ptxas_report(compiled) if report is None else report
     regs = int(re.search(r"Used (\d+) registers", out).group(1))
     spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", out))
     return regs, spills, int(compiled.metadata.shared)
+
+
+def warp_specialized_budget(compiled) -> dict:
+    """What the warp-specialized Gluon kernels' budget is checked on (one ptxas run): registers
+    at launch, spill bytes, shared bytes, the ``setmaxnreg`` values, threads per CTA, whether
+    ptxas serialized the wgmmas (C7514) and the wgmma shapes issued."""
+    ptx = compiled.asm["ptx"]
+    report = ptxas_report(compiled)
+    regs, spills, shared = resource_usage(compiled, report)
+    return dict(regs=regs, spills=spills, shared=shared, serialized="C7514" in report,
+                setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+                threads=int(re.search(r"\.reqntid (\d+)", ptx).group(1)),
+                wgmma=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\w+)\.", ptx))))
 
 
 def recipe_variants(spec: KernelSpec, head_dim: int, causal: bool, group: int = 1):

@@ -45,21 +45,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from . import _common
+from ._gluon import LAUNCH_REGS, PRODUCER_REGS, allocator
+from ._gluon import exp2_int as _exp2_int
+from ._gluon import pow2_down_exponent as _pow2_down_exponent
+from ._gluon import to_fp8 as _to_fp8
 
 #: queries per CTA: one m64 wgmma row block for the consumer warp group
 BLOCK_M = gl.constexpr(64)
-#: registers per thread of the producer warp (setmaxnreg's minimum)
-PRODUCER_REGS = gl.constexpr(24)
-#: registers per thread at launch: two CTAs of 256 threads (the consumer warp group and the
-#: producer warp, padded to a warp group) share an SM's 65,536. The producer gives up 128 - 24,
-#: which lifts the consumer to 128 + 104 = 232 (what Gluon's setmaxnreg asks for)
-LAUNCH_REGS = 128
-
-# The kernels' power-of-two scale rule and FP8 cast (Triton helpers, compiled here as Gluon)
-_pow2_down_exponent = gluon.jit(_common.pow2_down_exponent.fn)
-_exp2_int = gluon.jit(_common.exp2_int.fn)
-_to_fp8 = gluon.jit(_common.to_fp8.fn)
 
 
 @gluon.jit
@@ -361,12 +353,6 @@ def default_overlap(head_dim: int, chain: bool) -> bool:
     return bool(chain) or head_dim == 64
 
 
-def _allocator(size: int, alignment: int, stream):
-    import torch
-
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
 def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale: float,
             block_n: int = 128, stages: int = 2, chain: bool | None = None, overlap: bool | None = None,
             debug: bool = False):
@@ -384,7 +370,7 @@ def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale:
     b, h, n, d = q.shape
     if q.stride(-1) != 1:
         raise ValueError(f"q's last dim must be contiguous, got strides {q.stride()}")
-    triton.set_allocator(_allocator)
+    triton.set_allocator(allocator)
     o = torch.empty((b, h, n, d), device=q.device, dtype=torch.bfloat16)
     lse2 = torch.empty((b * h, n), device=q.device, dtype=torch.float32)
     p_codes = torch.zeros((b * h, n, vt8.shape[-1]) if debug else (1,), device=q.device, dtype=torch.uint8)

@@ -13,7 +13,7 @@
   ignores and the BF16 values cannot show otherwise;
 - ``backward_ws`` is ``bwd.backward`` with the dkdv step replaced: dQ and the delta are the same
   tensors' values, so the matched delta's row-sum property (dS = P (dP - D) with D = sum_j P dP,
-  ``test_kernels_vs_model::test_matched_delta_ds_rowsums_within_delta_matching_bound``, checked
+  ``test_kernels_intermediates::test_matched_delta_ds_rowsums_within_delta_matching_bound``, checked
   there on the Triton kernel's dS) holds for the Gluon kernel's dS, which it forms from the same
   float32 P, dP and D; and the kernel does read that D (another D gives other dK).
 
@@ -34,23 +34,19 @@ The warp-specialized Gluon dq kernel (``bwd_ws.dq``), the same way:
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from kernel_inputs import ProblemShape, outlier_inputs, require_backend
+from warp_specialized_budget import compile_and_check_budget
 
 #: The register budget of bwd_ws's docstring: producer 24, consumer 232, 128 at launch.
 _SCRIPT = """
-import json, re, subprocess, tempfile
-from triton.backends.nvidia.compiler import get_ptxas
+import json
 from dmref.kernels import bwd_ws
-from dmref.kernels.compile_check import resource_usage
+from dmref.kernels.compile_check import warp_specialized_budget
 out = []
 # (head dim, causal, group, host descriptors, N a multiple of 16): the launches' specializations
 cases = [(d, c, g, True, True) for d in (64, 128) for c in (False, True) for g in (1, 4)]
@@ -58,55 +54,18 @@ cases += [(128, True, 4, True, False), (64, False, 1, True, False)]  # N = 1000,
 cases += [(128, True, 1, False, True), (64, False, 4, False, False)]  # descriptors built per CTA
 for d, causal, group, host, n16 in cases:
     k = bwd_ws.compile_sm90(head_dim=d, causal=causal, group=group, host_descriptors=host, n_multiple_of_16=n16)
-    ptx = k.asm["ptx"]
-    regs, spills, shared = resource_usage(k)
-    with tempfile.TemporaryDirectory() as tmp:
-        open(tmp + "/k.ptx", "w").write(ptx)
-        log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", tmp + "/k.ptx", "-o",
-                              tmp + "/k.cubin"], capture_output=True, text=True).stderr
-    out.append(dict(d=d, causal=causal, group=group, host=host, n16=n16, regs=regs, spills=spills, shared=shared,
-                    serialized="C7514" in log,
-                    setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)}),
-                    threads=int(re.search(r"\\.reqntid (\\d+)", ptx).group(1))))
+    out.append(dict(d=d, causal=causal, group=group, host=host, n16=n16, **warp_specialized_budget(k)))
 print(json.dumps(out))
 """
 
-#: Hopper: 228 KB of shared memory per SM; two CTAs an SM need at most half of it each.
-MAX_SHARED_TWO_CTAS = 228 * 1024 // 2
-
-
-def _compile_usage(script: str, configurations: int) -> list[dict]:
-    """Run a compile script (without the interpreter) and check every configuration it reports
-    against the kernels' budget: no spills, 128 registers at launch, 256 threads (the consumer
-    warp group and the producer's, padded), setmaxnreg to 24 and 232, shared memory for two CTAs
-    an SM, no serialized wgmma."""
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    from dmref.kernels.bwd_ws import LAUNCH_REGS, PRODUCER_REGS
-
-    usage = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(usage) == configurations
-    for u in usage:
-        assert u["spills"] == 0, u
-        assert u["regs"] == LAUNCH_REGS, u
-        assert u["threads"] == 256, u
-        assert PRODUCER_REGS.value in u["setmaxnreg"] and 2 * LAUNCH_REGS - PRODUCER_REGS.value in u["setmaxnreg"], u
-        assert u["shared"] <= MAX_SHARED_TWO_CTAS, u
-        assert not u["serialized"], u
-    return usage
-
-
 def test_bwd_ws_compiles_for_sm90_with_its_register_budget():
-    _compile_usage(_SCRIPT, 12)
+    compile_and_check_budget(_SCRIPT, 12)
 
 
 _DQ_SCRIPT = """
-import json, re, subprocess, tempfile
-from triton.backends.nvidia.compiler import get_ptxas
+import json
 from dmref.kernels import bwd_ws
-from dmref.kernels.compile_check import resource_usage
+from dmref.kernels.compile_check import warp_specialized_budget
 out = []
 # (head dim, causal, recipe, N a multiple of 16, schedule): the launches' specializations
 cases = [(d, c, r, True, 0) for d in (64, 128) for c in (False, True) for r in ("kernels_delta_matching", "kernels_naive_fp8")]
@@ -118,23 +77,13 @@ cases += [(128, c, r, True, 3) for c in (False, True) for r in ("kernels_delta_m
 cases += [(64, True, "kernels_delta_matching", True, 3), (64, False, "kernels_naive_fp8", False, 3)]
 for d, causal, recipe, n16, ov in cases:
     k = bwd_ws.compile_sm90(kernel="dq", head_dim=d, causal=causal, recipe=recipe, n_multiple_of_16=n16, overlap=ov)
-    ptx = k.asm["ptx"]
-    regs, spills, shared = resource_usage(k)
-    with tempfile.TemporaryDirectory() as tmp:
-        open(tmp + "/k.ptx", "w").write(ptx)
-        log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", tmp + "/k.ptx", "-o",
-                              tmp + "/k.cubin"], capture_output=True, text=True).stderr
-    out.append(dict(d=d, causal=causal, recipe=recipe, n16=n16, overlap=ov, regs=regs, spills=spills, shared=shared,
-                    serialized="C7514" in log,
-                    wgmma=sorted(set(re.findall(r"wgmma\\.mma_async\\.sync\\.aligned\\.(\\w+)\\.", ptx))),
-                    setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)}),
-                    threads=int(re.search(r"\\.reqntid (\\d+)", ptx).group(1))))
+    out.append(dict(d=d, causal=causal, recipe=recipe, n16=n16, overlap=ov, **warp_specialized_budget(k)))
 print(json.dumps(out))
 """
 
 
 def test_bwd_ws_dq_compiles_for_sm90_with_its_register_budget():
-    for u in _compile_usage(_DQ_SCRIPT, 23):
+    for u in compile_and_check_budget(_DQ_SCRIPT, 23):
         # m64 wgmmas over queries: S and dP n64, dS K (and kbar's float16 chain, matched) n = D
         want = {"m64n64k32"} | {f"m64n{u['d']}k32"}
         assert set(u["wgmma"]) == want, u

@@ -3,7 +3,8 @@
 - its K/V quantization (a Triton kernel: interpreter and GPU) gives the codes and scales of
   ``dmref.emulation.quantize_blocked`` with one block per head (K) and per head and channel (V);
 - it compiles for sm_90a on a machine without a GPU, with the register budget its docstring
-  states and no spills (Gluon kernels do not run in Triton's interpreter);
+  states, no spills and its overlapped wgmmas not serialized by ptxas (Gluon kernels do not run
+  in Triton's interpreter);
 - on the H200 its O and LSE equal the emulated reference ``dmref.tiled`` on its recipe
   (``config.RECIPES["kernels_folded_naive_fp8"]``), with the Hopper wgmma model, up to the bounds of the other kernels'
   differential tests.
@@ -11,17 +12,14 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from kernel_bounds import code_flip_rel_bound, lse2_tolerance, rel_err
 from kernel_inputs import ProblemShape, outlier_inputs, require_backend
+from warp_specialized_budget import compile_and_check_budget
 
 
 def _wide_inputs(shape: ProblemShape, device: str):
@@ -59,75 +57,27 @@ def test_folded_quantization_equals_the_emulation(backend):
     assert torch.equal(got.v_scale.cpu(), torch.as_tensor(v_scales).reshape(bh, -1).float())
 
 
-#: The register budget of fwd_ws's docstring: producer 24, consumer 232, 128 at launch.
+#: The register budget of fwd_ws's docstring: producer 24, consumer 232, 128 at launch, for the
+#: schedule ``forward`` runs (``default_overlap`` with the folded recipes' chained PV: QK^T of the
+#: next tile in flight during the softmax). ptxas reports C7514 ("wgmma.mma_async instructions
+#: are serialized") when a non-wgmma instruction reads an accumulator in flight, which would undo
+#: the overlap; the budget check requires its absence.
 _SCRIPT = """
-import json, re
+import json
 from dmref.kernels import fwd_ws
-from dmref.kernels.compile_check import resource_usage
-out = []
-for d, causal in ((128, True), (64, False)):
-    k = fwd_ws.compile_sm90(head_dim=d, causal=causal)
-    ptx = k.asm["ptx"]
-    regs, spills, shared = resource_usage(k)
-    out.append(dict(d=d, regs=regs, spills=spills, shared=shared,
-                    setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)}),
-                    threads=int(re.search(r"\\.reqntid (\\d+)", ptx).group(1))))
-print(json.dumps(out))
-"""
-
-#: Hopper: 227 KB of shared memory per block; two CTAs an SM need at most half of 228 KB each.
-MAX_SHARED_TWO_CTAS = 228 * 1024 // 2
-
-
-def test_fwd_ws_compiles_for_sm90_with_its_register_budget():
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    from dmref.kernels.fwd_ws import LAUNCH_REGS, PRODUCER_REGS
-
-    for u in json.loads(proc.stdout.strip().splitlines()[-1]):
-        assert u["spills"] == 0, u
-        assert u["regs"] == LAUNCH_REGS, u
-        assert u["threads"] == 256, u  # the consumer warp group and the producer's, padded
-        assert PRODUCER_REGS.value in u["setmaxnreg"] and 2 * LAUNCH_REGS - PRODUCER_REGS.value in u["setmaxnreg"], u
-        assert u["shared"] <= MAX_SHARED_TWO_CTAS, u
-
-
-_SCHEDULE_SCRIPT = """
-import subprocess, sys, tempfile
-from triton.backends.nvidia.compiler import get_ptxas
-from dmref.kernels import fwd_ws
-k = fwd_ws.compile_sm90(head_dim=int(sys.argv[2]), causal=bool(int(sys.argv[1])))
-with tempfile.TemporaryDirectory() as tmp:
-    open(tmp + "/k.ptx", "w").write(k.asm["ptx"])
-    p = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", tmp + "/k.ptx", "-o", tmp + "/k.cubin"],
-                       capture_output=True, text=True)
-print(p.returncode, p.stderr)
+from dmref.kernels.compile_check import warp_specialized_budget
+print(json.dumps([dict(d=d, causal=causal, **warp_specialized_budget(fwd_ws.compile_sm90(head_dim=d, causal=causal)))
+                  for d in (64, 128) for causal in (False, True)]))
 """
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("causal", [False, True])
-def test_overlapped_schedule_is_not_serialized_by_ptxas(causal, head_dim):
-    """The schedule ``forward`` runs (``default_overlap`` with the folded recipes' chained PV):
-    QK^T of the next tile in flight during the softmax. ptxas reports C7514 ("wgmma.mma_async
-    instructions are serialized") when a non-wgmma instruction reads an accumulator in flight,
-    which would undo the overlap."""
-    pytest.importorskip("triton")
+def test_fwd_ws_compiles_for_sm90_with_its_register_budget_and_overlap():
     from dmref.kernels.config import RECIPES
     from dmref.kernels.fwd_ws import default_overlap
 
-    assert RECIPES["kernels_folded_delta_matching"].recipe.pv_chain and default_overlap(head_dim, True)
-    assert not default_overlap(128, False)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _SCHEDULE_SCRIPT, str(int(causal)), str(head_dim)], capture_output=True, text=True,
-                          env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rc, log = proc.stdout.split(" ", 1)
-    assert rc == "0", log
-    assert "0 bytes spill stores" in log, log
-    assert "C7514" not in log, log
+    assert RECIPES["kernels_folded_delta_matching"].recipe.pv_chain
+    assert default_overlap(64, True) and default_overlap(128, True) and not default_overlap(128, False)
+    compile_and_check_budget(_SCRIPT, 4)
 
 
 _GPU_CASES = [

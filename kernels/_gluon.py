@@ -1,0 +1,33 @@
+"""What the warp-specialized Gluon kernels (``fwd_ws``, ``bwd_ws``) share: their register budget,
+the Triton helpers of ``_common`` compiled as Gluon, and the allocator that device-side TMA
+descriptors draw their workspace from.
+
+Importing this module imports triton; only the kernel modules do that.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from . import _common
+
+#: registers per thread of the producer warp (setmaxnreg's minimum)
+PRODUCER_REGS = gl.constexpr(24)
+#: registers per thread at launch: two CTAs of 256 threads (the consumer warp group and the
+#: producer warp, padded to a warp group) share an SM's 65,536. The producer gives up 128 - 24,
+#: which lifts the consumer to 128 + 104 = 232 (what Gluon's setmaxnreg asks for)
+LAUNCH_REGS = 128
+
+# The kernels' power-of-two scale rule, FP8 cast and separately rounded multiply
+pow2_down_exponent = gluon.jit(_common.pow2_down_exponent.fn)
+exp2_int = gluon.jit(_common.exp2_int.fn)
+to_fp8 = gluon.jit(_common.to_fp8.fn)
+mul_rn = gluon.jit(_common.mul_rn.fn)
+
+
+def allocator(size: int, alignment: int, stream):
+    """The global workspace of device-side TMA descriptors (``triton.set_allocator``)."""
+    import torch
+
+    return torch.empty(size, dtype=torch.int8, device="cuda")

@@ -31,6 +31,7 @@ docs/distributed.md).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -316,8 +317,21 @@ def main(argv=None) -> list[float]:
                   "seed": args.seed, "first_step": first, "losses": losses}
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     if dist.is_initialized():
-        dist.destroy_process_group()
+        del model, opt  # they hold the process group: freed before it ends (see shutdown)
+        shutdown()
     return losses
+
+
+def shutdown():
+    """Ends the process group so that no gloo thread outlives it: every rank waits for the others
+    (none tears its connections down while another still talks), and what still holds the group
+    (the caller has dropped the wrapped model and the optimizer) is collected while the interpreter
+    is alive. Without this, a rank that finished first aborted now and then at interpreter exit
+    ("terminate called without an active exception", no Python frame): a gloo object destroyed
+    during finalization."""
+    dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

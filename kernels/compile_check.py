@@ -100,14 +100,24 @@ def resource_usage(compiled, report: str | None = None) -> tuple[int, int, int]:
     return regs, spills, int(compiled.metadata.shared)
 
 
+def added_wgmma_waits(compiled) -> int:
+    """How many wgmma waits ptxas added to the kernel's own: ``WARPGROUP.DEPBAR`` in the sm_90a
+    SASS less ``wgmma.wait_group`` in the PTX. Positive when ptxas serialized wgmmas without
+    saying so (no C7514): a wait after every instruction of a chain."""
+    sass = compiled.asm["sass"]
+    return len(re.findall(r"WARPGROUP\.DEPBAR", sass)) - len(re.findall(r"wgmma\.wait_group", compiled.asm["ptx"]))
+
+
 def warp_specialized_budget(compiled) -> dict:
     """What the warp-specialized Gluon kernels' budget is checked on (one ptxas run): registers
     at launch, spill bytes, shared bytes, the ``setmaxnreg`` values, threads per CTA, whether
-    ptxas serialized the wgmmas (C7514) and the wgmma shapes issued."""
+    ptxas serialized the wgmmas (C7514, or waits it added: :func:`added_wgmma_waits`) and the
+    wgmma shapes issued."""
     ptx = compiled.asm["ptx"]
     report = ptxas_report(compiled)
     regs, spills, shared = resource_usage(compiled, report)
-    return dict(regs=regs, spills=spills, shared=shared, serialized="C7514" in report,
+    return dict(regs=regs, spills=spills, shared=shared,
+                serialized="C7514" in report or added_wgmma_waits(compiled) > 0,
                 setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
                 threads=int(re.search(r"\.reqntid (\d+)", ptx).group(1)),
                 wgmma=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\w+)\.", ptx))))

@@ -18,7 +18,12 @@ The consumer, for its Q tile and then for every key tile of ``BLOCK_N`` keys:
                                                             # chain over all keys (pv_chain)
     O  = acc * fl(1 / l) * v_scale_d;  LSE2 = m - 8 + log2(l)
 
-The default schedule issues QK^T of tile j + 1 before the softmax of tile j (``OVERLAP``);
+The default schedule issues QK^T of tile j + 1 before the softmax of tile j (``OVERLAP = 1``);
+``OVERLAP = 2`` (the deep schedule, chained PV only) also issues PV of tile j - 1 there, so both
+wgmmas run during the softmax, with V loaded a tile behind K: the same operations on the same
+values, so the same bits. It fits the budget with 128-key tiles at D = 64 and 64-key tiles at
+D = 128 (with 128-key tiles ptxas serializes its wgmmas); whether it is faster is for the H200
+to say (``benchmarks/gpu_fwd_ws_probe.py``), and until then it is not the default.
 ``CHAIN=False`` is the per-tile promotion ``acc = acc * alpha + wgmma(Q(P8), V8)`` (a recipe
 with ``pv_chain=False``). ``dmref.tiled`` computes the same recipe with exp2's argument rounded
 as fl(fl(S c) - m) and O as fl(acc / l): the kernel differs from it in the last bits of float32
@@ -55,19 +60,38 @@ BLOCK_M = gl.constexpr(64)
 
 
 @gluon.jit
+def _load_k(k_desc, k_bufs, k_ready, k_free, kv_row, i, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    s = i % STAGES
+    mbarrier.wait(k_free.index(s), ((i // STAGES) & 1) ^ 1)
+    mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [kv_row + i * BLOCK_N, 0], k_ready.index(s), k_bufs.index(s))
+
+
+@gluon.jit
+def _load_v(v_desc, v_bufs, v_ready, v_free, kv_col, i, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    s = i % STAGES
+    mbarrier.wait(v_free.index(s), ((i // STAGES) & 1) ^ 1)
+    mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(v_desc, [kv_col, i * BLOCK_N], v_ready.index(s), v_bufs.index(s))
+
+
+@gluon.jit
 def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, kv_row, kv_col, n_tiles,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_LAG: gl.constexpr):
     """TMA loads of K (``(BLOCK_N, D)`` row tiles) and V^T (``(D, BLOCK_N)`` tiles) for key tiles
-    0..n_tiles. Waits on ``*_free[s]`` (phase flipped: the first round passes), arms ``*_ready[s]``."""
-    for i in range(n_tiles):
-        s = i % STAGES
-        ph = ((i // STAGES) & 1) ^ 1
-        mbarrier.wait(k_free.index(s), ph)
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [kv_row + i * BLOCK_N, 0], k_ready.index(s), k_bufs.index(s))
-        mbarrier.wait(v_free.index(s), ph)
-        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [kv_col, i * BLOCK_N], v_ready.index(s), v_bufs.index(s))
+    0..n_tiles, in the order the consumer frees them: K_i, V_i, or with ``V_LAG`` (the deep
+    schedule, whose PV of tile i runs a tile after its QK^T) K_i, V_i-1. Waits on ``*_free[s]``
+    (phase flipped: the first round passes), arms ``*_ready[s]``."""
+    if V_LAG:
+        _load_k(k_desc, k_bufs, k_ready, k_free, kv_row, 0, BLOCK_N, STAGES)
+        for i in range(1, n_tiles):
+            _load_k(k_desc, k_bufs, k_ready, k_free, kv_row, i, BLOCK_N, STAGES)
+            _load_v(v_desc, v_bufs, v_ready, v_free, kv_col, i - 1, BLOCK_N, STAGES)
+        _load_v(v_desc, v_bufs, v_ready, v_free, kv_col, n_tiles - 1, BLOCK_N, STAGES)
+    else:
+        for i in range(n_tiles):
+            _load_k(k_desc, k_bufs, k_ready, k_free, kv_row, i, BLOCK_N, STAGES)
+            _load_v(v_desc, v_bufs, v_ready, v_free, kv_col, i, BLOCK_N, STAGES)
 
 
 @gluon.jit
@@ -186,6 +210,38 @@ def _tile_overlap(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, a
 
 
 @gluon.jit
+def _tile_deep(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, sc, s_old, p8_prev, alpha_prev,
+               m_i, l_i, cs, offs_m, N, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+               P_SCALE: gl.constexpr, PREV: gl.constexpr, NEXT: gl.constexpr, PD, NPAD, DEBUG: gl.constexpr):
+    """Key tile i, its QK^T ``sc`` done (the deep schedule, chained PV only): PV of tile i - 1
+    (``PREV``: ``acc = wgmma(P8_i-1, V_i-1, C = acc * alpha_i-1)``, the chained schedule's
+    operation) and QK^T of tile i + 1 (``NEXT``, into the dead registers ``s_old``) are issued
+    and both run during the softmax of tile i; both are waited on before the call returns, so no
+    wgmma is in flight across the loop's back edge. Returns (acc, QK^T of tile i + 1, S, P8_i,
+    alpha_i, m, l): tile i's PV is the next call's (or the epilogue's)."""
+    if PREV:
+        sp = (i - 1) % STAGES
+        mbarrier.wait(v_ready.index(sp), ((i - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p8_prev, v_bufs.index(sp).permute((1, 0)), acc * alpha_prev, use_acc=True,
+                            is_async=True)
+    s_next = s_old
+    if NEXT:
+        s1 = (i + 1) % STAGES
+        mbarrier.wait(k_ready.index(s1), ((i + 1) // STAGES) & 1)
+        s_next = warpgroup_mma(q_smem, k_bufs.index(s1).permute((1, 0)), s_old, use_acc=False, is_async=True)
+    p8, alpha_o, m_i, l_i = _softmax(sc, cs, m_i, l_i, i, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, MASK,
+                                     CAUSAL, P_SCALE, PD, NPAD, DEBUG)
+    if PREV or NEXT:
+        acc, s_next = warpgroup_mma_wait(num_outstanding=0, deps=(acc, s_next))
+    if PREV:
+        mbarrier.arrive(v_free.index(sp), count=1)
+    if NEXT:
+        mbarrier.arrive(k_free.index(s1), count=1)
+    return acc, s_next, sc, p8, alpha_o, m_i, l_i
+
+
+@gluon.jit
 def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, V_SCALE, O, LSE2,
               cs_head, bh, kv, start_m, n_plain, n_tiles, N,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
@@ -207,7 +263,51 @@ def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     s_old = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     t_old = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    if OVERLAP:
+    if OVERLAP == 2:
+        gl.static_assert(CHAIN)
+        mbarrier.wait(k_ready.index(0), 0)
+        s_next = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_old, use_acc=False, is_async=True)
+        s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, ))
+        mbarrier.arrive(k_free.index(0), count=1)
+        gl.static_assert(BLOCK_N % BLOCK_M == 0)  # only the last key tile is masked (as OVERLAP == 1)
+        p8 = gl.zeros([BLOCK_M, BLOCK_N], gl.float8e4nv, p_layout)
+        alpha_o = gl.full([BLOCK_M, 1], 1.0, gl.float32, o_layout)
+        if n_tiles == 1:
+            acc, s_next, s_old, p8, alpha_o, m_i, l_i = _tile_deep(
+                0, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, p8, alpha_o, m_i,
+                l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, True, CAUSAL, P_SCALE, False,
+                False, PD, NPAD, DEBUG)
+        else:
+            acc, s_next, s_old, p8, alpha_o, m_i, l_i = _tile_deep(
+                0, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, p8, alpha_o, m_i,
+                l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE, False,
+                True, PD, NPAD, DEBUG)
+            # tiles 1 .. n_tiles - 2 two an iteration (S_i and S_i+1 trade the two register tiles)
+            for j in range(0, (n_tiles - 2) // 2):
+                acc, s_next, s_old, p8, alpha_o, m_i, l_i = _tile_deep(
+                    2 * j + 1, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, p8,
+                    alpha_o, m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL,
+                    P_SCALE, True, True, PD, NPAD, DEBUG)
+                acc, s_next, s_old, p8, alpha_o, m_i, l_i = _tile_deep(
+                    2 * j + 2, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, p8,
+                    alpha_o, m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL,
+                    P_SCALE, True, True, PD, NPAD, DEBUG)
+            if (n_tiles - 2) % 2 == 1:
+                acc, s_next, s_old, p8, alpha_o, m_i, l_i = _tile_deep(
+                    n_tiles - 2, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, p8,
+                    alpha_o, m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL,
+                    P_SCALE, True, True, PD, NPAD, DEBUG)
+            acc, s_next, s_old, p8, alpha_o, m_i, l_i = _tile_deep(
+                n_tiles - 1, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, p8,
+                alpha_o, m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, True, CAUSAL,
+                P_SCALE, True, False, PD, NPAD, DEBUG)
+        # the last tile's PV
+        sl = (n_tiles - 1) % STAGES
+        mbarrier.wait(v_ready.index(sl), ((n_tiles - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p8, v_bufs.index(sl).permute((1, 0)), acc * alpha_o, use_acc=True, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(v_free.index(sl), count=1)
+    elif OVERLAP:
         mbarrier.wait(k_ready.index(0), 0)
         s_next = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_old, use_acc=False, is_async=True)
         s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, ))
@@ -308,7 +408,7 @@ def _fwd_ws_kernel(Q, stride_qb, stride_qh, stride_qn, K8, K_SCALE, VT8, V_SCALE
                      cs_head, bh, kv, start_m, n_plain, n_tiles, N, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, P_SCALE,
                      CHAIN, OVERLAP, PD + bh.to(gl.int64) * N * NPAD, NPAD, DEBUG)),
         (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, kv * N, kv * HEAD_DIM,
-                     n_tiles, BLOCK_N, STAGES)),
+                     n_tiles, BLOCK_N, STAGES, OVERLAP == 2)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -325,8 +425,10 @@ def _constexprs(head_dim: int, block_n: int, stages: int, causal: bool, chain: b
         chain = recipe.recipe.pv_chain
     if overlap is None:
         overlap = default_overlap(head_dim, chain)
+    if int(overlap) not in (0, 1, 2) or (int(overlap) == 2 and not chain):
+        raise ValueError(f"overlap must be 0, 1 or 2 (2 with chained PV only), got {overlap!r} with chain={chain}")
     return dict(HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), P_SCALE=p_scale,
-                CHAIN=bool(chain), OVERLAP=bool(overlap), DEBUG=bool(debug))
+                CHAIN=bool(chain), OVERLAP=int(overlap), DEBUG=bool(debug))
 
 
 def compile_sm90(head_dim: int = 128, block_n: int = 128, stages: int = 2, causal: bool = False,
@@ -362,7 +464,8 @@ def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale:
     ``(B, H, N, D)`` BF16 and LSE2 ``(B*H, N)`` float32 (base 2), and with ``debug`` a third
     result, the codes of P~ = P * 2**8 (E4M3) of every tile, ``(B*H, N, NPAD)`` uint8 (0 where
     masked; columns past N unused). ``chain=None``: the folded recipes' ``pv_chain``;
-    ``overlap=None``: :func:`default_overlap`."""
+    ``overlap``: 0 (or False) serial, 1 (or True) QK^T of the next tile during the softmax, 2 the
+    deep schedule (chained only), None :func:`default_overlap`."""
     import torch
 
     from ..emulation.constants import LOG2E

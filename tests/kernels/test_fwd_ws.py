@@ -61,7 +61,8 @@ def test_folded_quantization_equals_the_emulation(backend):
 #: schedule ``forward`` runs (``default_overlap`` with the folded recipes' chained PV: QK^T of the
 #: next tile in flight during the softmax). ptxas reports C7514 ("wgmma.mma_async instructions
 #: are serialized") when a non-wgmma instruction reads an accumulator in flight, which would undo
-#: the overlap; the budget check requires its absence.
+#: the overlap, and can also serialize them without saying so (a wait after every wgmma,
+#: ``compile_check.added_wgmma_waits``); the budget check requires the absence of both.
 _SCRIPT = """
 import json
 from dmref.kernels import fwd_ws
@@ -150,6 +151,48 @@ def test_every_schedule_equals_the_reference_of_its_pv_accumulation(shape, causa
     finite = torch.isfinite(want)
     got = lse2.view_as(want).double()
     assert (got - want)[finite].abs().max().item() <= lse2_tolerance(want, shape.n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,causal", _GPU_CASES, ids=[f"{s.batch}x{s.heads}x{s.kv_heads}x{s.n}x{s.head_dim}"
+                                                         f"{'-causal' if c else ''}" for s, c in _GPU_CASES])
+def test_deep_schedule_is_the_overlapped_schedule_bit_for_bit(shape, causal):
+    """``overlap=2`` (PV of tile i - 1 and QK^T of tile i + 1 both in flight during the softmax
+    of tile i, V loaded a tile behind K) runs the chained schedule's operations on the same
+    values: O and LSE are its bits. The cases cover one key tile (64 tokens), two (203: no
+    middle iteration), and odd and even middle counts (777, 1000)."""
+    device = require_backend("gpu")
+    from dmref.kernels import fwd_ws
+
+    q, k, v = _wide_inputs(shape, device)
+    scale = 1.0 / math.sqrt(shape.head_dim)
+    o1, lse1, _ = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, chain=True, overlap=True)
+    for tiles in (dict(), dict(stages=3), dict(block_n=64)):
+        o2, lse2, _ = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, chain=True, overlap=2, **tiles)
+        if tiles.get("block_n") == 64:  # another tiling: its own chain, held to the recipe elsewhere
+            o1b, lse1b, _ = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, chain=True, overlap=False,
+                                                     block_n=64)
+            assert torch.equal(o2, o1b) and torch.equal(lse2, lse1b), tiles
+        else:
+            assert torch.equal(o2, o1) and torch.equal(lse2, lse1), tiles
+
+
+_DEEP_SCRIPT = """
+import json
+from dmref.kernels import fwd_ws
+from dmref.kernels.compile_check import warp_specialized_budget
+print(json.dumps([dict(d=d, causal=causal, **warp_specialized_budget(fwd_ws.compile_sm90(head_dim=d, causal=causal,
+                                                                                        overlap=2, block_n=bn)))
+                  for d, causal, bn in ((64, False, 128), (64, True, 128), (128, False, 64), (128, True, 64))]))
+"""
+
+
+@pytest.mark.slow
+def test_deep_schedule_compiles_for_sm90_with_the_register_budget():
+    """The deep schedule (``overlap=2``) within the same budget, without spills and without
+    serialized wgmmas: with 128-key tiles at D = 64, with 64-key tiles at D = 128 (with 128-key
+    tiles ptxas adds a wait after 23 of its wgmmas, and spills 8 bytes causal)."""
+    compile_and_check_budget(_DEEP_SCRIPT, 4)
 
 
 #: The share of P codes the kernel must agree on with the reference (issue: at least 99.9%): both

@@ -102,6 +102,9 @@ VARIANTS = {
     # tile i; 64-key tiles at D = 128 (with 128, ptxas serializes its wgmmas)
     "deep": dict(chain=True, overlap=2),
     "deep_s3": dict(chain=True, overlap=2, stages=3),
+    # K's and V's TMA descriptors built on the host once a launch instead of in every CTA
+    "ov_chained_host": dict(chain=True, overlap=True, host_descriptors=True),
+    "deep_host": dict(chain=True, overlap=2, host_descriptors=True),
 }
 
 

@@ -363,11 +363,12 @@ def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_
 
 
 @gluon.jit
-def _fwd_ws_kernel(Q, stride_qb, stride_qh, stride_qn, K8, K_SCALE, VT8, V_SCALE, O, LSE2, PD,
-                   qk_scale, H, GROUP, N, NPAD, ROWS_KV,
-                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, CHAIN: gl.constexpr, OVERLAP: gl.constexpr,
-                   DEBUG: gl.constexpr):
+def _body(k_desc, v_desc, Q, stride_qb, stride_qh, stride_qn, K_SCALE, V_SCALE, O, LSE2, PD, qk_scale, H, GROUP,
+          N, NPAD, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+          P_SCALE: gl.constexpr, CHAIN: gl.constexpr, OVERLAP: gl.constexpr, DEBUG: gl.constexpr):
+    """The kernel on its TMA descriptors: K rows ``(B*HKV*N, D)`` and V^T ``(B*HKV*D, NPAD)``. A
+    key tile past this head's N reads the next head's rows, masked in the softmax; V^T's padding
+    columns hold code 0."""
     n_m = gl.cdiv(N, BLOCK_M)
     # causal: the longest rows first (the grid's tail is then the short work)
     pid_m = (n_m - 1 - gl.program_id(0)) if CAUSAL else gl.program_id(0)
@@ -375,16 +376,9 @@ def _fwd_ws_kernel(Q, stride_qb, stride_qh, stride_qn, K8, K_SCALE, VT8, V_SCALE
     bh = gl.program_id(1)
     kv = (bh // H) * (H // GROUP) + (bh % H) // GROUP
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float8e4nv)
-    k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float8e4nv)
-    v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], gl.float8e4nv)
-    # K rows (B*HKV*N, D) and V^T (B*HKV*D, NPAD): a key tile past this head's N reads the next
-    # head's rows, masked in the softmax; V^T's padding columns hold code 0
-    k_desc = tma.make_tensor_descriptor(K8, [ROWS_KV, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM], k_layout)
-    v_desc = tma.make_tensor_descriptor(VT8, [ROWS_KV // N * HEAD_DIM, NPAD], [NPAD, 1], [HEAD_DIM, BLOCK_N],
-                                        v_layout)
     q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, HEAD_DIM], q_layout)
-    k_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], k_layout)
-    v_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_N], v_layout)
+    k_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_N], v_desc.layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -412,6 +406,46 @@ def _fwd_ws_kernel(Q, stride_qb, stride_qh, stride_qn, K8, K_SCALE, VT8, V_SCALE
     ], [1], [PRODUCER_REGS])
 
 
+@gluon.jit
+def _fwd_ws_kernel(k_desc, v_desc, Q, stride_qb, stride_qh, stride_qn, K_SCALE, V_SCALE, O, LSE2, PD,
+                   qk_scale, H, GROUP, N, NPAD,
+                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, CHAIN: gl.constexpr, OVERLAP: gl.constexpr,
+                   DEBUG: gl.constexpr):
+    """The kernel on host-side TMA descriptors (:func:`_descriptors`, built once a launch)."""
+    _body(k_desc, v_desc, Q, stride_qb, stride_qh, stride_qn, K_SCALE, V_SCALE, O, LSE2, PD, qk_scale, H, GROUP, N,
+          NPAD, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, P_SCALE, CHAIN, OVERLAP, DEBUG)
+
+
+@gluon.jit
+def _fwd_ws_kernel_dev(Q, stride_qb, stride_qh, stride_qn, K8, K_SCALE, VT8, V_SCALE, O, LSE2, PD,
+                       qk_scale, H, GROUP, N, NPAD, ROWS_KV,
+                       HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                       CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, CHAIN: gl.constexpr, OVERLAP: gl.constexpr,
+                       DEBUG: gl.constexpr):
+    """The kernel on device-side TMA descriptors: every CTA writes its two 128-byte tensor maps
+    (``forward(..., host_descriptors=False)``)."""
+    k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float8e4nv)
+    v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], gl.float8e4nv)
+    k_desc = tma.make_tensor_descriptor(K8, [ROWS_KV, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM], k_layout)
+    v_desc = tma.make_tensor_descriptor(VT8, [ROWS_KV // N * HEAD_DIM, NPAD], [NPAD, 1], [HEAD_DIM, BLOCK_N],
+                                        v_layout)
+    _body(k_desc, v_desc, Q, stride_qb, stride_qh, stride_qn, K_SCALE, V_SCALE, O, LSE2, PD, qk_scale, H, GROUP, N,
+          NPAD, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, P_SCALE, CHAIN, OVERLAP, DEBUG)
+
+
+def _descriptors(k8, vt8, block_n: int):
+    """Host-side TMA descriptors of K rows ``(B*HKV*N, D)`` in ``(BLOCK_N, D)`` tiles and of V^T
+    ``(B*HKV*D, NPAD)`` in ``(D, BLOCK_N)`` tiles, with the device-side path's shared layouts."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    d = k8.shape[-1]
+    k_layout = gl.NVMMASharedLayout.get_default_for([block_n, d], gl.float8e4nv)
+    v_layout = gl.NVMMASharedLayout.get_default_for([d, block_n], gl.float8e4nv)
+    return (TensorDescriptor.from_tensor(k8.reshape(-1, d), [block_n, d], k_layout),
+            TensorDescriptor.from_tensor(vt8.reshape(-1, vt8.shape[-1]), [d, block_n], v_layout))
+
+
 def _constexprs(head_dim: int, block_n: int, stages: int, causal: bool, chain: bool | None,
                 overlap: bool | None, debug: bool = False) -> dict:
     """The kernel's constexprs: one description for the launcher and the compile check. P's
@@ -432,18 +466,28 @@ def _constexprs(head_dim: int, block_n: int, stages: int, causal: bool, chain: b
 
 
 def compile_sm90(head_dim: int = 128, block_n: int = 128, stages: int = 2, causal: bool = False,
-                 chain: bool | None = None, overlap: bool | None = None, debug: bool = False):
+                 chain: bool | None = None, overlap: bool | int | None = None, debug: bool = False,
+                 host_descriptors: bool = False):
     """Compile the kernel for sm_90a without a GPU (ptxas included); returns the compiled kernel.
-    ``chain=None, overlap=None``: as :func:`forward` launches it."""
+    ``chain=None, overlap=None, host_descriptors=False``: as :func:`forward` launches it."""
+    import torch
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
 
     consts = _constexprs(head_dim, block_n, stages, causal, chain, overlap, debug)
-    sig = {"Q": "*bf16", "stride_qb": "i32", "stride_qh": "i32", "stride_qn": "i32", "K8": "*fp8e4nv",
-           "K_SCALE": "*fp32", "VT8": "*fp8e4nv", "V_SCALE": "*fp32", "O": "*bf16", "LSE2": "*fp32",
-           "PD": "*u8", "qk_scale": "fp32", "H": "i32", "GROUP": "i32", "N": "i32", "NPAD": "i32", "ROWS_KV": "i32",
-           **{name: "constexpr" for name in consts}}
-    src = GluonASTSource(_fwd_ws_kernel, sig, constexprs=consts)
+    rest = {"Q": "*bf16", "stride_qb": "i32", "stride_qh": "i32", "stride_qn": "i32", "K_SCALE": "*fp32",
+            "V_SCALE": "*fp32", "O": "*bf16", "LSE2": "*fp32", "PD": "*u8", "qk_scale": "fp32", "H": "i32",
+            "GROUP": "i32", "N": "i32", "NPAD": "i32"}
+    if host_descriptors:
+        # descriptors of small CPU tensors: the signature holds only dtype, block shape and layout
+        k_desc, v_desc = _descriptors(torch.zeros(128, head_dim, dtype=torch.float8_e4m3fn),
+                                      torch.zeros(head_dim, 128, dtype=torch.float8_e4m3fn), block_n)
+        kernel, sig = _fwd_ws_kernel, {"k_desc": mangle_type(k_desc), "v_desc": mangle_type(v_desc), **rest}
+    else:
+        kernel, sig = _fwd_ws_kernel_dev, {**rest, "K8": "*fp8e4nv", "VT8": "*fp8e4nv", "ROWS_KV": "i32"}
+    sig.update({name: "constexpr" for name in consts})
+    src = GluonASTSource(kernel, {k: sig[k] for k in kernel.arg_names}, constexprs=consts)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=LAUNCH_REGS))
 
 
@@ -456,8 +500,8 @@ def default_overlap(head_dim: int, chain: bool) -> bool:
 
 
 def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale: float,
-            block_n: int = 128, stages: int = 2, chain: bool | None = None, overlap: bool | None = None,
-            debug: bool = False):
+            block_n: int = 128, stages: int = 2, chain: bool | None = None, overlap: bool | int | None = None,
+            debug: bool = False, host_descriptors: bool = False):
     """Run the warp-specialized forward: ``q (B, H, N, D)`` BF16 (quantized inside, per token;
     its last dim contiguous), ``k8 (B*HKV, N, D)`` with ``k_scale (B*HKV,)``, ``vt8 (B*HKV, D,
     NPAD)`` with ``v_scale (B*HKV, D)`` (:func:`dmref.kernels.quantize.quantize_kv_folded`). Returns O
@@ -465,7 +509,8 @@ def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale:
     result, the codes of P~ = P * 2**8 (E4M3) of every tile, ``(B*H, N, NPAD)`` uint8 (0 where
     masked; columns past N unused). ``chain=None``: the folded recipes' ``pv_chain``;
     ``overlap``: 0 (or False) serial, 1 (or True) QK^T of the next tile during the softmax, 2 the
-    deep schedule (chained only), None :func:`default_overlap`."""
+    deep schedule (chained only), None :func:`default_overlap`. ``host_descriptors``: K's and V's
+    TMA descriptors built on the host once a launch, else (the default) in every CTA."""
     import torch
 
     from ..emulation.constants import LOG2E
@@ -478,10 +523,14 @@ def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale:
     lse2 = torch.empty((b * h, n), device=q.device, dtype=torch.float32)
     p_codes = torch.zeros((b * h, n, vt8.shape[-1]) if debug else (1,), device=q.device, dtype=torch.uint8)
     grid = (triton.cdiv(n, BLOCK_M.value), b * h)
-    _fwd_ws_kernel[grid](q, q.stride(0), q.stride(1), q.stride(2), k8, k_scale, vt8, v_scale, o, lse2,
-                         p_codes, scale * LOG2E, h, h // kv_heads, n, vt8.shape[-1], b * kv_heads * n,
-                         **_constexprs(d, block_n, stages, causal, chain, overlap, debug), num_warps=4,
-                         maxnreg=LAUNCH_REGS)
+    consts = _constexprs(d, block_n, stages, causal, chain, overlap, debug)
+    scalars = (scale * LOG2E, h, h // kv_heads, n, vt8.shape[-1])
+    if host_descriptors:
+        _fwd_ws_kernel[grid](*_descriptors(k8, vt8, block_n), q, q.stride(0), q.stride(1), q.stride(2), k_scale,
+                             v_scale, o, lse2, p_codes, *scalars, **consts, num_warps=4, maxnreg=LAUNCH_REGS)
+    else:
+        _fwd_ws_kernel_dev[grid](q, q.stride(0), q.stride(1), q.stride(2), k8, k_scale, vt8, v_scale, o, lse2,
+                                 p_codes, *scalars, b * kv_heads * n, **consts, num_warps=4, maxnreg=LAUNCH_REGS)
     return (o, lse2, p_codes) if debug else (o, lse2)
 
 

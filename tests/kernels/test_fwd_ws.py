@@ -156,25 +156,25 @@ def test_every_schedule_equals_the_reference_of_its_pv_accumulation(shape, causa
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape,causal", _GPU_CASES, ids=[f"{s.batch}x{s.heads}x{s.kv_heads}x{s.n}x{s.head_dim}"
                                                          f"{'-causal' if c else ''}" for s, c in _GPU_CASES])
-def test_deep_schedule_is_the_overlapped_schedule_bit_for_bit(shape, causal):
+def test_deep_schedule_and_host_descriptors_give_the_chained_schedule_bits(shape, causal):
     """``overlap=2`` (PV of tile i - 1 and QK^T of tile i + 1 both in flight during the softmax
-    of tile i, V loaded a tile behind K) runs the chained schedule's operations on the same
-    values: O and LSE are its bits. The cases cover one key tile (64 tokens), two (203: no
-    middle iteration), and odd and even middle counts (777, 1000)."""
+    of tile i, V loaded a tile behind K) and host-side TMA descriptors run the chained
+    schedule's operations on the same values: O and LSE are its bits, tiling for tiling. The
+    cases cover one key tile (64 tokens), two (203: no middle iteration of the deep loop), and odd
+    and even middle counts (777, 1000)."""
     device = require_backend("gpu")
     from dmref.kernels import fwd_ws
 
     q, k, v = _wide_inputs(shape, device)
     scale = 1.0 / math.sqrt(shape.head_dim)
-    o1, lse1, _ = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, chain=True, overlap=True)
-    for tiles in (dict(), dict(stages=3), dict(block_n=64)):
-        o2, lse2, _ = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, chain=True, overlap=2, **tiles)
-        if tiles.get("block_n") == 64:  # another tiling: its own chain, held to the recipe elsewhere
-            o1b, lse1b, _ = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, chain=True, overlap=False,
-                                                     block_n=64)
-            assert torch.equal(o2, o1b) and torch.equal(lse2, lse1b), tiles
-        else:
-            assert torch.equal(o2, o1) and torch.equal(lse2, lse1), tiles
+    for block_n in (128, 64):
+        o1, lse1, _ = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, chain=True, overlap=False,
+                                               block_n=block_n)
+        for tiles in (dict(overlap=True), dict(overlap=2), dict(overlap=2, stages=3),
+                      dict(overlap=True, host_descriptors=True), dict(overlap=2, host_descriptors=True)):
+            o2, lse2, _ = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, chain=True, block_n=block_n,
+                                                   **tiles)
+            assert torch.equal(o2, o1) and torch.equal(lse2, lse1), (block_n, tiles)
 
 
 _DEEP_SCRIPT = """

@@ -57,6 +57,39 @@ def test_folded_quantization_equals_the_emulation(backend):
     assert torch.equal(got.v_scale.cpu(), torch.as_tensor(v_scales).reshape(bh, -1).float())
 
 
+@pytest.mark.parametrize("backend", ["interpreter", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_looped_amax_equals_the_one_tile_amax(backend):
+    """``_kv_amax_loop_kernel`` (a program per several token tiles; timed against the shipped
+    one in benchmarks/gpu_quant_probe.py) gives ``_kv_amax_kernel``'s bit patterns: on a tail
+    (203 tokens), planted inf and NaN in K and V, a zero head, with 1, 2 and 3 programs a head."""
+    import triton
+
+    from dmref.kernels import quantize as qm
+    from dmref.kernels._runtime import interpreting
+
+    device = require_backend(backend)
+    shape = ProblemShape(2, 3, 3, 203, 64)
+    _, k, v = _wide_inputs(shape, device)
+    k, v = k.clone(), v.clone()
+    k[0, 1, 17, 5] = float("inf")
+    v[1, 2, 202, 7] = float("nan")
+    v[0, 0, 100, 9] = float("-inf")
+    k[1, 0] = 0
+    bh, d = shape.batch * shape.kv_heads, shape.head_dim
+    n_tiles = triton.cdiv(shape.n, qm.QUANT_BLOCK)
+    want = torch.zeros((bh, 1 + d), device=device, dtype=torch.int32)
+    qm._kv_amax_kernel[(n_tiles, bh)](k, v, *k.stride(), want, shape.kv_heads, shape.n, HEAD_DIM=d,
+                                      BLOCK_T=qm.QUANT_BLOCK, INTERPRET=interpreting())
+    for programs in (1, 2, 3):
+        got = torch.zeros_like(want)
+        qm._kv_amax_loop_kernel[(programs, bh)](k, v, *k.stride(), got, shape.kv_heads, shape.n, HEAD_DIM=d,
+                                                BLOCK_T=32, INTERPRET=interpreting())
+        assert torch.equal(got, want), programs
+    # what was planted: inf as K's amax of its head, NaN and inf as V's channel amaxes, K's zero head
+    assert int(want[1, 0]) == 0x7F800000 and int(want[5, 1 + 7]) >= 0x7F800001
+    assert int(want[0, 1 + 9]) == 0x7F800000 and int(want[3, 0]) == 0
+
+
 #: The register budget of fwd_ws's docstring: producer 24, consumer 232, 128 at launch, for the
 #: schedule ``forward`` runs (``default_overlap`` with the folded recipes' chained PV: QK^T of the
 #: next tile in flight during the softmax). ptxas reports C7514 ("wgmma.mma_async instructions

@@ -242,6 +242,64 @@ def _tile_deep(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc,
 
 
 @gluon.jit
+def _last_pv(p8, alpha_o, acc, v_bufs, v_ready, v_free, n_tiles, STAGES: gl.constexpr):
+    """The last key tile's PV, for the schedules that run PV a tile behind QK^T."""
+    sl = (n_tiles - 1) % STAGES
+    mbarrier.wait(v_ready.index(sl), ((n_tiles - 1) // STAGES) & 1)
+    acc = warpgroup_mma(p8, v_bufs.index(sl).permute((1, 0)), acc * alpha_o, use_acc=True, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(v_free.index(sl), count=1)
+    return acc
+
+
+@gluon.jit
+def _loop_deep(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_old, m_i, l_i, cs, offs_m, n_tiles, N,
+               s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAGES: gl.constexpr, CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, PD, NPAD, DEBUG: gl.constexpr):
+    """The deep schedule over every key tile (``OVERLAP = 2``, :func:`_tile_deep`): QK^T of tile
+    0, then each tile with PV of the one before and QK^T of the one after in flight, then the last
+    PV. Returns (acc, m, l)."""
+    mbarrier.wait(k_ready.index(0), 0)
+    s_next = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_old, use_acc=False, is_async=True)
+    s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, ))
+    mbarrier.arrive(k_free.index(0), count=1)
+    gl.static_assert(BLOCK_N % BLOCK_M == 0)  # only the last key tile is masked (as OVERLAP == 1)
+    p8 = gl.zeros([BLOCK_M, BLOCK_N], gl.float8e4nv, p_layout)
+    alpha_o = gl.full([BLOCK_M, 1], 1.0, gl.float32, o_layout)
+    if n_tiles == 1:
+        acc, s_next, s_old, p8, alpha_o, m_i, l_i = _tile_deep(
+            0, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, p8, alpha_o, m_i,
+            l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, True, CAUSAL, P_SCALE, False,
+            False, PD, NPAD, DEBUG)
+    else:
+        acc, s_next, s_old, p8, alpha_o, m_i, l_i = _tile_deep(
+            0, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, p8, alpha_o, m_i,
+            l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE, False,
+            True, PD, NPAD, DEBUG)
+        # tiles 1 .. n_tiles - 2 two an iteration (S_i and S_i+1 trade the two register tiles)
+        for j in range(0, (n_tiles - 2) // 2):
+            acc, s_next, s_old, p8, alpha_o, m_i, l_i = _tile_deep(
+                2 * j + 1, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, p8,
+                alpha_o, m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL,
+                P_SCALE, True, True, PD, NPAD, DEBUG)
+            acc, s_next, s_old, p8, alpha_o, m_i, l_i = _tile_deep(
+                2 * j + 2, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, p8,
+                alpha_o, m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL,
+                P_SCALE, True, True, PD, NPAD, DEBUG)
+        if (n_tiles - 2) % 2 == 1:
+            acc, s_next, s_old, p8, alpha_o, m_i, l_i = _tile_deep(
+                n_tiles - 2, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, p8,
+                alpha_o, m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL,
+                P_SCALE, True, True, PD, NPAD, DEBUG)
+        acc, s_next, s_old, p8, alpha_o, m_i, l_i = _tile_deep(
+            n_tiles - 1, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, p8,
+            alpha_o, m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, True, CAUSAL,
+            P_SCALE, True, False, PD, NPAD, DEBUG)
+    acc = _last_pv(p8, alpha_o, acc, v_bufs, v_ready, v_free, n_tiles, STAGES)
+    return acc, m_i, l_i
+
+
+@gluon.jit
 def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, V_SCALE, O, LSE2,
               cs_head, bh, kv, start_m, n_plain, n_tiles, N,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
@@ -265,48 +323,9 @@ def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_
     t_old = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     if OVERLAP == 2:
         gl.static_assert(CHAIN)
-        mbarrier.wait(k_ready.index(0), 0)
-        s_next = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_old, use_acc=False, is_async=True)
-        s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, ))
-        mbarrier.arrive(k_free.index(0), count=1)
-        gl.static_assert(BLOCK_N % BLOCK_M == 0)  # only the last key tile is masked (as OVERLAP == 1)
-        p8 = gl.zeros([BLOCK_M, BLOCK_N], gl.float8e4nv, p_layout)
-        alpha_o = gl.full([BLOCK_M, 1], 1.0, gl.float32, o_layout)
-        if n_tiles == 1:
-            acc, s_next, s_old, p8, alpha_o, m_i, l_i = _tile_deep(
-                0, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, p8, alpha_o, m_i,
-                l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, True, CAUSAL, P_SCALE, False,
-                False, PD, NPAD, DEBUG)
-        else:
-            acc, s_next, s_old, p8, alpha_o, m_i, l_i = _tile_deep(
-                0, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, p8, alpha_o, m_i,
-                l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE, False,
-                True, PD, NPAD, DEBUG)
-            # tiles 1 .. n_tiles - 2 two an iteration (S_i and S_i+1 trade the two register tiles)
-            for j in range(0, (n_tiles - 2) // 2):
-                acc, s_next, s_old, p8, alpha_o, m_i, l_i = _tile_deep(
-                    2 * j + 1, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, p8,
-                    alpha_o, m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL,
-                    P_SCALE, True, True, PD, NPAD, DEBUG)
-                acc, s_next, s_old, p8, alpha_o, m_i, l_i = _tile_deep(
-                    2 * j + 2, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, p8,
-                    alpha_o, m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL,
-                    P_SCALE, True, True, PD, NPAD, DEBUG)
-            if (n_tiles - 2) % 2 == 1:
-                acc, s_next, s_old, p8, alpha_o, m_i, l_i = _tile_deep(
-                    n_tiles - 2, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, p8,
-                    alpha_o, m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL,
-                    P_SCALE, True, True, PD, NPAD, DEBUG)
-            acc, s_next, s_old, p8, alpha_o, m_i, l_i = _tile_deep(
-                n_tiles - 1, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, p8,
-                alpha_o, m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, True, CAUSAL,
-                P_SCALE, True, False, PD, NPAD, DEBUG)
-        # the last tile's PV
-        sl = (n_tiles - 1) % STAGES
-        mbarrier.wait(v_ready.index(sl), ((n_tiles - 1) // STAGES) & 1)
-        acc = warpgroup_mma(p8, v_bufs.index(sl).permute((1, 0)), acc * alpha_o, use_acc=True, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(v_free.index(sl), count=1)
+        acc, m_i, l_i = _loop_deep(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_old, m_i, l_i,
+                                   cs, offs_m, n_tiles, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, CAUSAL,
+                                   P_SCALE, PD, NPAD, DEBUG)
     elif OVERLAP:
         mbarrier.wait(k_ready.index(0), 0)
         s_next = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_old, use_acc=False, is_async=True)

@@ -146,6 +146,30 @@ def _softmax(sc, cs, m_i, l_i, i, offs_m, N, s_layout: gl.constexpr, o_layout: g
 
 
 @gluon.jit
+def _issue_qk(q_smem, k_bufs, k_ready, j, s_old, STAGES: gl.constexpr):
+    """QK^T of key tile j issued, not waited on, once its K tile has landed; ``s_old``: dead
+    registers of S's shape, the wgmma's ignored accumulator (``use_acc=False``)."""
+    mbarrier.wait(k_ready.index(j % STAGES), (j // STAGES) & 1)
+    return warpgroup_mma(q_smem, k_bufs.index(j % STAGES).permute((1, 0)), s_old, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _qk(q_smem, k_bufs, k_ready, k_free, j, s_old, STAGES: gl.constexpr):
+    """QK^T of key tile j, waited on, its K buffer released."""
+    sc = warpgroup_mma_wait(num_outstanding=0, deps=(_issue_qk(q_smem, k_bufs, k_ready, j, s_old, STAGES), ))
+    mbarrier.arrive(k_free.index(j % STAGES), count=1)
+    return sc
+
+
+@gluon.jit
+def _issue_pv_chained(p8, v_bufs, v_ready, j, acc, alpha_o, STAGES: gl.constexpr):
+    """The chained PV of key tile j issued, not waited on, once its V tile has landed:
+    ``acc = wgmma(P8_j, V_j, C = acc * alpha_j)``."""
+    mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
+    return warpgroup_mma(p8, v_bufs.index(j % STAGES).permute((1, 0)), acc * alpha_o, use_acc=True, is_async=True)
+
+
+@gluon.jit
 def _pv(p8, v_bufs, v_ready, v_free, s, ph, acc, alpha_o, t_old, s_next, CHAIN: gl.constexpr):
     """acc <- acc * alpha + P V for the tile in stage s, waited on together with every wgmma in
     flight (``s_next``, the next tile's QK^T, when overlapped). Returns (acc, T, s_next)."""
@@ -174,10 +198,7 @@ def _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_ol
     no zero tile is written. Returns (acc, S, T, m, l)."""
     s = i % STAGES
     ph = (i // STAGES) & 1
-    mbarrier.wait(k_ready.index(s), ph)
-    sc = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), s_old, use_acc=False, is_async=True)
-    sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
-    mbarrier.arrive(k_free.index(s), count=1)
+    sc = _qk(q_smem, k_bufs, k_ready, k_free, i, s_old, STAGES)
     p8, alpha_o, m_i, l_i = _softmax(sc, cs, m_i, l_i, i, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, MASK,
                                      CAUSAL, P_SCALE, PD, NPAD, DEBUG)
     acc, t, sc = _pv(p8, v_bufs, v_ready, v_free, s, ph, acc, alpha_o, t_old, sc, CHAIN)
@@ -198,14 +219,12 @@ def _tile_overlap(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, a
     ph = (i // STAGES) & 1
     s_next = s_old
     if NEXT:
-        s1 = (i + 1) % STAGES
-        mbarrier.wait(k_ready.index(s1), ((i + 1) // STAGES) & 1)
-        s_next = warpgroup_mma(q_smem, k_bufs.index(s1).permute((1, 0)), s_old, use_acc=False, is_async=True)
+        s_next = _issue_qk(q_smem, k_bufs, k_ready, i + 1, s_old, STAGES)
     p8, alpha_o, m_i, l_i = _softmax(sc, cs, m_i, l_i, i, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, MASK,
                                      CAUSAL, P_SCALE, PD, NPAD, DEBUG)
     acc, t, s_next = _pv(p8, v_bufs, v_ready, v_free, s, ph, acc, alpha_o, t_old, s_next, CHAIN)
     if NEXT:
-        mbarrier.arrive(k_free.index(s1), count=1)
+        mbarrier.arrive(k_free.index((i + 1) % STAGES), count=1)
     return acc, s_next, sc, t, m_i, l_i
 
 
@@ -221,34 +240,27 @@ def _tile_deep(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc,
     wgmma is in flight across the loop's back edge. Returns (acc, QK^T of tile i + 1, S, P8_i,
     alpha_i, m, l): tile i's PV is the next call's (or the epilogue's)."""
     if PREV:
-        sp = (i - 1) % STAGES
-        mbarrier.wait(v_ready.index(sp), ((i - 1) // STAGES) & 1)
-        acc = warpgroup_mma(p8_prev, v_bufs.index(sp).permute((1, 0)), acc * alpha_prev, use_acc=True,
-                            is_async=True)
+        acc = _issue_pv_chained(p8_prev, v_bufs, v_ready, i - 1, acc, alpha_prev, STAGES)
     s_next = s_old
     if NEXT:
-        s1 = (i + 1) % STAGES
-        mbarrier.wait(k_ready.index(s1), ((i + 1) // STAGES) & 1)
-        s_next = warpgroup_mma(q_smem, k_bufs.index(s1).permute((1, 0)), s_old, use_acc=False, is_async=True)
+        s_next = _issue_qk(q_smem, k_bufs, k_ready, i + 1, s_old, STAGES)
     p8, alpha_o, m_i, l_i = _softmax(sc, cs, m_i, l_i, i, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, MASK,
                                      CAUSAL, P_SCALE, PD, NPAD, DEBUG)
     if PREV or NEXT:
         acc, s_next = warpgroup_mma_wait(num_outstanding=0, deps=(acc, s_next))
     if PREV:
-        mbarrier.arrive(v_free.index(sp), count=1)
+        mbarrier.arrive(v_free.index((i - 1) % STAGES), count=1)
     if NEXT:
-        mbarrier.arrive(k_free.index(s1), count=1)
+        mbarrier.arrive(k_free.index((i + 1) % STAGES), count=1)
     return acc, s_next, sc, p8, alpha_o, m_i, l_i
 
 
 @gluon.jit
 def _last_pv(p8, alpha_o, acc, v_bufs, v_ready, v_free, n_tiles, STAGES: gl.constexpr):
     """The last key tile's PV, for the schedules that run PV a tile behind QK^T."""
-    sl = (n_tiles - 1) % STAGES
-    mbarrier.wait(v_ready.index(sl), ((n_tiles - 1) // STAGES) & 1)
-    acc = warpgroup_mma(p8, v_bufs.index(sl).permute((1, 0)), acc * alpha_o, use_acc=True, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    mbarrier.arrive(v_free.index(sl), count=1)
+    acc = warpgroup_mma_wait(num_outstanding=0,
+                             deps=(_issue_pv_chained(p8, v_bufs, v_ready, n_tiles - 1, acc, alpha_o, STAGES), ))
+    mbarrier.arrive(v_free.index((n_tiles - 1) % STAGES), count=1)
     return acc
 
 
@@ -259,10 +271,7 @@ def _loop_deep(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_
     """The deep schedule over every key tile (``OVERLAP = 2``, :func:`_tile_deep`): QK^T of tile
     0, then each tile with PV of the one before and QK^T of the one after in flight, then the last
     PV. Returns (acc, m, l)."""
-    mbarrier.wait(k_ready.index(0), 0)
-    s_next = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_old, use_acc=False, is_async=True)
-    s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, ))
-    mbarrier.arrive(k_free.index(0), count=1)
+    s_next = _qk(q_smem, k_bufs, k_ready, k_free, 0, s_old, STAGES)
     gl.static_assert(BLOCK_N % BLOCK_M == 0)  # only the last key tile is masked (as OVERLAP == 1)
     p8 = gl.zeros([BLOCK_M, BLOCK_N], gl.float8e4nv, p_layout)
     alpha_o = gl.full([BLOCK_M, 1], 1.0, gl.float32, o_layout)
@@ -327,10 +336,7 @@ def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_
                                    cs, offs_m, n_tiles, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, CAUSAL,
                                    P_SCALE, PD, NPAD, DEBUG)
     elif OVERLAP:
-        mbarrier.wait(k_ready.index(0), 0)
-        s_next = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_old, use_acc=False, is_async=True)
-        s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, ))
-        mbarrier.arrive(k_free.index(0), count=1)
+        s_next = _qk(q_smem, k_bufs, k_ready, k_free, 0, s_old, STAGES)
         # every tile but the last is unmasked: a tail, or the causal diagonal of a 64-row Q tile
         # (BLOCK_N a multiple of BLOCK_M), lies in the last key tile alone
         gl.static_assert(BLOCK_N % BLOCK_M == 0)

@@ -433,7 +433,7 @@ def default_split(head_dim: int) -> bool:
 
 def default_overlap(head_dim: int) -> int:
     """The schedule ``OVERLAP`` (module docstring): serial, the one measured to fit at both head
-    dims; the overlapped ones are there to be timed."""
+    dims; the overlapped ones were within a few percent of it on the H200 (docs/kernels_speed.md)."""
     return 0
 
 
@@ -613,8 +613,8 @@ def backward_ws(saved, do8, do_t, delta_stale, *, batch: int, heads: int, kv_hea
     """``bwd.backward`` with the steps named in ``kernels`` (of ``"dq"``, ``"dkdv"``) run by the Gluon
     kernels, the others by the Triton ones: the dq step first (it makes the matched D, when
     matched), then the dkdv step on the D the dq step hands it (the stale D when stale). By
-    default only dkdv is Gluon (the Gluon dq is not yet run on the H200); ``kernels=("dq", "dkdv")``
-    is the whole backward in Gluon. Returns ``(dq, dk, dv, {"delta": D})``, ``bwd.backward``'s
+    default only dkdv is Gluon; ``kernels=("dq", "dkdv")`` is the whole backward in Gluon (at
+    D = 128 bit for bit the Triton backward on the H200, at D = 64 not: docs/kernels_speed.md). Returns ``(dq, dk, dv, {"delta": D})``, ``bwd.backward``'s
     gradients."""
     import dataclasses
 

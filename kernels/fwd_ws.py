@@ -22,8 +22,8 @@ The default schedule issues QK^T of tile j + 1 before the softmax of tile j (``O
 ``OVERLAP = 2`` (the deep schedule, chained PV only) also issues PV of tile j - 1 there, so both
 wgmmas run during the softmax, with V loaded a tile behind K: the same operations on the same
 values, so the same bits. It fits the budget with 128-key tiles at D = 64 and 64-key tiles at
-D = 128 (with 128-key tiles ptxas serializes its wgmmas); whether it is faster is for the H200
-to say (``benchmarks/gpu_fwd_ws_probe.py``), and until then it is not the default.
+D = 128 (with 128-key tiles ptxas serializes its wgmmas); on the H200 it runs 0.81-0.90x of the
+default (``benchmarks/results/h200_fwd_ws_probe.jsonl``), so it is not the default.
 ``CHAIN=False`` is the per-tile promotion ``acc = acc * alpha + wgmma(Q(P8), V8)`` (a recipe
 with ``pv_chain=False``). ``dmref.tiled`` computes the same recipe with exp2's argument rounded
 as fl(fl(S c) - m) and O as fl(acc / l): the kernel differs from it in the last bits of float32

@@ -98,19 +98,14 @@ VARIANTS = {
     "serial_chained": dict(chain=True, overlap=False),
     "ov_chained": dict(chain=True, overlap=True),  # the folded recipes' schedule (fwd_ws.forward's default)
     "ov_chained_s3": dict(chain=True, overlap=True, stages=3),
-    # the deep schedule: PV of tile i - 1 and QK^T of tile i + 1 in flight during the softmax of
-    # tile i; 64-key tiles at D = 128 (with 128, ptxas serializes its wgmmas)
-    "deep": dict(chain=True, overlap=2),
-    "deep_s3": dict(chain=True, overlap=2, stages=3),
     # K's and V's TMA descriptors built on the host once a launch instead of in every CTA
     "ov_chained_host": dict(chain=True, overlap=True, host_descriptors=True),
-    "deep_host": dict(chain=True, overlap=2, host_descriptors=True),
 }
 
 
 def tiles_for(name, d):
     tiles = dict(VARIANTS[name])
-    if name.startswith(("ov_promoted", "deep")) and d == 128:
+    if name.startswith("ov_promoted") and d == 128:
         tiles["block_n"] = 64
     return tiles
 

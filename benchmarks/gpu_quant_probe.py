@@ -43,24 +43,8 @@ def run(b, hkv, n, d):
                                              and torch.equal(out.vt8.view(torch.uint8), ref.vt8.view(torch.uint8)))
             except Exception as e:
                 r[f"error_t{bt}_w{w}"] = repr(e)[:200]
-    # the looped amax: P programs a head, each over every P-th tile, one atomic merge each
-    want = torch.zeros_like(amax)
-    qm._kv_amax_kernel[(npad // qm.QUANT_BLOCK, b * hkv)](k, v, *k.stride(), want, hkv, n, HEAD_DIM=d,
-                                                          BLOCK_T=qm.QUANT_BLOCK, INTERPRET=False, num_warps=8)
-    for bt in (32, 64):
-        for p in (2, 4, 8, 16, 32):
-            for w in (4, 8):
-                got = torch.zeros_like(amax)
-                f = lambda: qm._kv_amax_loop_kernel[(p, b * hkv)](k, v, *k.stride(), got, hkv, n, HEAD_DIM=d,
-                                                                   BLOCK_T=bt, INTERPRET=False, num_warps=w)
-                try:
-                    f()
-                    r[f"amax_loop_t{bt}_p{p}_w{w}_same"] = bool(torch.equal(got, want))
-                    r[f"amax_loop_t{bt}_p{p}_w{w}_ms"] = bench(f)
-                except Exception as e:
-                    r[f"error_loop_t{bt}_p{p}_w{w}"] = repr(e)[:200]
     best = {kind: min((v, key) for key, v in r.items() if key.startswith(kind + "_t") and key.endswith("_ms"))
-            for kind in ("amax", "quant", "amax_loop")}
+            for kind in ("amax", "quant")}
     r["best"] = {kind: dict(ms=ms, config=key) for kind, (ms, key) in best.items()}
     r["tb_per_s_whole"] = r["bytes_moved"] / r["whole_ms"] / 1e9
     line = json.dumps(r)

@@ -18,12 +18,8 @@ The consumer, for its Q tile and then for every key tile of ``BLOCK_N`` keys:
                                                             # chain over all keys (pv_chain)
     O  = acc * fl(1 / l) * v_scale_d;  LSE2 = m - 8 + log2(l)
 
-The default schedule issues QK^T of tile j + 1 before the softmax of tile j (``OVERLAP = 1``);
-``OVERLAP = 2`` (the deep schedule, chained PV only) also issues PV of tile j - 1 there, so both
-wgmmas run during the softmax, with V loaded a tile behind K: the same operations on the same
-values, so the same bits. It fits the budget with 128-key tiles at D = 64 and 64-key tiles at
-D = 128 (with 128-key tiles ptxas serializes its wgmmas); on the H200 it runs 0.81-0.90x of the
-default (``benchmarks/results/h200_fwd_ws_probe.jsonl``), so it is not the default.
+The default schedule issues QK^T of tile j + 1 before the softmax of tile j (``OVERLAP = 1``); a
+deeper one, with PV of tile j - 1 also in flight, ran slower on the H200 (docs/kernels_speed.md).
 ``CHAIN=False`` is the per-tile promotion ``acc = acc * alpha + wgmma(Q(P8), V8)`` (a recipe
 with ``pv_chain=False``). ``dmref.tiled`` computes the same recipe with exp2's argument rounded
 as fl(fl(S c) - m) and O as fl(acc / l): the kernel differs from it in the last bits of float32
@@ -77,21 +73,13 @@ def _load_v(v_desc, v_bufs, v_ready, v_free, kv_col, i, BLOCK_N: gl.constexpr, S
 
 @gluon.jit
 def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, kv_row, kv_col, n_tiles,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_LAG: gl.constexpr):
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """TMA loads of K (``(BLOCK_N, D)`` row tiles) and V^T (``(D, BLOCK_N)`` tiles) for key tiles
-    0..n_tiles, in the order the consumer frees them: K_i, V_i, or with ``V_LAG`` (the deep
-    schedule, whose PV of tile i runs a tile after its QK^T) K_i, V_i-1. Waits on ``*_free[s]``
-    (phase flipped: the first round passes), arms ``*_ready[s]``."""
-    if V_LAG:
-        _load_k(k_desc, k_bufs, k_ready, k_free, kv_row, 0, BLOCK_N, STAGES)
-        for i in range(1, n_tiles):
-            _load_k(k_desc, k_bufs, k_ready, k_free, kv_row, i, BLOCK_N, STAGES)
-            _load_v(v_desc, v_bufs, v_ready, v_free, kv_col, i - 1, BLOCK_N, STAGES)
-        _load_v(v_desc, v_bufs, v_ready, v_free, kv_col, n_tiles - 1, BLOCK_N, STAGES)
-    else:
-        for i in range(n_tiles):
-            _load_k(k_desc, k_bufs, k_ready, k_free, kv_row, i, BLOCK_N, STAGES)
-            _load_v(v_desc, v_bufs, v_ready, v_free, kv_col, i, BLOCK_N, STAGES)
+    0..n_tiles, in the order the consumer frees them: K_i, V_i. Waits on ``*_free[s]`` (phase
+    flipped: the first round passes), arms ``*_ready[s]``."""
+    for i in range(n_tiles):
+        _load_k(k_desc, k_bufs, k_ready, k_free, kv_row, i, BLOCK_N, STAGES)
+        _load_v(v_desc, v_bufs, v_ready, v_free, kv_col, i, BLOCK_N, STAGES)
 
 
 @gluon.jit
@@ -162,14 +150,6 @@ def _qk(q_smem, k_bufs, k_ready, k_free, j, s_old, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _issue_pv_chained(p8, v_bufs, v_ready, j, acc, alpha_o, STAGES: gl.constexpr):
-    """The chained PV of key tile j issued, not waited on, once its V tile has landed:
-    ``acc = wgmma(P8_j, V_j, C = acc * alpha_j)``."""
-    mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
-    return warpgroup_mma(p8, v_bufs.index(j % STAGES).permute((1, 0)), acc * alpha_o, use_acc=True, is_async=True)
-
-
-@gluon.jit
 def _pv(p8, v_bufs, v_ready, v_free, s, ph, acc, alpha_o, t_old, s_next, CHAIN: gl.constexpr):
     """acc <- acc * alpha + P V for the tile in stage s, waited on together with every wgmma in
     flight (``s_next``, the next tile's QK^T, when overlapped). Returns (acc, T, s_next)."""
@@ -229,86 +209,6 @@ def _tile_overlap(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, a
 
 
 @gluon.jit
-def _tile_deep(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, sc, s_old, p8_prev, alpha_prev,
-               m_i, l_i, cs, offs_m, N, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
-               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
-               P_SCALE: gl.constexpr, PREV: gl.constexpr, NEXT: gl.constexpr, PD, NPAD, DEBUG: gl.constexpr):
-    """Key tile i, its QK^T ``sc`` done (the deep schedule, chained PV only): PV of tile i - 1
-    (``PREV``: ``acc = wgmma(P8_i-1, V_i-1, C = acc * alpha_i-1)``, the chained schedule's
-    operation) and QK^T of tile i + 1 (``NEXT``, into the dead registers ``s_old``) are issued
-    and both run during the softmax of tile i; both are waited on before the call returns, so no
-    wgmma is in flight across the loop's back edge. Returns (acc, QK^T of tile i + 1, S, P8_i,
-    alpha_i, m, l): tile i's PV is the next call's (or the epilogue's)."""
-    if PREV:
-        acc = _issue_pv_chained(p8_prev, v_bufs, v_ready, i - 1, acc, alpha_prev, STAGES)
-    s_next = s_old
-    if NEXT:
-        s_next = _issue_qk(q_smem, k_bufs, k_ready, i + 1, s_old, STAGES)
-    p8, alpha_o, m_i, l_i = _softmax(sc, cs, m_i, l_i, i, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, MASK,
-                                     CAUSAL, P_SCALE, PD, NPAD, DEBUG)
-    if PREV or NEXT:
-        acc, s_next = warpgroup_mma_wait(num_outstanding=0, deps=(acc, s_next))
-    if PREV:
-        mbarrier.arrive(v_free.index((i - 1) % STAGES), count=1)
-    if NEXT:
-        mbarrier.arrive(k_free.index((i + 1) % STAGES), count=1)
-    return acc, s_next, sc, p8, alpha_o, m_i, l_i
-
-
-@gluon.jit
-def _last_pv(p8, alpha_o, acc, v_bufs, v_ready, v_free, n_tiles, STAGES: gl.constexpr):
-    """The last key tile's PV, for the schedules that run PV a tile behind QK^T."""
-    acc = warpgroup_mma_wait(num_outstanding=0,
-                             deps=(_issue_pv_chained(p8, v_bufs, v_ready, n_tiles - 1, acc, alpha_o, STAGES), ))
-    mbarrier.arrive(v_free.index((n_tiles - 1) % STAGES), count=1)
-    return acc
-
-
-@gluon.jit
-def _loop_deep(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_old, m_i, l_i, cs, offs_m, n_tiles, N,
-               s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-               STAGES: gl.constexpr, CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, PD, NPAD, DEBUG: gl.constexpr):
-    """The deep schedule over every key tile (``OVERLAP = 2``, :func:`_tile_deep`): QK^T of tile
-    0, then each tile with PV of the one before and QK^T of the one after in flight, then the last
-    PV. Returns (acc, m, l)."""
-    s_next = _qk(q_smem, k_bufs, k_ready, k_free, 0, s_old, STAGES)
-    gl.static_assert(BLOCK_N % BLOCK_M == 0)  # only the last key tile is masked (as OVERLAP == 1)
-    p8 = gl.zeros([BLOCK_M, BLOCK_N], gl.float8e4nv, p_layout)
-    alpha_o = gl.full([BLOCK_M, 1], 1.0, gl.float32, o_layout)
-    if n_tiles == 1:
-        acc, s_next, s_old, p8, alpha_o, m_i, l_i = _tile_deep(
-            0, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, p8, alpha_o, m_i,
-            l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, True, CAUSAL, P_SCALE, False,
-            False, PD, NPAD, DEBUG)
-    else:
-        acc, s_next, s_old, p8, alpha_o, m_i, l_i = _tile_deep(
-            0, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, p8, alpha_o, m_i,
-            l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE, False,
-            True, PD, NPAD, DEBUG)
-        # tiles 1 .. n_tiles - 2 two an iteration (S_i and S_i+1 trade the two register tiles)
-        for j in range(0, (n_tiles - 2) // 2):
-            acc, s_next, s_old, p8, alpha_o, m_i, l_i = _tile_deep(
-                2 * j + 1, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, p8,
-                alpha_o, m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL,
-                P_SCALE, True, True, PD, NPAD, DEBUG)
-            acc, s_next, s_old, p8, alpha_o, m_i, l_i = _tile_deep(
-                2 * j + 2, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, p8,
-                alpha_o, m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL,
-                P_SCALE, True, True, PD, NPAD, DEBUG)
-        if (n_tiles - 2) % 2 == 1:
-            acc, s_next, s_old, p8, alpha_o, m_i, l_i = _tile_deep(
-                n_tiles - 2, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, p8,
-                alpha_o, m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL,
-                P_SCALE, True, True, PD, NPAD, DEBUG)
-        acc, s_next, s_old, p8, alpha_o, m_i, l_i = _tile_deep(
-            n_tiles - 1, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, p8,
-            alpha_o, m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, True, CAUSAL,
-            P_SCALE, True, False, PD, NPAD, DEBUG)
-    acc = _last_pv(p8, alpha_o, acc, v_bufs, v_ready, v_free, n_tiles, STAGES)
-    return acc, m_i, l_i
-
-
-@gluon.jit
 def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, V_SCALE, O, LSE2,
               cs_head, bh, kv, start_m, n_plain, n_tiles, N,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
@@ -330,12 +230,7 @@ def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     s_old = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     t_old = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    if OVERLAP == 2:
-        gl.static_assert(CHAIN)
-        acc, m_i, l_i = _loop_deep(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_old, m_i, l_i,
-                                   cs, offs_m, n_tiles, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, CAUSAL,
-                                   P_SCALE, PD, NPAD, DEBUG)
-    elif OVERLAP:
+    if OVERLAP:
         s_next = _qk(q_smem, k_bufs, k_ready, k_free, 0, s_old, STAGES)
         # every tile but the last is unmasked: a tail, or the causal diagonal of a 64-row Q tile
         # (BLOCK_N a multiple of BLOCK_M), lies in the last key tile alone
@@ -427,7 +322,7 @@ def _body(k_desc, v_desc, Q, stride_qb, stride_qh, stride_qn, K_SCALE, V_SCALE, 
                      cs_head, bh, kv, start_m, n_plain, n_tiles, N, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, P_SCALE,
                      CHAIN, OVERLAP, PD + bh.to(gl.int64) * N * NPAD, NPAD, DEBUG)),
         (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, kv * N, kv * HEAD_DIM,
-                     n_tiles, BLOCK_N, STAGES, OVERLAP == 2)),
+                     n_tiles, BLOCK_N, STAGES)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -484,14 +379,14 @@ def _constexprs(head_dim: int, block_n: int, stages: int, causal: bool, chain: b
         chain = recipe.recipe.pv_chain
     if overlap is None:
         overlap = default_overlap(head_dim, chain)
-    if int(overlap) not in (0, 1, 2) or (int(overlap) == 2 and not chain):
-        raise ValueError(f"overlap must be 0, 1 or 2 (2 with chained PV only), got {overlap!r} with chain={chain}")
+    if int(overlap) not in (0, 1):
+        raise ValueError(f"overlap must be 0 or 1 (or a bool), got {overlap!r}")
     return dict(HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), P_SCALE=p_scale,
                 CHAIN=bool(chain), OVERLAP=int(overlap), DEBUG=bool(debug))
 
 
 def compile_sm90(head_dim: int = 128, block_n: int = 128, stages: int = 2, causal: bool = False,
-                 chain: bool | None = None, overlap: bool | int | None = None, debug: bool = False,
+                 chain: bool | None = None, overlap: bool | None = None, debug: bool = False,
                  host_descriptors: bool = False):
     """Compile the kernel for sm_90a without a GPU (ptxas included); returns the compiled kernel.
     ``chain=None, overlap=None, host_descriptors=False``: as :func:`forward` launches it."""
@@ -525,7 +420,7 @@ def default_overlap(head_dim: int, chain: bool) -> bool:
 
 
 def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale: float,
-            block_n: int = 128, stages: int = 2, chain: bool | None = None, overlap: bool | int | None = None,
+            block_n: int = 128, stages: int = 2, chain: bool | None = None, overlap: bool | None = None,
             debug: bool = False, host_descriptors: bool = False):
     """Run the warp-specialized forward: ``q (B, H, N, D)`` BF16 (quantized inside, per token;
     its last dim contiguous), ``k8 (B*HKV, N, D)`` with ``k_scale (B*HKV,)``, ``vt8 (B*HKV, D,
@@ -533,8 +428,8 @@ def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale:
     ``(B, H, N, D)`` BF16 and LSE2 ``(B*H, N)`` float32 (base 2), and with ``debug`` a third
     result, the codes of P~ = P * 2**8 (E4M3) of every tile, ``(B*H, N, NPAD)`` uint8 (0 where
     masked; columns past N unused). ``chain=None``: the folded recipes' ``pv_chain``;
-    ``overlap``: 0 (or False) serial, 1 (or True) QK^T of the next tile during the softmax, 2 the
-    deep schedule (chained only), None :func:`default_overlap`. ``host_descriptors``: K's and V's
+    ``overlap``: 0 (or False) serial, 1 (or True) QK^T of the next tile during the softmax, None
+    :func:`default_overlap`. ``host_descriptors``: K's and V's
     TMA descriptors built on the host once a launch, else (the default) in every CTA."""
     import torch
 

@@ -188,30 +188,6 @@ def _kv_amax_kernel(K, V, stride_b, stride_h, stride_n, stride_d, AMAX, H, N,
 
 
 @triton.jit
-def _kv_amax_loop_kernel(K, V, stride_b, stride_h, stride_n, stride_d, AMAX, H, N,
-                         HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr):
-    """``_kv_amax_kernel``'s amaxes with fewer programs: program p of a head reduces its tiles
-    p, p + P, ... (P = the grid's first dimension) element by element in registers, then merges
-    once with atomic_max; the same maxima (a max does not depend on its order)."""
-    bh = tl.program_id(1)
-    offs_d = tl.arange(0, HEAD_DIM)
-    off = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
-    k_max = tl.zeros([BLOCK_T, HEAD_DIM], tl.int32)
-    v_max = tl.zeros([BLOCK_T, HEAD_DIM], tl.int32)
-    for t0 in range(tl.program_id(0) * BLOCK_T, N, tl.num_programs(0) * BLOCK_T):
-        offs_t = t0 + tl.arange(0, BLOCK_T)
-        ptrs = offs_t[:, None] * stride_n + offs_d[None, :] * stride_d
-        in_seq = (offs_t < N)[:, None]
-        k = tl.abs(from_bf16(tl.load(K + off + ptrs, mask=in_seq, other=0.0), INTERPRET)).to(tl.int32, bitcast=True)
-        v = tl.abs(from_bf16(tl.load(V + off + ptrs, mask=in_seq, other=0.0), INTERPRET)).to(tl.int32, bitcast=True)
-        k_max = tl.maximum(k_max, k)
-        v_max = tl.maximum(v_max, v)
-    AMAX += bh.to(tl.int64) * (1 + HEAD_DIM)
-    tl.atomic_max(AMAX, tl.max(tl.max(k_max, axis=1), axis=0))
-    tl.atomic_max(AMAX + 1 + offs_d, tl.max(v_max, axis=0))
-
-
-@triton.jit
 def _kv_quantize_folded_kernel(K, V, stride_b, stride_h, stride_n, stride_d, AMAX, K8, K_SCALE, VT8, V_SCALE,
                                H, N, NPAD, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
                                INTERPRET: tl.constexpr):

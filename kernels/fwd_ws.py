@@ -122,12 +122,12 @@ def _softmax(sc, cs, m_i, l_i, i, offs_m, N, s_layout: gl.constexpr, o_layout: g
     p = gl.exp2(gl.fma(sc, gl.expand_dims(cs, 1), gl.expand_dims(gl.log2(P_SCALE) - m_sub, 1)))
     alpha = gl.exp2(m_i - m_sub)
     l_i = l_i * alpha + gl.sum(p, axis=1)
+    if DEBUG:  # the float32 values the cast receives, (B*H, N, NPAD) row-major from PD (this head's rows)
+        offs_nd = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        gl.store(PD + gl.expand_dims(offs_m.to(gl.int64) * NPAD, 1) + gl.expand_dims(offs_nd, 0), p,
+                 mask=gl.expand_dims(offs_m < N, 1))
     # Q-point P: float32 -> E4M3 (P_SCALE is in p), RNE, satfinite
     p8 = p.to(gl.float8e4nv)
-    if DEBUG:  # the codes, (B*H, N, NPAD) row-major from PD (this head's rows)
-        offs_nd = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        gl.store(PD + gl.expand_dims(offs_m.to(gl.int64) * NPAD, 1) + gl.expand_dims(offs_nd, 0),
-                 p8.to(gl.uint8, bitcast=True), mask=gl.expand_dims(offs_m < N, 1))
     p8 = gl.convert_layout(p8, p_layout)
     alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     return p8, alpha_o, m_new, l_i
@@ -397,7 +397,7 @@ def compile_sm90(head_dim: int = 128, block_n: int = 128, stages: int = 2, causa
 
     consts = _constexprs(head_dim, block_n, stages, causal, chain, overlap, debug)
     rest = {"Q": "*bf16", "stride_qb": "i32", "stride_qh": "i32", "stride_qn": "i32", "K_SCALE": "*fp32",
-            "V_SCALE": "*fp32", "O": "*bf16", "LSE2": "*fp32", "PD": "*u8", "qk_scale": "fp32", "H": "i32",
+            "V_SCALE": "*fp32", "O": "*bf16", "LSE2": "*fp32", "PD": "*fp32", "qk_scale": "fp32", "H": "i32",
             "GROUP": "i32", "N": "i32", "NPAD": "i32"}
     if host_descriptors:
         # descriptors of small CPU tensors: the signature holds only dtype, block shape and layout
@@ -427,13 +427,16 @@ def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale:
     NPAD)`` with ``v_scale (B*HKV, D)`` (:func:`dmref.kernels.quantize.quantize_kv_folded`). Returns O
     ``(B, H, N, D)`` BF16 and LSE2 ``(B*H, N)`` float32 (base 2), and with ``debug`` a third
     result, the codes of P~ = P * 2**8 (E4M3) of every tile, ``(B*H, N, NPAD)`` uint8 (0 where
-    masked; columns past N unused). ``chain=None``: the folded recipes' ``pv_chain``;
+    masked; columns past N unused): the kernel stores the float32 values its cast receives and
+    :func:`dmref.kernels.fwd.fp8_codes` casts them (stored as bytes, the codes were wrong on the
+    H200 in half the rows when N % 16 != 0: docs/kernels.md). ``chain=None``: the folded recipes' ``pv_chain``;
     ``overlap``: 0 (or False) serial, 1 (or True) QK^T of the next tile during the softmax, None
     :func:`default_overlap`. ``host_descriptors``: K's and V's
     TMA descriptors built on the host once a launch, else (the default) in every CTA."""
     import torch
 
     from ..emulation.constants import LOG2E
+    from .fwd import fp8_codes
 
     b, h, n, d = q.shape
     if q.stride(-1) != 1:
@@ -441,17 +444,17 @@ def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale:
     triton.set_allocator(allocator)
     o = torch.empty((b, h, n, d), device=q.device, dtype=torch.bfloat16)
     lse2 = torch.empty((b * h, n), device=q.device, dtype=torch.float32)
-    p_codes = torch.zeros((b * h, n, vt8.shape[-1]) if debug else (1,), device=q.device, dtype=torch.uint8)
+    p_dump = torch.zeros((b * h, n, vt8.shape[-1]) if debug else (1,), device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(n, BLOCK_M.value), b * h)
     consts = _constexprs(d, block_n, stages, causal, chain, overlap, debug)
     scalars = (scale * LOG2E, h, h // kv_heads, n, vt8.shape[-1])
     if host_descriptors:
         _fwd_ws_kernel[grid](*_descriptors(k8, vt8, block_n), q, q.stride(0), q.stride(1), q.stride(2), k_scale,
-                             v_scale, o, lse2, p_codes, *scalars, **consts, num_warps=4, maxnreg=LAUNCH_REGS)
+                             v_scale, o, lse2, p_dump, *scalars, **consts, num_warps=4, maxnreg=LAUNCH_REGS)
     else:
         _fwd_ws_kernel_dev[grid](q, q.stride(0), q.stride(1), q.stride(2), k8, k_scale, vt8, v_scale, o, lse2,
-                                 p_codes, *scalars, b * kv_heads * n, **consts, num_warps=4, maxnreg=LAUNCH_REGS)
-    return (o, lse2, p_codes) if debug else (o, lse2)
+                                 p_dump, *scalars, b * kv_heads * n, **consts, num_warps=4, maxnreg=LAUNCH_REGS)
+    return (o, lse2, fp8_codes(p_dump)) if debug else (o, lse2)
 
 
 def attention_forward(q, k, v, *, causal: bool = False, scale: float | None = None, **tiles):

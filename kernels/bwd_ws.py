@@ -62,7 +62,12 @@ Barriers, in the order each role uses them:
   and dO^T tiles with their scales (for dK and dV), of the query tile in stage s; the consumer
   waits with phase ``(i // STAGES) & 1`` for iteration i.
 - ``rows_free[s]`` / ``cols_free[s]``: the consumer arrives once the wgmmas that read them have
-  been waited on; the producer waits (phase flipped: the first round passes) before overwriting.
+  been waited on, after ``fence_async_shared``; the producer waits (phase flipped: the first
+  round passes) before overwriting. The fence orders the consumer's own reads of the stage
+  (the scale rows, loaded by every warp; the per-query vectors' layout conversions) before the
+  producer's next TMA writes into it: without it, at D = 64 causal on the H200 a third of the
+  runs gave dK or dQ values that differ in a few channels over one warp's rows (a later tile's
+  scales read), and with it none of 400 did (docs/kernels_speed.md).
 
 Tensors are those ``bwd.backward`` passes to the Triton kernel, read through 2-D TMA descriptors
 built on the host once a launch (``_descriptors``; or, ``host_descriptors=False``, in every CTA
@@ -279,6 +284,7 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots
             t = warpgroup_mma(p8, dot_s.permute((1, 0)), gl.zeros([BLOCK_N, CH], gl.float32, a_layout),
                               use_acc=False, is_async=True)
             dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
+        fence_async_shared()  # the reads of this stage before the next TMA writes into it
         mbarrier.arrive(rows_free.index(s), count=1)
         do_scale = gl.convert_layout(do_scale_v, col_s)
         delta = gl.convert_layout(delta_v, col_s)
@@ -308,6 +314,7 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots
             else:
                 dv0, t = _promote(dv0, p8, dot_s.permute((1, 0)), t, dots_s, ds_inv, a_layout, False)
                 dk0, t = _promote(dk0, ds8, qt_s.permute((1, 0)), t, qts_s, ds_inv, a_layout, True)
+        fence_async_shared()  # the reads of this stage before the next TMA writes into it
         mbarrier.arrive(cols_free.index(s), count=1)
     # stores
     offs_na = start_n + gl.arange(0, BLOCK_N, layout=row_a)
@@ -613,8 +620,8 @@ def backward_ws(saved, do8, do_t, delta_stale, *, batch: int, heads: int, kv_hea
     """``bwd.backward`` with the steps named in ``kernels`` (of ``"dq"``, ``"dkdv"``) run by the Gluon
     kernels, the others by the Triton ones: the dq step first (it makes the matched D, when
     matched), then the dkdv step on the D the dq step hands it (the stale D when stale). By
-    default only dkdv is Gluon; ``kernels=("dq", "dkdv")`` is the whole backward in Gluon (at
-    D = 128 bit for bit the Triton backward on the H200, at D = 64 not: docs/kernels_speed.md). Returns ``(dq, dk, dv, {"delta": D})``, ``bwd.backward``'s
+    default only dkdv is Gluon; ``kernels=("dq", "dkdv")`` is the whole backward in Gluon (bit for
+    bit the Triton backward on the H200 at both head dims: docs/kernels_speed.md). Returns ``(dq, dk, dv, {"delta": D})``, ``bwd.backward``'s
     gradients."""
     import dataclasses
 
@@ -790,6 +797,7 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
         if OVERLAP == 0:
             dpt = warpgroup_mma(do_smem, v_bufs.index(s).permute((1, 0)), st, use_acc=False, is_async=True)
         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
+        fence_async_shared()  # the reads of this stage before the next TMA writes into it
         mbarrier.arrive(rows_free.index(s), count=1)
         v_scale = gl.convert_layout(v_scale_v, col_s)
         dp = _mul_rn(dpt, gl.expand_dims(do_scale, 1) * gl.expand_dims(v_scale, 0), False)
@@ -841,6 +849,7 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
         if OVERLAP == 3:
             # nothing in flight across the loop's back edge
             s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, ))
+        fence_async_shared()  # the reads of this stage before the next TMA writes into it
         mbarrier.arrive(cols_free.index(s), count=1)
     offs_ma = start_m + gl.arange(0, BLOCK_M, layout=row_a)
     if MATCHED:

@@ -1,4 +1,4 @@
-"""H200: the warp-specialized Gluon dkdv and dq kernels (kernels/bwd_ws.py) against the Triton ones,
+"""H200: the warp-specialized Gluon dkdv and dq kernels (dmref/kernels/bwd_ws.py) against the Triton ones,
 bit for bit and in time, beside cuDNN BF16's backward. One JSON line per result, in
 $OUT/bwd_ws_probe.jsonl (the current directory without $OUT).
 

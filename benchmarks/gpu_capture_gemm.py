@@ -56,13 +56,13 @@ def device_tag(dry: bool) -> str:
 
 
 def import_dmref():
-    """dmref.emulation from this checkout, installed or not (the folder emulation/ is the
-    package dmref.emulation: a bare parent package whose path holds dmref/ and the root)."""
+    """dmref.emulation from this checkout, installed or not (without the install: a bare parent
+    package over the folder dmref/, so that dmref/__init__.py and its imports are not needed)."""
     try:
         import dmref.emulation  # noqa: F401
     except ImportError:
         pkg = types.ModuleType("dmref")
-        pkg.__path__ = [str(ROOT / "dmref"), str(ROOT)]
+        pkg.__path__ = [str(ROOT / "dmref")]
         sys.modules["dmref"] = pkg
     from dmref.emulation import _gemm_npz, encode, gemm
 

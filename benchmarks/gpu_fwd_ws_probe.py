@@ -1,4 +1,4 @@
-"""H200: the warp-specialized forward (kernels/fwd_ws.py) against float64 and the Triton forward,
+"""H200: the warp-specialized forward (dmref/kernels/fwd_ws.py) against float64 and the Triton forward,
 and its speed beside cuDNN BF16 and cuDNN FP8 in one process. One JSON line per result."""
 import json
 import os

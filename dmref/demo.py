@@ -10,7 +10,7 @@ over sequence lengths, and it measures whether dQ's error averages away (:func:`
 
 Why the last part: in one step the stale-delta recipes and Delta-Matching have dQ errors of the
 same size (about 1e-1, FP8 rounding). What differs is their kind. A stale delta adds
--scale * delta_i * kbar_i to dQ (proofs/stale_delta.md, Proposition 2); where delta_i keeps its sign from step to
+-scale * delta_i * kbar_i to dQ (dmref/proofs/stale_delta.md, Proposition 2); where delta_i keeps its sign from step to
 step this is a bias, and a bias survives averaging over many training steps, while rounding
 noise averages away like 1/sqrt(T). :func:`accumulate` therefore averages dQ's error over T
 independent roundings of one problem and reports the relative error of that average against T.

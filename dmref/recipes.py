@@ -17,7 +17,7 @@ The seven matmuls and their quantization points (field names in brackets)::
 
 Scale granularities are stated relative to the contraction of the matmul the operand enters
 (see :class:`Granularity`), so "V blocked along the sequence in the forward and along the head dim
-in the backward" (source 4 of proofs/stale_delta.md) is simply ``v`` and ``v_dp`` with the same granularity.
+in the backward" (source 4 of dmref/proofs/stale_delta.md) is simply ``v`` and ``v_dp`` with the same granularity.
 
 The vocabulary is the emulation's (:mod:`dmref.emulation`): a point's format is a
 :class:`~dmref.emulation.Format`, its scale rule a :class:`~dmref.emulation.ScaleRule`, its
@@ -192,7 +192,7 @@ class DeferredDq:
         kbar_i = fl_acc( kbar_i + fl_tile( sum_{j in tile} Q_kbar(P_ij) K^_j / u ) )   per key tile
 
     The rounding of ``Q(P (dP^ - Dst))`` is that of ``ds_dq``; only the row sums of dS change
-    (see proofs/delta_matching.md, "Deferred dQ"). ``u`` is the largest of the key/value head's
+    (see dmref/proofs/delta_matching.md, "Deferred dQ"). ``u`` is the largest of the key/value head's
     K scales under ``k_dq``'s format, rule and blocks: kbar is a convex combination of keys, so in
     units of u its magnitude stays below the format's max and a float16 accumulator cannot
     overflow, whatever K's magnitude.

@@ -17,17 +17,8 @@ Markers (declared in pyproject.toml):
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
-
-# `python -m pytest` puts the working directory, the repository's root, first on sys.path. The
-# root's `kernels/` (installed as `dmref.kernels`) then shadows Hugging Face's `kernels`
-# package, which transformers imports (`from kernels import CUDAProperties`); the tests import
-# the installed dmref, so the root leaves sys.path.
-_ROOT = Path(__file__).resolve().parent.parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(

@@ -1,8 +1,8 @@
 """Every repository path and every dotted ``dmref.`` name that the docs and the code cite exists.
 
-Read: the docs (README.md, docs/*.md, proofs/*.md, examples/README.md), pyproject.toml, and the
-docstrings and comments of every Python file of the packages (dmref/, emulation/, kernels/,
-proofs/) and of tests/.
+Read: the docs (README.md, docs/*.md, dmref/proofs/*.md, examples/README.md), pyproject.toml, and the
+docstrings and comments of every Python file of the package (dmref/, its subpackages included) and
+of tests/.
 
 - A path is a token ending in a known file extension (``docs/gemm.md``, ``tests/data/x.npz``,
   ``kernel_inputs.py``); it resolves when it names a file or folder git tracks: from the
@@ -32,8 +32,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ("README.md", "docs/*.md", "proofs/*.md", "examples/README.md", "pyproject.toml")
-PACKAGES = {"dmref": "dmref", "emulation": "dmref.emulation", "kernels": "dmref.kernels", "proofs": "dmref.proofs"}
+DOCS = ("README.md", "docs/*.md", "dmref/proofs/*.md", "examples/README.md", "pyproject.toml")
+PACKAGES = {"dmref": "dmref"}  #: source folder -> import name
 SOURCES = (*PACKAGES, "tests")
 SELF = "tests/test_doc_references.py"  # its docstrings hold examples
 
@@ -247,9 +247,9 @@ def test_resolver_finds_paths_and_names_in_prose():
 
 def test_resolver_accepts_what_exists_and_refuses_a_planted_bad_reference(tmp_path):
     assert path_resolves("docs/gemm.md", "README.md")
-    assert path_resolves("../docs/gemm.md", "proofs/README.md")
-    assert path_resolves("delta_matching.md", "proofs/README.md")  # a sibling, by name
-    assert path_resolves("emulation", "README.md")  # a folder
+    assert path_resolves("../../docs/gemm.md", "dmref/proofs/README.md")
+    assert path_resolves("delta_matching.md", "dmref/proofs/README.md")  # a sibling, by name
+    assert path_resolves("dmref/emulation", "README.md")  # a folder
     assert not path_resolves("DESIGN.md", "pyproject.toml")
     assert not path_resolves("docs/no_such_page.md", "README.md")
     assert not path_resolves("../shared/DESIGN.md", "README.md")  # outside the repository

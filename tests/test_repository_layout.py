@@ -1,6 +1,8 @@
-"""A clone named dmref in the current directory: ``import dmref`` run from its parent finds the
-repository folder before the installed package. It stops with a message saying so, instead of
-an empty namespace package whose ``dmref.attention`` is an AttributeError."""
+"""The clone on sys.path. A clone named dmref in the current directory: ``import dmref`` run from
+its parent finds the repository folder before the installed package; it stops with a message
+saying so, instead of an empty namespace package whose ``dmref.attention`` is an AttributeError.
+Run from the clone's root: its folders are importable names, and none of them may shadow another
+package."""
 
 from __future__ import annotations
 
@@ -42,3 +44,30 @@ def test_import_from_inside_the_clone_is_the_package():
     proc = _python("import dmref; print(dmref.attention.__module__)", ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "dmref.api"
+
+
+def test_the_clone_root_shadows_no_other_package():
+    """Python run at the root of the clone (as the README says to) has the root first on sys.path,
+    so a folder there is an importable name: a root-level ``kernels/`` once shadowed Hugging
+    Face's ``kernels`` package, which transformers imports, and no transformers model could be
+    built from the clone's root. dmref's subpackages live under ``dmref/``."""
+    code = ("import importlib.util as u, os\n"
+            "for name in ('kernels', 'emulation', 'proofs'):\n"
+            "    spec = u.find_spec(name)\n"
+            "    print(name, spec is not None and any(os.path.abspath(p).startswith(os.getcwd()) "
+            "for p in (spec.submodule_search_locations or [spec.origin or ''])))\n")
+    proc = _python(code, ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["kernels", "False", "emulation", "False", "proofs", "False"]
+
+
+def test_a_transformers_model_builds_at_the_clone_root():
+    pytest.importorskip("transformers")
+    code = ("from transformers import LlamaConfig, LlamaForCausalLM\n"
+            "LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, "
+            "num_attention_heads=2, num_key_value_heads=2, vocab_size=16))\n"
+            "import dmref.integrations.transformers\n"
+            "print('built')\n")
+    proc = _python(code, ROOT)
+    assert proc.returncode == 0, proc.stderr.strip().splitlines()[-1:]
+    assert proc.stdout.strip() == "built"

@@ -107,7 +107,7 @@ def test_the_a_priori_bound_of_any_summation_order_holds_too():
 
 
 def test_stale_delta_moves_dq_by_minus_tau_delta_kbar():
-    """proofs/stale_delta.md, Proposition 2 (b): with D_stale = D_matched + delta_i and nothing else changed,
+    """dmref/proofs/stale_delta.md, Proposition 2 (b): with D_stale = D_matched + delta_i and nothing else changed,
     dQ_stale - dQ_matched = -tau delta_i kbar_i, kbar_i = sum_j P_ij K_j.
 
     Recipe: FP32 everything except dO in dP (E4M3, 1x128), so delta_i = (dO - dO^)_i . O_i.

@@ -25,7 +25,7 @@ def test_fp8_limits_are_those_of_ml_dtypes(prefix, dtype):
 @pytest.mark.parametrize("prefix, fmt", [("E4M3", "e4m3"), ("E5M2", "e5m2")])
 def test_sub_magic_rounds_float32_magnitudes_to_the_subnormal_grid(prefix, fmt):
     """fl32(a + C) - C is a rounded to nearest-even on fmt's subnormal grid, for every magnitude
-    a below the smallest normal (how kernels/_common.py uses C): compared with the emulation's
+    a below the smallest normal (how dmref/kernels/_common.py uses C): compared with the emulation's
     cast."""
     magic = np.float32(getattr(c, f"{prefix}_SUB_MAGIC"))
     tiny = getattr(c, f"{prefix}_MIN_NORMAL")

@@ -1,5 +1,5 @@
 """Every one of the 2**32 float32 bit patterns: encode equals ml_dtypes astype and torch .to(),
-code for code, except in the documented disagreements (emulation/sweep.py, docs/casts.md).
+code for code, except in the documented disagreements (dmref/emulation/sweep.py, docs/casts.md).
 
 Slow (about 5 minutes on 2 cores); the same sweep prints its counts and time with
 ``python benchmarks/exhaustive_casts.py``.

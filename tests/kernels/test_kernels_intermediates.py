@@ -351,7 +351,7 @@ def test_stale_delta_ds_rowsums_visibly_outside_delta_matching_bound(backend, ca
     outside = (kern["ds_rowsum"].double().abs() > bound).double().mean().item()
     # "visibly": most rows, not a rounding accident
     assert outside > 0.5, f"only {outside:.3f} of stale rows exceed the bound"
-    # and they are what proofs/stale_delta.md says: sum_j P (dP - D_stale) = (D_matched - D_stale) sum_j P
+    # and they are what dmref/proofs/stale_delta.md says: sum_j P (dP - D_stale) = (D_matched - D_stale) sum_j P
     matched = (ref["p"].double() * ref["dp"].double()).sum(-1) / ref["p"].double().sum(-1)
     predicted = (matched - kern["delta"].double()) * ref["p"].double().sum(-1)
     assert rel_err(kern["ds_rowsum"], predicted) <= RECIPE_NOISE_FRACTION

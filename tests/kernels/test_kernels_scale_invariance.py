@@ -4,7 +4,7 @@ With K -> 2^e K and Q -> 2^-e Q the logits, P and dS are unchanged (every scale 
 chosen from its block's amax, so the codes stay and the scales move by 2^+-e), hence
 O, dV are unchanged, dQ = tau dS K scales by exactly 2^e and dK = tau dS^T Q by 2^-e, bit for
 bit. e = 17 puts |K| far beyond float16's 65504: the matched dQ's kbar (a float16 accumulator,
-``kernels/bwd.py``) must be kept relative to K's own scales to survive it.
+``dmref/kernels/bwd.py``) must be kept relative to K's own scales to survive it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Theorem 9 of proofs/consistent_p.md: the consistent-P variant gives exactly zero row sums
+"""Theorem 9 of dmref/proofs/consistent_p.md: the consistent-P variant gives exactly zero row sums
 when its conditions hold, and each failure mode breaks it."""
 
 from __future__ import annotations

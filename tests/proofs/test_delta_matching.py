@@ -1,4 +1,4 @@
-"""Theorem 1 of proofs/delta_matching.md in exact rationals, and the necessity of each
+"""Theorem 1 of dmref/proofs/delta_matching.md in exact rationals, and the necessity of each
 assumption."""
 
 from __future__ import annotations

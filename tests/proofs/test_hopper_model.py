@@ -1,4 +1,4 @@
-"""Lemma 7 of proofs/rounding_bounds.md: the wgmma model is the H200's, and its error bound
+"""Lemma 7 of dmref/proofs/rounding_bounds.md: the wgmma model is the H200's, and its error bound
 holds and is sharp."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Theorem 3, Lemmas 4-5 and Corollary 6 of proofs/rounding_bounds.md against the emulated
+"""Theorem 3, Lemmas 4-5 and Corollary 6 of dmref/proofs/rounding_bounds.md against the emulated
 float32 pipeline of dmref.proofs.fp32_pipeline ("Delta-Matching holds"), and the stale delta
 against the same bound ("stale delta fails visibly")."""
 

@@ -1,4 +1,4 @@
-"""Proposition 2 of proofs/stale_delta.md: the effect of a stale delta, exactly, and the
+"""Proposition 2 of dmref/proofs/stale_delta.md: the effect of a stale delta, exactly, and the
 spurious -sum_i delta_i LSE_i term, through torch.autograd in float64."""
 
 from __future__ import annotations

@@ -51,11 +51,15 @@ def test_the_clone_root_shadows_no_other_package():
     so a folder there is an importable name: a root-level ``kernels/`` once shadowed Hugging
     Face's ``kernels`` package, which transformers imports, and no transformers model could be
     built from the clone's root. dmref's subpackages live under ``dmref/``."""
+    # whether the name resolves to a folder or module at the root itself (a virtual environment
+    # inside the clone, as .ci/run makes, may hold the real package further down)
     code = ("import importlib.util as u, os\n"
             "for name in ('kernels', 'emulation', 'proofs'):\n"
             "    spec = u.find_spec(name)\n"
-            "    print(name, spec is not None and any(os.path.abspath(p).startswith(os.getcwd()) "
-            "for p in (spec.submodule_search_locations or [spec.origin or ''])))\n")
+            "    places = (spec.submodule_search_locations or [spec.origin or '']) if spec else []\n"
+            "    print(name, any(os.path.dirname(os.path.abspath(p)) == os.getcwd() or "
+            "os.path.dirname(os.path.dirname(os.path.abspath(p))) == os.getcwd() and p.endswith('__init__.py') "
+            "for p in places))\n")
     proc = _python(code, ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["kernels", "False", "emulation", "False", "proofs", "False"]

@@ -8,12 +8,19 @@ compile_check``) and prints, per kernel, the order of the loop's wgmma issues (`
 (``C``), waits (``W<n>``: ``wgmma.wait_group n``), ``ex2.approx`` (``E``) and FP8 conversions
 (``F8``), runs compressed (``MMAx4`` = four in a row); ``|`` marks a basic-block label. A
 ``W0`` right after every ``C`` means each matmul completes before anything else runs in that
-warpgroup: no overlap of tensor cores with the softmax inside a CTA. docs/kernels_speed.md cites the result.
+warpgroup: no overlap of tensor cores with the softmax inside a CTA.
+
+Then, for the warp-specialized Gluon kernels (``fwd_ws``, ``bwd_ws``'s dq and dkdv, the stale and
+the matched recipe), the sm_90a SASS instructions a consumer thread issues per iteration of its
+key- or query-tile loop (the innermost loop that holds a wgmma and an exp2; the forward's takes
+two key tiles an iteration), with the most frequent opcodes: these kernels are issue-bound, so
+the count per tile is where their time goes. docs/kernels_speed.md cites the result.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import re
 
@@ -46,6 +53,48 @@ def schedule(compiled) -> str:
     return " ".join(f"{x}x{n}" if n > 1 else x for x, n in runs)
 
 
+def sass_loop(compiled) -> collections.Counter:
+    """Opcodes of the innermost loop of ``compiled``'s SASS that holds a wgmma (``GMMA``) and an
+    exp2 (``MUFU``): the span from a label to a conditional branch back to it (the unconditional
+    branches back are the mbarrier waits' retries, placed after the kernel's end)."""
+    text = compiled.asm["sass"].splitlines()
+    labels = {m.group(1): i for i, line in enumerate(text) if (m := re.match(r"(LBB\d+):", line.strip()))}
+    spans = []
+    for i, line in enumerate(text):
+        m = re.search(r"@!?P\d+ BRA (LBB\d+);", line)
+        if m and labels.get(m.group(1), i) < i:
+            body = text[labels[m.group(1)]:i + 1]
+            if any("GMMA" in b for b in body) and any("MUFU" in b for b in body):
+                spans.append(body)
+    if not spans:
+        raise ValueError("no loop with a wgmma and an exp2 in the SASS")
+    ops = collections.Counter()
+    for line in min(spans, key=len):
+        m = re.match(r"\S+\t(?:@!?U?P\w+ )?([A-Z][A-Z0-9_]*)", line)
+        if m:
+            ops[m.group(1)] += 1
+    return ops
+
+
+def gluon_loops(head_dims) -> list[str]:
+    """One line per Gluon kernel and head dim: SASS instructions per loop iteration."""
+    from dmref.kernels import bwd_ws, fwd_ws
+
+    lines = ["# sm_90a SASS instructions per consumer thread and loop iteration of the Gluon kernels "
+             "(non-causal; fwd_ws: two 128-key tiles of 64 queries; dq: one 64-key tile of 64 queries; "
+             "dkdv: one 64-query tile of 64 keys), the most frequent opcodes after the total"]
+    for d in head_dims:
+        for name, compile_ in (("fwd_ws", lambda: fwd_ws.compile_sm90(d)),
+                               ("dq stale", lambda: bwd_ws.compile_sm90_dq(d, recipe="kernels_naive_fp8")),
+                               ("dq matched", lambda: bwd_ws.compile_sm90_dq(d, recipe="kernels_delta_matching")),
+                               ("dkdv", lambda: bwd_ws.compile_sm90(d, recipe="kernels_delta_matching"))):
+            ops = sass_loop(compile_())
+            top = " ".join(f"{op} {n}" for op, n in ops.most_common(10))
+            lines.append(f"D={d:<3d} {name:10s} {sum(ops.values()):5d}  {top}")
+            print(lines[-1], flush=True)
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--head-dim", type=int, choices=(64, 128), default=None, help="default: both")
@@ -67,6 +116,7 @@ def main() -> int:
             ck = cc.compile_launch(kernel, run, do_format=r.recipe.do_dp.fmt.name)
             lines.append(f"D={d:<3d} {name:5s} {schedule(ck)}")
             print(lines[-1], flush=True)
+    lines += gluon_loops((args.head_dim,) if args.head_dim else (128, 64))
     if args.out != "-":
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

@@ -15,7 +15,9 @@ magnitudes 2**-6 .. 2**6). Lines:
   equal bits (BF16), dQ and D equal between ``bwd.backward`` and ``bwd_ws.backward_ws``; dQ and D of
   ``bwd_ws.dq`` against the Triton dq kernel's (delta_matching, and dQ for naive_fp8), the same
   fractions, and the whole backward with both Gluon kernels (``backward_ws(kernels=("dq", "dkdv"))``)
-  equal to ``bwd.backward``;
+  equal to ``bwd.backward``; the same for the recipe kernels_delta_matching_chained_kbar (kbar one
+  float32 chain over all keys: ``dq_chained``, ``ws2_bwd_chained_equal``) and its dQ's normwise
+  difference from delta_matching's (``dq_chained_vs_tiled_rel``);
 - ``check="speed"``: ``triton.testing.do_bench`` medians in ms (bench_attention's ``_bench``) of
   the Triton dkdv alone, the Gluon dkdv alone (and its overlapped, 3-stage and device-side
   descriptor forms), the Triton dq and the Gluon dq alone (delta_matching, with kbar, and
@@ -23,7 +25,9 @@ magnitudes 2**-6 .. 2**6). Lines:
   dkdv; ``ws2_bwd``: both Gluon; delta_matching: dq then dkdv), and cuDNN BF16 SDPA's backward;
   TFLOP/s with the backward's 2.5 x 4·B·H·N²·D FLOPs (dkdv alone: its four matmuls, 8·B·H·N²·D;
   dq alone: its three, 6·B·H·N²·D, kbar's not counted; its overlapped schedules ``gluon_dq_ov1``,
-  ``gluon_dq_ov3`` (and stale), ``gluon_dq_ov2`` at D = 64), halved when causal.
+  ``gluon_dq_ov3`` (and stale), ``gluon_dq_ov2`` at D = 64), halved when causal; ``_chained``: the
+  same with kbar chained (``triton_dq_chained``, ``gluon_dq_chained``, ``gluon_dq_chained_ov1``,
+  ``ws2_bwd_chained``).
 """
 import json
 import math
@@ -38,7 +42,7 @@ OUT = os.environ.get("OUT", ".")
 PATH = os.path.join(OUT, "bwd_ws_probe.jsonl")
 SHAPES = [(4, 16, 16, 4096, 128), (1, 16, 16, 16384, 128), (4, 32, 32, 4096, 64), (1, 32, 8, 8192, 128)]
 #: seconds for the whole probe (DMREF_PROBE_BUDGET_S overrides), and for one shape's process
-BUDGET_S, SHAPE_S = int(os.environ.get("DMREF_PROBE_BUDGET_S", 230)), 110
+BUDGET_S, SHAPE_S = int(os.environ.get("DMREF_PROBE_BUDGET_S", 320)), 140
 
 
 def emit(**r):
@@ -109,6 +113,7 @@ def run_shape(b, h, hkv, n, d, gluon=True, gluon_dq=True):
     from dmref.kernels.quantize import quantize
 
     r_m, r_s = RECIPES["kernels_delta_matching"], RECIPES["kernels_naive_fp8"]
+    r_c = RECIPES["kernels_delta_matching_chained_kbar"]  # the same forward and dkdv as r_m
     scale = 1.0 / math.sqrt(d)
     for causal in (False, True):
         t0 = time.time()
@@ -152,13 +157,23 @@ def run_shape(b, h, hkv, n, d, gluon=True, gluon_dq=True):
             for ov in (1, 2, 3):
                 dq_ov, delta_ov = bwd_ws.dq(saved, do8, d_stale, recipe=r_m, overlap=ov, **dims)
                 c[f"dq_ov{ov}_equal"] = bool(torch.equal(dq_ov, dq) and torch.equal(delta_ov, delta))
-            del dq_ws, dq_st, dq_st_ws
+            dq_c, _, _, dbg_c = bwd.backward(saved, do8, do8, d_stale, recipe=r_c, kernels=("dq",), **dims)
+            dq_c_ws, delta_c_ws = bwd_ws.dq(saved, do8, d_stale, recipe=r_c, **dims)
+            _compare(c, "dq_chained", dq_c_ws, dq_c, torch.int16)
+            c["dq_chained_delta_equal"] = bool(torch.equal(delta_c_ws, delta) and torch.equal(dbg_c["delta"], delta))
+            c["dq_chained_vs_tiled_rel"] = ((dq_c.float() - dq.float()).norm() / dq.float().norm()).item()
+            dq_c1, _ = bwd_ws.dq(saved, do8, d_stale, recipe=r_c, overlap=1, **dims)
+            c["dq_chained_ov1_equal"] = bool(torch.equal(dq_c1, dq_c))
+            del dq_ws, dq_st, dq_st_ws, dq_c, dq_c_ws, dq_c1
             if gluon:
                 dq2, dk2, dv2, dbg2 = bwd_ws.backward_ws(saved, do8, do8, d_stale, recipe=r_m, kernels=("dq", "dkdv"),
                                                          **dims)
                 c["ws2_bwd_equal"] = bool(torch.equal(dq2, dq) and torch.equal(dbg2["delta"], delta)
                                           and torch.equal(dk2, dk) and torch.equal(dv2, dv))
-                del dq2, dk2, dv2
+                dq3, dk3, dv3, _ = bwd_ws.backward_ws(saved, do8, do8, d_stale, recipe=r_c, kernels=("dq", "dkdv"),
+                                                      **dims)
+                c["ws2_bwd_chained_dkdv_equal"] = bool(torch.equal(dk3, dk) and torch.equal(dv3, dv))
+                del dq2, dk2, dv2, dq3, dk3, dv3
         except Exception as e:
             c["dq_error"] = f"{type(e).__name__}: {e}"[:400]
         c["seconds"] = round(time.time() - t0, 1)
@@ -187,6 +202,13 @@ def run_shape(b, h, hkv, n, d, gluon=True, gluon_dq=True):
             "ws_bwd": lambda: bwd_ws.backward_ws(saved, do8, do8, d_stale, recipe=r_m, **dims),
             "ws2_bwd": lambda: bwd_ws.backward_ws(saved, do8, do8, d_stale, recipe=r_m, kernels=("dq", "dkdv"),
                                                   **dims),
+            "triton_dq_chained": lambda: bwd.backward(saved, do8, do8, d_stale, recipe=r_c, kernels=("dq",), **dims),
+            "gluon_dq_chained": lambda: bwd_ws.dq(saved, do8, d_stale, recipe=r_c, **dims),
+            "gluon_dq_chained_ov1": lambda: bwd_ws.dq(saved, do8, d_stale, recipe=r_c, overlap=1, **dims),
+            "ws2_bwd_chained": lambda: bwd_ws.backward_ws(saved, do8, do8, d_stale, recipe=r_c,
+                                                          kernels=("dq", "dkdv"), **dims),
+            "ws2_bwd_stale": lambda: bwd_ws.backward_ws(saved, do8, do8, d_stale, recipe=r_s,
+                                                        kernels=("dq", "dkdv"), **dims),
         }
         if d == 64:  # at D = 128 it spills 0.9 KB (bwd_ws docstring)
             timers["gluon_dkdv_ov2"] = lambda: bwd_ws.dkdv(saved, do8, do8, delta, recipe=r_m, overlap=2, **dims)

@@ -10,11 +10,12 @@ compile_check``) and prints, per kernel, the order of the loop's wgmma issues (`
 ``W0`` right after every ``C`` means each matmul completes before anything else runs in that
 warpgroup: no overlap of tensor cores with the softmax inside a CTA.
 
-Then, for the warp-specialized Gluon kernels (``fwd_ws``, ``bwd_ws``'s dq and dkdv, the stale and
-the matched recipe), the sm_90a SASS instructions a consumer thread issues per iteration of its
-key- or query-tile loop (the innermost loop that holds a wgmma and an exp2; the forward's takes
-two key tiles an iteration), with the most frequent opcodes: these kernels are issue-bound, so
-the count per tile is where their time goes. docs/kernels_speed.md cites the result.
+Then, for the warp-specialized Gluon kernels (``fwd_ws``; ``bwd_ws``'s dq for the stale recipe,
+the matched one and the matched one with kbar chained; its dkdv), the sm_90a SASS instructions a
+consumer thread issues per iteration of its key- or query-tile loop (the innermost loop that holds
+a wgmma and an exp2; the forward's takes two key tiles an iteration), with the most frequent
+opcodes and the local-memory (spill) accesses: these kernels are issue-bound, so the count per
+tile is where their time goes. docs/kernels_speed.md cites the result.
 """
 
 from __future__ import annotations
@@ -84,13 +85,15 @@ def gluon_loops(head_dims) -> list[str]:
              "(non-causal; fwd_ws: two 128-key tiles of 64 queries; dq: one 64-key tile of 64 queries; "
              "dkdv: one 64-query tile of 64 keys), the most frequent opcodes after the total"]
     for d in head_dims:
-        for name, compile_ in (("fwd_ws", lambda: fwd_ws.compile_sm90(d)),
+        for name, compile_ in (("fwd_ws", lambda: fwd_ws.compile_sm90(d)),  # noqa: B023 (called at once)
                                ("dq stale", lambda: bwd_ws.compile_sm90_dq(d, recipe="kernels_naive_fp8")),
                                ("dq matched", lambda: bwd_ws.compile_sm90_dq(d, recipe="kernels_delta_matching")),
+                               ("dq chained", lambda: bwd_ws.compile_sm90_dq(
+                                   d, recipe="kernels_delta_matching_chained_kbar")),
                                ("dkdv", lambda: bwd_ws.compile_sm90(d, recipe="kernels_delta_matching"))):
             ops = sass_loop(compile_())
             top = " ".join(f"{op} {n}" for op, n in ops.most_common(10))
-            lines.append(f"D={d:<3d} {name:10s} {sum(ops.values()):5d}  {top}")
+            lines.append(f"D={d:<3d} {name:10s} {sum(ops.values()):5d}  {top}  | spills: STL {ops['STL']} LDL {ops['LDL']}")
             print(lines[-1], flush=True)
     return lines
 

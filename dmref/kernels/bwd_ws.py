@@ -666,12 +666,13 @@ KBAR_P_SCALE = gl.constexpr(float(2**_KBAR_P_SCALE_LOG2))
 
 
 @gluon.jit
-def _dq_producer(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, q_smem, do_smem, k_bufs, v_bufs, kt_bufs,
-                 kts_bufs, q_ready, rows_ready, rows_free, cols_ready, cols_free, q_row, kv, n_iter, N, NPAD,
-                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NEXT_S: gl.constexpr):
+def _dq_producer(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, ktt_desc, q_smem, do_smem, k_bufs, v_bufs,
+                 kt_bufs, kts_bufs, ktt_bufs, q_ready, rows_ready, rows_free, cols_ready, cols_free, q_row, kv, n_iter,
+                 N, NPAD, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NEXT_S: gl.constexpr,
+                 KBAR_CHAIN: gl.constexpr):
     """TMA loads: the Q and dO row tiles once, then per key tile i (keys ``i * BLOCK_N``) the K and
     V row tiles, and the K^T tile with its scales (the row of ``(NPAD // QUANT_BLOCK, D)`` factors
-    of the tile's token block)."""
+    of the tile's token block); ``KBAR_CHAIN``: with them the tile of K's QK^T codes transposed."""
     mbarrier.expect(q_ready, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_ready, q_smem)
     tma.async_copy_global_to_shared(do_desc, [q_row, 0], q_ready, do_smem)
@@ -684,7 +685,13 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, q_smem, do_
         tma.async_copy_global_to_shared(k_desc, [kv * N + start_n, 0], rows_ready.index(s), k_bufs.index(s))
         tma.async_copy_global_to_shared(v_desc, [kv * N + start_n, 0], rows_ready.index(s), v_bufs.index(s))
         mbarrier.wait(cols_free.index(s), ph)
-        mbarrier.expect(cols_ready.index(s), kt_desc.block_type.nbytes + kts_desc.block_type.nbytes)
+        if KBAR_CHAIN:
+            mbarrier.expect(cols_ready.index(s), kt_desc.block_type.nbytes + kts_desc.block_type.nbytes
+                            + ktt_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(ktt_desc, [kv * HEAD_DIM, start_n], cols_ready.index(s),
+                                            ktt_bufs.index(s))
+        else:
+            mbarrier.expect(cols_ready.index(s), kt_desc.block_type.nbytes + kts_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(kt_desc, [kv * HEAD_DIM, start_n], cols_ready.index(s), kt_bufs.index(s))
         sc_row = kv * (NPAD // QUANT_BLOCK) + start_n // QUANT_BLOCK
         tma.async_copy_global_to_shared(kts_desc, [sc_row, 0], cols_ready.index(s), kts_bufs.index(s))
@@ -707,16 +714,18 @@ def _dq_next_s(q_smem, k_bufs, rows_ready, j, s_layout: gl.constexpr, BLOCK_M: g
 
 
 @gluon.jit
-def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, rows_ready, rows_free, cols_ready,
-                 cols_free, Q_SCALE, K_SCALE, V_SCALE, K_UNIT, DO_SCALE, LSE2, DELTA_STALE, DELTA_MATCHED, DQ,
-                 qk_scale, sm_scale, bh, kv, start_m, n_iter, N,
+def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, ktt_bufs, q_ready, rows_ready, rows_free,
+                 cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, K_UNIT, DO_SCALE, LSE2, DELTA_STALE, DELTA_MATCHED,
+                 DQ, qk_scale, sm_scale, bh, kv, start_m, n_iter, N,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 CAUSAL: gl.constexpr, MATCHED: gl.constexpr, OVERLAP: gl.constexpr):
+                 CAUSAL: gl.constexpr, MATCHED: gl.constexpr, OVERLAP: gl.constexpr, KBAR_CHAIN: gl.constexpr):
     """The consumer warp group of the dq kernel: its queries' scales, every key tile, the matched
     delta's correction, the stores. ``OVERLAP`` 1: dP is issued right behind S and runs during
     the softmax; 2 (matched): also kbar's wgmma right behind dS K, running during dQ's promotion;
     3: S of tile i + 1 is issued right behind dS K of tile i (running during dQ's promotion and
-    kbar) and waited on before the loop's back edge, and dP of tile i + 1 runs during its softmax."""
+    kbar) and waited on before the loop's back edge, and dP of tile i + 1 runs during its softmax.
+    ``KBAR_CHAIN`` (matched, ``OVERLAP`` 0 or 1): kbar is one float32 wgmma chain over all key
+    tiles on K's QK^T codes (``ktt_bufs``), P entering as Q8(2**4 P s_j / u): nothing to promote."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
     a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -742,10 +751,19 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
     dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, a_layout)
     # kbar is second order (it is multiplied by D - D_stale): float16, in units u of the largest
     # K scale of this head (K_UNIT), so |kbar / u| <= 448 can never overflow float16
-    kbar = gl.zeros([BLOCK_M, HEAD_DIM], gl.float16, a_layout)
+    if KBAR_CHAIN:
+        # chained: the float32 wgmma accumulator of sum_j Q8(2**4 P_ij s_j / u) K8_j
+        kbar = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, a_layout)
+    else:
+        kbar = gl.zeros([BLOCK_M, HEAD_DIM], gl.float16, a_layout)
     if MATCHED:
         unit = gl.load(K_UNIT + kv64)
-        kb_c = gl.div_rn(1.0 / KBAR_P_SCALE, unit)  # powers of two: exact
+        if KBAR_CHAIN:
+            kb_c = gl.div_rn(KBAR_P_SCALE, unit)  # 2**4 / u, powers of two: exact
+            kb_u = gl.div_rn(unit, KBAR_P_SCALE)  # kbar's unit: u / 2**4
+        else:
+            kb_c = gl.div_rn(1.0 / KBAR_P_SCALE, unit)  # powers of two: exact
+            kb_u = unit
     pdp = gl.zeros([BLOCK_M], gl.float32, row_s)
     mbarrier.wait(q_ready, 0)
     if OVERLAP == 3:
@@ -811,8 +829,12 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
         ds8 = gl.convert_layout(_to_fp8(ds * gl.expand_dims(_exp2_int(k_ds), 1), False, False), op_layout)
         ds_inv = gl.convert_layout(_exp2_int(-k_ds), row_a)
         if MATCHED:
-            # Q-point P (kbar): E4M3, scale KBAR_P_SCALE against LSE
-            p8 = gl.convert_layout(_to_fp8(p * KBAR_P_SCALE, False, False), op_layout)
+            if KBAR_CHAIN:
+                # Q-point P (kbar, chained): P s_j / u times KBAR_P_SCALE -> E4M3 (s_j / u <= 1)
+                p8 = gl.convert_layout(_to_fp8(p * gl.expand_dims(k_scale * kb_c, 0), False, False), op_layout)
+            else:
+                # Q-point P (kbar): E4M3, scale KBAR_P_SCALE against LSE
+                p8 = gl.convert_layout(_to_fp8(p * KBAR_P_SCALE, False, False), op_layout)
         # dS K, promoted: one wgmma chain per tile, then one float32 multiply-add (the channel
         # scales from shared memory after the wait, not held across the wgmma)
         mbarrier.wait(cols_ready.index(s), ph)
@@ -831,7 +853,12 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
         else:
             t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
         dq += t * gl.expand_dims(kts_s.load(col_a), 0) * gl.expand_dims(ds_inv, 1)
-        if MATCHED:
+        if MATCHED and KBAR_CHAIN:
+            # kbar: the chain runs on, in place (after dQ's promotion: beside dS K's result it
+            # would spill at D = 128); waited on before the stage is freed
+            kbar = warpgroup_mma(p8, ktt_bufs.index(s).permute((1, 0)), kbar, use_acc=True, is_async=True)
+            kbar = warpgroup_mma_wait(num_outstanding=0, deps=(kbar, ))
+        elif MATCHED:
             # kbar: a float16 wgmma chain per tile, scaled to units u in float32, added and
             # rounded to float16
             if OVERLAP != 2:
@@ -857,7 +884,7 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
         # dS K = (P (dP - Dst)) K - (D - Dst) (P K), with P K = kbar * u
         gl.store(DELTA_MATCHED + head + offs_m, pdp, mask=in_seq)
         corr = gl.convert_layout(pdp - d_stale, row_a)
-        dq -= gl.expand_dims(corr, 1) * (kbar.to(gl.float32) * unit)
+        dq -= gl.expand_dims(corr, 1) * (kbar.to(gl.float32) * kb_u)
     # stores
     offs_c = gl.arange(0, HEAD_DIM, layout=col_a)
     rows = head * HEAD_DIM + gl.expand_dims(offs_ma, 1) * HEAD_DIM + gl.expand_dims(offs_c, 0)
@@ -865,12 +892,13 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
 
 
 @gluon.jit
-def _bwd_dq_ws_kernel(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, Q_SCALE, K_SCALE, V_SCALE, K_UNIT,
-                      DO_SCALE, LSE2, DELTA_STALE, DELTA_MATCHED, DQ, qk_scale, sm_scale, H, GROUP, N, NPAD,
+def _bwd_dq_ws_kernel(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, ktt_desc, Q_SCALE, K_SCALE, V_SCALE,
+                      K_UNIT, DO_SCALE, LSE2, DELTA_STALE, DELTA_MATCHED, DQ, qk_scale, sm_scale, H, GROUP, N, NPAD,
                       HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                      MATCHED: gl.constexpr, OVERLAP: gl.constexpr):
+                      MATCHED: gl.constexpr, OVERLAP: gl.constexpr, KBAR_CHAIN: gl.constexpr):
     """The dq kernel on host-side TMA descriptors: Q, dO rows ``(B*H*N, D)``, K, V rows
-    ``(B*HKV*N, D)``, K^T ``(B*HKV*D, NPAD)`` and its scales ``(B*HKV*NPAD/128, D)``."""
+    ``(B*HKV*N, D)``, K^T ``(B*HKV*D, NPAD)`` and its scales ``(B*HKV*NPAD/128, D)``, and
+    (``KBAR_CHAIN``) K's row codes transposed ``(B*HKV*D, NPAD)``."""
     BLOCK_M: gl.constexpr = DQ_BLOCK_M
     gl.static_assert(QUANT_BLOCK % BLOCK_N == 0)
     pid = gl.program_id(0)
@@ -891,18 +919,23 @@ def _bwd_dq_ws_kernel(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, Q_SCAL
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_shape, v_desc.layout)
     kt_bufs = gl.allocate_shared_memory(kt_desc.dtype, [STAGES] + kt_desc.block_shape, kt_desc.layout)
     kts_bufs = gl.allocate_shared_memory(kts_desc.dtype, [STAGES] + kts_desc.block_shape, kts_desc.layout)
+    if KBAR_CHAIN:
+        ktt_bufs = gl.allocate_shared_memory(ktt_desc.dtype, [STAGES] + ktt_desc.block_shape, ktt_desc.layout)
+    else:
+        ktt_bufs = kt_bufs  # not read
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_ready, count=1)
     rows_ready, rows_free, cols_ready, cols_free = _ring_barriers(STAGES)
     fence_async_shared()
     gl.warp_specialize([
-        (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, rows_ready, rows_free,
-                        cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, K_UNIT, DO_SCALE, LSE2, DELTA_STALE,
-                        DELTA_MATCHED, DQ, qk_scale, sm_scale, bh, kv, start_m, n_iter, N, HEAD_DIM, BLOCK_M,
-                        BLOCK_N, STAGES, CAUSAL, MATCHED, OVERLAP)),
-        (_dq_producer, (q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, q_smem, do_smem, k_bufs, v_bufs,
-                        kt_bufs, kts_bufs, q_ready, rows_ready, rows_free, cols_ready, cols_free, bh * N + start_m,
-                        kv, n_iter, N, NPAD, HEAD_DIM, BLOCK_N, STAGES, OVERLAP == 3)),
+        (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, ktt_bufs, q_ready, rows_ready,
+                        rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, K_UNIT, DO_SCALE, LSE2,
+                        DELTA_STALE, DELTA_MATCHED, DQ, qk_scale, sm_scale, bh, kv, start_m, n_iter, N, HEAD_DIM,
+                        BLOCK_M, BLOCK_N, STAGES, CAUSAL, MATCHED, OVERLAP, KBAR_CHAIN)),
+        (_dq_producer, (q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, ktt_desc, q_smem, do_smem, k_bufs,
+                        v_bufs, kt_bufs, kts_bufs, ktt_bufs, q_ready, rows_ready, rows_free, cols_ready, cols_free,
+                        bh * N + start_m, kv, n_iter, N, NPAD, HEAD_DIM, BLOCK_N, STAGES, OVERLAP == 3,
+                        KBAR_CHAIN)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -921,9 +954,11 @@ def _dq_constexprs(recipe, head_dim: int, causal: bool, stages: int = DQ_STAGES,
     """The dq kernel's constexprs for ``recipe`` at ``head_dim``: the key tile is the recipe's
     ``block_n2`` (its dS block for dQ, its promotion interval and kbar's tile)."""
     t = recipe.bwd_tiles(head_dim)
+    overlap = default_dq_overlap(head_dim) if overlap is None else int(overlap)
+    if recipe.kbar_chained and overlap not in (0, 1):
+        raise ValueError(f"bwd_ws: the chained kbar's wgmma runs behind dS K; overlap={overlap} must be 0 or 1")
     return dict(HEAD_DIM=head_dim, BLOCK_N=t.block_n2, STAGES=stages, CAUSAL=bool(causal),
-                MATCHED=recipe.matched,
-                OVERLAP=default_dq_overlap(head_dim) if overlap is None else int(overlap))
+                MATCHED=recipe.matched, KBAR_CHAIN=recipe.kbar_chained, OVERLAP=overlap)
 
 
 def _check_dq(recipe, head_dim: int, debug: bool = False) -> None:
@@ -938,13 +973,13 @@ def _check_dq(recipe, head_dim: int, debug: bool = False) -> None:
                          "queries, 64 keys wide")
 
 
-def _dq_descriptors(q_rows, do_rows, k_rows, v_rows, k_cols, k_col_scale, block_n: int):
+def _dq_descriptors(q_rows, do_rows, k_rows, v_rows, k_cols, k_col_scale, k_rows_t, block_n: int):
     """Host-side TMA descriptors of the dq kernel's operands, in its order (Q, dO, K, V rows;
-    K^T; its scales)."""
+    K^T; its scales; K's row codes transposed, for the chained kbar: ``k_cols`` where unused)."""
     d = q_rows.shape[-1]
     bm = DQ_BLOCK_M.value
     return (_row_desc(q_rows, bm), _row_desc(do_rows, bm), _row_desc(k_rows, block_n), _row_desc(v_rows, block_n),
-            _col_desc(k_cols, d, block_n), _scale_desc(k_col_scale, d))
+            _col_desc(k_cols, d, block_n), _scale_desc(k_col_scale, d), _col_desc(k_rows_t, d, block_n))
 
 
 def compile_sm90_dq(head_dim: int = 128, causal: bool = False, recipe="kernels_delta_matching", stages: int = DQ_STAGES,
@@ -967,8 +1002,8 @@ def compile_sm90_dq(head_dim: int = 128, causal: bool = False, recipe="kernels_d
     rows = torch.zeros(n, head_dim, dtype=fp8)
     cols = torch.zeros(head_dim, npad, dtype=fp8)
     sc = torch.zeros(npad // QUANT_BLOCK.value, head_dim)
-    descs = _dq_descriptors(rows, rows.to(do_dt), rows, rows, cols, sc, consts["BLOCK_N"])
-    names = ("q_desc", "do_desc", "k_desc", "v_desc", "kt_desc", "kts_desc")
+    descs = _dq_descriptors(rows, rows.to(do_dt), rows, rows, cols, sc, cols, consts["BLOCK_N"])
+    names = ("q_desc", "do_desc", "k_desc", "v_desc", "kt_desc", "kts_desc", "ktt_desc")
     sig = {k: mangle_type(x) for k, x in zip(names, descs)}
     sig.update({k: "*fp32" for k in ("Q_SCALE", "K_SCALE", "V_SCALE", "K_UNIT", "DO_SCALE", "LSE2", "DELTA_STALE",
                                      "DELTA_MATCHED")})
@@ -996,17 +1031,22 @@ def dq(saved, do8, delta_stale, *, batch: int, heads: int, kv_heads: int, n: int
     from .config import get_recipe
     from .fwd import LOG2E
 
+    from . import bwd
+
     r = get_recipe(recipe)
     _check_dq(r, head_dim, debug)
     q8, k8, v8 = saved.q, saved.k, saved.v
     dev = do8.rows.device
     out = torch.empty((batch, heads, n, head_dim), device=dev, dtype=torch.bfloat16)
     consts = _dq_constexprs(r, head_dim, causal, stages, overlap)
-    matched = consts["MATCHED"]
+    matched, chained = consts["MATCHED"], consts["KBAR_CHAIN"]
     delta = torch.empty_like(delta_stale) if matched else delta_stale
-    # kbar's unit per key/value head: the largest of its K block scales (as bwd.backward)
-    k_unit = k8.col_scale.amax(dim=(1, 2)).contiguous() if matched else delta_stale
-    descs = _dq_descriptors(q8.rows, do8.rows, k8.rows, v8.rows, k8.cols, k8.col_scale, consts["BLOCK_N"])
+    # kbar's unit per key/value head: the largest of its K block scales, or chained of its QK^T
+    # scales (as bwd.backward)
+    k_unit = delta_stale if not matched else (
+        k8.row_scale.amax(dim=1) if chained else k8.col_scale.amax(dim=(1, 2))).contiguous()
+    k_rows_t = bwd.transposed_codes(k8) if chained else k8.cols
+    descs = _dq_descriptors(q8.rows, do8.rows, k8.rows, v8.rows, k8.cols, k8.col_scale, k_rows_t, consts["BLOCK_N"])
     npad = triton.cdiv(n, QUANT_BLOCK.value) * QUANT_BLOCK.value
     grid = (triton.cdiv(n, DQ_BLOCK_M.value), batch * heads)
     _bwd_dq_ws_kernel[grid](*descs, q8.row_scale, k8.row_scale, v8.row_scale, k_unit, do8.row_scale, saved.lse2,

@@ -75,6 +75,9 @@ cases += [(128, c, r, True, 1) for c in (False, True) for r in ("kernels_delta_m
 cases += [(64, True, "kernels_naive_fp8", True, 1)] + [(64, c, "kernels_delta_matching", True, 2) for c in (False, True)]
 cases += [(128, c, r, True, 3) for c in (False, True) for r in ("kernels_delta_matching", "kernels_naive_fp8")]
 cases += [(64, True, "kernels_delta_matching", True, 3), (64, False, "kernels_naive_fp8", False, 3)]
+# kbar chained over all keys (its float32 accumulator beside dQ's: at D = 128 it spills, see
+# docs/kernels_speed.md), serial and with dP behind S
+cases += [(64, c, "kernels_delta_matching_chained_kbar", n16, ov) for c in (False, True) for n16, ov in ((True, 0), (False, 1))]
 for d, causal, recipe, n16, ov in cases:
     k = bwd_ws.compile_sm90(kernel="dq", head_dim=d, causal=causal, recipe=recipe, n_multiple_of_16=n16, overlap=ov)
     out.append(dict(d=d, causal=causal, recipe=recipe, n16=n16, overlap=ov, **warp_specialized_budget(k)))
@@ -83,7 +86,7 @@ print(json.dumps(out))
 
 
 def test_bwd_ws_dq_compiles_for_sm90_with_its_register_budget():
-    for u in compile_and_check_budget(_DQ_SCRIPT, 23):
+    for u in compile_and_check_budget(_DQ_SCRIPT, 27):
         # m64 wgmmas over queries: S and dP n64, dS K (and kbar's float16 chain, matched) n = D
         want = {"m64n64k32"} | {f"m64n{u['d']}k32"}
         assert set(u["wgmma"]) == want, u
@@ -116,6 +119,17 @@ def test_bwd_ws_refuses_what_it_does_not_run(kernel, what):
         bwd_ws.backward_ws(None, None, None, None, kernels=("dq", "fwd"), **dims)
 
 
+@pytest.mark.parametrize("overlap", [2, 3])
+def test_bwd_ws_dq_refuses_the_schedules_the_chained_kbar_has_not(overlap):
+    """OVERLAP 2 and 3 place kbar's per-tile wgmma; the chained kbar's runs behind dS K."""
+    pytest.importorskip("triton")
+    from dmref.kernels import bwd_ws
+    from dmref.kernels.config import RECIPES
+
+    with pytest.raises(ValueError, match=f"overlap={overlap} must be 0 or 1"):
+        bwd_ws.compile_sm90_dq(64, recipe=RECIPES["kernels_delta_matching_chained_kbar"], overlap=overlap)
+
+
 def _wide_inputs(shape: ProblemShape, device: str, seed: int = 0):
     """Outlier inputs (every 16th channel of q and k 3x) with per-head magnitudes spread over
     2**-6 .. 2**6 (q, k, v per head; dO per query head), BF16."""
@@ -144,6 +158,9 @@ _GPU_CASES = [
     # 4e-5 of its elements on the H200 (docs/kernels_speed.md); smaller shapes of that kind
     (ProblemShape(4, 4, 4, 1024, 64), False, "kernels_delta_matching"),
     (ProblemShape(2, 4, 2, 1000, 64), True, "kernels_naive_fp8"),
+    # kbar chained over all keys: the Gluon chain is the Triton one's, wgmma for wgmma
+    (ProblemShape(2, 4, 2, 1000, 128), True, "kernels_delta_matching_chained_kbar"),
+    (ProblemShape(1, 4, 1, 777, 64), False, "kernels_delta_matching_chained_kbar"),
 ]
 
 
@@ -291,7 +308,8 @@ def test_bwd_ws_dq_equals_the_triton_dq(case):
 
 _DQ_VARIANTS = [dict(stages=1), dict(stages=3), dict(overlap=1), dict(overlap=2), dict(overlap=3),
                 dict(overlap=3, stages=1), dict(overlap=3, recipe="kernels_naive_fp8"),
-                dict(overlap=3, recipe="kernels_naive_fp8", causal=False)]
+                dict(overlap=3, recipe="kernels_naive_fp8", causal=False),
+                dict(overlap=1, recipe="kernels_delta_matching_chained_kbar")]
 
 
 @pytest.mark.gpu

@@ -234,6 +234,9 @@ def _bwd_dq_kernel(
         v_scale = tl.load(V_SCALE + offs_n, mask=k_in, other=0.0)
         # QK^T + softmax: the forward's S2 recomputed, P against LSE
         p = _dq_p(_dot_rn(q, k, q_scale, k_scale, INTERPRET), lse2, offs_m, offs_n, in_seq, k_in, CAUSAL)
+        if MATCHED and KBAR_CHAIN:
+            # Q-point P (kbar, chained): P s_j / u times KBAR_P_SCALE -> E4M3 (s_j / u <= 1)
+            p8 = to_fp8(p * (k_scale * kb_c)[None, :], False, INTERPRET)
         # dP
         dp = _dot_rn(do, v, do_scale, v_scale, INTERPRET)
         if MATCHED:
@@ -247,14 +250,10 @@ def _bwd_dq_kernel(
         # Every FP8 operand exists before the first matmul below, so the float32 P, dP and dS
         # tiles are dead while a matmul's float32 result is live (registers).
         ds8, ds_inv, _ = _quantize_ds(ds, INTERPRET)
-        if MATCHED:
-            if KBAR_CHAIN:
-                # Q-point P (kbar, chained): P s_j / u times KBAR_P_SCALE -> E4M3 (s_j / u <= 1)
-                p8 = to_fp8(p * (k_scale * kb_c)[None, :], False, INTERPRET)
-            else:
-                # Q-point P (kbar): float32 -> E4M3, scale KBAR_P_SCALE against LSE: with codes of
-                # P <= 2**4 and of K <= 448 a float16 wgmma chain cannot overflow, as sum_j P <= 1
-                p8 = to_fp8(p * KBAR_P_SCALE, False, INTERPRET)
+        if MATCHED and not KBAR_CHAIN:
+            # Q-point P (kbar): float32 -> E4M3, scale KBAR_P_SCALE against LSE: with codes of
+            # P <= 2**4 and of K <= 448 a float16 wgmma chain cannot overflow, as sum_j P <= 1
+            p8 = to_fp8(p * KBAR_P_SCALE, False, INTERPRET)
         # load: K transposed copy as a (BLOCK_N, D) tile
         sc = (start_n // QB) * HEAD_DIM + offs_d
         kt = _col_tile_t(KT8, 0, kv32, start_n, offs_n, offs_d, NPAD, BLOCK_N, HEAD_DIM, TMA)

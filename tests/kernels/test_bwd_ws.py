@@ -75,9 +75,10 @@ cases += [(128, c, r, True, 1) for c in (False, True) for r in ("kernels_delta_m
 cases += [(64, True, "kernels_naive_fp8", True, 1)] + [(64, c, "kernels_delta_matching", True, 2) for c in (False, True)]
 cases += [(128, c, r, True, 3) for c in (False, True) for r in ("kernels_delta_matching", "kernels_naive_fp8")]
 cases += [(64, True, "kernels_delta_matching", True, 3), (64, False, "kernels_naive_fp8", False, 3)]
-# kbar chained over all keys (its float32 accumulator beside dQ's: at D = 128 it spills, see
-# docs/kernels_speed.md), serial and with dP behind S
+# kbar chained over all keys: serial and with dP behind S at D = 64; serial at D = 128, with dQ and
+# kbar in halves of the head dim (bwd_ws.default_dq_split; with dP behind S it spills there)
 cases += [(64, c, "kernels_delta_matching_chained_kbar", n16, ov) for c in (False, True) for n16, ov in ((True, 0), (False, 1))]
+cases += [(128, c, "kernels_delta_matching_chained_kbar", n16, 0) for c, n16 in ((False, True), (True, False))]
 for d, causal, recipe, n16, ov in cases:
     k = bwd_ws.compile_sm90(kernel="dq", head_dim=d, causal=causal, recipe=recipe, n_multiple_of_16=n16, overlap=ov)
     out.append(dict(d=d, causal=causal, recipe=recipe, n16=n16, overlap=ov, **warp_specialized_budget(k)))
@@ -86,9 +87,11 @@ print(json.dumps(out))
 
 
 def test_bwd_ws_dq_compiles_for_sm90_with_its_register_budget():
-    for u in compile_and_check_budget(_DQ_SCRIPT, 27):
-        # m64 wgmmas over queries: S and dP n64, dS K (and kbar's float16 chain, matched) n = D
-        want = {"m64n64k32"} | {f"m64n{u['d']}k32"}
+    for u in compile_and_check_budget(_DQ_SCRIPT, 29):
+        # m64 wgmmas over queries: S and dP n64, dS K (and kbar's chain, matched) n = D, or D / 2
+        # in halves (the chained kbar at D = 128)
+        split = u["recipe"] == "kernels_delta_matching_chained_kbar" and u["d"] == 128
+        want = {"m64n64k32"} | {f"m64n{u['d'] // 2 if split else u['d']}k32"}
         assert set(u["wgmma"]) == want, u
 
 
@@ -128,6 +131,8 @@ def test_bwd_ws_dq_refuses_the_schedules_the_chained_kbar_has_not(overlap):
 
     with pytest.raises(ValueError, match=f"overlap={overlap} must be 0 or 1"):
         bwd_ws.compile_sm90_dq(64, recipe=RECIPES["kernels_delta_matching_chained_kbar"], overlap=overlap)
+    with pytest.raises(ValueError, match="halves with the chained kbar only"):
+        bwd_ws.compile_sm90_dq(128, recipe=RECIPES["kernels_delta_matching"], split=True)
 
 
 def _wide_inputs(shape: ProblemShape, device: str, seed: int = 0):
@@ -309,7 +314,8 @@ def test_bwd_ws_dq_equals_the_triton_dq(case):
 _DQ_VARIANTS = [dict(stages=1), dict(stages=3), dict(overlap=1), dict(overlap=2), dict(overlap=3),
                 dict(overlap=3, stages=1), dict(overlap=3, recipe="kernels_naive_fp8"),
                 dict(overlap=3, recipe="kernels_naive_fp8", causal=False),
-                dict(overlap=1, recipe="kernels_delta_matching_chained_kbar")]
+                dict(overlap=1, recipe="kernels_delta_matching_chained_kbar"),
+                dict(split=False, recipe="kernels_delta_matching_chained_kbar")]
 
 
 @pytest.mark.gpu

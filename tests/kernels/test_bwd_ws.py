@@ -63,6 +63,7 @@ def test_bwd_ws_compiles_for_sm90_with_its_register_budget():
 
 
 _DQ_SCRIPT = """
+CASES = None  # the configurations to compile; None: the ones below
 import json
 from dmref.kernels import bwd_ws
 from dmref.kernels.compile_check import warp_specialized_budget
@@ -75,10 +76,7 @@ cases += [(128, c, r, True, 1) for c in (False, True) for r in ("kernels_delta_m
 cases += [(64, True, "kernels_naive_fp8", True, 1)] + [(64, c, "kernels_delta_matching", True, 2) for c in (False, True)]
 cases += [(128, c, r, True, 3) for c in (False, True) for r in ("kernels_delta_matching", "kernels_naive_fp8")]
 cases += [(64, True, "kernels_delta_matching", True, 3), (64, False, "kernels_naive_fp8", False, 3)]
-# kbar chained over all keys: serial and with dP behind S at D = 64; serial at D = 128, with dQ and
-# kbar in halves of the head dim (bwd_ws.default_dq_split; with dP behind S it spills there)
-cases += [(64, c, "kernels_delta_matching_chained_kbar", n16, ov) for c in (False, True) for n16, ov in ((True, 0), (False, 1))]
-cases += [(128, c, "kernels_delta_matching_chained_kbar", n16, 0) for c, n16 in ((False, True), (True, False))]
+cases = CASES if CASES is not None else cases
 for d, causal, recipe, n16, ov in cases:
     k = bwd_ws.compile_sm90(kernel="dq", head_dim=d, causal=causal, recipe=recipe, n_multiple_of_16=n16, overlap=ov)
     out.append(dict(d=d, causal=causal, recipe=recipe, n16=n16, overlap=ov, **warp_specialized_budget(k)))
@@ -87,12 +85,29 @@ print(json.dumps(out))
 
 
 def test_bwd_ws_dq_compiles_for_sm90_with_its_register_budget():
-    for u in compile_and_check_budget(_DQ_SCRIPT, 29):
+    _check_dq_wgmmas(compile_and_check_budget(_DQ_SCRIPT, 23))
+
+
+def _check_dq_wgmmas(usage):
+    for u in usage:
         # m64 wgmmas over queries: S and dP n64, dS K (and kbar's chain, matched) n = D, or D / 2
         # in halves (the chained kbar at D = 128)
         split = u["recipe"] == "kernels_delta_matching_chained_kbar" and u["d"] == 128
         want = {"m64n64k32"} | {f"m64n{u['d'] // 2 if split else u['d']}k32"}
         assert set(u["wgmma"]) == want, u
+
+
+#: kbar chained over all keys: serial and with dP behind S at D = 64; serial at D = 128, with dQ and
+#: kbar in halves of the head dim (bwd_ws.default_dq_split; with dP behind S it spills there)
+_CHAINED_CASES = ([(64, c, "kernels_delta_matching_chained_kbar", n16, ov) for c in (False, True)
+                   for n16, ov in ((True, 0), (False, 1))]
+                  + [(128, c, "kernels_delta_matching_chained_kbar", n16, 0) for c, n16 in ((False, True), (True, False))])
+
+
+@pytest.mark.slow
+def test_bwd_ws_dq_with_the_chained_kbar_compiles_for_sm90_with_its_register_budget():
+    script = _DQ_SCRIPT.replace("CASES = None", f"CASES = {_CHAINED_CASES!r}")
+    _check_dq_wgmmas(compile_and_check_budget(script, len(_CHAINED_CASES)))
 
 
 @pytest.mark.parametrize("kernel,what", [("dq", "debug"), ("dq", "block_n2"), ("dkdv", "debug"), ("dkdv", "block_m1")])

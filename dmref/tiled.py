@@ -629,7 +629,8 @@ class _DeferredDq:
             p_kb = _quantize(p * s_rel, spec.p, contract_dim=-1, dtype=wd, fixed_log2=-spec.p_offset_log2)
             self.kbar[..., i0:, :] = _matmul(p_kb, self.k_kbar[..., j0:j1, :], self.model, wd, (spec.p, self.k_point),
                                              c=self.kbar[..., i0:, :])
-            return p_kb / s_rel
+            # (where s_j / u underflows, P s_j / u is 0 and so is its share)
+            return torch.where(s_rel > 0, p_kb / s_rel, torch.zeros_like(p_kb))
         # Q-point P (kbar): fp32 P * 2^offset -> deferred.p (the kernels: E4M3, 2^4, against LSE)
         p_kb = _quantize(p, spec.p, contract_dim=-1, dtype=wd, fixed_log2=-spec.p_offset_log2)
         for t0 in range(0, j1 - j0, spec.tile):

@@ -69,23 +69,24 @@ def inputs(b, h, hkv, n, d, seed=0):
 
 
 def smoke(kernel="dkdv"):
-    """The Gluon ``kernel`` (dkdv or dq) on two small problems (a tail with GQA at D = 128,
-    causal; D = 64): it returns, and equals the Triton kernel."""
+    """The Gluon ``kernel`` (dkdv, dq, or dq_chained: the dq of kernels_delta_matching_chained_kbar)
+    on two small problems (a tail with GQA at D = 128, causal; D = 64): it returns, and equals the
+    Triton kernel."""
     from dmref.kernels import api, bwd, bwd_ws
     from dmref.kernels.config import RECIPES
     from dmref.kernels.quantize import quantize
 
-    r = RECIPES["kernels_delta_matching"]
+    r = RECIPES["kernels_delta_matching_chained_kbar" if kernel == "dq_chained" else "kernels_delta_matching"]
     for (b, h, hkv, n, d, causal) in [(1, 2, 1, 203, 128, True), (1, 4, 4, 777, 64, False)]:
         q, k, v, do = inputs(b, h, hkv, n, d)
         o, _, saved, _ = api.attention_forward(q, k, v, causal=causal, recipe=r)
         do8, d_stale = quantize(do, r.recipe.do_dp.fmt.name, rows=True, cols=True, delta_with=o)
         dims = dict(batch=b, heads=h, kv_heads=hkv, n=n, head_dim=d, causal=causal, scale=d ** -0.5)
         dq, dk, dv, dbg = bwd.backward(saved, do8, do8, d_stale, recipe=r, **dims)
-        if kernel == "dq":
+        if kernel in ("dq", "dq_chained"):
             dq2, delta2 = bwd_ws.dq(saved, do8, d_stale, recipe=r, **dims)
             torch.cuda.synchronize()
-            emit(check="smoke", kernel="dq", shape=[b, h, hkv, n, d], causal=causal,
+            emit(check="smoke", kernel=kernel, shape=[b, h, hkv, n, d], causal=causal,
                  dq_equal=bool(torch.equal(dq, dq2)), delta_equal=bool(torch.equal(dbg["delta"], delta2)),
                  dq_max_abs_diff=(dq.float() - dq2.float()).abs().max().item())
             continue
@@ -105,7 +106,7 @@ def _compare(c, name, got, want, int_view):
     c[name + "_finite"] = bool(torch.isfinite(got).all())
 
 
-def run_shape(b, h, hkv, n, d, gluon=True, gluon_dq=True):
+def run_shape(b, h, hkv, n, d, gluon=True, gluon_dq=True, gluon_dq_chained=True):
     from bench_attention import _bench as bench  # this folder: the same timing
 
     from dmref.kernels import api, bwd, bwd_ws
@@ -157,25 +158,35 @@ def run_shape(b, h, hkv, n, d, gluon=True, gluon_dq=True):
             for ov in (1, 2, 3):
                 dq_ov, delta_ov = bwd_ws.dq(saved, do8, d_stale, recipe=r_m, overlap=ov, **dims)
                 c[f"dq_ov{ov}_equal"] = bool(torch.equal(dq_ov, dq) and torch.equal(delta_ov, delta))
-            dq_c, _, _, dbg_c = bwd.backward(saved, do8, do8, d_stale, recipe=r_c, kernels=("dq",), **dims)
-            dq_c_ws, delta_c_ws = bwd_ws.dq(saved, do8, d_stale, recipe=r_c, **dims)
-            _compare(c, "dq_chained", dq_c_ws, dq_c, torch.int16)
-            c["dq_chained_delta_equal"] = bool(torch.equal(delta_c_ws, delta) and torch.equal(dbg_c["delta"], delta))
-            c["dq_chained_vs_tiled_rel"] = ((dq_c.float() - dq.float()).norm() / dq.float().norm()).item()
-            dq_c1, _ = bwd_ws.dq(saved, do8, d_stale, recipe=r_c, overlap=1, **dims)
-            c["dq_chained_ov1_equal"] = bool(torch.equal(dq_c1, dq_c))
-            del dq_ws, dq_st, dq_st_ws, dq_c, dq_c_ws, dq_c1
+            del dq_ws, dq_st, dq_st_ws
             if gluon:
                 dq2, dk2, dv2, dbg2 = bwd_ws.backward_ws(saved, do8, do8, d_stale, recipe=r_m, kernels=("dq", "dkdv"),
                                                          **dims)
                 c["ws2_bwd_equal"] = bool(torch.equal(dq2, dq) and torch.equal(dbg2["delta"], delta)
                                           and torch.equal(dk2, dk) and torch.equal(dv2, dv))
-                dq3, dk3, dv3, _ = bwd_ws.backward_ws(saved, do8, do8, d_stale, recipe=r_c, kernels=("dq", "dkdv"),
-                                                      **dims)
-                c["ws2_bwd_chained_dkdv_equal"] = bool(torch.equal(dk3, dk) and torch.equal(dv3, dv))
-                del dq2, dk2, dv2, dq3, dk3, dv3
+                del dq2, dk2, dv2
         except Exception as e:
             c["dq_error"] = f"{type(e).__name__}: {e}"[:400]
+        try:
+            dq_c, _, _, dbg_c = bwd.backward(saved, do8, do8, d_stale, recipe=r_c, kernels=("dq",), **dims)
+            c["dq_chained_vs_tiled_rel"] = ((dq_c.float() - dq.float()).norm() / dq.float().norm()).item()
+            c["triton_dq_chained_delta_equal"] = bool(torch.equal(dbg_c["delta"], delta))
+            if not gluon_dq_chained:
+                raise RuntimeError("the smoke test of the chained Gluon dq kernel failed: not run")
+            dq_c_ws, delta_c_ws = bwd_ws.dq(saved, do8, d_stale, recipe=r_c, **dims)
+            _compare(c, "dq_chained", dq_c_ws, dq_c, torch.int16)
+            c["dq_chained_delta_equal"] = bool(torch.equal(delta_c_ws, delta))
+            dq_c1, _ = bwd_ws.dq(saved, do8, d_stale, recipe=r_c, overlap=1, **dims)
+            c["dq_chained_ov1_equal"] = bool(torch.equal(dq_c1, dq_c))
+            if gluon:
+                dq3, dk3, dv3, _ = bwd_ws.backward_ws(saved, do8, do8, d_stale, recipe=r_c, kernels=("dq", "dkdv"),
+                                                      **dims)
+                c["ws2_bwd_chained_equal"] = bool(torch.equal(dq3, dq_c) and torch.equal(dk3, dk)
+                                                  and torch.equal(dv3, dv))
+                del dq3, dk3, dv3
+            del dq_c, dq_c_ws, dq_c1
+        except Exception as e:
+            c["dq_chained_error"] = f"{type(e).__name__}: {e}"[:400]
         c["seconds"] = round(time.time() - t0, 1)
         emit(**c)
         del dq, dk, dv
@@ -217,7 +228,9 @@ def run_shape(b, h, hkv, n, d, gluon=True, gluon_dq=True):
         for name, fn in timers.items():
             if not gluon and name.startswith(("gluon_dkdv", "ws")):
                 continue
-            if not gluon_dq and name.startswith(("gluon_dq", "ws2")):
+            if not gluon_dq and name.startswith(("gluon_dq", "ws2")) and "chained" not in name:
+                continue
+            if not gluon_dq_chained and name.startswith(("gluon_dq_chained", "ws2_bwd_chained")):
                 continue
             try:
                 s[name + "_ms"] = bench(fn)
@@ -278,7 +291,8 @@ def summary():
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--shape":
-        run_shape(*map(int, sys.argv[2].split(",")), gluon=sys.argv[3] == "1", gluon_dq=sys.argv[4] == "1")
+        run_shape(*map(int, sys.argv[2].split(",")), gluon=sys.argv[3] == "1", gluon_dq=sys.argv[4] == "1",
+                  gluon_dq_chained=sys.argv[5] == "1")
         raise SystemExit(0)
     if len(sys.argv) > 1 and sys.argv[1] == "--smoke":
         smoke(sys.argv[2])
@@ -288,7 +302,7 @@ if __name__ == "__main__":
     t0 = time.time()
     emit(check="env", torch=torch.__version__, triton=triton.__version__, gpu=torch.cuda.get_device_name())
     ok = {}
-    for kernel in ("dkdv", "dq"):
+    for kernel in ("dkdv", "dq", "dq_chained"):
         ok[kernel] = False
         try:
             p = subprocess.run([sys.executable, __file__, "--smoke", kernel], timeout=45, capture_output=True,
@@ -305,8 +319,8 @@ if __name__ == "__main__":
             continue
         arg = ",".join(map(str, shape))
         try:
-            p = subprocess.run([sys.executable, __file__, "--shape", arg, str(int(ok["dkdv"])), str(int(ok["dq"]))],
-                               timeout=min(SHAPE_S, left), capture_output=True, text=True)
+            p = subprocess.run([sys.executable, __file__, "--shape", arg, str(int(ok["dkdv"])), str(int(ok["dq"])),
+                                str(int(ok["dq_chained"]))], timeout=min(SHAPE_S, left), capture_output=True, text=True)
             if p.returncode:
                 emit(check="error", shape=list(shape), rc=p.returncode, stderr=p.stderr[-1500:])
         except subprocess.TimeoutExpired as e:

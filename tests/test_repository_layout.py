@@ -65,6 +65,7 @@ def test_the_clone_root_shadows_no_other_package():
     assert proc.stdout.split() == ["kernels", "False", "emulation", "False", "proofs", "False"]
 
 
+@pytest.mark.slow
 def test_a_transformers_model_builds_at_the_clone_root():
     pytest.importorskip("transformers")
     code = ("from transformers import LlamaConfig, LlamaForCausalLM\n"

@@ -260,6 +260,7 @@ def _seed_and_lengths(path: Path) -> tuple[int, set[int]]:
     return meta["seed"], {p[3] for p in meta["problems"]}
 
 
+@pytest.mark.slow
 def test_fresh_capture_meets_the_goal(capsys):
     """A capture the replay was not fitted to (seed 1, lengths 384 and 640, GQA): `dmref
     verify-attention` exits 0, every tensor of every case meeting the goal."""
@@ -302,6 +303,7 @@ def _off(got: dict, case: dict, tensors) -> dict:
     return {t: {tuple(int(v) for v in r[:3]) for r in np.argwhere(got[t] != case[f"{t}_fp8"])} for t in tensors}
 
 
+@pytest.mark.slow
 def test_fresh_capture_residual_is_the_backward_exponent_and_ds_scales():
     """Seed 1, case 0 (384 tokens, GQA 4 on 2, E4M3). With P's exponent from the forward's base-2
     logits, ``x - fl(stats log2 e)``, one P code differs: 448 P at (head 1, query 53, key 95) is

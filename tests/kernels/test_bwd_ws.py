@@ -58,6 +58,7 @@ for d, causal, group, host, n16 in cases:
 print(json.dumps(out))
 """
 
+@pytest.mark.slow
 def test_bwd_ws_compiles_for_sm90_with_its_register_budget():
     compile_and_check_budget(_SCRIPT, 12)
 
@@ -84,6 +85,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_bwd_ws_dq_compiles_for_sm90_with_its_register_budget():
     _check_dq_wgmmas(compile_and_check_budget(_DQ_SCRIPT, 23))
 

@@ -72,6 +72,7 @@ print(json.dumps([dict(d=d, causal=causal, **warp_specialized_budget(fwd_ws.comp
 """
 
 
+@pytest.mark.slow
 def test_fwd_ws_compiles_for_sm90_with_its_register_budget_and_overlap():
     from dmref.kernels.config import RECIPES
     from dmref.kernels.fwd_ws import default_overlap

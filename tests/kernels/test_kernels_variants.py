@@ -27,8 +27,14 @@ def _variant(recipe, head_dim, *, tma: bool):
     return recipe.with_tiles(fwd=fwd, bwd=bwd)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("recipe", ["kernels_delta_matching", "kernels_naive_fp8"])
+#: (recipe, causal): the first in the README's test command, the others with the slow tests
+#: (each is 7-10 s in the interpreter)
+_RECIPES_CAUSAL = [pytest.param(r, c, id=f"{r}-{c}", marks=() if (r, c) == ("kernels_delta_matching", False)
+                                else pytest.mark.slow)
+                   for r in ("kernels_delta_matching", "kernels_naive_fp8") for c in (False, True)]
+
+
+@pytest.mark.parametrize("recipe,causal", _RECIPES_CAUSAL)
 @pytest.mark.parametrize("backend,case", _CASES)
 def test_load_and_register_variants_equal_the_pointer_variant_bit_for_bit(backend, case, recipe, causal):
     device = require_backend(backend)

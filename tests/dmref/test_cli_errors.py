@@ -248,9 +248,11 @@ def test_a_usage_error_raised_by_a_command_is_one_line(monkeypatch):
 
 @pytest.mark.parametrize("argv, named", [
     (["cast", "1", "--format", "e4m4"], ["'e4m4'"]),
-    (["demo", "--recipe", "naive_fp8@volta"], ["'volta'", "hopper"]),
-    (["demo", "--seqlen", "0"], ["--seqlen"]),
-    (["demo", "--seqlen", "1000000000"], ["--seqlen 1000000000", "GiB is available"]),
+    # each case is a process that imports torch: the others run with the slow tests
+    *(pytest.param(*case, marks=pytest.mark.slow) for case in (
+        (["demo", "--recipe", "naive_fp8@volta"], ["'volta'", "hopper"]),
+        (["demo", "--seqlen", "0"], ["--seqlen"]),
+        (["demo", "--seqlen", "1000000000"], ["--seqlen 1000000000", "GiB is available"]))),
 ])
 def test_bad_input_in_a_process_is_one_line_and_status_2(argv, named):
     proc = subprocess.run([sys.executable, "-m", "dmref", *argv], capture_output=True, text=True, timeout=120)

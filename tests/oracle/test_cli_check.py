@@ -34,6 +34,7 @@ def test_check_fails_a_planted_bug_with_exit_status_1_and_a_table_naming_it():
     assert "FAIL" in res.stdout and "realistic:dk" in res.stdout.replace("\n", "")
 
 
+@pytest.mark.slow
 def test_check_runs_the_gqa_and_additive_mask_cases_of_a_ready_made_target():
     res = _dmref("dmref.oracle:sdpa_math", "--cases", "quick", "--case", "gqa", "--case", "additive_mask")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr
@@ -42,6 +43,7 @@ def test_check_runs_the_gqa_and_additive_mask_cases_of_a_ready_made_target():
     assert "1x8/2x128x64" in table  # heads/kv_heads: 8 query heads on 2 key/value heads
 
 
+@pytest.mark.slow
 def test_check_holds_a_recipe_claim():
     res = _dmref("dmref.oracle:emulated_naive_fp8", "--recipe", "delta_matching", "--cases", "quick", "--case",
                  "peaked_rows", "--json")
@@ -49,12 +51,15 @@ def test_check_holds_a_recipe_claim():
     assert "peaked_rows:rowsum" in json.loads(res.stdout)["failed"]
 
 
+# Each case below is a `dmref check` process that imports torch (3-8 s): the README's test command
+# runs the first of each kind, the slow set the others.
 @pytest.mark.parametrize("target,message", [
     ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
-    ("planted:no_such_function", "has no attribute 'no_such_function'"),
-    ("planted", "must look like package.module:function"),
-    ("planted:wrong_signature", "cannot be called as fn(q, k, v, *, causal, scale)"),
-    ("planted:BUGS", "not a function"),
+    *(pytest.param(*case, marks=pytest.mark.slow) for case in (
+        ("planted:no_such_function", "has no attribute 'no_such_function'"),
+        ("planted", "must look like package.module:function"),
+        ("planted:wrong_signature", "cannot be called as fn(q, k, v, *, causal, scale)"),
+        ("planted:BUGS", "not a function"))),
 ])
 def test_check_explains_a_bad_target_with_exit_status_2(target, message):
     res = _dmref(target)
@@ -62,6 +67,7 @@ def test_check_explains_a_bad_target_with_exit_status_2(target, message):
     assert message in " ".join(res.stderr.split())
 
 
+@pytest.mark.slow
 def test_an_implementation_without_gqa_passes_with_the_case_unsupported_and_fails_when_required():
     few = ["--cases", "quick", "--case", "realistic", "--case", "gqa"]
     res = _dmref("planted:mha_only", *few)
@@ -72,6 +78,7 @@ def test_an_implementation_without_gqa_passes_with_the_case_unsupported_and_fail
     assert "gqa:runs" in json.loads(res.stdout)["failed"]
 
 
+@pytest.mark.slow
 def test_a_wrong_grouping_fails_on_the_command_line_too():
     res = _dmref("planted:flash_kv_grouping", "--cases", "quick", "--case", "gqa")
     assert res.returncode == 1
@@ -85,6 +92,7 @@ def test_head_dim_128():
     assert {c["shape"].split("x")[-1] for c in json.loads(res.stdout)["cases"]} == {"128"}
 
 
+@pytest.mark.slow
 def test_json_is_strict_and_lossless():
     res = _dmref("planted:mha_only", "--cases", "quick", "--case", "realistic", "--case", "gqa", "--json")
 
@@ -97,6 +105,7 @@ def test_json_is_strict_and_lossless():
     assert all(isinstance(v, float) or v in ("NaN", "Infinity", "-Infinity") for v in values)
 
 
+@pytest.mark.slow
 def test_a_hanging_target_is_stopped_by_the_timeout():
     res = _dmref("planted:hangs", "--cases", "quick", "--case", "realistic", "--case", "tail_lengths", "--timeout",
                  "2")
@@ -106,8 +115,9 @@ def test_a_hanging_target_is_stopped_by_the_timeout():
 
 @pytest.mark.parametrize("args,message", [
     (["--head-dim", "7"], "head_dim=7 must be even"),
-    (["--timeout", "0"], "--timeout 0: timeout=0.0 must be a finite number of seconds"),
-    (["--device", "nosuchdevice"], "is not a torch device"),
+    *(pytest.param(*case, marks=pytest.mark.slow) for case in (
+        (["--timeout", "0"], "--timeout 0: timeout=0.0 must be a finite number of seconds"),
+        (["--device", "nosuchdevice"], "is not a torch device"))),
 ])
 def test_bad_options_give_one_line_and_exit_status_2(args, message):
     res = _dmref("dmref.oracle:sdpa_math", *args)
@@ -115,6 +125,7 @@ def test_bad_options_give_one_line_and_exit_status_2(args, message):
     assert message in res.stderr and len(res.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_a_cuda_device_without_a_gpu_is_refused_at_once():
     import torch
 

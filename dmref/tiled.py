@@ -467,10 +467,14 @@ def _head_unit(k: torch.Tensor, point: QuantPoint, *, dtype: torch.dtype) -> tor
     if not point.quantized or not _dynamic_pow2(point.scale_rule) or point.granularity is Granularity.TENSOR:
         return ones
     # the scales of K's blocks along the keys: (B, Hkv, key blocks, channel blocks)
-    scales = scales_from_amax(block_amax(k.to(torch.float32), _block(point.granularity, contract_dim=-2)),
-                              point.fmt, point.scale_rule)
-    s = decode(scales, FLOAT8_E8M0FNU) if point.scale_rule.is_e8m0 else scales
+    s = _dequantization_factors(block_amax(k.to(torch.float32), _block(point.granularity, contract_dim=-2)), point)
     return s.amax(dim=(-2, -1)).reshape(*k.shape[:2], 1, 1).to(dtype)
+
+
+def _dequantization_factors(amax, point: QuantPoint):
+    """The scale of each block of amax ``amax`` under ``point`` as a factor (E8M0 codes decoded)."""
+    scales = scales_from_amax(amax, point.fmt, point.scale_rule)
+    return decode(scales, FLOAT8_E8M0FNU) if point.scale_rule.is_e8m0 else scales
 
 
 def _key_scales(k: torch.Tensor, point: QuantPoint, *, dtype: torch.dtype) -> torch.Tensor:
@@ -485,8 +489,7 @@ def _key_scales(k: torch.Tensor, point: QuantPoint, *, dtype: torch.dtype) -> to
                          f"{point.describe()}")
     amax = group_amax(k.to(torch.float32), point, contract_dim=-1) if point.granularity is not Granularity.HEAD \
         else abs_amax(k.to(torch.float32), dim=(-2, -1), keepdim=True)
-    scales = scales_from_amax(amax, point.fmt, point.scale_rule)
-    s = decode(scales, FLOAT8_E8M0FNU) if point.scale_rule.is_e8m0 else scales
+    s = _dequantization_factors(amax, point)
     return torch.as_tensor(s, device=k.device).to(dtype).expand(*k.shape[:3], 1)
 
 

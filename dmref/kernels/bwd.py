@@ -202,7 +202,6 @@ def _bwd_dq_kernel(
         kbar = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     else:
         kbar = tl.zeros([BLOCK_M, HEAD_DIM], tl.float16)
-    kb_u = 1.0
     if MATCHED:
         unit = tl.load(K_UNIT + kv)
         if KBAR_CHAIN:
@@ -500,18 +499,12 @@ def backward(
     dbg = _debug_buffers(batch * heads, n, t.block_m1, dev) if debug else {}
     dummy32 = torch.empty(1, device=dev, dtype=torch.float32)
     q8, k8, v8 = saved.q, saved.k, saved.v
-    chained = dq_run.constexprs["KBAR_CHAIN"]
-    ktt = transposed_codes(k8) if chained else k8.cols
-    dq_ops, dkdv_ops = _operands(q8, k8, v8, do8, do_t, dq_run, dkdv_run, ktt)
+    k_unit, k_rows_t = (kbar_operands(k8, dq_run.constexprs["KBAR_CHAIN"]) if matched and "dq" in kernels
+                        else (dummy32, k8.cols))
+    dq_ops, dkdv_ops = _operands(q8, k8, v8, do8, do_t, dq_run, dkdv_run, k_rows_t)
     scalars = (scale * LOG2E, scale)
 
     def run_dq():
-        # kbar's unit per key/value head: the largest of its K block scales (a reduction over the
-        # (B*Hkv, NPAD/128, D) scales, not over K; chained, over K's (B*Hkv, N) QK^T scales); one
-        # scalar per program, as a per-channel vector held across the dq loop spilled (and a
-        # precomputed per-tile factor cost a load per tile)
-        k_unit = dummy32 if not matched else (
-            k8.row_scale.amax(dim=1) if chained else k8.col_scale.amax(dim=(1, 2))).contiguous()
         _bwd_dq_kernel[(triton.cdiv(n, t.block_m2), batch * heads)](
             q8.rows, q8.row_scale, dq_ops[0], k8.row_scale, dq_ops[1], v8.row_scale,
             dq_ops[2], k8.col_scale, k_unit, dq_ops[3], do8.rows, do8.row_scale, saved.lse2, delta_stale,
@@ -563,13 +556,25 @@ def transposed_codes(x8) -> torch.Tensor:
     return out.view(x8.rows.dtype)
 
 
-def _operands(q8, k8, v8, do8, do_t, dq_run: Launch, dkdv_run: Launch, k_rows_t=None):
+def kbar_operands(k8, chained: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a matched dq kernel (this module's or ``bwd_ws``'s) reads for kbar besides the K^T
+    copy: (u per key/value head, the copy of K's codes its chained kbar reads). u is the largest
+    of the head's K block scales (a reduction over the (B*Hkv, NPAD/128, D) scales, not over K),
+    chained the largest of its (B*Hkv, N) QK^T scales; one scalar per program, as a per-channel
+    vector held across the dq loop spilled (and a precomputed per-tile factor cost a load per
+    tile). The per-tile kbar reads no second copy: K^T stands in (not read)."""
+    if chained:
+        return k8.row_scale.amax(dim=1).contiguous(), transposed_codes(k8)
+    return k8.col_scale.amax(dim=(1, 2)).contiguous(), k8.cols
+
+
+def _operands(q8, k8, v8, do8, do_t, dq_run: Launch, dkdv_run: Launch, k_rows_t):
     """The FP8 operand copies each kernel loads tiles from: TMA tensor descriptors of the
     launches' block shapes where they take descriptors (dq: K, V rows per ``block_n2`` keys, K
     cols, and ``k_rows_t``, K's row codes transposed, for the chained kbar; dkdv: Q, dO rows per
     ``block_m1`` queries, Q, dO cols), else the tensors themselves. Returns (dq's K, V, K^T,
     K's rows^T; dkdv's Q, Q^T, dO, dO^T)."""
-    dq_ops = (k8.rows, v8.rows, k8.cols, k8.cols if k_rows_t is None else k_rows_t)
+    dq_ops = (k8.rows, v8.rows, k8.cols, k_rows_t)
     dkdv_ops = (q8.rows, q8.cols, do8.rows, do_t.cols)
     if not (dq_run.descriptors or dkdv_run.descriptors):
         return dq_ops, dkdv_ops

@@ -858,13 +858,14 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, ktt_bufs, q
         t = warpgroup_mma(ds8, kt_s, gl.zeros([BLOCK_M, CH], gl.float32, a_layout), use_acc=False,
                           is_async=True)
         if SPLIT:
-            # the second half's chain behind the first, waited on after the first's promotion
+            # the second half's chain behind the first, issued after the first's promotion
             t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
             dq += t * gl.expand_dims(kts_s.load(col_a), 0) * gl.expand_dims(ds_inv, 1)
             t = warpgroup_mma(ds8, kt_bufs.index(s).slice(CH, CH, dim=0).permute((1, 0)), t, use_acc=False,
                               is_async=True)
             t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
-            kts_s = kts_bufs.index(s).reshape([HEAD_DIM]).slice(CH, CH)
+            kts1 = kts_bufs.index(s).reshape([HEAD_DIM]).slice(CH, CH)
+            dq1 += t * gl.expand_dims(kts1.load(col_a), 0) * gl.expand_dims(ds_inv, 1)
         elif OVERLAP == 3 and not MATCHED:
             # S of tile i + 1 behind it, running during dQ's promotion
             s_next = _dq_next_s(q_smem, k_bufs, rows_ready, i + 1, s_layout, BLOCK_M, BLOCK_N, STAGES)
@@ -875,9 +876,7 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, ktt_bufs, q
             t = warpgroup_mma_wait(num_outstanding=1, deps=(t, ))
         else:
             t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
-        if SPLIT:
-            dq1 += t * gl.expand_dims(kts_s.load(col_a), 0) * gl.expand_dims(ds_inv, 1)
-        else:
+        if not SPLIT:
             dq += t * gl.expand_dims(kts_s.load(col_a), 0) * gl.expand_dims(ds_inv, 1)
         if MATCHED and KBAR_CHAIN:
             # kbar: the chain runs on, in place (after dQ's promotion: beside dS K's result it
@@ -1088,13 +1087,9 @@ def dq(saved, do8, delta_stale, *, batch: int, heads: int, kv_heads: int, n: int
     dev = do8.rows.device
     out = torch.empty((batch, heads, n, head_dim), device=dev, dtype=torch.bfloat16)
     consts = _dq_constexprs(r, head_dim, causal, stages, overlap, split)
-    matched, chained = consts["MATCHED"], consts["KBAR_CHAIN"]
+    matched = consts["MATCHED"]
     delta = torch.empty_like(delta_stale) if matched else delta_stale
-    # kbar's unit per key/value head: the largest of its K block scales, or chained of its QK^T
-    # scales (as bwd.backward)
-    k_unit = delta_stale if not matched else (
-        k8.row_scale.amax(dim=1) if chained else k8.col_scale.amax(dim=(1, 2))).contiguous()
-    k_rows_t = bwd.transposed_codes(k8) if chained else k8.cols
+    k_unit, k_rows_t = bwd.kbar_operands(k8, consts["KBAR_CHAIN"]) if matched else (delta_stale, k8.cols)
     descs = _dq_descriptors(q8.rows, do8.rows, k8.rows, v8.rows, k8.cols, k8.col_scale, k_rows_t, consts["BLOCK_N"])
     npad = triton.cdiv(n, QUANT_BLOCK.value) * QUANT_BLOCK.value
     grid = (triton.cdiv(n, DQ_BLOCK_M.value), batch * heads)

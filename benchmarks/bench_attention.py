@@ -14,8 +14,11 @@ Measures, per shape B·H·N·D and causal or not, medians of ``triton.testing.do
 - ours: forward kernel alone (pre-quantized operands); forward incl. its fused quantization;
   end to end also with ``kernels_folded_delta_matching`` (the warp-specialized forward, the same
   backward); backward with stale delta (``kernels_naive_fp8``) and with matched delta
-  (``kernels_delta_matching``), each incl.
-  the preprocess (dO quantization + stale delta) and split into the dq and dkdv kernels;
+  (``kernels_delta_matching``, and ``kernels_delta_matching_chained_kbar``: ``_matched_chained``),
+  each incl. the preprocess (dO quantization + stale delta), as ``api.attention_backward`` runs it
+  (the Gluon kernels ``bwd_ws`` where they run the recipe: ``bwd_kernels``) and with the Triton
+  kernels (``_triton``), and that backward's kernels without the preprocess: both, the dq alone,
+  the dkdv alone (``_kernels``, ``_dq``, ``_dkdv``);
   end to end (quantization + forward + backward through ``torch.autograd``);
 - the warp-specialized Gluon forward (``dmref.kernels.fwd_ws``, the ``folded`` scales): kernel
   alone and incl. its quantization of K and V (it quantizes Q inside);
@@ -126,7 +129,7 @@ def _warm_one(job):
 
         torch.manual_seed(0)
         q, k, v, do = (torch.randn(1, heads, 512, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-        for name in ("kernels_naive_fp8", "kernels_delta_matching"):
+        for name in ("kernels_naive_fp8", "kernels_delta_matching", "kernels_delta_matching_chained_kbar"):
             r = _recipe(name, fwd_c, bwd_c)
             o, _, saved, _ = api.attention_forward(q, k, v, causal=causal, recipe=r, for_backward=True)
             api.attention_forward(q, k, v, causal=causal, recipe=r, for_backward=False)
@@ -200,13 +203,16 @@ def _speedups(ms: dict, anchor: str) -> dict:
         "fwd_ws_kernel": fwd / ms["ours_fwd_ws_kernel"],
         "fwd_ws_incl_quant": fwd / ms["ours_fwd_ws_incl_quant"],
         "e2e_matched_folded": e2e / ms["ours_e2e_matched_folded"],
+        "bwd_matched_chained": bwd / ms["ours_bwd_matched_chained"],
+        "e2e_matched_chained": e2e / ms["ours_e2e_matched_chained"],
+        "bwd_matched_triton": bwd / ms["ours_bwd_matched_triton"],
     }
 
 
 def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from dmref.kernels import api, bwd as bwd_mod, fwd as fwd_mod
+    from dmref.kernels import api, bwd as bwd_mod, bwd_ws, fwd as fwd_mod
     from dmref.kernels.quantize import quantize
 
     torch.manual_seed(0)
@@ -241,17 +247,33 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
     do8, d_stale = quantize(do, "float8_e4m3fn", rows=True, cols=True, delta_with=o)
     ms["ours_bwd_preprocess"] = _bench(lambda: quantize(do, "float8_e4m3fn", rows=True, cols=True,
                                                         delta_with=o))
-    for tag, r in (("stale", r_st), ("matched", r_dm)):
+    r_ch = _recipe("kernels_delta_matching_chained_kbar", fwd_c, bwd_c)
+    kw = dict(causal=causal, scale=scale, **dims)
+    for tag, r in (("stale", r_st), ("matched", r_dm), ("matched_chained", r_ch)):
+        # what the API runs (the Gluon kernels where they run the recipe), and the Triton kernels
+        gluon = api.gluon_backward_refusal(r, d) is None
+        res.setdefault("bwd_kernels", {})[tag] = "gluon" if gluon else "triton"
         ms[f"ours_bwd_{tag}"] = _bench(lambda r=r: api.attention_backward(
             saved, o, do, shape=shape, causal=causal, scale=scale, recipe=r))
-        for part, kernels in (("kernels", ("dq", "dkdv")), ("dq", ("dq",)), ("dkdv", ("dkdv",))):
-            ms[f"ours_bwd_{tag}_{part}"] = _bench(lambda r=r, kernels=kernels: bwd_mod.backward(
-                saved, do8, do8, d_stale, causal=causal, scale=scale, recipe=r, kernels=kernels,
-                **dims))
+        ms[f"ours_bwd_{tag}_triton"] = _bench(lambda r=r: api.attention_backward(
+            saved, o, do, shape=shape, causal=causal, scale=scale, recipe=r, gluon=False))
+        # its kernels without the preprocess: both, the dq alone, the dkdv alone (on the dq's D)
+        if gluon:
+            delta = bwd_ws.dq(saved, do8, d_stale, recipe=r, **kw)[1]
+            parts = {"kernels": lambda r=r: bwd_ws.backward_ws(saved, do8, do8, d_stale, recipe=r,
+                                                               kernels=("dq", "dkdv"), **kw),
+                     "dq": lambda r=r: bwd_ws.dq(saved, do8, d_stale, recipe=r, **kw),
+                     "dkdv": lambda r=r, delta=delta: bwd_ws.dkdv(saved, do8, do8, delta, recipe=r, **kw)}
+        else:
+            parts = {part: (lambda r=r, kernels=kernels: bwd_mod.backward(saved, do8, do8, d_stale, recipe=r,
+                                                                          kernels=kernels, **kw))
+                     for part, kernels in (("kernels", ("dq", "dkdv")), ("dq", ("dq",)), ("dkdv", ("dkdv",)))}
+        for part, fn in parts.items():
+            ms[f"ours_bwd_{tag}_{part}"] = _bench(fn)
     # --- ours: end to end through autograd
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
     r_fdm = _recipe("kernels_folded_delta_matching", fwd_c, bwd_c)
-    for tag, r in (("stale", r_st), ("matched", r_dm), ("matched_folded", r_fdm)):
+    for tag, r in (("stale", r_st), ("matched", r_dm), ("matched_folded", r_fdm), ("matched_chained", r_ch)):
         def step(r=r):
             out = api.attention(qg, kg, vg, causal=causal, scale=scale, recipe=r)
             out.backward(do)
@@ -300,12 +322,15 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
             res[key] = _speedups(ms, anchor)
     res["matched_over_stale"] = ms["ours_bwd_matched"] / ms["ours_bwd_stale"] - 1
     res["matched_over_stale_kernels"] = ms["ours_bwd_matched_kernels"] / ms["ours_bwd_stale_kernels"] - 1
+    res["matched_chained_over_stale"] = ms["ours_bwd_matched_chained"] / ms["ours_bwd_stale"] - 1
+    res["matched_chained_over_stale_kernels"] = (ms["ours_bwd_matched_chained_kernels"]
+                                                 / ms["ours_bwd_stale_kernels"] - 1)
     return res
 
 
 def sweep(d, causal, h, n, b):
     """Pick the fastest forward and backward tilings for one (head dim, causal) on one shape."""
-    from dmref.kernels import api, bwd as bwd_mod, fwd as fwd_mod
+    from dmref.kernels import api, bwd as bwd_mod, bwd_ws, fwd as fwd_mod
     from dmref.kernels.quantize import quantize
 
     torch.manual_seed(0)
@@ -392,7 +417,7 @@ def profile_one(head_dims):
         torch.manual_seed(0)
         q, k, v, do = (torch.randn(1, 16, 4096, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
         o, _, saved, _ = api.attention_forward(q, k, v, recipe="kernels_delta_matching")
-        for name in ("kernels_naive_fp8", "kernels_delta_matching"):
+        for name in ("kernels_naive_fp8", "kernels_delta_matching", "kernels_delta_matching_chained_kbar"):
             api.attention_backward(saved, o, do, shape=api.Shape.of(q, k, v), causal=False,
                                    scale=1 / math.sqrt(d), recipe=name)
         torch.cuda.synchronize()
@@ -498,13 +523,15 @@ def main(argv=None):
             print(json.dumps({k: v for k, v in r.items() if k != "ms"}), flush=True)
             torch.cuda.empty_cache()
             _write(args.out, results)  # after every case: a time limit keeps what was measured
-    from dmref.kernels import bwd as bwd_mod, fwd as fwd_mod, quantize as q_mod
+    from dmref.kernels import bwd as bwd_mod, bwd_ws, fwd as fwd_mod, quantize as q_mod
 
     results["compiled"] = {
         "fwd": _kernel_stats(fwd_mod._fwd_kernel),
         "dq": _kernel_stats(bwd_mod._bwd_dq_kernel),
         "dkdv": _kernel_stats(bwd_mod._bwd_dkdv_kernel),
         "quantize": _kernel_stats(q_mod._quantize_kernel),
+        "dq_ws": _kernel_stats(bwd_ws._bwd_dq_ws_kernel),
+        "dkdv_ws": _kernel_stats(bwd_ws._bwd_dkdv_ws_kernel),
     }
     results["meta"]["wall_s"] = time.time() - t_start
     _write(args.out, results)

@@ -127,8 +127,14 @@ def _folded_forward(q, k, v, s: Shape, r: KernelSpec, *, causal: bool, scale: fl
 def attention_backward(
     saved: SavedForward, o: torch.Tensor, do: torch.Tensor, *, shape: Shape, causal: bool,
     scale: float, recipe: str | KernelSpec | Recipe = "kernels_delta_matching", debug: bool = False,
+    gluon: bool | None = None,
 ):
     """Preprocess (dO quantization + stale delta, one kernel), then the dq and dkdv kernels.
+
+    The dq and dkdv kernels are the warp-specialized Gluon ones (``bwd_ws``) where they run the
+    recipe (:func:`gluon_backward_refusal`), the Triton ones (``bwd``) otherwise; both give the same
+    gradients bit for bit (tests/kernels/test_bwd_ws.py, on the H200). ``gluon`` forces the choice
+    (``False``: the Triton kernels; ``True``: the Gluon ones, or a ValueError saying why not).
 
     Returns ``(dq, dk, dv, debug dict)``. The debug dict always holds ``"delta"`` (the D the dkdv
     kernel used) and with ``debug`` also ``"ds_rowsum"`` (float32 row sums of the dS tiles that
@@ -144,8 +150,35 @@ def attention_backward(
         do = do.to(torch.bfloat16)
     # delta step (stale) fused into the quantization of dO: one read of dO and O
     do8, delta_stale = quantize(do, r.recipe.do_dp.fmt.name, rows=True, cols=True, delta_with=o)
-    return bwd.backward(saved, do8, do8, delta_stale, causal=causal, scale=scale, recipe=r,
-                        debug=debug, **_dims(shape))
+    why_not = gluon_backward_refusal(r, shape.head_dim, debug)
+    if gluon and why_not:
+        raise ValueError(f"the Gluon backward does not run this call: {why_not}")
+    if why_not or gluon is False:
+        return bwd.backward(saved, do8, do8, delta_stale, causal=causal, scale=scale, recipe=r,
+                            debug=debug, **_dims(shape))
+    from . import bwd_ws
+
+    return bwd_ws.backward_ws(saved, do8, do8, delta_stale, causal=causal, scale=scale, recipe=r,
+                              kernels=("dq", "dkdv"), **_dims(shape))
+
+
+def gluon_backward_refusal(recipe: KernelSpec, head_dim: int, debug: bool = False) -> str | None:
+    """Why the warp-specialized Gluon backward (``bwd_ws``: dq and dkdv) does not run ``recipe`` at
+    ``head_dim`` here, or None where it does: Triton's interpreter runs no Gluon kernel, and the
+    kernels' own checks (``bwd_ws._check``, ``bwd_ws._check_dq``: the debug dumps, the 64-query and
+    64-key tiles) say the rest."""
+    from ._runtime import interpreting
+
+    if interpreting():
+        return "Triton's interpreter runs no Gluon kernel"
+    from . import bwd_ws
+
+    try:
+        bwd_ws._check_dq(recipe, head_dim, debug)
+        bwd_ws._check(recipe, head_dim, debug)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 class _FP8Attention(torch.autograd.Function):

@@ -380,3 +380,73 @@ def test_bwd_ws_dq_large_k_keeps_kbar_finite():
     assert torch.isfinite(dq_ws).all()
     assert torch.equal(dq_ws, dq), f"dQ: {_describe(dq_ws, dq)}"
     assert torch.equal(delta_ws, dbg["delta"])
+
+
+_API_CASES = [(ProblemShape(2, 4, 2, 1000, 128), True, "kernels_delta_matching"),
+              (ProblemShape(1, 4, 4, 777, 64), False, "kernels_naive_fp8"),
+              (ProblemShape(1, 4, 2, 515, 128), True, "kernels_folded_delta_matching"),
+              (ProblemShape(1, 4, 1, 777, 64), True, "kernels_delta_matching_chained_kbar")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _API_CASES, ids=[_id(c) for c in _API_CASES])
+def test_the_api_backward_is_the_gluon_one_and_equals_the_triton_one(case):
+    """``api.attention_backward`` runs the Gluon dq and dkdv on a GPU (``gluon=None``), and its
+    gradients and D are the Triton kernels' (``gluon=False``) bit for bit; through autograd too."""
+    device = require_backend("gpu")
+    from dmref.kernels import api, bwd_ws
+
+    shape, causal, recipe = case
+    q, k, v, do = _wide_inputs(shape, device)
+    r = api.get_recipe(recipe)
+    assert api.gluon_backward_refusal(r, shape.head_dim) is None
+    o, _, saved, _ = api.attention_forward(q, k, v, causal=causal, recipe=r)
+    kw = dict(shape=api.Shape.of(q, k, v), causal=causal, scale=1.0 / math.sqrt(shape.head_dim), recipe=r)
+    calls = []
+    real_dq = bwd_ws.dq
+
+    def counting_dq(*a, **kwa):
+        calls.append(1)
+        return real_dq(*a, **kwa)
+
+    bwd_ws.dq = counting_dq
+    try:
+        got = api.attention_backward(saved, o, do, **kw)
+    finally:
+        bwd_ws.dq = real_dq
+    assert calls == [1]
+    want = api.attention_backward(saved, o, do, gluon=False, **kw)
+    for name, g, w in zip(("dQ", "dK", "dV"), got[:3], want[:3]):
+        assert torch.isfinite(w).all()
+        assert torch.equal(g, w), f"{name}: {_describe(g, w)}"
+    assert torch.equal(got[3]["delta"], want[3]["delta"])
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    api.attention(qg, kg, vg, causal=causal, recipe=r).backward(do)
+    for g, w in zip((qg.grad, kg.grad, vg.grad), want[:3]):
+        assert torch.equal(g, w)
+
+
+def test_the_api_backward_says_when_the_gluon_one_does_not_run():
+    """Where the Gluon backward does not run (the interpreter, the debug dumps, other tiles),
+    ``gluon_backward_refusal`` says why, and ``gluon=True`` is a ValueError with that reason."""
+    pytest.importorskip("triton")
+    import os
+
+    from dmref.kernels import api
+    from dmref.kernels.config import BwdTiles
+
+    r = api.get_recipe("kernels_delta_matching")
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        assert "interpreter" in api.gluon_backward_refusal(r, 128)
+        device = require_backend("interpreter")
+        shape = ProblemShape(1, 2, 1, 70, 64)
+        q, k, v, do = _wide_inputs(shape, device)
+        o, _, saved, _ = api.attention_forward(q, k, v, recipe=r)
+        with pytest.raises(ValueError, match="Gluon backward does not run this call: Triton's interpreter"):
+            api.attention_backward(saved, o, do, shape=api.Shape.of(q, k, v), causal=False, scale=0.125,
+                                   recipe=r, gluon=True)
+        return
+    assert api.gluon_backward_refusal(r, 128) is None
+    assert "debug" in api.gluon_backward_refusal(r, 64, debug=True)
+    wide = r.with_tiles(bwd=BwdTiles(block_m2=128, block_n2=128))
+    assert "block_n2=128" in api.gluon_backward_refusal(wide, 128)

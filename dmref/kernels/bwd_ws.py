@@ -46,14 +46,16 @@ interval, and must stay so. What made it fit, each measured with ptxas at D = 12
 
 Schedules (``OVERLAP``; the same operations on the same values in every one, so the same bits):
 
-- 0, serial (the default): every wgmma is waited on before the next is issued.
-- 1: dP^T is issued right behind S^T and runs during the softmax (``warpgroup_mma_wait(1)``).
+- 0, serial (the default at D = 128): every wgmma is waited on before the next is issued.
+- 1 (the default at D = 64): dP^T is issued right behind S^T and runs during the softmax
+  (``warpgroup_mma_wait(1)``).
 - 2 (not with ``SPLIT``): 1, and P^T dO is issued right behind dP^T and runs during dS.
 
 Nothing is in flight across the loop's back edge. At D = 64 all three compile without spills
 and without ptxas serializing the wgmmas (C7514); at D = 128, 1 spills 60 B (non-causal) and 2
 about 0.9 KB (the dP^T or P^T dO accumulator in flight beside dK and dV), so there the serial
-schedule is the one that fits. Which is fastest is for the H200 to say (benchmarks/gpu_bwd_ws_probe.py).
+schedule is the one that fits; at D = 64, 1 is 2-3% faster than serial on the H200
+(:func:`default_overlap`).
 
 Barriers, in the order each role uses them:
 
@@ -115,7 +117,8 @@ float16 one 32), S and dP 32 each; serial, this fits 232 without spills, and so 
 issued behind dS K, stale, or behind kbar's wgmma, matched, running during that promotion and
 waited on before the loop's back edge; then dP runs during the softmax; the producer loads one K
 tile past the last, which that last issue reads and nothing uses); ``OVERLAP`` 2 (matched: kbar's
-wgmma issued behind dS K) spills about 60 B at D = 128 and none at D = 64. In the SASS, ptxas
+wgmma issued behind dS K) spills about 60 B at D = 128 and none at D = 64, where it is the
+matched dq's default (:func:`default_dq_overlap`). In the SASS, ptxas
 places the softmax's exp2s after dP's wait (1 and 3), while 3's next S does run during the
 promotion it is issued before. Queries past N get
 LSE2 = +inf (P = 0) and are not stored; keys past N (the last tile reads the next head's K and
@@ -445,9 +448,11 @@ def default_split(head_dim: int) -> bool:
 
 
 def default_overlap(head_dim: int) -> int:
-    """The schedule ``OVERLAP`` (module docstring): serial, the one measured to fit at both head
-    dims; the overlapped ones were within a few percent of it on the H200 (docs/kernels_speed.md)."""
-    return 0
+    """The schedule ``OVERLAP`` (module docstring): at D = 64, dP^T issued behind S^T (1), 2-3%
+    faster than serial on the H200; at D = 128 serial, the one that fits without spills (1 is
+    0-3.5% slower there) (``gluon_dkdv_ov1_ms`` against ``gluon_dkdv_ms`` in
+    benchmarks/results/h200_bwd_ws_probe.jsonl)."""
+    return 1 if head_dim == 64 else 0
 
 
 def _constexprs(recipe, head_dim: int, causal: bool, group: int, stages: int = STAGES,
@@ -979,11 +984,12 @@ def _bwd_dq_ws_kernel(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, ktt_de
 DQ_STAGES = 2
 
 
-def default_dq_overlap(head_dim: int) -> int:
-    """The dq kernel's schedule ``OVERLAP`` (``_dq_consumer``): serial, until the H200 says
-    otherwise; the overlapped ones (1 and 3 fit 232 registers at both head dims) are there to be
-    timed."""
-    return 0
+def default_dq_overlap(recipe, head_dim: int) -> int:
+    """The dq kernel's schedule ``OVERLAP`` (``_dq_consumer``): matched at D = 64, kbar's wgmma
+    issued behind dS K (2), 3-5% faster than serial on the H200; otherwise serial, as the
+    overlapped schedules were within -4% to +4% of it (``gluon_dq_ov*_ms`` against
+    ``gluon_dq_ms`` and ``gluon_dq_stale_ms`` in benchmarks/results/h200_bwd_ws_probe.jsonl)."""
+    return 2 if head_dim == 64 and recipe.matched and not recipe.kbar_chained else 0
 
 
 def default_dq_split(recipe, head_dim: int) -> bool:
@@ -998,7 +1004,7 @@ def _dq_constexprs(recipe, head_dim: int, causal: bool, stages: int = DQ_STAGES,
     """The dq kernel's constexprs for ``recipe`` at ``head_dim``: the key tile is the recipe's
     ``block_n2`` (its dS block for dQ, its promotion interval and kbar's tile)."""
     t = recipe.bwd_tiles(head_dim)
-    overlap = default_dq_overlap(head_dim) if overlap is None else int(overlap)
+    overlap = default_dq_overlap(recipe, head_dim) if overlap is None else int(overlap)
     split = default_dq_split(recipe, head_dim) if split is None else bool(split)
     if recipe.kbar_chained and overlap not in (0, 1):
         raise ValueError(f"bwd_ws: the chained kbar's wgmma runs behind dS K; overlap={overlap} must be 0 or 1")

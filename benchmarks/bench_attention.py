@@ -14,11 +14,10 @@ Measures, per shape B·H·N·D and causal or not, medians of ``triton.testing.do
 - ours: forward kernel alone (pre-quantized operands); forward incl. its fused quantization;
   end to end also with ``kernels_folded_delta_matching`` (the warp-specialized forward, the same
   backward); backward with stale delta (``kernels_naive_fp8``) and with matched delta
-  (``kernels_delta_matching``, and ``kernels_delta_matching_chained_kbar``: ``_matched_chained``),
-  each incl. the preprocess (dO quantization + stale delta), as ``api.attention_backward`` runs it
-  (the Gluon kernels ``bwd_ws`` where they run the recipe: ``bwd_kernels``) and with the Triton
-  kernels (``_triton``), and that backward's kernels without the preprocess: both, the dq alone,
-  the dkdv alone (``_kernels``, ``_dq``, ``_dkdv``);
+  (``kernels_delta_matching``), each incl. the preprocess (dO quantization + stale delta), as
+  ``api.attention_backward`` runs it (the Gluon kernels ``bwd_ws`` where they run the recipe:
+  ``bwd_kernels``) and with the Triton kernels (``_triton``), and that backward's kernels without
+  the preprocess: both, the dq alone, the dkdv alone (``_kernels``, ``_dq``, ``_dkdv``);
   end to end (quantization + forward + backward through ``torch.autograd``);
 - the warp-specialized Gluon forward (``dmref.kernels.fwd_ws``, the ``folded`` scales): kernel
   alone and incl. its quantization of K and V (it quantizes Q inside);
@@ -129,7 +128,7 @@ def _warm_one(job):
 
         torch.manual_seed(0)
         q, k, v, do = (torch.randn(1, heads, 512, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-        for name in ("kernels_naive_fp8", "kernels_delta_matching", "kernels_delta_matching_chained_kbar"):
+        for name in ("kernels_naive_fp8", "kernels_delta_matching"):
             r = _recipe(name, fwd_c, bwd_c)
             o, _, saved, _ = api.attention_forward(q, k, v, causal=causal, recipe=r, for_backward=True)
             api.attention_forward(q, k, v, causal=causal, recipe=r, for_backward=False)
@@ -203,8 +202,6 @@ def _speedups(ms: dict, anchor: str) -> dict:
         "fwd_ws_kernel": fwd / ms["ours_fwd_ws_kernel"],
         "fwd_ws_incl_quant": fwd / ms["ours_fwd_ws_incl_quant"],
         "e2e_matched_folded": e2e / ms["ours_e2e_matched_folded"],
-        "bwd_matched_chained": bwd / ms["ours_bwd_matched_chained"],
-        "e2e_matched_chained": e2e / ms["ours_e2e_matched_chained"],
         "bwd_matched_triton": bwd / ms["ours_bwd_matched_triton"],
     }
 
@@ -247,9 +244,8 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
     do8, d_stale = quantize(do, "float8_e4m3fn", rows=True, cols=True, delta_with=o)
     ms["ours_bwd_preprocess"] = _bench(lambda: quantize(do, "float8_e4m3fn", rows=True, cols=True,
                                                         delta_with=o))
-    r_ch = _recipe("kernels_delta_matching_chained_kbar", fwd_c, bwd_c)
     kw = dict(causal=causal, scale=scale, **dims)
-    for tag, r in (("stale", r_st), ("matched", r_dm), ("matched_chained", r_ch)):
+    for tag, r in (("stale", r_st), ("matched", r_dm)):
         # what the API runs (the Gluon kernels where they run the recipe), and the Triton kernels
         gluon = api.gluon_backward_refusal(r, d) is None
         res.setdefault("bwd_kernels", {})[tag] = "gluon" if gluon else "triton"
@@ -273,7 +269,7 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
     # --- ours: end to end through autograd
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
     r_fdm = _recipe("kernels_folded_delta_matching", fwd_c, bwd_c)
-    for tag, r in (("stale", r_st), ("matched", r_dm), ("matched_folded", r_fdm), ("matched_chained", r_ch)):
+    for tag, r in (("stale", r_st), ("matched", r_dm), ("matched_folded", r_fdm)):
         def step(r=r):
             out = api.attention(qg, kg, vg, causal=causal, scale=scale, recipe=r)
             out.backward(do)
@@ -322,9 +318,6 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
             res[key] = _speedups(ms, anchor)
     res["matched_over_stale"] = ms["ours_bwd_matched"] / ms["ours_bwd_stale"] - 1
     res["matched_over_stale_kernels"] = ms["ours_bwd_matched_kernels"] / ms["ours_bwd_stale_kernels"] - 1
-    res["matched_chained_over_stale"] = ms["ours_bwd_matched_chained"] / ms["ours_bwd_stale"] - 1
-    res["matched_chained_over_stale_kernels"] = (ms["ours_bwd_matched_chained_kernels"]
-                                                 / ms["ours_bwd_stale_kernels"] - 1)
     return res
 
 
@@ -417,7 +410,7 @@ def profile_one(head_dims):
         torch.manual_seed(0)
         q, k, v, do = (torch.randn(1, 16, 4096, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
         o, _, saved, _ = api.attention_forward(q, k, v, recipe="kernels_delta_matching")
-        for name in ("kernels_naive_fp8", "kernels_delta_matching", "kernels_delta_matching_chained_kbar"):
+        for name in ("kernels_naive_fp8", "kernels_delta_matching"):
             api.attention_backward(saved, o, do, shape=api.Shape.of(q, k, v), causal=False,
                                    scale=1 / math.sqrt(d), recipe=name)
         torch.cuda.synchronize()

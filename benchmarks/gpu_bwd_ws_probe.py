@@ -15,19 +15,16 @@ magnitudes 2**-6 .. 2**6). Lines:
   equal bits (BF16), dQ and D equal between ``bwd.backward`` and ``bwd_ws.backward_ws``; dQ and D of
   ``bwd_ws.dq`` against the Triton dq kernel's (delta_matching, and dQ for naive_fp8), the same
   fractions, and the whole backward with both Gluon kernels (``backward_ws(kernels=("dq", "dkdv"))``)
-  equal to ``bwd.backward``; the same for the recipe kernels_delta_matching_chained_kbar (kbar one
-  float32 chain over all keys: ``dq_chained``, ``ws2_bwd_chained_equal``) and its dQ's normwise
-  difference from delta_matching's (``dq_chained_vs_tiled_rel``);
+  equal to ``bwd.backward``;
 - ``check="speed"``: ``triton.testing.do_bench`` medians in ms (bench_attention's ``_bench``) of
   the Triton dkdv alone, the Gluon dkdv alone (and its overlapped, 3-stage and device-side
   descriptor forms), the Triton dq and the Gluon dq alone (delta_matching, with kbar, and
   naive_fp8), the whole ``bwd.backward``, ``bwd_ws.backward_ws`` (``ws_bwd``: Triton dq, Gluon
-  dkdv; ``ws2_bwd``: both Gluon; delta_matching: dq then dkdv), and cuDNN BF16 SDPA's backward;
+  dkdv; ``ws2_bwd``: both Gluon; delta_matching: dq then dkdv; ``ws2_bwd_stale``: both Gluon,
+  naive_fp8), and cuDNN BF16 SDPA's backward;
   TFLOP/s with the backward's 2.5 x 4·B·H·N²·D FLOPs (dkdv alone: its four matmuls, 8·B·H·N²·D;
   dq alone: its three, 6·B·H·N²·D, kbar's not counted; its overlapped schedules ``gluon_dq_ov1``,
-  ``gluon_dq_ov3`` (and stale), ``gluon_dq_ov2`` at D = 64), halved when causal; ``_chained``: the
-  same with kbar chained (``triton_dq_chained``, ``gluon_dq_chained``, ``gluon_dq_chained_ov1``,
-  ``ws2_bwd_chained``).
+  ``gluon_dq_ov3`` (and stale), ``gluon_dq_ov2`` at D = 64), halved when causal.
 """
 import json
 import math
@@ -42,7 +39,7 @@ OUT = os.environ.get("OUT", ".")
 PATH = os.path.join(OUT, "bwd_ws_probe.jsonl")
 SHAPES = [(4, 16, 16, 4096, 128), (1, 16, 16, 16384, 128), (4, 32, 32, 4096, 64), (1, 32, 8, 8192, 128)]
 #: seconds for the whole probe (DMREF_PROBE_BUDGET_S overrides), and for one shape's process
-BUDGET_S, SHAPE_S = int(os.environ.get("DMREF_PROBE_BUDGET_S", 320)), 140
+BUDGET_S, SHAPE_S = int(os.environ.get("DMREF_PROBE_BUDGET_S", 230)), 110
 
 
 def emit(**r):
@@ -69,24 +66,23 @@ def inputs(b, h, hkv, n, d, seed=0):
 
 
 def smoke(kernel="dkdv"):
-    """The Gluon ``kernel`` (dkdv, dq, or dq_chained: the dq of kernels_delta_matching_chained_kbar)
-    on two small problems (a tail with GQA at D = 128, causal; D = 64): it returns, and equals the
-    Triton kernel."""
+    """The Gluon ``kernel`` (dkdv or dq) on two small problems (a tail with GQA at D = 128,
+    causal; D = 64): it returns, and equals the Triton kernel."""
     from dmref.kernels import api, bwd, bwd_ws
     from dmref.kernels.config import RECIPES
     from dmref.kernels.quantize import quantize
 
-    r = RECIPES["kernels_delta_matching_chained_kbar" if kernel == "dq_chained" else "kernels_delta_matching"]
+    r = RECIPES["kernels_delta_matching"]
     for (b, h, hkv, n, d, causal) in [(1, 2, 1, 203, 128, True), (1, 4, 4, 777, 64, False)]:
         q, k, v, do = inputs(b, h, hkv, n, d)
         o, _, saved, _ = api.attention_forward(q, k, v, causal=causal, recipe=r)
         do8, d_stale = quantize(do, r.recipe.do_dp.fmt.name, rows=True, cols=True, delta_with=o)
         dims = dict(batch=b, heads=h, kv_heads=hkv, n=n, head_dim=d, causal=causal, scale=d ** -0.5)
         dq, dk, dv, dbg = bwd.backward(saved, do8, do8, d_stale, recipe=r, **dims)
-        if kernel in ("dq", "dq_chained"):
+        if kernel == "dq":
             dq2, delta2 = bwd_ws.dq(saved, do8, d_stale, recipe=r, **dims)
             torch.cuda.synchronize()
-            emit(check="smoke", kernel=kernel, shape=[b, h, hkv, n, d], causal=causal,
+            emit(check="smoke", kernel="dq", shape=[b, h, hkv, n, d], causal=causal,
                  dq_equal=bool(torch.equal(dq, dq2)), delta_equal=bool(torch.equal(dbg["delta"], delta2)),
                  dq_max_abs_diff=(dq.float() - dq2.float()).abs().max().item())
             continue
@@ -106,7 +102,7 @@ def _compare(c, name, got, want, int_view):
     c[name + "_finite"] = bool(torch.isfinite(got).all())
 
 
-def run_shape(b, h, hkv, n, d, gluon=True, gluon_dq=True, gluon_dq_chained=True):
+def run_shape(b, h, hkv, n, d, gluon=True, gluon_dq=True):
     from bench_attention import _bench as bench  # this folder: the same timing
 
     from dmref.kernels import api, bwd, bwd_ws
@@ -114,7 +110,6 @@ def run_shape(b, h, hkv, n, d, gluon=True, gluon_dq=True, gluon_dq_chained=True)
     from dmref.kernels.quantize import quantize
 
     r_m, r_s = RECIPES["kernels_delta_matching"], RECIPES["kernels_naive_fp8"]
-    r_c = RECIPES["kernels_delta_matching_chained_kbar"]  # the same forward and dkdv as r_m
     scale = 1.0 / math.sqrt(d)
     for causal in (False, True):
         t0 = time.time()
@@ -167,26 +162,6 @@ def run_shape(b, h, hkv, n, d, gluon=True, gluon_dq=True, gluon_dq_chained=True)
                 del dq2, dk2, dv2
         except Exception as e:
             c["dq_error"] = f"{type(e).__name__}: {e}"[:400]
-        try:
-            dq_c, _, _, dbg_c = bwd.backward(saved, do8, do8, d_stale, recipe=r_c, kernels=("dq",), **dims)
-            c["dq_chained_vs_tiled_rel"] = ((dq_c.float() - dq.float()).norm() / dq.float().norm()).item()
-            c["triton_dq_chained_delta_equal"] = bool(torch.equal(dbg_c["delta"], delta))
-            if not gluon_dq_chained:
-                raise RuntimeError("the smoke test of the chained Gluon dq kernel failed: not run")
-            dq_c_ws, delta_c_ws = bwd_ws.dq(saved, do8, d_stale, recipe=r_c, **dims)
-            _compare(c, "dq_chained", dq_c_ws, dq_c, torch.int16)
-            c["dq_chained_delta_equal"] = bool(torch.equal(delta_c_ws, delta))
-            dq_c1, _ = bwd_ws.dq(saved, do8, d_stale, recipe=r_c, overlap=1, **dims)
-            c["dq_chained_ov1_equal"] = bool(torch.equal(dq_c1, dq_c))
-            if gluon:
-                dq3, dk3, dv3, _ = bwd_ws.backward_ws(saved, do8, do8, d_stale, recipe=r_c, kernels=("dq", "dkdv"),
-                                                      **dims)
-                c["ws2_bwd_chained_equal"] = bool(torch.equal(dq3, dq_c) and torch.equal(dk3, dk)
-                                                  and torch.equal(dv3, dv))
-                del dq3, dk3, dv3
-            del dq_c, dq_c_ws, dq_c1
-        except Exception as e:
-            c["dq_chained_error"] = f"{type(e).__name__}: {e}"[:400]
         c["seconds"] = round(time.time() - t0, 1)
         emit(**c)
         del dq, dk, dv
@@ -213,11 +188,6 @@ def run_shape(b, h, hkv, n, d, gluon=True, gluon_dq=True, gluon_dq_chained=True)
             "ws_bwd": lambda: bwd_ws.backward_ws(saved, do8, do8, d_stale, recipe=r_m, **dims),
             "ws2_bwd": lambda: bwd_ws.backward_ws(saved, do8, do8, d_stale, recipe=r_m, kernels=("dq", "dkdv"),
                                                   **dims),
-            "triton_dq_chained": lambda: bwd.backward(saved, do8, do8, d_stale, recipe=r_c, kernels=("dq",), **dims),
-            "gluon_dq_chained": lambda: bwd_ws.dq(saved, do8, d_stale, recipe=r_c, **dims),
-            "gluon_dq_chained_ov1": lambda: bwd_ws.dq(saved, do8, d_stale, recipe=r_c, overlap=1, **dims),
-            "ws2_bwd_chained": lambda: bwd_ws.backward_ws(saved, do8, do8, d_stale, recipe=r_c,
-                                                          kernels=("dq", "dkdv"), **dims),
             "ws2_bwd_stale": lambda: bwd_ws.backward_ws(saved, do8, do8, d_stale, recipe=r_s,
                                                         kernels=("dq", "dkdv"), **dims),
         }
@@ -228,9 +198,7 @@ def run_shape(b, h, hkv, n, d, gluon=True, gluon_dq=True, gluon_dq_chained=True)
         for name, fn in timers.items():
             if not gluon and name.startswith(("gluon_dkdv", "ws")):
                 continue
-            if not gluon_dq and name.startswith(("gluon_dq", "ws2")) and "chained" not in name:
-                continue
-            if not gluon_dq_chained and name.startswith(("gluon_dq_chained", "ws2_bwd_chained")):
+            if not gluon_dq and name.startswith(("gluon_dq", "ws2")):
                 continue
             try:
                 s[name + "_ms"] = bench(fn)
@@ -291,8 +259,7 @@ def summary():
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--shape":
-        run_shape(*map(int, sys.argv[2].split(",")), gluon=sys.argv[3] == "1", gluon_dq=sys.argv[4] == "1",
-                  gluon_dq_chained=sys.argv[5] == "1")
+        run_shape(*map(int, sys.argv[2].split(",")), gluon=sys.argv[3] == "1", gluon_dq=sys.argv[4] == "1")
         raise SystemExit(0)
     if len(sys.argv) > 1 and sys.argv[1] == "--smoke":
         smoke(sys.argv[2])
@@ -302,7 +269,7 @@ if __name__ == "__main__":
     t0 = time.time()
     emit(check="env", torch=torch.__version__, triton=triton.__version__, gpu=torch.cuda.get_device_name())
     ok = {}
-    for kernel in ("dkdv", "dq", "dq_chained"):
+    for kernel in ("dkdv", "dq"):
         ok[kernel] = False
         try:
             p = subprocess.run([sys.executable, __file__, "--smoke", kernel], timeout=45, capture_output=True,
@@ -319,8 +286,8 @@ if __name__ == "__main__":
             continue
         arg = ",".join(map(str, shape))
         try:
-            p = subprocess.run([sys.executable, __file__, "--shape", arg, str(int(ok["dkdv"])), str(int(ok["dq"])),
-                                str(int(ok["dq_chained"]))], timeout=min(SHAPE_S, left), capture_output=True, text=True)
+            p = subprocess.run([sys.executable, __file__, "--shape", arg, str(int(ok["dkdv"])), str(int(ok["dq"]))],
+                               timeout=min(SHAPE_S, left), capture_output=True, text=True)
             if p.returncode:
                 emit(check="error", shape=list(shape), rc=p.returncode, stderr=p.stderr[-1500:])
         except subprocess.TimeoutExpired as e:

@@ -10,12 +10,12 @@ compile_check``) and prints, per kernel, the order of the loop's wgmma issues (`
 ``W0`` right after every ``C`` means each matmul completes before anything else runs in that
 warpgroup: no overlap of tensor cores with the softmax inside a CTA.
 
-Then, for the warp-specialized Gluon kernels (``fwd_ws``; ``bwd_ws``'s dq for the stale recipe,
-the matched one and the matched one with kbar chained; its dkdv), the sm_90a SASS instructions a
-consumer thread issues per iteration of its key- or query-tile loop (the innermost loop that holds
-a wgmma and an exp2; the forward's takes two key tiles an iteration), with the most frequent
-opcodes and the local-memory (spill) accesses: these kernels are issue-bound, so the count per
-tile is where their time goes. docs/kernels_speed.md cites the result.
+Then, for the warp-specialized Gluon kernels (``fwd_ws``; ``bwd_ws``'s dq for the stale and the
+matched recipe; its dkdv), the sm_90a SASS instructions a consumer thread issues per iteration of
+its key- or query-tile loop (the innermost loop that holds a wgmma and an exp2; the forward's takes
+two key tiles an iteration), with the most frequent opcodes and the local-memory (spill) accesses:
+these kernels are issue-bound, so the count per tile is where their time goes.
+docs/kernels_speed.md cites the result.
 """
 
 from __future__ import annotations
@@ -88,8 +88,6 @@ def gluon_loops(head_dims) -> list[str]:
         for name, compile_ in (("fwd_ws", lambda: fwd_ws.compile_sm90(d)),  # noqa: B023 (called at once)
                                ("dq stale", lambda: bwd_ws.compile_sm90_dq(d, recipe="kernels_naive_fp8")),
                                ("dq matched", lambda: bwd_ws.compile_sm90_dq(d, recipe="kernels_delta_matching")),
-                               ("dq chained", lambda: bwd_ws.compile_sm90_dq(
-                                   d, recipe="kernels_delta_matching_chained_kbar")),
                                ("dkdv", lambda: bwd_ws.compile_sm90(d, recipe="kernels_delta_matching"))):
             ops = sass_loop(compile_())
             top = " ".join(f"{op} {n}" for op, n in ops.most_common(10))

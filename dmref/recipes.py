@@ -202,17 +202,6 @@ class DeferredDq:
     ``tile_result`` (a model of the kernels' float16 wgmma chain: its internal roundings are
     not modelled, and they are multiplied by D - Dst). ``accumulator``: kbar's running sum,
     rounded after every tile.
-
-    ``chain``: kbar as one wgmma chain over all keys instead (``tile``, ``tile_result`` and
-    ``accumulator`` unused), on K's codes at the QKᵀ point (``Recipe.k``, whose scale s_j is
-    one per key: ROW, HEAD or TENSOR granularity), with key j's scale moved into P::
-
-        kbar_i = fl_chain( sum_j Q_kbar(P_ij s_j / u) K8_j ),   u = max_j s_j of the head
-
-    where K8_j = K^_j / s_j are the codes and the chain is the dQ matmul's accumulation model
-    without promotion (``MatmulModels.dq`` with ``promote_every=None``). P s_j / u <= 1 has a
-    fixed scale as P has, so no product needs a scale of its own and kbar needs no per-tile
-    promotion: a kernel accumulates it in the wgmma's float32 accumulator.
     """
 
     predictor: "DeltaStrategy"
@@ -221,7 +210,6 @@ class DeferredDq:
     tile: int
     tile_result: QuantPoint
     accumulator: QuantPoint
-    chain: bool = False
 
     def __post_init__(self):
         if self.predictor.kind is not DeltaKind.STALE:
@@ -230,10 +218,6 @@ class DeferredDq:
             raise ValueError(f"DeferredDq.tile={self.tile!r} must divide the reference's 128-key tiles")
         if self.p.quantized and self.p.scale_rule.is_dynamic:
             raise ValueError("DeferredDq.p: kbar's P is formed tile by tile against LSE; use ScaleRule.FIXED")
-        object.__setattr__(self, "chain", check_bool(self.chain, "DeferredDq.chain"))
-        if self.chain and (self.tile_result.quantized or self.accumulator.quantized):
-            raise ValueError("DeferredDq.chain: kbar is one chain over all keys; tile_result and accumulator "
-                             "must be NONE")
 
 
 @dataclass(frozen=True)
@@ -256,7 +240,7 @@ class DeltaStrategy:
         if self.kind is DeltaKind.STALE:
             return "stale_fp8_do" if self.do.quantized and self.do.fmt.is_fp8 else "stale"
         if self.deferred_dq is not None:
-            return "matched_deferred_chained" if self.deferred_dq.chain else "matched_deferred"
+            return "matched_deferred"
         return self.kind.value
 
 

@@ -467,30 +467,10 @@ def _head_unit(k: torch.Tensor, point: QuantPoint, *, dtype: torch.dtype) -> tor
     if not point.quantized or not _dynamic_pow2(point.scale_rule) or point.granularity is Granularity.TENSOR:
         return ones
     # the scales of K's blocks along the keys: (B, Hkv, key blocks, channel blocks)
-    s = _dequantization_factors(block_amax(k.to(torch.float32), _block(point.granularity, contract_dim=-2)), point)
+    scales = scales_from_amax(block_amax(k.to(torch.float32), _block(point.granularity, contract_dim=-2)),
+                              point.fmt, point.scale_rule)
+    s = decode(scales, FLOAT8_E8M0FNU) if point.scale_rule.is_e8m0 else scales
     return s.amax(dim=(-2, -1)).reshape(*k.shape[:2], 1, 1).to(dtype)
-
-
-def _dequantization_factors(amax, point: QuantPoint):
-    """The scale of each block of amax ``amax`` under ``point`` as a factor (E8M0 codes decoded)."""
-    scales = scales_from_amax(amax, point.fmt, point.scale_rule)
-    return decode(scales, FLOAT8_E8M0FNU) if point.scale_rule.is_e8m0 else scales
-
-
-def _key_scales(k: torch.Tensor, point: QuantPoint, *, dtype: torch.dtype) -> torch.Tensor:
-    """(B, Hkv, Nk, 1): s_j, key j's dequantization factor under ``point`` with its blocks along
-    the head dim (as QKᵀ quantizes K), one per key (ROW, HEAD or TENSOR granularity; a block whose
-    amax is 0 has scale 1). 1 where the point has no power-of-two scale."""
-    ones = torch.ones(*k.shape[:3], 1, dtype=dtype, device=k.device)
-    if not point.quantized or not _dynamic_pow2(point.scale_rule):
-        return ones
-    if point.granularity not in (Granularity.ROW, Granularity.HEAD, Granularity.TENSOR):
-        raise ValueError(f"a chained kbar needs one K scale per key (ROW, HEAD or TENSOR); K's point is "
-                         f"{point.describe()}")
-    amax = group_amax(k.to(torch.float32), point, contract_dim=-1) if point.granularity is not Granularity.HEAD \
-        else abs_amax(k.to(torch.float32), dim=(-2, -1), keepdim=True)
-    s = _dequantization_factors(amax, point)
-    return torch.as_tensor(s, device=k.device).to(dtype).expand(*k.shape[:3], 1)
 
 
 def global_amax_points(r: Recipe) -> dict[str, bool]:
@@ -602,38 +582,18 @@ class _DeferredDq:
         r, sh, wd = pb.recipe, pb.shape, pb.dtype
         self.pb, self.spec = pb, r.delta.deferred_dq
         self.d_pred = _delta(pb, self.spec.predictor, dout, fwd, ops.do_dp, sweep)[..., None]
+        # u: the head's largest K scale, as k_dq rounds K (kbar / u cannot overflow float16)
+        self.unit = _head_unit(k, r.k_dq, dtype=wd)
+        self.k_kbar = expand_kv(ops.k_dq_kv / self.unit, sh.groups)
         self.kbar = torch.zeros(sh.batch, sh.heads, sh.seqlen_q, sh.head_dim, dtype=wd, device=k.device)
-        if self.spec.chain:
-            # K's QKᵀ codes K8_j = K^_j / s_j and s_j / u, key j's scale in units of the head's largest
-            s = _key_scales(k, r.k, dtype=wd)
-            self.unit = s.amax(dim=-2, keepdim=True)
-            self.k_kbar = expand_kv(_quantize(k, r.k, contract_dim=-1, dtype=wd) / s, sh.groups)
-            self.s_rel = expand_kv(s / self.unit, sh.groups)[..., 0]  # (B, H, Nk)
-            # the codes as the chain's operand: an FP8 format with no scale of its own
-            self.k_point = QuantPoint(r.k.fmt)
-            self.model = MatmulModel(r.accumulation.dq.accumulation, rules=r.accumulation.dq.rules)
-        else:
-            # u: the head's largest K scale, as k_dq rounds K (kbar / u cannot overflow float16)
-            self.unit = _head_unit(k, r.k_dq, dtype=wd)
-            self.k_kbar = expand_kv(ops.k_dq_kv / self.unit, sh.groups)
 
     def ds_for_dq(self, p, dp, i0):
         """dQ's dS with the stale predictor: P ∘ (dP^ - Dst) (corrected after the sweep)."""
         return p * (dp - self.d_pred[..., i0:, :])
 
     def accumulate(self, p, i0, j0, j1):
-        """kbar += the key tile's sum_j Q_kbar(P_ij) K^_j / u, tile by tile; returns Q_kbar(P)
-        (``chain``: kbar's chain runs on over the tile's sum_j Q_kbar(P_ij s_j / u) K8_j; returns
-        the multiplier of K^_j / u that this is, Q_kbar(P_ij s_j / u) u / s_j)."""
+        """kbar += the key tile's sum_j Q_kbar(P_ij) K^_j / u, tile by tile; returns Q_kbar(P)."""
         wd, spec = self.pb.dtype, self.spec
-        if spec.chain:
-            s_rel = self.s_rel[..., None, j0:j1]
-            # Q-point P (kbar, chained): fp32 P s_j / u * 2^offset -> deferred.p (the kernels: E4M3, 2^4)
-            p_kb = _quantize(p * s_rel, spec.p, contract_dim=-1, dtype=wd, fixed_log2=-spec.p_offset_log2)
-            self.kbar[..., i0:, :] = _matmul(p_kb, self.k_kbar[..., j0:j1, :], self.model, wd, (spec.p, self.k_point),
-                                             c=self.kbar[..., i0:, :])
-            # (where s_j / u underflows, P s_j / u is 0 and so is its share)
-            return torch.where(s_rel > 0, p_kb / s_rel, torch.zeros_like(p_kb))
         # Q-point P (kbar): fp32 P * 2^offset -> deferred.p (the kernels: E4M3, 2^4, against LSE)
         p_kb = _quantize(p, spec.p, contract_dim=-1, dtype=wd, fixed_log2=-spec.p_offset_log2)
         for t0 in range(0, j1 - j0, spec.tile):

@@ -21,10 +21,7 @@ The delta step, per strategy:
 
   kbar is kept in units u of the head's largest K block scale (a convex combination of keys
   stays below 448 u), so its float16 accumulator cannot overflow however large K is; the
-  reference models all of it (``dmref.recipes.DeferredDq``). With ``DeferredDq.chain``
-  (``KBAR_CHAIN``) kbar is instead one float32 wgmma chain over all keys on K's QKᵀ codes
-  (their transposed copy, ``KTT8``), key j's scale s_j moved into P:
-  ``kbar_i = sum_j Q8(2**4 P_ij s_j / u) K8_j``, u the head's largest s_j; no per-tile promotion.
+  reference models all of it (``dmref.recipes.DeferredDq``).
 
   The correction's factor ``D - Dst`` is small, so kbar's errors are second order: its FP8 P
   (scale 2**4), its float16 wgmma chain per tile and its float16 accumulator across tiles. dK needs
@@ -151,8 +148,7 @@ def _dq_matched_delta(dq, kbar, unit, pdp, d_stale, psum, rowsum, DELTA_MATCHED,
                       DEBUG: tl.constexpr):
     """The matched delta, after the last key tile: stores D = sum_j P dP (the reference's
     ``DeltaKind.MATCHED``; ``DELTA_MATCHED`` points at this head's rows) and applies dQ's
-    deferred correction dS K = (P (dP - Dst)) K - (D - Dst) (P K), with P K = kbar * unit
-    (kbar's unit: u, or u / 2**4 chained)."""
+    deferred correction dS K = (P (dP - Dst)) K - (D - Dst) (P K), with P K = kbar * u."""
     tl.store(DELTA_MATCHED + offs_m, pdp, mask=in_seq)
     corr = pdp - d_stale
     dq -= corr[:, None] * (kbar.to(tl.float32) * unit)
@@ -163,13 +159,13 @@ def _dq_matched_delta(dq, kbar, unit, pdp, d_stale, psum, rowsum, DELTA_MATCHED,
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q8, Q_SCALE, K8, K_SCALE, V8, V_SCALE, KT8, KT_SCALE, K_UNIT, KTT8,
+    Q8, Q_SCALE, K8, K_SCALE, V8, V_SCALE, KT8, KT_SCALE, K_UNIT,
     DO8, DO_SCALE, LSE2, DELTA_STALE, DELTA_MATCHED,
     DQ, DQ_ROWSUM,
     qk_scale, sm_scale, H, GROUP, N, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
-    CAUSAL: tl.constexpr, MATCHED: tl.constexpr, KBAR_CHAIN: tl.constexpr, P_SCALE: tl.constexpr,
-    TMA: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
+    CAUSAL: tl.constexpr, MATCHED: tl.constexpr, P_SCALE: tl.constexpr, TMA: tl.constexpr,
+    DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     tl.static_assert(QB % BLOCK_N == 0)
     start_m = tl.program_id(0) * BLOCK_M
@@ -183,8 +179,6 @@ def _bwd_dq_kernel(
         K8 += kv * N * HEAD_DIM
         V8 += kv * N * HEAD_DIM
         KT8 += kv * HEAD_DIM * NPAD
-        if KBAR_CHAIN:
-            KTT8 += kv * HEAD_DIM * NPAD
     K_SCALE += kv * N
     V_SCALE += kv * N
     KT_SCALE += kv * (NPAD // QB) * HEAD_DIM
@@ -196,20 +190,11 @@ def _bwd_dq_kernel(
         Q8, Q_SCALE, DO8, DO_SCALE, LSE2, DELTA_STALE, bh64, rows, offs_m, in_seq, qk_scale, N, HEAD_DIM)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     # kbar is second order (it is multiplied by D - D_stale): float16, in units u of the
-    # largest K scale of this head (K_UNIT), so |kbar / u| <= 448 can never overflow float16;
-    # chained (KBAR_CHAIN), the float32 wgmma accumulator of sum_j Q8(2**4 P_ij s_j / u) K8_j
-    if KBAR_CHAIN:
-        kbar = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    else:
-        kbar = tl.zeros([BLOCK_M, HEAD_DIM], tl.float16)
+    # largest K scale of this head (K_UNIT), so |kbar / u| <= 448 can never overflow float16
+    kbar = tl.zeros([BLOCK_M, HEAD_DIM], tl.float16)
     if MATCHED:
         unit = tl.load(K_UNIT + kv)
-        if KBAR_CHAIN:
-            kb_c = tl.math.div_rn(KBAR_P_SCALE, unit)  # 2**4 / u, powers of two: exact
-            kb_u = tl.math.div_rn(unit, KBAR_P_SCALE)  # kbar's unit: u / 2**4
-        else:
-            kb_c = tl.math.div_rn(1.0 / KBAR_P_SCALE, unit)  # powers of two: exact
-            kb_u = unit
+        kb_c = tl.math.div_rn(1.0 / KBAR_P_SCALE, unit)  # powers of two: exact
     pdp = tl.zeros([BLOCK_M], tl.float32)
     psum = tl.zeros([BLOCK_M], tl.float32)
     rowsum = tl.zeros([BLOCK_M], tl.float32)
@@ -233,9 +218,6 @@ def _bwd_dq_kernel(
         v_scale = tl.load(V_SCALE + offs_n, mask=k_in, other=0.0)
         # QK^T + softmax: the forward's S2 recomputed, P against LSE
         p = _dq_p(_dot_rn(q, k, q_scale, k_scale, INTERPRET), lse2, offs_m, offs_n, in_seq, k_in, CAUSAL)
-        if MATCHED and KBAR_CHAIN:
-            # Q-point P (kbar, chained): P s_j / u times KBAR_P_SCALE -> E4M3 (s_j / u <= 1)
-            p8 = to_fp8(p * (k_scale * kb_c)[None, :], False, INTERPRET)
         # dP
         dp = _dot_rn(do, v, do_scale, v_scale, INTERPRET)
         if MATCHED:
@@ -249,7 +231,7 @@ def _bwd_dq_kernel(
         # Every FP8 operand exists before the first matmul below, so the float32 P, dP and dS
         # tiles are dead while a matmul's float32 result is live (registers).
         ds8, ds_inv, _ = _quantize_ds(ds, INTERPRET)
-        if MATCHED and not KBAR_CHAIN:
+        if MATCHED:
             # Q-point P (kbar): float32 -> E4M3, scale KBAR_P_SCALE against LSE: with codes of
             # P <= 2**4 and of K <= 448 a float16 wgmma chain cannot overflow, as sum_j P <= 1
             p8 = to_fp8(p * KBAR_P_SCALE, False, INTERPRET)
@@ -259,14 +241,9 @@ def _bwd_dq_kernel(
         # dS K, promoted: one wgmma chain per tile, then one float32 add
         dq += tl.dot(ds8, kt) * tl.load(KT_SCALE + sc)[None, :] * ds_inv[:, None]
         if MATCHED:
-            if KBAR_CHAIN:
-                # load: K's QK^T codes, transposed, as a (BLOCK_N, D) tile; the chain runs on
-                ktt = _col_tile_t(KTT8, 0, kv32, start_n, offs_n, offs_d, NPAD, BLOCK_N, HEAD_DIM, TMA)
-                kbar = tl.dot(p8, ktt, kbar)
-            else:
-                kbar = _dq_kbar_step(kbar, p8, kt, KT_SCALE, sc, kb_c)
+            kbar = _dq_kbar_step(kbar, p8, kt, KT_SCALE, sc, kb_c)
     if MATCHED:
-        dq, rowsum = _dq_matched_delta(dq, kbar, kb_u, pdp, d_stale, psum, rowsum, DELTA_MATCHED + bh64 * N,
+        dq, rowsum = _dq_matched_delta(dq, kbar, unit, pdp, d_stale, psum, rowsum, DELTA_MATCHED + bh64 * N,
                                        offs_m, in_seq, DEBUG)
     # stores
     tl.store(DQ + bh64 * N * HEAD_DIM + rows, to_bf16(dq * sm_scale, INTERPRET), mask=in_seq[:, None])
@@ -458,10 +435,9 @@ def launch(spec: KernelSpec, *, head_dim: int, causal: bool, kernel: str, group:
                   TMA=t.tma, DEBUG=bool(debug), INTERPRET=interpreting())
     if kernel == "dq":
         bn = t.block_n2
-        return Launch(dict(common, BLOCK_M=t.block_m2, BLOCK_N=bn, MATCHED=spec.matched, KBAR_CHAIN=spec.kbar_chained),
+        return Launch(dict(common, BLOCK_M=t.block_m2, BLOCK_N=bn, MATCHED=spec.recipe.delta.deferred_dq is not None),
                       t.num_warps_dq, t.num_stages_dq, t.maxnreg_dq,
-                      ({"K8": [1, bn, d], "V8": [1, bn, d], "KT8": [1, d, bn]}
-                       | ({"KTT8": [1, d, bn]} if spec.kbar_chained else {})) if t.tma else {})
+                      {"K8": [1, bn, d], "V8": [1, bn, d], "KT8": [1, d, bn]} if t.tma else {})
     if kernel == "dkdv":
         bm = t.block_m1
         return Launch(dict(common, BLOCK_M=bm, BLOCK_N=t.block_n1, GROUP=group),
@@ -499,15 +475,14 @@ def backward(
     dbg = _debug_buffers(batch * heads, n, t.block_m1, dev) if debug else {}
     dummy32 = torch.empty(1, device=dev, dtype=torch.float32)
     q8, k8, v8 = saved.q, saved.k, saved.v
-    k_unit, k_rows_t = (kbar_operands(k8, dq_run.constexprs["KBAR_CHAIN"]) if matched and "dq" in kernels
-                        else (dummy32, k8.cols))
-    dq_ops, dkdv_ops = _operands(q8, k8, v8, do8, do_t, dq_run, dkdv_run, k_rows_t)
+    dq_ops, dkdv_ops = _operands(q8, k8, v8, do8, do_t, dq_run, dkdv_run)
     scalars = (scale * LOG2E, scale)
 
     def run_dq():
+        k_unit = kbar_unit(k8) if matched else dummy32
         _bwd_dq_kernel[(triton.cdiv(n, t.block_m2), batch * heads)](
             q8.rows, q8.row_scale, dq_ops[0], k8.row_scale, dq_ops[1], v8.row_scale,
-            dq_ops[2], k8.col_scale, k_unit, dq_ops[3], do8.rows, do8.row_scale, saved.lse2, delta_stale,
+            dq_ops[2], k8.col_scale, k_unit, do8.rows, do8.row_scale, saved.lse2, delta_stale,
             delta_matched if matched else dummy32,
             dq, dbg.get("dq_ds_rowsum", dummy32),
             *scalars, heads, heads // kv_heads, n, do_t.npad, **dq_run.constexprs, **dq_run.options())
@@ -545,36 +520,20 @@ def _debug_buffers(rows: int, n: int, block_m1: int, dev) -> dict:
                 ds_codes=zeros(rows, n, n), ds_scale=zeros(rows, triton.cdiv(n, block_m1), n))
 
 
-def transposed_codes(x8) -> torch.Tensor:
-    """The row copy's codes of ``x8`` (a ``quantize.Quantized``: one scale per token) laid out as a
-    transposed copy, ``(B*H, D, NPAD)`` with tokens contiguous and zero codes past N: the K-major
-    operand of a matmul that contracts over tokens with the row copy's scales (the chained
-    kbar's K)."""
-    bh, n, d = x8.rows.shape
-    out = torch.zeros((bh, d, x8.npad), device=x8.rows.device, dtype=torch.uint8)
-    out[:, :, :n] = x8.rows.view(torch.uint8).transpose(1, 2)
-    return out.view(x8.rows.dtype)
+def kbar_unit(k8) -> torch.Tensor:
+    """kbar's unit u per key/value head, as a matched dq kernel (this module's or ``bwd_ws``'s)
+    reads it: the largest of the head's K block scales (a reduction over the (B*Hkv, NPAD/128, D)
+    scales, not over K); one scalar per program, as a per-channel vector held across the dq loop
+    spilled (and a precomputed per-tile factor cost a load per tile)."""
+    return k8.col_scale.amax(dim=(1, 2)).contiguous()
 
 
-def kbar_operands(k8, chained: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """What a matched dq kernel (this module's or ``bwd_ws``'s) reads for kbar besides the K^T
-    copy: (u per key/value head, the copy of K's codes its chained kbar reads). u is the largest
-    of the head's K block scales (a reduction over the (B*Hkv, NPAD/128, D) scales, not over K),
-    chained the largest of its (B*Hkv, N) QK^T scales; one scalar per program, as a per-channel
-    vector held across the dq loop spilled (and a precomputed per-tile factor cost a load per
-    tile). The per-tile kbar reads no second copy: K^T stands in (not read)."""
-    if chained:
-        return k8.row_scale.amax(dim=1).contiguous(), transposed_codes(k8)
-    return k8.col_scale.amax(dim=(1, 2)).contiguous(), k8.cols
-
-
-def _operands(q8, k8, v8, do8, do_t, dq_run: Launch, dkdv_run: Launch, k_rows_t):
+def _operands(q8, k8, v8, do8, do_t, dq_run: Launch, dkdv_run: Launch):
     """The FP8 operand copies each kernel loads tiles from: TMA tensor descriptors of the
     launches' block shapes where they take descriptors (dq: K, V rows per ``block_n2`` keys, K
-    cols, and ``k_rows_t``, K's row codes transposed, for the chained kbar; dkdv: Q, dO rows per
-    ``block_m1`` queries, Q, dO cols), else the tensors themselves. Returns (dq's K, V, K^T,
-    K's rows^T; dkdv's Q, Q^T, dO, dO^T)."""
-    dq_ops = (k8.rows, v8.rows, k8.cols, k_rows_t)
+    cols; dkdv: Q, dO rows per ``block_m1`` queries, Q, dO cols), else the tensors themselves.
+    Returns (dq's K, V, K^T; dkdv's Q, Q^T, dO, dO^T)."""
+    dq_ops = (k8.rows, v8.rows, k8.cols)
     dkdv_ops = (q8.rows, q8.cols, do8.rows, do_t.cols)
     if not (dq_run.descriptors or dkdv_run.descriptors):
         return dq_ops, dkdv_ops
@@ -584,5 +543,5 @@ def _operands(q8, k8, v8, do8, do_t, dq_run: Launch, dkdv_run: Launch, k_rows_t)
         return tuple(TD.from_tensor(x, run.descriptors[name]) if name in run.descriptors else x
                      for name, x in zip(names, tensors))
 
-    return (described(dq_run, ("K8", "V8", "KT8", "KTT8"), dq_ops),
+    return (described(dq_run, ("K8", "V8", "KT8"), dq_ops),
             described(dkdv_run, ("Q8", "QT8", "DO8", "DOT8"), dkdv_ops))

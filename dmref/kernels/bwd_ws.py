@@ -99,13 +99,7 @@ consumer, for every key tile, the Triton kernel's operations in its order:
     kbar = f16(kbar + f16wgmma(E4M3(2**4 P), K^T copy) * K^T scale_c / (2**4 u))   # matched
 
 and after the last tile (matched) D = pdp is stored and dQ -= (D - Dst) kbar u; dQ * tau is
-stored in BF16. With the chained kbar (``DeferredDq.chain``, ``KBAR_CHAIN``) the last line is
-
-    kbar += wgmma(E4M3(2**4 P s_j / u), K8^T rows copy)     # one float32 chain over all keys
-
-on K's QK^T codes laid out as a transposed copy (``bwd.transposed_codes``, loaded with the K^T
-tile), its P cast right after the softmax; at D = 128 dQ and kbar are then held as two halves of
-the head dim (``SPLIT``, ``default_dq_split``), which fits 232 registers without spills. S and dP are m64 wgmmas over queries (A: the Q and dO tiles, loaded once; B: the
+stored in BF16. S and dP are m64 wgmmas over queries (A: the Q and dO tiles, loaded once; B: the
 K and V row tiles permuted), so P and dS are born in the accumulator layout of S and become the
 A operands of dS K and kbar's wgmma by a register layout conversion; their B is the K^T tile
 permuted. The per-query vectors (Q's scale, dO's scale, LSE2, Dst) are loaded once, two
@@ -534,8 +528,8 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, reci
                  stages: int = STAGES, split: bool | None = None, overlap: int | None = None,
                  host_descriptors: bool = True, n_multiple_of_16: bool = True, kernel: str = "dkdv"):
     """Compile the kernel for sm_90a without a GPU (ptxas included); returns the compiled kernel.
-    ``kernel="dq"``: the dq kernel (:func:`compile_sm90_dq`; ``group`` and ``host_descriptors`` are
-    the dkdv kernel's only).
+    ``kernel="dq"``: the dq kernel (:func:`compile_sm90_dq`; ``group``, ``split`` and
+    ``host_descriptors`` are the dkdv kernel's only).
     ``host_descriptors``: the kernel :func:`dkdv` launches by default (descriptors as arguments),
     else the one that builds them per CTA. Specialized as a launch specializes it: every pointer
     16-byte aligned (torch's allocations), NPAD a multiple of 16, and N too with
@@ -549,7 +543,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, reci
 
     if kernel == "dq":
         return compile_sm90_dq(head_dim=head_dim, causal=causal, recipe=recipe, stages=stages,
-                               n_multiple_of_16=n_multiple_of_16, overlap=overlap, split=split)
+                               n_multiple_of_16=n_multiple_of_16, overlap=overlap)
     if kernel != "dkdv":
         raise ValueError(f"bwd_ws: kernel={kernel!r} is not one of ('dq', 'dkdv')")
     r = get_recipe(recipe)
@@ -677,13 +671,12 @@ KBAR_P_SCALE = gl.constexpr(float(2**_KBAR_P_SCALE_LOG2))
 
 
 @gluon.jit
-def _dq_producer(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, ktt_desc, q_smem, do_smem, k_bufs, v_bufs,
-                 kt_bufs, kts_bufs, ktt_bufs, q_ready, rows_ready, rows_free, cols_ready, cols_free, q_row, kv, n_iter,
-                 N, NPAD, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NEXT_S: gl.constexpr,
-                 KBAR_CHAIN: gl.constexpr):
+def _dq_producer(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, q_smem, do_smem, k_bufs, v_bufs, kt_bufs,
+                 kts_bufs, q_ready, rows_ready, rows_free, cols_ready, cols_free, q_row, kv, n_iter, N, NPAD,
+                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NEXT_S: gl.constexpr):
     """TMA loads: the Q and dO row tiles once, then per key tile i (keys ``i * BLOCK_N``) the K and
     V row tiles, and the K^T tile with its scales (the row of ``(NPAD // QUANT_BLOCK, D)`` factors
-    of the tile's token block); ``KBAR_CHAIN``: with them the tile of K's QK^T codes transposed."""
+    of the tile's token block)."""
     mbarrier.expect(q_ready, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_ready, q_smem)
     tma.async_copy_global_to_shared(do_desc, [q_row, 0], q_ready, do_smem)
@@ -696,13 +689,7 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, ktt_desc, q
         tma.async_copy_global_to_shared(k_desc, [kv * N + start_n, 0], rows_ready.index(s), k_bufs.index(s))
         tma.async_copy_global_to_shared(v_desc, [kv * N + start_n, 0], rows_ready.index(s), v_bufs.index(s))
         mbarrier.wait(cols_free.index(s), ph)
-        if KBAR_CHAIN:
-            mbarrier.expect(cols_ready.index(s), kt_desc.block_type.nbytes + kts_desc.block_type.nbytes
-                            + ktt_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(ktt_desc, [kv * HEAD_DIM, start_n], cols_ready.index(s),
-                                            ktt_bufs.index(s))
-        else:
-            mbarrier.expect(cols_ready.index(s), kt_desc.block_type.nbytes + kts_desc.block_type.nbytes)
+        mbarrier.expect(cols_ready.index(s), kt_desc.block_type.nbytes + kts_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(kt_desc, [kv * HEAD_DIM, start_n], cols_ready.index(s), kt_bufs.index(s))
         sc_row = kv * (NPAD // QUANT_BLOCK) + start_n // QUANT_BLOCK
         tma.async_copy_global_to_shared(kts_desc, [sc_row, 0], cols_ready.index(s), kts_bufs.index(s))
@@ -725,28 +712,20 @@ def _dq_next_s(q_smem, k_bufs, rows_ready, j, s_layout: gl.constexpr, BLOCK_M: g
 
 
 @gluon.jit
-def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, ktt_bufs, q_ready, rows_ready, rows_free,
-                 cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, K_UNIT, DO_SCALE, LSE2, DELTA_STALE, DELTA_MATCHED,
-                 DQ, qk_scale, sm_scale, bh, kv, start_m, n_iter, N,
+def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, rows_ready, rows_free, cols_ready,
+                 cols_free, Q_SCALE, K_SCALE, V_SCALE, K_UNIT, DO_SCALE, LSE2, DELTA_STALE, DELTA_MATCHED, DQ,
+                 qk_scale, sm_scale, bh, kv, start_m, n_iter, N,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 CAUSAL: gl.constexpr, MATCHED: gl.constexpr, OVERLAP: gl.constexpr, KBAR_CHAIN: gl.constexpr,
-                 SPLIT: gl.constexpr):
+                 CAUSAL: gl.constexpr, MATCHED: gl.constexpr, OVERLAP: gl.constexpr):
     """The consumer warp group of the dq kernel: its queries' scales, every key tile, the matched
     delta's correction, the stores. ``OVERLAP`` 1: dP is issued right behind S and runs during
     the softmax; 2 (matched): also kbar's wgmma right behind dS K, running during dQ's promotion;
     3: S of tile i + 1 is issued right behind dS K of tile i (running during dQ's promotion and
-    kbar) and waited on before the loop's back edge, and dP of tile i + 1 runs during its softmax.
-    ``KBAR_CHAIN`` (matched, ``OVERLAP`` 0 or 1): kbar is one float32 wgmma chain over all key
-    tiles on K's QK^T codes (``ktt_bufs``), P entering as Q8(2**4 P s_j / u): nothing to promote.
-    ``SPLIT`` (with ``KBAR_CHAIN``): dQ and kbar held as two halves of the head dim, each
-    accumulated by its own wgmma (the same per-element chains, as the dkdv kernel's ``SPLIT``), so
-    that dS K's result is half as wide beside them."""
-    gl.static_assert(KBAR_CHAIN or not SPLIT)
-    CH: gl.constexpr = HEAD_DIM // 2 if SPLIT else HEAD_DIM
+    kbar) and waited on before the loop's back edge, and dP of tile i + 1 runs during its softmax."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
     a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, CH, 32])
+                                                       instr_shape=[16, HEAD_DIM, 32])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=4)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)  # per query of S
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)  # per key of S
@@ -765,25 +744,13 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, ktt_bufs, q
     do_scale = gl.load(DO_SCALE + head + offs_m, mask=in_seq, other=0.0)
     lse2 = gl.load(LSE2 + head + offs_m, mask=in_seq, other=float("inf"))
     d_stale = gl.load(DELTA_STALE + head + offs_m, mask=in_seq, other=0.0)
-    dq = gl.zeros([BLOCK_M, CH], gl.float32, a_layout)
-    if SPLIT:
-        dq1 = gl.zeros([BLOCK_M, CH], gl.float32, a_layout)
-        kbar1 = gl.zeros([BLOCK_M, CH], gl.float32, a_layout)
+    dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, a_layout)
     # kbar is second order (it is multiplied by D - D_stale): float16, in units u of the largest
     # K scale of this head (K_UNIT), so |kbar / u| <= 448 can never overflow float16
-    if KBAR_CHAIN:
-        # chained: the float32 wgmma accumulator of sum_j Q8(2**4 P_ij s_j / u) K8_j
-        kbar = gl.zeros([BLOCK_M, CH], gl.float32, a_layout)
-    else:
-        kbar = gl.zeros([BLOCK_M, HEAD_DIM], gl.float16, a_layout)
+    kbar = gl.zeros([BLOCK_M, HEAD_DIM], gl.float16, a_layout)
     if MATCHED:
         unit = gl.load(K_UNIT + kv64)
-        if KBAR_CHAIN:
-            kb_c = gl.div_rn(KBAR_P_SCALE, unit)  # 2**4 / u, powers of two: exact
-            kb_u = gl.div_rn(unit, KBAR_P_SCALE)  # kbar's unit: u / 2**4
-        else:
-            kb_c = gl.div_rn(1.0 / KBAR_P_SCALE, unit)  # powers of two: exact
-            kb_u = unit
+        kb_c = gl.div_rn(1.0 / KBAR_P_SCALE, unit)  # powers of two: exact
     pdp = gl.zeros([BLOCK_M], gl.float32, row_s)
     mbarrier.wait(q_ready, 0)
     if OVERLAP == 3:
@@ -831,10 +798,6 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, ktt_bufs, q
             p = gl.where(gl.expand_dims(offs_m, 1) >= gl.expand_dims(offs_n, 0), p, 0.0)
         else:
             p = gl.where(gl.expand_dims(offs_n < N, 0), p, 0.0)
-        if MATCHED and KBAR_CHAIN:
-            # Q-point P (kbar, chained): P s_j / u times KBAR_P_SCALE -> E4M3 (s_j / u <= 1), cast
-            # here so that the key scales are dead before dP and dS (registers)
-            p8 = gl.convert_layout(_to_fp8(p * gl.expand_dims(k_scale * kb_c, 0), False, False), op_layout)
         # dP = wgmma(dO8, V8^T) * (do_scale_i * v_scale_j), one rounded multiply
         if OVERLAP == 0:
             dpt = warpgroup_mma(do_smem, v_bufs.index(s).permute((1, 0)), st, use_acc=False, is_async=True)
@@ -852,26 +815,17 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, ktt_bufs, q
         k_ds = _pow2_down_exponent(gl.max(gl.abs(ds), axis=1), False)
         ds8 = gl.convert_layout(_to_fp8(ds * gl.expand_dims(_exp2_int(k_ds), 1), False, False), op_layout)
         ds_inv = gl.convert_layout(_exp2_int(-k_ds), row_a)
-        if MATCHED and not KBAR_CHAIN:
+        if MATCHED:
             # Q-point P (kbar): E4M3, scale KBAR_P_SCALE against LSE
             p8 = gl.convert_layout(_to_fp8(p * KBAR_P_SCALE, False, False), op_layout)
         # dS K, promoted: one wgmma chain per tile, then one float32 multiply-add (the channel
         # scales from shared memory after the wait, not held across the wgmma)
         mbarrier.wait(cols_ready.index(s), ph)
-        kt_s = kt_bufs.index(s).slice(0, CH, dim=0).permute((1, 0))
-        kts_s = kts_bufs.index(s).reshape([HEAD_DIM]).slice(0, CH)
-        t = warpgroup_mma(ds8, kt_s, gl.zeros([BLOCK_M, CH], gl.float32, a_layout), use_acc=False,
+        kt_s = kt_bufs.index(s).permute((1, 0))
+        kts_s = kts_bufs.index(s).reshape([HEAD_DIM])
+        t = warpgroup_mma(ds8, kt_s, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, a_layout), use_acc=False,
                           is_async=True)
-        if SPLIT:
-            # the second half's chain behind the first, issued after the first's promotion
-            t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
-            dq += t * gl.expand_dims(kts_s.load(col_a), 0) * gl.expand_dims(ds_inv, 1)
-            t = warpgroup_mma(ds8, kt_bufs.index(s).slice(CH, CH, dim=0).permute((1, 0)), t, use_acc=False,
-                              is_async=True)
-            t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
-            kts1 = kts_bufs.index(s).reshape([HEAD_DIM]).slice(CH, CH)
-            dq1 += t * gl.expand_dims(kts1.load(col_a), 0) * gl.expand_dims(ds_inv, 1)
-        elif OVERLAP == 3 and not MATCHED:
+        if OVERLAP == 3 and not MATCHED:
             # S of tile i + 1 behind it, running during dQ's promotion
             s_next = _dq_next_s(q_smem, k_bufs, rows_ready, i + 1, s_layout, BLOCK_M, BLOCK_N, STAGES)
             t = warpgroup_mma_wait(num_outstanding=1, deps=(t, ))
@@ -881,20 +835,8 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, ktt_bufs, q
             t = warpgroup_mma_wait(num_outstanding=1, deps=(t, ))
         else:
             t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
-        if not SPLIT:
-            dq += t * gl.expand_dims(kts_s.load(col_a), 0) * gl.expand_dims(ds_inv, 1)
-        if MATCHED and KBAR_CHAIN:
-            # kbar: the chain runs on, in place (after dQ's promotion: beside dS K's result it
-            # spills at D = 128 unless SPLIT); waited on before the stage is freed
-            ktt_s = ktt_bufs.index(s)
-            kbar = warpgroup_mma(p8, ktt_s.slice(0, CH, dim=0).permute((1, 0)), kbar, use_acc=True, is_async=True)
-            if SPLIT:
-                kbar1 = warpgroup_mma(p8, ktt_s.slice(CH, CH, dim=0).permute((1, 0)), kbar1, use_acc=True,
-                                      is_async=True)
-                kbar, kbar1 = warpgroup_mma_wait(num_outstanding=0, deps=(kbar, kbar1))
-            else:
-                kbar = warpgroup_mma_wait(num_outstanding=0, deps=(kbar, ))
-        elif MATCHED:
+        dq += t * gl.expand_dims(kts_s.load(col_a), 0) * gl.expand_dims(ds_inv, 1)
+        if MATCHED:
             # kbar: a float16 wgmma chain per tile, scaled to units u in float32, added and
             # rounded to float16
             if OVERLAP != 2:
@@ -920,26 +862,20 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, ktt_bufs, q
         # dS K = (P (dP - Dst)) K - (D - Dst) (P K), with P K = kbar * u
         gl.store(DELTA_MATCHED + head + offs_m, pdp, mask=in_seq)
         corr = gl.convert_layout(pdp - d_stale, row_a)
-        dq -= gl.expand_dims(corr, 1) * (kbar.to(gl.float32) * kb_u)
-        if SPLIT:
-            dq1 -= gl.expand_dims(corr, 1) * (kbar1 * kb_u)
+        dq -= gl.expand_dims(corr, 1) * (kbar.to(gl.float32) * unit)
     # stores
-    offs_c = gl.arange(0, CH, layout=col_a)
+    offs_c = gl.arange(0, HEAD_DIM, layout=col_a)
     rows = head * HEAD_DIM + gl.expand_dims(offs_ma, 1) * HEAD_DIM + gl.expand_dims(offs_c, 0)
     gl.store(DQ + rows, (dq * sm_scale).to(gl.bfloat16), mask=gl.expand_dims(offs_ma < N, 1))
-    if SPLIT:
-        gl.store(DQ + rows + CH, (dq1 * sm_scale).to(gl.bfloat16), mask=gl.expand_dims(offs_ma < N, 1))
 
 
 @gluon.jit
-def _bwd_dq_ws_kernel(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, ktt_desc, Q_SCALE, K_SCALE, V_SCALE,
-                      K_UNIT, DO_SCALE, LSE2, DELTA_STALE, DELTA_MATCHED, DQ, qk_scale, sm_scale, H, GROUP, N, NPAD,
+def _bwd_dq_ws_kernel(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, Q_SCALE, K_SCALE, V_SCALE, K_UNIT,
+                      DO_SCALE, LSE2, DELTA_STALE, DELTA_MATCHED, DQ, qk_scale, sm_scale, H, GROUP, N, NPAD,
                       HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                      MATCHED: gl.constexpr, OVERLAP: gl.constexpr, KBAR_CHAIN: gl.constexpr,
-                      SPLIT: gl.constexpr):
+                      MATCHED: gl.constexpr, OVERLAP: gl.constexpr):
     """The dq kernel on host-side TMA descriptors: Q, dO rows ``(B*H*N, D)``, K, V rows
-    ``(B*HKV*N, D)``, K^T ``(B*HKV*D, NPAD)`` and its scales ``(B*HKV*NPAD/128, D)``, and
-    (``KBAR_CHAIN``) K's row codes transposed ``(B*HKV*D, NPAD)``."""
+    ``(B*HKV*N, D)``, K^T ``(B*HKV*D, NPAD)`` and its scales ``(B*HKV*NPAD/128, D)``."""
     BLOCK_M: gl.constexpr = DQ_BLOCK_M
     gl.static_assert(QUANT_BLOCK % BLOCK_N == 0)
     pid = gl.program_id(0)
@@ -960,23 +896,18 @@ def _bwd_dq_ws_kernel(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, ktt_de
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_shape, v_desc.layout)
     kt_bufs = gl.allocate_shared_memory(kt_desc.dtype, [STAGES] + kt_desc.block_shape, kt_desc.layout)
     kts_bufs = gl.allocate_shared_memory(kts_desc.dtype, [STAGES] + kts_desc.block_shape, kts_desc.layout)
-    if KBAR_CHAIN:
-        ktt_bufs = gl.allocate_shared_memory(ktt_desc.dtype, [STAGES] + ktt_desc.block_shape, ktt_desc.layout)
-    else:
-        ktt_bufs = kt_bufs  # not read
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_ready, count=1)
     rows_ready, rows_free, cols_ready, cols_free = _ring_barriers(STAGES)
     fence_async_shared()
     gl.warp_specialize([
-        (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, ktt_bufs, q_ready, rows_ready,
-                        rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, K_UNIT, DO_SCALE, LSE2,
-                        DELTA_STALE, DELTA_MATCHED, DQ, qk_scale, sm_scale, bh, kv, start_m, n_iter, N, HEAD_DIM,
-                        BLOCK_M, BLOCK_N, STAGES, CAUSAL, MATCHED, OVERLAP, KBAR_CHAIN, SPLIT)),
-        (_dq_producer, (q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, ktt_desc, q_smem, do_smem, k_bufs,
-                        v_bufs, kt_bufs, kts_bufs, ktt_bufs, q_ready, rows_ready, rows_free, cols_ready, cols_free,
-                        bh * N + start_m, kv, n_iter, N, NPAD, HEAD_DIM, BLOCK_N, STAGES, OVERLAP == 3,
-                        KBAR_CHAIN)),
+        (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, rows_ready, rows_free,
+                        cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, K_UNIT, DO_SCALE, LSE2, DELTA_STALE,
+                        DELTA_MATCHED, DQ, qk_scale, sm_scale, bh, kv, start_m, n_iter, N, HEAD_DIM, BLOCK_M,
+                        BLOCK_N, STAGES, CAUSAL, MATCHED, OVERLAP)),
+        (_dq_producer, (q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, q_smem, do_smem, k_bufs, v_bufs,
+                        kt_bufs, kts_bufs, q_ready, rows_ready, rows_free, cols_ready, cols_free, bh * N + start_m,
+                        kv, n_iter, N, NPAD, HEAD_DIM, BLOCK_N, STAGES, OVERLAP == 3)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -989,29 +920,16 @@ def default_dq_overlap(recipe, head_dim: int) -> int:
     issued behind dS K (2), 3-5% faster than serial on the H200; otherwise serial, as the
     overlapped schedules were within -4% to +4% of it (``gluon_dq_ov*_ms`` against
     ``gluon_dq_ms`` and ``gluon_dq_stale_ms`` in benchmarks/results/h200_bwd_ws_probe.jsonl)."""
-    return 2 if head_dim == 64 and recipe.matched and not recipe.kbar_chained else 0
+    return 2 if head_dim == 64 and recipe.matched else 0
 
 
-def default_dq_split(recipe, head_dim: int) -> bool:
-    """Whether the dq kernel holds dQ and kbar as two halves of the head dim (``SPLIT``): with the
-    chained kbar at D = 128, where its float32 accumulator beside the whole dQ spills 80-120 B
-    serial (the halves: none; ``overlap=1`` spills either way; compile_sm90_dq)."""
-    return recipe.kbar_chained and head_dim == 128
-
-
-def _dq_constexprs(recipe, head_dim: int, causal: bool, stages: int = DQ_STAGES, overlap: int | None = None,
-                   split: bool | None = None) -> dict:
+def _dq_constexprs(recipe, head_dim: int, causal: bool, stages: int = DQ_STAGES, overlap: int | None = None) -> dict:
     """The dq kernel's constexprs for ``recipe`` at ``head_dim``: the key tile is the recipe's
     ``block_n2`` (its dS block for dQ, its promotion interval and kbar's tile)."""
     t = recipe.bwd_tiles(head_dim)
-    overlap = default_dq_overlap(recipe, head_dim) if overlap is None else int(overlap)
-    split = default_dq_split(recipe, head_dim) if split is None else bool(split)
-    if recipe.kbar_chained and overlap not in (0, 1):
-        raise ValueError(f"bwd_ws: the chained kbar's wgmma runs behind dS K; overlap={overlap} must be 0 or 1")
-    if split and not recipe.kbar_chained:
-        raise ValueError("bwd_ws: the dq kernel splits dQ into halves with the chained kbar only")
     return dict(HEAD_DIM=head_dim, BLOCK_N=t.block_n2, STAGES=stages, CAUSAL=bool(causal),
-                MATCHED=recipe.matched, KBAR_CHAIN=recipe.kbar_chained, OVERLAP=overlap, SPLIT=split)
+                MATCHED=recipe.matched,
+                OVERLAP=default_dq_overlap(recipe, head_dim) if overlap is None else int(overlap))
 
 
 def _check_dq(recipe, head_dim: int, debug: bool = False) -> None:
@@ -1026,17 +944,17 @@ def _check_dq(recipe, head_dim: int, debug: bool = False) -> None:
                          "queries, 64 keys wide")
 
 
-def _dq_descriptors(q_rows, do_rows, k_rows, v_rows, k_cols, k_col_scale, k_rows_t, block_n: int):
+def _dq_descriptors(q_rows, do_rows, k_rows, v_rows, k_cols, k_col_scale, block_n: int):
     """Host-side TMA descriptors of the dq kernel's operands, in its order (Q, dO, K, V rows;
-    K^T; its scales; K's row codes transposed, for the chained kbar: ``k_cols`` where unused)."""
+    K^T; its scales)."""
     d = q_rows.shape[-1]
     bm = DQ_BLOCK_M.value
     return (_row_desc(q_rows, bm), _row_desc(do_rows, bm), _row_desc(k_rows, block_n), _row_desc(v_rows, block_n),
-            _col_desc(k_cols, d, block_n), _scale_desc(k_col_scale, d), _col_desc(k_rows_t, d, block_n))
+            _col_desc(k_cols, d, block_n), _scale_desc(k_col_scale, d))
 
 
 def compile_sm90_dq(head_dim: int = 128, causal: bool = False, recipe="kernels_delta_matching", stages: int = DQ_STAGES,
-                    n_multiple_of_16: bool = True, overlap: int | None = None, split: bool | None = None):
+                    n_multiple_of_16: bool = True, overlap: int | None = None):
     """Compile the dq kernel for sm_90a without a GPU (ptxas included), specialized as
     :func:`dq` launches it (16-byte aligned pointers, NPAD a multiple of 16, N too with
     ``n_multiple_of_16``); returns the compiled kernel. GQA is a run-time argument (GROUP)."""
@@ -1049,14 +967,14 @@ def compile_sm90_dq(head_dim: int = 128, causal: bool = False, recipe="kernels_d
 
     r = get_recipe(recipe)
     _check_dq(r, head_dim)
-    consts = _dq_constexprs(r, head_dim, causal, stages, overlap, split)
+    consts = _dq_constexprs(r, head_dim, causal, stages, overlap)
     fp8, do_dt = torch.float8_e4m3fn, getattr(torch, r.recipe.do_dp.fmt.name)
     n = npad = 128
     rows = torch.zeros(n, head_dim, dtype=fp8)
     cols = torch.zeros(head_dim, npad, dtype=fp8)
     sc = torch.zeros(npad // QUANT_BLOCK.value, head_dim)
-    descs = _dq_descriptors(rows, rows.to(do_dt), rows, rows, cols, sc, cols, consts["BLOCK_N"])
-    names = ("q_desc", "do_desc", "k_desc", "v_desc", "kt_desc", "kts_desc", "ktt_desc")
+    descs = _dq_descriptors(rows, rows.to(do_dt), rows, rows, cols, sc, consts["BLOCK_N"])
+    names = ("q_desc", "do_desc", "k_desc", "v_desc", "kt_desc", "kts_desc")
     sig = {k: mangle_type(x) for k, x in zip(names, descs)}
     sig.update({k: "*fp32" for k in ("Q_SCALE", "K_SCALE", "V_SCALE", "K_UNIT", "DO_SCALE", "LSE2", "DELTA_STALE",
                                      "DELTA_MATCHED")})
@@ -1073,8 +991,7 @@ def compile_sm90_dq(head_dim: int = 128, causal: bool = False, recipe="kernels_d
 
 
 def dq(saved, do8, delta_stale, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int, causal: bool,
-       scale: float, recipe, debug: bool = False, stages: int = DQ_STAGES, overlap: int | None = None,
-       split: bool | None = None):
+       scale: float, recipe, debug: bool = False, stages: int = DQ_STAGES, overlap: int | None = None):
     """The Gluon dq kernel on what ``bwd.backward`` passes the Triton one: ``saved`` (the forward's
     ``SavedForward``: Q's row copy, K's row and transposed copies, V's row copy, LSE2), ``do8``
     (dO's row copy) and ``delta_stale`` (the preprocess's rowsum(dO * O)). Returns ``(dq, delta)``:
@@ -1092,11 +1009,11 @@ def dq(saved, do8, delta_stale, *, batch: int, heads: int, kv_heads: int, n: int
     q8, k8, v8 = saved.q, saved.k, saved.v
     dev = do8.rows.device
     out = torch.empty((batch, heads, n, head_dim), device=dev, dtype=torch.bfloat16)
-    consts = _dq_constexprs(r, head_dim, causal, stages, overlap, split)
+    consts = _dq_constexprs(r, head_dim, causal, stages, overlap)
     matched = consts["MATCHED"]
     delta = torch.empty_like(delta_stale) if matched else delta_stale
-    k_unit, k_rows_t = bwd.kbar_operands(k8, consts["KBAR_CHAIN"]) if matched else (delta_stale, k8.cols)
-    descs = _dq_descriptors(q8.rows, do8.rows, k8.rows, v8.rows, k8.cols, k8.col_scale, k_rows_t, consts["BLOCK_N"])
+    k_unit = bwd.kbar_unit(k8) if matched else delta_stale
+    descs = _dq_descriptors(q8.rows, do8.rows, k8.rows, v8.rows, k8.cols, k8.col_scale, consts["BLOCK_N"])
     npad = triton.cdiv(n, QUANT_BLOCK.value) * QUANT_BLOCK.value
     grid = (triton.cdiv(n, DQ_BLOCK_M.value), batch * heads)
     _bwd_dq_ws_kernel[grid](*descs, q8.row_scale, k8.row_scale, v8.row_scale, k_unit, do8.row_scale, saved.lse2,

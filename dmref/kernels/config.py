@@ -27,7 +27,7 @@ from typing import Literal
 
 from dmref.emulation import (BFLOAT16, FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT16, Accumulation, MatmulModel, Rounding, ScaleRule,
                              get_format)
-from dmref.recipes import (NONE, PRESETS, STALE, DeferredDq, DeltaKind, DeltaStrategy, Granularity, MatmulModels,
+from dmref.recipes import (PRESETS, STALE, DeferredDq, DeltaKind, DeltaStrategy, Granularity, MatmulModels,
                            Normalizer, PReference, QuantPoint, Recipe)
 
 #: Tokens per scale block of a transposed copy; every kernel tile along tokens divides it.
@@ -184,9 +184,9 @@ def _differences(recipe, bwd: BwdTiles | None) -> list[str]:
         checks.append("normalizer: the kernels divide by the float32 sum of P")
     if recipe.precision != "float32" or recipe.tiles.block_k != QUANT_BLOCK:
         checks.append(f"the kernels work in float32 with the running max rescaled every {QUANT_BLOCK} keys")
-    deferred = recipe.delta.deferred_dq
-    if recipe.delta not in (STALE,) and not (recipe.delta.kind is DeltaKind.MATCHED and deferred is not None
-                                            and deferred in (_deferred(deferred.tile), _deferred_chained(deferred.tile))):
+    if recipe.delta not in (STALE,) and not (recipe.delta.kind is DeltaKind.MATCHED
+                                            and recipe.delta.deferred_dq is not None
+                                            and recipe.delta.deferred_dq == _deferred(recipe.delta.deferred_dq.tile)):
         checks.append(f"delta: the kernels compute the stale delta from BF16 dO and O, or the matched delta "
                       f"with their deferred dQ; the recipe says {recipe.delta.name}")
     if any(m.accumulation is Accumulation.EXACT for m in recipe.accumulation.models()):
@@ -206,16 +206,8 @@ def _deferred(tile: int):
                       tile=tile, tile_result=fp16, accumulator=fp16)
 
 
-def _deferred_chained(tile: int):
-    """The kernels' deferred dQ with kbar chained (``DeferredDq.chain``): P s_j / u in E4M3 times
-    2^KBAR_P_SCALE_LOG2 (s_j: key j's QKᵀ scale, u the head's largest), one float32 wgmma chain
-    over all keys on K's QKᵀ codes. ``tile`` is unused (fit_to_tiles sets it as for the other)."""
-    return DeferredDq(predictor=STALE, p=QuantPoint(FLOAT8_E4M3FN), p_offset_log2=KBAR_P_SCALE_LOG2,
-                      tile=tile, tile_result=NONE, accumulator=NONE, chain=True)
-
-
 def kernel_recipe(delta: KernelDelta, bwd: BwdTiles | None = None, do_format: str = "float8_e4m3fn",
-                  folded: bool = False, kbar_chain: bool = False):
+                  folded: bool = False):
     """The ``dmref.recipes.Recipe`` the kernels run for ``delta`` (``"stale"`` or
     ``"matched"``) with the backward tiling ``bwd``: the ``naive_fp8`` preset with Q, K, dO
     and V (dP) scaled per token over the whole head dim (ROW), dS in 1 x tile blocks, O in
@@ -227,17 +219,10 @@ def kernel_recipe(delta: KernelDelta, bwd: BwdTiles | None = None, do_format: st
     in the backward's recomputation of it), V in PV with one per (batch, key/value head,
     channel) over all tokens (``Granularity.ROW`` of V laid out for PV); and its PV
     accumulation, one wgmma chain over all keys (``Recipe.pv_chain``), which lets QK^T of the
-    next key tile run during the softmax within 232 registers.
-
-    ``kbar_chain`` (``"matched"`` only): the deferred dQ's kbar as one float32 wgmma chain on K's
-    QKᵀ codes (:func:`_deferred_chained`, ``dmref.recipes.DeferredDq.chain``) instead of a float16
-    chain per key tile promoted into a float16 accumulator: the dq kernel's loop loses kbar's
-    per-tile promotion."""
+    next key tile run during the softmax within 232 registers."""
 
     if delta not in ("stale", "matched"):
         raise ValueError(f"delta={delta!r} must be 'stale' or 'matched'")
-    if kbar_chain and delta != "matched":
-        raise ValueError("kbar_chain: kbar is the matched delta's; delta must be 'matched'")
     bwd = bwd or BwdTiles()
     base = PRESETS["naive_fp8"]
     e4m3_row = QuantPoint(base.q.fmt, Granularity.ROW, ScaleRule.POW2_DOWN)
@@ -246,11 +231,8 @@ def kernel_recipe(delta: KernelDelta, bwd: BwdTiles | None = None, do_format: st
         base, name=f"kernels_{'delta_matching' if delta == 'matched' else 'naive_fp8'}",
         q=e4m3_row, k=e4m3_row, v_dp=e4m3_row, do_dp=QuantPoint(do_fmt, Granularity.ROW, ScaleRule.POW2_DOWN),
         do_dv=dataclasses.replace(base.do_dv, fmt=do_fmt), accumulation=MatmulModels.all("hopper"),
-        delta=(base.delta if delta == "stale" else DeltaStrategy(
-            DeltaKind.MATCHED, deferred_dq=(_deferred_chained if kbar_chain else _deferred)(bwd.block_n2))),
+        delta=(base.delta if delta == "stale" else DeltaStrategy(DeltaKind.MATCHED, deferred_dq=_deferred(bwd.block_n2))),
     )
-    if kbar_chain:
-        recipe = dataclasses.replace(recipe, name=f"{recipe.name}_chained_kbar")
     if folded:
         recipe = dataclasses.replace(recipe, name=recipe.name.replace("kernels_", "kernels_folded_"),
                                      k=QuantPoint(base.k.fmt, Granularity.HEAD, ScaleRule.POW2_DOWN),
@@ -313,12 +295,6 @@ class KernelSpec:
         return self.recipe.delta.deferred_dq is not None
 
     @property
-    def kbar_chained(self) -> bool:
-        """Whether the matched dq chains kbar over all keys on K's QKᵀ codes
-        (``recipe.delta.deferred_dq.chain``) rather than promoting it per key tile."""
-        return self.matched and self.recipe.delta.deferred_dq.chain
-
-    @property
     def folded(self) -> bool:
         """Whether the forward is the warp-specialized one (``fwd_ws``): K scaled per head
         (``recipe.k.granularity`` is HEAD) and V per head and channel."""
@@ -376,9 +352,6 @@ RECIPES: dict[str, KernelSpec] = _specs(
     # the warp-specialized Gluon forward (fwd_ws), the same backward kernels
     kernel_recipe("matched", folded=True),
     kernel_recipe("stale", folded=True),
-    # the matched delta with kbar chained over all keys (DeferredDq.chain): the dq kernels' loop
-    # without kbar's per-tile promotion
-    kernel_recipe("matched", kbar_chain=True),
 )
 
 

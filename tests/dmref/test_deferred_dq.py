@@ -5,9 +5,7 @@
 Properties: it changes dQ only; unquantized, it is the direct matched dQ up to float32 rounding
 (the identity sum_j P (dP - Dst) K - (D - Dst) sum_j P K = sum_j P (dP - D) K); power-of-two
 rescaling of Q and K commutes with it bit for bit, also when |K| is far beyond the float16
-range of kbar's accumulator. Each holds for both forms of kbar: per key tile (float16 tile sums
-and accumulator) and chained (``DeferredDq.chain``: one chain over all keys on K's QKᵀ codes,
-key j's scale moved into P).
+range of kbar's accumulator.
 """
 
 from __future__ import annotations
@@ -30,9 +28,6 @@ from dmref.recipes import MATCHED, NONE, PRESETS, STALE_UNROUNDED, DeltaKind, De
 KERNEL_RECIPE = get_recipe("kernels_delta_matching@fp32")
 #: its kbar: E4M3 P * 2^4, 64-key tiles, float16 tile results and accumulator
 KERNEL_LIKE = KERNEL_RECIPE.delta.deferred_dq
-#: the chained form (kernels_delta_matching_chained_kbar): E4M3 P s_j / u * 2^4, one chain
-CHAINED_RECIPE = get_recipe("kernels_delta_matching_chained_kbar@fp32")
-CHAINED = CHAINED_RECIPE.delta.deferred_dq
 
 
 def _deferred(recipe, deferred=KERNEL_LIKE):
@@ -41,15 +36,14 @@ def _deferred(recipe, deferred=KERNEL_LIKE):
 
 @settings(max_examples=12, deadline=None)
 @given(shape=attention_shapes(max_seqlen=200, max_head_dim=20), causal=st.booleans(), data=st.data(),
-       seed=st.integers(0, 2**31 - 1), chained=st.booleans())
-def test_deferred_dq_changes_dq_only(shape, causal, data, seed, chained):
+       seed=st.integers(0, 2**31 - 1))
+def test_deferred_dq_changes_dq_only(shape, causal, data, seed):
     q, k, v, dout = make_inputs(shape, seed, dtype=torch.float32)
     mask = data.draw(masks(shape))
-    # the chained kbar needs one K scale per key: K per token, as the kernels quantize it
-    direct = replace(PRESETS["delta_matching"], k=CHAINED_RECIPE.k) if chained else PRESETS["delta_matching"]
+    direct = PRESETS["delta_matching"]
     kw = dict(causal=causal, mask=mask)
     f1, b1 = tiled.attention(q, k, v, dout, recipe=direct, **kw)
-    f2, b2 = tiled.attention(q, k, v, dout, recipe=_deferred(direct, CHAINED if chained else KERNEL_LIKE), **kw)
+    f2, b2 = tiled.attention(q, k, v, dout, recipe=_deferred(direct), **kw)
     assert torch.equal(f1.out, f2.out)
     assert torch.equal(b1.dk, b2.dk) and torch.equal(b1.dv, b2.dv)
     # fully masked rows stay zero (their D, Dst and kbar are all 0)
@@ -86,16 +80,14 @@ def test_unquantized_deferred_dq_is_the_matched_dq_up_to_float32_rounding(shape,
     assert excess <= 0, excess
 
 
-@pytest.mark.parametrize("recipe", [KERNEL_RECIPE, CHAINED_RECIPE], ids=["per_tile", "chained"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_pow2_rescaling_of_q_and_k_commutes_with_deferred_dq_beyond_float16_range(causal, recipe):
+def test_pow2_rescaling_of_q_and_k_commutes_with_deferred_dq_beyond_float16_range(causal):
     shape = dict(batch=1, heads=2, kv_heads=1, seqlen_q=200, seqlen_k=200, head_dim=64, head_dim_v=64)
     q, k, v, dout = make_inputs(shape, 7, dtype=torch.float32)
-    k[..., ::5, :] *= 64.0  # keys of other scales: the chained kbar moves s_j / u into P
     e = 17  # |K| 2^17 > 65504 = float16's max for |K| > 0.5
-    assert recipe.delta.deferred_dq is not None
-    _, b = tiled.attention(q, k, v, dout, recipe=recipe, causal=causal)
-    _, b2 = tiled.attention(q * 2.0**-e, k * 2.0**e, v, dout, recipe=recipe, causal=causal)
+    assert KERNEL_RECIPE.delta.deferred_dq is not None
+    _, b = tiled.attention(q, k, v, dout, recipe=KERNEL_RECIPE, causal=causal)
+    _, b2 = tiled.attention(q * 2.0**-e, k * 2.0**e, v, dout, recipe=KERNEL_RECIPE, causal=causal)
     assert bool(torch.isfinite(b2.dq).all())
     assert torch.equal(b2.dq, b.dq * 2.0**e)
     assert torch.equal(b2.dk, b.dk * 2.0**-e) and torch.equal(b2.dv, b.dv)
@@ -109,17 +101,6 @@ def test_deferred_dq_refuses_what_it_cannot_mean():
     with pytest.raises(ValueError, match="MATCHED"):
         DeltaStrategy(DeltaKind.STALE, deferred_dq=KERNEL_LIKE)
     assert KERNEL_RECIPE.delta.name == "matched_deferred"
-    assert CHAINED_RECIPE.delta.name == "matched_deferred_chained"
-    with pytest.raises(ValueError, match="tile_result and accumulator must be NONE"):
-        replace(KERNEL_LIKE, chain=True)
-    with pytest.raises(TypeError, match="DeferredDq.chain"):
-        replace(CHAINED, chain="yes")
-    # one K scale per key is what lets the chain run without promotion: K in 1x32 blocks is refused
-    q, k, v, dout = make_inputs(dict(batch=1, heads=1, kv_heads=1, seqlen_q=64, seqlen_k=64, head_dim=64,
-                                     head_dim_v=64), 3, dtype=torch.float32)
-    blocked_k = replace(CHAINED_RECIPE, k=PRESETS["mxfp8_stale"].k)
-    with pytest.raises(ValueError, match="one K scale per key"):
-        tiled.attention(q, k, v, dout, recipe=blocked_k)
 
 
 def test_kernels_run_their_own_recipes_and_say_why_not_for_the_presets():

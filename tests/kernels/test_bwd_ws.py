@@ -64,7 +64,6 @@ def test_bwd_ws_compiles_for_sm90_with_its_register_budget():
 
 
 _DQ_SCRIPT = """
-CASES = None  # the configurations to compile; None: the ones below
 import json
 from dmref.kernels import bwd_ws
 from dmref.kernels.compile_check import warp_specialized_budget
@@ -77,7 +76,6 @@ cases += [(128, c, r, True, 1) for c in (False, True) for r in ("kernels_delta_m
 cases += [(64, True, "kernels_naive_fp8", True, 1)] + [(64, c, "kernels_delta_matching", True, 2) for c in (False, True)]
 cases += [(128, c, r, True, 3) for c in (False, True) for r in ("kernels_delta_matching", "kernels_naive_fp8")]
 cases += [(64, True, "kernels_delta_matching", True, 3), (64, False, "kernels_naive_fp8", False, 3)]
-cases = CASES if CASES is not None else cases
 for d, causal, recipe, n16, ov in cases:
     k = bwd_ws.compile_sm90(kernel="dq", head_dim=d, causal=causal, recipe=recipe, n_multiple_of_16=n16, overlap=ov)
     out.append(dict(d=d, causal=causal, recipe=recipe, n16=n16, overlap=ov, **warp_specialized_budget(k)))
@@ -87,29 +85,10 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_bwd_ws_dq_compiles_for_sm90_with_its_register_budget():
-    _check_dq_wgmmas(compile_and_check_budget(_DQ_SCRIPT, 23))
-
-
-def _check_dq_wgmmas(usage):
-    for u in usage:
-        # m64 wgmmas over queries: S and dP n64, dS K (and kbar's chain, matched) n = D, or D / 2
-        # in halves (the chained kbar at D = 128)
-        split = u["recipe"] == "kernels_delta_matching_chained_kbar" and u["d"] == 128
-        want = {"m64n64k32"} | {f"m64n{u['d'] // 2 if split else u['d']}k32"}
+    for u in compile_and_check_budget(_DQ_SCRIPT, 23):
+        # m64 wgmmas over queries: S and dP n64, dS K (and kbar's float16 chain, matched) n = D
+        want = {"m64n64k32"} | {f"m64n{u['d']}k32"}
         assert set(u["wgmma"]) == want, u
-
-
-#: kbar chained over all keys: serial and with dP behind S at D = 64; serial at D = 128, with dQ and
-#: kbar in halves of the head dim (bwd_ws.default_dq_split; with dP behind S it spills there)
-_CHAINED_CASES = ([(64, c, "kernels_delta_matching_chained_kbar", n16, ov) for c in (False, True)
-                   for n16, ov in ((True, 0), (False, 1))]
-                  + [(128, c, "kernels_delta_matching_chained_kbar", n16, 0) for c, n16 in ((False, True), (True, False))])
-
-
-@pytest.mark.slow
-def test_bwd_ws_dq_with_the_chained_kbar_compiles_for_sm90_with_its_register_budget():
-    script = _DQ_SCRIPT.replace("CASES = None", f"CASES = {_CHAINED_CASES!r}")
-    _check_dq_wgmmas(compile_and_check_budget(script, len(_CHAINED_CASES)))
 
 
 @pytest.mark.parametrize("kernel,what", [("dq", "debug"), ("dq", "block_n2"), ("dkdv", "debug"), ("dkdv", "block_m1")])
@@ -137,19 +116,6 @@ def test_bwd_ws_refuses_what_it_does_not_run(kernel, what):
         bwd_ws.backward_ws(None, None, None, None, kernels=(kernel,), **dims, **kwargs)
     with pytest.raises(ValueError, match="bwd_ws"):
         bwd_ws.backward_ws(None, None, None, None, kernels=("dq", "fwd"), **dims)
-
-
-@pytest.mark.parametrize("overlap", [2, 3])
-def test_bwd_ws_dq_refuses_the_schedules_the_chained_kbar_has_not(overlap):
-    """OVERLAP 2 and 3 place kbar's per-tile wgmma; the chained kbar's runs behind dS K."""
-    pytest.importorskip("triton")
-    from dmref.kernels import bwd_ws
-    from dmref.kernels.config import RECIPES
-
-    with pytest.raises(ValueError, match=f"overlap={overlap} must be 0 or 1"):
-        bwd_ws.compile_sm90_dq(64, recipe=RECIPES["kernels_delta_matching_chained_kbar"], overlap=overlap)
-    with pytest.raises(ValueError, match="halves with the chained kbar only"):
-        bwd_ws.compile_sm90_dq(128, recipe=RECIPES["kernels_delta_matching"], split=True)
 
 
 def _wide_inputs(shape: ProblemShape, device: str, seed: int = 0):
@@ -180,9 +146,6 @@ _GPU_CASES = [
     # 4e-5 of its elements on the H200 (docs/kernels_speed.md); smaller shapes of that kind
     (ProblemShape(4, 4, 4, 1024, 64), False, "kernels_delta_matching"),
     (ProblemShape(2, 4, 2, 1000, 64), True, "kernels_naive_fp8"),
-    # kbar chained over all keys: the Gluon chain is the Triton one's, wgmma for wgmma
-    (ProblemShape(2, 4, 2, 1000, 128), True, "kernels_delta_matching_chained_kbar"),
-    (ProblemShape(1, 4, 1, 777, 64), False, "kernels_delta_matching_chained_kbar"),
 ]
 
 
@@ -330,9 +293,7 @@ def test_bwd_ws_dq_equals_the_triton_dq(case):
 
 _DQ_VARIANTS = [dict(stages=1), dict(stages=3), dict(overlap=1), dict(overlap=2), dict(overlap=3),
                 dict(overlap=3, stages=1), dict(overlap=3, recipe="kernels_naive_fp8"),
-                dict(overlap=3, recipe="kernels_naive_fp8", causal=False),
-                dict(overlap=1, recipe="kernels_delta_matching_chained_kbar"),
-                dict(split=False, recipe="kernels_delta_matching_chained_kbar")]
+                dict(overlap=3, recipe="kernels_naive_fp8", causal=False)]
 
 
 @pytest.mark.gpu
@@ -384,8 +345,7 @@ def test_bwd_ws_dq_large_k_keeps_kbar_finite():
 
 _API_CASES = [(ProblemShape(2, 4, 2, 1000, 128), True, "kernels_delta_matching"),
               (ProblemShape(1, 4, 4, 777, 64), False, "kernels_naive_fp8"),
-              (ProblemShape(1, 4, 2, 515, 128), True, "kernels_folded_delta_matching"),
-              (ProblemShape(1, 4, 1, 777, 64), True, "kernels_delta_matching_chained_kbar")]
+              (ProblemShape(1, 4, 2, 515, 128), True, "kernels_folded_delta_matching")]
 
 
 @pytest.mark.gpu

@@ -48,8 +48,7 @@ def test_import_does_not_load_triton_and_cpu_call_fails_with_a_clear_message():
 def test_recipes_are_named_by_their_recipes_and_validate_tiles():
     for name, spec in RECIPES.items():
         assert spec.name == name and name.startswith("kernels_"), name
-        assert spec.matched == ("delta_matching" in name), name
-        assert spec.kbar_chained == name.endswith("_chained_kbar"), name
+        assert spec.matched == name.endswith("delta_matching"), name
         assert spec.folded == name.startswith("kernels_folded_"), name
     # a folded K without the folded V is no forward the kernels have
     half = dataclasses.replace(kernel_recipe("stale"), k=RECIPES["kernels_folded_naive_fp8"].recipe.k)
@@ -62,10 +61,7 @@ def test_recipes_are_named_by_their_recipes_and_validate_tiles():
     with pytest.raises(ValueError, match="do_dp"):
         KernelSpec(kernel_recipe("matched", do_format="float16"))
     described = get_recipe("kernels_delta_matching").recipe.describe()
-    assert "delta  matched_deferred\n" in described and "ds_dq  E4M3, 1x64, pow2_down" in described
-    assert "delta  matched_deferred_chained" in get_recipe("kernels_delta_matching_chained_kbar").recipe.describe()
-    with pytest.raises(ValueError, match="kbar_chain"):
-        kernel_recipe("stale", kbar_chain=True)
+    assert "delta  matched_deferred" in described and "ds_dq  E4M3, 1x64, pow2_down" in described
 
 
 def test_a_recipe_object_builds_its_spec_and_a_preset_name_says_which_to_use():

@@ -29,7 +29,6 @@ CASES = {
     "interpreter": [
         Case(1, 2, 1, 203, 64, True, "kernels_naive_fp8"),
         Case(1, 2, 2, 150, 64, False, "kernels_delta_matching"),
-        Case(1, 2, 1, 203, 64, True, "kernels_delta_matching_chained_kbar"),
     ],
     "gpu": [
         Case(2, 4, 2, 1000, 128, False, "kernels_naive_fp8"),
@@ -40,8 +39,6 @@ CASES = {
         Case(2, 4, 2, 1000, 128, True, "kernels_folded_delta_matching"),
         Case(1, 4, 1, 777, 64, False, "kernels_folded_naive_fp8"),
         Case(1, 2, 2, 203, 128, True, "kernels_folded_delta_matching"),
-        Case(2, 4, 2, 1000, 128, True, "kernels_delta_matching_chained_kbar"),
-        Case(1, 4, 1, 777, 64, False, "kernels_delta_matching_chained_kbar"),
     ],
 }
 

@@ -345,7 +345,8 @@ def test_bwd_ws_dq_large_k_keeps_kbar_finite():
 
 _API_CASES = [(ProblemShape(2, 4, 2, 1000, 128), True, "kernels_delta_matching"),
               (ProblemShape(1, 4, 4, 777, 64), False, "kernels_naive_fp8"),
-              (ProblemShape(1, 4, 2, 515, 128), True, "kernels_folded_delta_matching")]
+              (ProblemShape(1, 4, 2, 515, 128), True, "kernels_folded_delta_matching"),
+              (ProblemShape(1, 4, 1, 777, 64), True, "kernels_delta_matching")]
 
 
 @pytest.mark.gpu

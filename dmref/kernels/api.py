@@ -107,6 +107,9 @@ def _folded_forward(q, k, v, s: Shape, r: KernelSpec, *, causal: bool, scale: fl
 
     if interpreting():
         raise RuntimeError("the folded recipes' forward is a Gluon kernel, which Triton's interpreter does not run")
+    why = _not_hopper(q.device)
+    if why:
+        raise RuntimeError(f"the folded recipes' forward does not run here: {why}")
     if debug:
         raise ValueError("debug dumps exist for the Triton forward only (recipes kernels_delta_matching, "
                          "kernels_naive_fp8)")
@@ -150,7 +153,7 @@ def attention_backward(
         do = do.to(torch.bfloat16)
     # delta step (stale) fused into the quantization of dO: one read of dO and O
     do8, delta_stale = quantize(do, r.recipe.do_dp.fmt.name, rows=True, cols=True, delta_with=o)
-    why_not = gluon_backward_refusal(r, shape.head_dim, debug)
+    why_not = gluon_backward_refusal(r, shape.head_dim, debug, do.device)
     if gluon and why_not:
         raise ValueError(f"the Gluon backward does not run this call: {why_not}")
     if why_not or gluon is False:
@@ -162,13 +165,19 @@ def attention_backward(
                               kernels=("dq", "dkdv"), **_dims(shape))
 
 
-def gluon_backward_refusal(recipe: KernelSpec, head_dim: int, debug: bool = False) -> str | None:
+def gluon_backward_refusal(recipe: KernelSpec, head_dim: int, debug: bool = False,
+                           device: torch.device | None = None) -> str | None:
     """Why the warp-specialized Gluon backward (``bwd_ws``: dq and dkdv) does not run ``recipe`` at
-    ``head_dim`` here, or None where it does: Triton's interpreter runs no Gluon kernel, and the
+    ``head_dim`` on ``device`` (a CUDA device, or None: not asked), or None where it does: its
+    kernels are written for Hopper's wgmma, Triton's interpreter runs no Gluon kernel, and the
     kernels' own checks (``bwd_ws._check``, ``bwd_ws._check_dq``: the debug dumps, the 64-query and
     64-key tiles) say the rest."""
     from ._runtime import interpreting
 
+    if device is not None and device.type == "cuda":
+        why = _not_hopper(device)
+        if why:
+            return why
     if interpreting():
         return "Triton's interpreter runs no Gluon kernel"
     from . import bwd_ws
@@ -178,6 +187,16 @@ def gluon_backward_refusal(recipe: KernelSpec, head_dim: int, debug: bool = Fals
         bwd_ws._check(recipe, head_dim, debug)
     except ValueError as exc:
         return str(exc)
+    return None
+
+
+def _not_hopper(device: torch.device) -> str | None:
+    """Why the Gluon kernels (``fwd_ws``, ``bwd_ws``: Hopper's wgmma and setmaxnreg) do not run
+    on the CUDA ``device``, or None on a Hopper GPU (compute capability 9.x)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return (f"the Gluon kernels use Hopper's wgmma (compute capability 9.x); "
+                f"{torch.cuda.get_device_name(device)} has {major}.{minor}")
     return None
 
 

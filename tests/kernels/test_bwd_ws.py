@@ -411,3 +411,22 @@ def test_the_api_backward_says_when_the_gluon_one_does_not_run():
     assert "debug" in api.gluon_backward_refusal(r, 64, debug=True)
     wide = r.with_tiles(bwd=BwdTiles(block_m2=128, block_n2=128))
     assert "block_n2=128" in api.gluon_backward_refusal(wide, 128)
+
+
+def test_the_gluon_kernels_say_when_the_gpu_is_not_a_hopper(monkeypatch):
+    """On a CUDA GPU other than Hopper (compute capability 9.x) the API's backward runs the Triton
+    kernels (``gluon_backward_refusal`` names the GPU and its capability) and the folded recipes'
+    forward, a Gluon kernel, refuses with the same reason; no GPU is touched (the capability and
+    the name are monkeypatched)."""
+    pytest.importorskip("triton")
+    from dmref.kernels import api
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a Blackwell GPU")
+    cuda = torch.device("cuda")
+    why = api.gluon_backward_refusal(api.get_recipe("kernels_delta_matching"), 128, device=cuda)
+    assert why == "the Gluon kernels use Hopper's wgmma (compute capability 9.x); a Blackwell GPU has 10.0"
+    assert api._not_hopper(cuda) == why
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert api._not_hopper(cuda) is None
+

@@ -323,7 +323,7 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
 
 def sweep(d, causal, h, n, b):
     """Pick the fastest forward and backward tilings for one (head dim, causal) on one shape."""
-    from dmref.kernels import api, bwd as bwd_mod, bwd_ws, fwd as fwd_mod
+    from dmref.kernels import api, bwd as bwd_mod, fwd as fwd_mod
     from dmref.kernels.quantize import quantize
 
     torch.manual_seed(0)

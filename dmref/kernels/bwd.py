@@ -435,7 +435,7 @@ def launch(spec: KernelSpec, *, head_dim: int, causal: bool, kernel: str, group:
                   TMA=t.tma, DEBUG=bool(debug), INTERPRET=interpreting())
     if kernel == "dq":
         bn = t.block_n2
-        return Launch(dict(common, BLOCK_M=t.block_m2, BLOCK_N=bn, MATCHED=spec.recipe.delta.deferred_dq is not None),
+        return Launch(dict(common, BLOCK_M=t.block_m2, BLOCK_N=bn, MATCHED=spec.matched),
                       t.num_warps_dq, t.num_stages_dq, t.maxnreg_dq,
                       {"K8": [1, bn, d], "V8": [1, bn, d], "KT8": [1, d, bn]} if t.tma else {})
     if kernel == "dkdv":

@@ -11,9 +11,10 @@ compile_check``) and prints, per kernel, the order of the loop's wgmma issues (`
 warpgroup: no overlap of tensor cores with the softmax inside a CTA.
 
 Then, for the warp-specialized Gluon kernels (``fwd_ws``; ``bwd_ws``'s dq for the stale and the
-matched recipe; its dkdv), the sm_90a SASS instructions a consumer thread issues per iteration of
-its key- or query-tile loop (the innermost loop that holds a wgmma and an exp2; the forward's takes
-two key tiles an iteration), with the most frequent opcodes and the local-memory (spill) accesses:
+matched recipe; its dkdv; the dq and dkdv of the chained backward, ``Recipe.bwd_chain``), the
+sm_90a SASS instructions a consumer thread issues per iteration of its key- or query-tile loop
+(the innermost loop that holds a wgmma and an exp2; the forward's takes two key tiles an
+iteration), with the most frequent opcodes and the local-memory (spill) accesses:
 these kernels are issue-bound, so the count per tile is where their time goes.
 docs/kernels_speed.md cites the result.
 """
@@ -21,7 +22,6 @@ docs/kernels_speed.md cites the result.
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import re
 
@@ -54,32 +54,10 @@ def schedule(compiled) -> str:
     return " ".join(f"{x}x{n}" if n > 1 else x for x, n in runs)
 
 
-def sass_loop(compiled) -> collections.Counter:
-    """Opcodes of the innermost loop of ``compiled``'s SASS that holds a wgmma (``GMMA``) and an
-    exp2 (``MUFU``): the span from a label to a conditional branch back to it (the unconditional
-    branches back are the mbarrier waits' retries, placed after the kernel's end)."""
-    text = compiled.asm["sass"].splitlines()
-    labels = {m.group(1): i for i, line in enumerate(text) if (m := re.match(r"(LBB\d+):", line.strip()))}
-    spans = []
-    for i, line in enumerate(text):
-        m = re.search(r"@!?P\d+ BRA (LBB\d+);", line)
-        if m and labels.get(m.group(1), i) < i:
-            body = text[labels[m.group(1)]:i + 1]
-            if any("GMMA" in b for b in body) and any("MUFU" in b for b in body):
-                spans.append(body)
-    if not spans:
-        raise ValueError("no loop with a wgmma and an exp2 in the SASS")
-    ops = collections.Counter()
-    for line in min(spans, key=len):
-        m = re.match(r"\S+\t(?:@!?U?P\w+ )?([A-Z][A-Z0-9_]*)", line)
-        if m:
-            ops[m.group(1)] += 1
-    return ops
-
-
 def gluon_loops(head_dims) -> list[str]:
     """One line per Gluon kernel and head dim: SASS instructions per loop iteration."""
     from dmref.kernels import bwd_ws, fwd_ws
+    from dmref.kernels.compile_check import sass_loop
 
     lines = ["# sm_90a SASS instructions per consumer thread and loop iteration of the Gluon kernels "
              "(non-causal; fwd_ws: two 128-key tiles of 64 queries; dq: one 64-key tile of 64 queries; "
@@ -88,10 +66,15 @@ def gluon_loops(head_dims) -> list[str]:
         for name, compile_ in (("fwd_ws", lambda: fwd_ws.compile_sm90(d)),  # noqa: B023 (called at once)
                                ("dq stale", lambda: bwd_ws.compile_sm90_dq(d, recipe="kernels_naive_fp8")),
                                ("dq matched", lambda: bwd_ws.compile_sm90_dq(d, recipe="kernels_delta_matching")),
-                               ("dkdv", lambda: bwd_ws.compile_sm90(d, recipe="kernels_delta_matching"))):
+                               ("dkdv", lambda: bwd_ws.compile_sm90(d, recipe="kernels_delta_matching")),
+                               # the chained backward (Recipe.bwd_chain)
+                               ("dq stale, chained", lambda: bwd_ws.compile_sm90_dq(d, recipe="kernels_chained_naive_fp8")),
+                               ("dq matched, chained",
+                                lambda: bwd_ws.compile_sm90_dq(d, recipe="kernels_chained_delta_matching")),
+                               ("dkdv, chained", lambda: bwd_ws.compile_sm90(d, recipe="kernels_chained_delta_matching"))):
             ops = sass_loop(compile_())
             top = " ".join(f"{op} {n}" for op, n in ops.most_common(10))
-            lines.append(f"D={d:<3d} {name:10s} {sum(ops.values()):5d}  {top}  | spills: STL {ops['STL']} LDL {ops['LDL']}")
+            lines.append(f"D={d:<3d} {name:19s} {sum(ops.values()):5d}  {top}  | spills: STL {ops['STL']} LDL {ops['LDL']}")
             print(lines[-1], flush=True)
     return lines
 

@@ -11,6 +11,7 @@ Must run with ``TRITON_INTERPRET`` unset (under the interpreter kernels are not 
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 import subprocess
@@ -108,6 +109,29 @@ def added_wgmma_waits(compiled) -> int:
     return len(re.findall(r"WARPGROUP\.DEPBAR", sass)) - len(re.findall(r"wgmma\.wait_group", compiled.asm["ptx"]))
 
 
+def sass_loop(compiled) -> collections.Counter:
+    """Opcodes of the innermost loop of ``compiled``'s SASS that holds a wgmma (``GMMA``) and an
+    exp2 (``MUFU``): the span from a label to a conditional branch back to it (the unconditional
+    branches back are the mbarrier waits' retries, placed after the kernel's end)."""
+    text = compiled.asm["sass"].splitlines()
+    labels = {m.group(1): i for i, line in enumerate(text) if (m := re.match(r"(LBB\d+):", line.strip()))}
+    spans = []
+    for i, line in enumerate(text):
+        m = re.search(r"@!?P\d+ BRA (LBB\d+);", line)
+        if m and labels.get(m.group(1), i) < i:
+            body = text[labels[m.group(1)]:i + 1]
+            if any("GMMA" in b for b in body) and any("MUFU" in b for b in body):
+                spans.append(body)
+    if not spans:
+        raise ValueError("no loop with a wgmma and an exp2 in the SASS")
+    ops = collections.Counter()
+    for line in min(spans, key=len):
+        m = re.match(r"\S+\t(?:@!?U?P\w+ )?([A-Z][A-Z0-9_]*)", line)
+        if m:
+            ops[m.group(1)] += 1
+    return ops
+
+
 def warp_specialized_budget(compiled) -> dict:
     """What the warp-specialized Gluon kernels' budget is checked on (one ptxas run): registers
     at launch, spill bytes, shared bytes, the ``setmaxnreg`` values, threads per CTA, whether
@@ -116,7 +140,8 @@ def warp_specialized_budget(compiled) -> dict:
     ptx = compiled.asm["ptx"]
     report = ptxas_report(compiled)
     regs, spills, shared = resource_usage(compiled, report)
-    return dict(regs=regs, spills=spills, shared=shared,
+    loop = sass_loop(compiled) if "MUFU" in compiled.asm["sass"] else {}
+    return dict(regs=regs, spills=spills, shared=shared, loop_spills=loop.get("STL", 0) + loop.get("LDL", 0),
                 serialized="C7514" in report or added_wgmma_waits(compiled) > 0,
                 setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
                 threads=int(re.search(r"\.reqntid (\d+)", ptx).group(1)),

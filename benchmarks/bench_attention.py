@@ -212,10 +212,26 @@ def _speedups(ms: dict, anchor: str) -> dict:
     }
 
 
+def _bwd_parts(r, gluon: bool, saved, do8, d_stale, kw) -> dict:
+    """The backward's kernels without the preprocess, by part: both, the dq alone, the dkdv alone
+    (on the dq's D); the Gluon ones (``bwd_ws``) or the Triton ones (``bwd``)."""
+    from dmref.kernels import bwd as bwd_mod, bwd_ws
+
+    if gluon:
+        delta = bwd_ws.dq(saved, do8, d_stale, recipe=r, **kw)[1]
+        return {"kernels": lambda: bwd_ws.backward_ws(saved, do8, do8, d_stale, recipe=r, kernels=("dq", "dkdv"),
+                                                      **kw),
+                "dq": lambda: bwd_ws.dq(saved, do8, d_stale, recipe=r, **kw),
+                "dkdv": lambda: bwd_ws.dkdv(saved, do8, do8, delta, recipe=r, **kw)}
+    return {part: (lambda kernels=kernels: bwd_mod.backward(saved, do8, do8, d_stale, recipe=r, kernels=kernels,
+                                                            **kw))
+            for part, kernels in (("kernels", ("dq", "dkdv")), ("dq", ("dq",)), ("dkdv", ("dkdv",)))}
+
+
 def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from dmref.kernels import api, bwd as bwd_mod, bwd_ws, fwd as fwd_mod
+    from dmref.kernels import api, fwd as fwd_mod
     from dmref.kernels.quantize import quantize
 
     torch.manual_seed(0)
@@ -260,17 +276,7 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
         ms[f"ours_bwd_{tag}_triton"] = _bench(lambda r=r: api.attention_backward(
             saved, o, do, shape=shape, causal=causal, scale=scale, recipe=r, gluon=False))
         # its kernels without the preprocess: both, the dq alone, the dkdv alone (on the dq's D)
-        if gluon:
-            delta = bwd_ws.dq(saved, do8, d_stale, recipe=r, **kw)[1]
-            parts = {"kernels": lambda r=r: bwd_ws.backward_ws(saved, do8, do8, d_stale, recipe=r,
-                                                               kernels=("dq", "dkdv"), **kw),
-                     "dq": lambda r=r: bwd_ws.dq(saved, do8, d_stale, recipe=r, **kw),
-                     "dkdv": lambda r=r, delta=delta: bwd_ws.dkdv(saved, do8, do8, delta, recipe=r, **kw)}
-        else:
-            parts = {part: (lambda r=r, kernels=kernels: bwd_mod.backward(saved, do8, do8, d_stale, recipe=r,
-                                                                          kernels=kernels, **kw))
-                     for part, kernels in (("kernels", ("dq", "dkdv")), ("dq", ("dq",)), ("dkdv", ("dkdv",)))}
-        for part, fn in parts.items():
+        for part, fn in _bwd_parts(r, gluon, saved, do8, d_stale, kw).items():
             ms[f"ours_bwd_{tag}_{part}"] = _bench(fn)
     # --- ours: the chained backward (Recipe.bwd_chain: dV, dK, dQ one wgmma chain each), after
     # the forward of its recipe (the transposed copies with one scale per channel)
@@ -283,14 +289,8 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
         res.setdefault("bwd_kernels", {})[tag] = "gluon" if gluon else "triton"
         ms[f"ours_bwd_{tag}"] = _bench(lambda r=r: api.attention_backward(
             saved_c, o_c, do, shape=shape, causal=causal, scale=scale, recipe=r))
-        if gluon:
-            delta = bwd_ws.dq(saved_c, do8_c, d_stale_c, recipe=r, **kw)[1]
-            parts = {"kernels": lambda r=r: bwd_ws.backward_ws(saved_c, do8_c, do8_c, d_stale_c, recipe=r,
-                                                               kernels=("dq", "dkdv"), **kw),
-                     "dq": lambda r=r: bwd_ws.dq(saved_c, do8_c, d_stale_c, recipe=r, **kw),
-                     "dkdv": lambda r=r, delta=delta: bwd_ws.dkdv(saved_c, do8_c, do8_c, delta, recipe=r, **kw)}
-            for part, fn in parts.items():
-                ms[f"ours_bwd_{tag}_{part}"] = _bench(fn)
+        for part, fn in _bwd_parts(r, gluon, saved_c, do8_c, d_stale_c, kw).items():
+            ms[f"ours_bwd_{tag}_{part}"] = _bench(fn)
     del saved_c, o_c, do8_c
     # --- ours: end to end through autograd
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))

@@ -76,9 +76,7 @@ def speed(shapes, variants):
             from dmref.kernels.quantize import quantize_kv_folded
             r["quantize_kv_folded_ms"] = bench(lambda: quantize_kv_folded(k, v))
             for vname in variants:
-                if not timed(vname, d):
-                    continue
-                tiles = tiles_for(vname, d)
+                tiles = VARIANTS[vname]
                 tag = vname
                 try:
                     o, lse2, kv = fwd_ws.attention_forward(q, k, v, causal=causal, **tiles)
@@ -93,27 +91,20 @@ def speed(shapes, variants):
 
 
 VARIANTS = {
-    "serial_promoted": dict(chain=False, overlap=False),
-    "ov_promoted": dict(chain=False, overlap=True),  # 64-key tiles at D = 128 (232 registers)
+    "serial_promoted": dict(chain=False, overlap=False),  # the folded recipes' schedule at D = 128
+    # the folded recipes' schedule at D = 64; at D = 128 PV's tile in the registers of the S tile
+    # it follows (not yet the default there: fwd_ws.default_overlap)
+    "ov_promoted": dict(chain=False, overlap=True),
     "serial_chained": dict(chain=True, overlap=False),
-    "ov_chained": dict(chain=True, overlap=True),  # the folded recipes' schedule (fwd_ws.forward's default)
+    "ov_chained": dict(chain=True, overlap=True),
     "ov_chained_s3": dict(chain=True, overlap=True, stages=3),
     # K's and V's TMA descriptors built on the host once a launch instead of in every CTA
     "ov_chained_host": dict(chain=True, overlap=True, host_descriptors=True),
+    # the normalizer from an m64n8 wgmma of P against ones beside PV (Normalizer.PV_SUM) instead
+    # of a float32 add per score
+    "ov_chained_pvsum": dict(chain=True, overlap=True, pv_sum=True),
+    "ov_promoted_pvsum": dict(chain=False, overlap=True, pv_sum=True),
 }
-
-
-def tiles_for(name, d):
-    tiles = dict(VARIANTS[name])
-    if name.startswith("ov_promoted") and d == 128:
-        tiles["block_n"] = 64
-    return tiles
-
-
-def timed(name, d):
-    """Variants timed at head dim d: the 64-key overlapped ones are not timed at D = 128 (slower
-    than serial there, h200_fwd_ws_probe.jsonl)."""
-    return not (name.startswith("ov_promoted") and d == 128)
 
 
 def check_variant(name):
@@ -121,8 +112,8 @@ def check_variant(name):
     for (b, h, hkv, n, d, causal) in [(2, 4, 4, 1000, 128, False), (1, 8, 2, 777, 64, True),
                                       (1, 2, 1, 203, 128, True), (1, 4, 4, 4096, 128, True), (1, 2, 2, 64, 64, False)]:
         q, k, v = inputs(b, h, hkv, n, d)
-        o1, l1, _ = fwd_ws.attention_forward(q, k, v, causal=causal, **tiles_for("serial_promoted", d))
-        o, l2, _ = fwd_ws.attention_forward(q, k, v, causal=causal, **tiles_for(name, d))
+        o1, l1, _ = fwd_ws.attention_forward(q, k, v, causal=causal, **VARIANTS["serial_promoted"])
+        o, l2, _ = fwd_ws.attention_forward(q, k, v, causal=causal, **VARIANTS[name])
         torch.cuda.synchronize()
         g = h // hkv
         ref = F.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(g, 1),
@@ -133,17 +124,24 @@ def check_variant(name):
 
 
 def accuracy():
-    """O against float64: promoted and chained PV, the Triton forward, cuDNN FP8, on one input."""
+    """O against float64: promoted and chained PV, the Triton forward, cuDNN FP8, on the same
+    inputs: outlier channels (``channels``) and long averages of a V whose channels have one sign
+    (``dc``)."""
     from dmref import targets
 
-    for (b, h, n, d, causal) in [(1, 8, 4096, 128, False), (1, 4, 16384, 128, True), (1, 4, 16384, 128, False)]:
+    for (b, h, n, d, causal, kind) in [(1, 8, 4096, 128, False, "channels"), (1, 4, 16384, 128, True, "channels"),
+                                       (1, 4, 16384, 128, False, "channels"), (1, 4, 4096, 128, False, "dc"),
+                                       (1, 4, 16384, 128, False, "dc")]:
         q, k, v = inputs(b, h, h, n, d, wide=False)
-        q[..., ::16] *= 4
-        k[..., ::16] *= 4
+        if kind == "dc":  # logits near zero and V's channels of one sign (cpu_pv_accuracy.py's dc)
+            q, k, v = q * 0.1, k * 0.1, 1 + v / 4
+        else:
+            q[..., ::16] *= 4
+            k[..., ::16] *= 4
         ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
-        r = dict(check="accuracy", shape=[b, h, n, d], causal=causal)
-        for name in ("serial_promoted", "ov_chained"):
-            o, _, _ = fwd_ws.attention_forward(q, k, v, causal=causal, **tiles_for(name, d))
+        r = dict(check="accuracy", shape=[b, h, n, d], causal=causal, inputs=kind)
+        for name in ("serial_promoted", "ov_promoted", "ov_chained", "ov_promoted_pvsum"):
+            o, _, _ = fwd_ws.attention_forward(q, k, v, causal=causal, **VARIANTS[name])
             r[name] = rel(o, ref)
             r[name + "_mean_ratio"] = (o.double() * ref).sum().item() / (ref * ref).sum().item()
         o, _, _, _ = api.attention_forward(q, k, v, causal=causal, recipe="kernels_delta_matching", for_backward=False)

@@ -10,7 +10,7 @@ compile_check``) and prints, per kernel, the order of the loop's wgmma issues (`
 ``W0`` right after every ``C`` means each matmul completes before anything else runs in that
 warpgroup: no overlap of tensor cores with the softmax inside a CTA.
 
-Then, for the warp-specialized Gluon kernels (``fwd_ws``; ``bwd_ws``'s dq for the stale and the
+Then, for the warp-specialized Gluon kernels (``fwd_ws``, and with ``pv_sum``; ``bwd_ws``'s dq for the stale and the
 matched recipe; its dkdv; the dq and dkdv of the chained backward, ``Recipe.bwd_chain``), the
 sm_90a SASS instructions a consumer thread issues per iteration of its key- or query-tile loop
 (the innermost loop that holds a wgmma and an exp2; the forward's takes two key tiles an
@@ -64,6 +64,8 @@ def gluon_loops(head_dims) -> list[str]:
              "dkdv: one 64-query tile of 64 keys), the most frequent opcodes after the total"]
     for d in head_dims:
         for name, compile_ in (("fwd_ws", lambda: fwd_ws.compile_sm90(d)),  # noqa: B023 (called at once)
+                               # the normalizer from a narrow wgmma beside PV (Normalizer.PV_SUM)
+                               ("fwd_ws, pv_sum", lambda: fwd_ws.compile_sm90(d, pv_sum=True)),
                                ("dq stale", lambda: bwd_ws.compile_sm90_dq(d, recipe="kernels_naive_fp8")),
                                ("dq matched", lambda: bwd_ws.compile_sm90_dq(d, recipe="kernels_delta_matching")),
                                ("dkdv", lambda: bwd_ws.compile_sm90(d, recipe="kernels_delta_matching")),

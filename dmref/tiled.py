@@ -13,7 +13,9 @@ the tile are skipped)::
               m    = running row max of x;  alpha = 2^(m_old - m);  p = 2^(x - m)
               P~   = Q-point P (p * 2^offset) * 2^-offset
               l    = alpha l + rowsum(p or P~);  acc = alpha acc + P~ V^  (Recipe.pv_chain:
-                                                    P~ V^ accumulated into fl(alpha acc))
+                                                    P~ V^ accumulated into fl(alpha acc);
+                                                    Normalizer.PV_SUM: l is one more column of
+                                                    it, P~ against a column of ones)
               O    = acc / l;  lse = m + log2 l                          (saved: O, lse)
     delta     D    (one of the strategies below, its own step before the sweep)
     backward  P    = 2^(x - lse)   (FP32: the multiplier of dS)
@@ -40,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .emulation import FLOAT8_E8M0FNU, Accumulation, MatmulModel, decode, encode
+from .emulation import FLOAT8_E4M3FN, FLOAT8_E8M0FNU, Accumulation, MatmulModel, decode, encode
 from .emulation.blocked import Block, block_amax, scales_from_amax
 from .emulation.blocked_fast import abs_amax, fake_quantize_blocked
 from .emulation.constants import LN2, LOG2E
@@ -466,8 +468,11 @@ def forward(q, k, v, *, recipe="exact", causal: bool = False, scale=None, mask=N
         if codes is not None:  # P~ = p_hat * 2^offset is on the format's grid: encode is exact
             codes[..., i0:, j0:j1] = torch.as_tensor(
                 encode((p_hat * 2.0 ** r.p_fwd.offset_log2).float(), r.p.fmt)).to(codes.device)
-        mass = p if r.normalizer is Normalizer.FP32_SUM else p_hat
-        l[..., i0:] = l[..., i0:] * alpha + mass.sum(dim=-1)
+        if r.normalizer is Normalizer.PV_SUM:
+            l[..., i0:] = _pv_sum(p_hat, l[..., i0:] * alpha, r, wd)
+        else:
+            mass = p if r.normalizer is Normalizer.FP32_SUM else p_hat
+            l[..., i0:] = l[..., i0:] * alpha + mass.sum(dim=-1)
         if r.pv_chain:  # the chain runs on from fl(alpha acc) (a wgmma with C = alpha acc)
             acc[..., i0:, :] = _matmul(p_hat, v_hat[..., j0:j1, :], acc_model.pv, wd, (r.p, r.v),
                                        c=acc[..., i0:, :] * alpha[..., None])
@@ -484,6 +489,21 @@ def forward(q, k, v, *, recipe="exact", causal: bool = False, scale=None, mask=N
     # Q-point O (saved and returned): fp32 -> recipe.o (BF16 for FA2-style kernels, E4M3 for cuDNN FP8)
     out = _quantize(out, r.o, contract_dim=-1, dtype=wd)
     return ForwardResult(out, SoftmaxStats(ref, l, lse2), codes)
+
+
+#: The column of ones the PV_SUM normalizer multiplies P~ with: exact in every FP8 format, no scale.
+_ONES = QuantPoint(FLOAT8_E4M3FN, Granularity.TENSOR, ScaleRule.FIXED)
+
+
+def _pv_sum(p_hat: torch.Tensor, l_alpha: torch.Tensor, r: Recipe, wd: torch.dtype) -> torch.Tensor:
+    """Normalizer.PV_SUM: l = fl(l alpha) + sum_j p~_j as one more column of P~ V, against a column
+    of ones, under PV's accumulation model: inside PV's chain with ``pv_chain``, else the tile's
+    sum from zero added once (as PV is)."""
+    ones = torch.ones(*p_hat.shape[:-1][:-1], p_hat.shape[-1], 1, dtype=wd, device=p_hat.device)
+    col = l_alpha[..., None]
+    if r.pv_chain:
+        return _matmul(p_hat, ones, r.accumulation.pv, wd, (r.p, _ONES), c=col)[..., 0]
+    return (col + _matmul(p_hat, ones, r.accumulation.pv, wd, (r.p, _ONES)))[..., 0]
 
 
 # ==============================================================================================

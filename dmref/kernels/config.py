@@ -191,8 +191,9 @@ def _differences(recipe, bwd: BwdTiles | None) -> list[str]:
     if recipe.pv_chain and not folded:
         checks.append("pv_chain: the Triton forward promotes PV once per key tile; the warp-specialized "
                       "forward (K scaled per head) chains it")
-    if recipe.normalizer is not Normalizer.FP32_SUM:
-        checks.append("normalizer: the kernels divide by the float32 sum of P")
+    if recipe.normalizer is not Normalizer.FP32_SUM and not (folded and recipe.normalizer is Normalizer.PV_SUM):
+        checks.append("normalizer: the kernels divide by the float32 sum of P (the warp-specialized forward, K "
+                      "scaled per head, also by PV's own sum of P's codes, Normalizer.PV_SUM)")
     if recipe.precision != "float32" or recipe.tiles.block_k != QUANT_BLOCK:
         checks.append(f"the kernels work in float32 with the running max rescaled every {QUANT_BLOCK} keys")
     if recipe.delta not in (STALE,) and not (recipe.delta.kind is DeltaKind.MATCHED
@@ -230,9 +231,11 @@ def kernel_recipe(delta: KernelDelta, bwd: BwdTiles | None = None, do_format: st
     ``folded``: the warp-specialized forward's (``fwd_ws``) scales, which fold out of its loop:
     K with one POW2_DOWN scale per (batch, key/value head) (``Granularity.HEAD``, in QK^T and
     in the backward's recomputation of it), V in PV with one per (batch, key/value head,
-    channel) over all tokens (``Granularity.ROW`` of V laid out for PV); and its PV
-    accumulation, one wgmma chain over all keys (``Recipe.pv_chain``), which lets QK^T of the
-    next key tile run during the softmax within 232 registers.
+    channel) over all tokens (``Granularity.ROW`` of V laid out for PV). PV is promoted to float32
+    per 128-key tile, as in the Triton forward: one wgmma chain over all keys
+    (``Recipe.pv_chain``) loses the products of a long row once its accumulator outgrows them
+    (an average over thousands of keys of a V whose channels have one sign: 6.8% of O at 4,096
+    keys, benchmarks/results/cpu_pv_accuracy.json).
 
     ``chained``: the chained backward (``Recipe.bwd_chain``): dV, dK, dQ and kbar each one wgmma
     chain across the tiles, the transposed copies of dO, Q and K with one scale per channel over
@@ -261,8 +264,7 @@ def kernel_recipe(delta: KernelDelta, bwd: BwdTiles | None = None, do_format: st
     if folded:
         recipe = dataclasses.replace(recipe, name=recipe.name.replace("kernels_", "kernels_folded_"),
                                      k=QuantPoint(base.k.fmt, Granularity.HEAD, ScaleRule.POW2_DOWN),
-                                     v=QuantPoint(base.v.fmt, Granularity.ROW, ScaleRule.POW2_DOWN),
-                                     pv_chain=True)
+                                     v=QuantPoint(base.v.fmt, Granularity.ROW, ScaleRule.POW2_DOWN))
     return fit_to_tiles(recipe, bwd)
 
 

@@ -238,8 +238,7 @@ class _Chain:
     exponent k of a row is its *running* POW2 exponent: the smaller of the tile's own (from the
     row's amax over the tile) and the previous tile's, unchanged by an all-zero row; with a fixed
     rule (P times its offset) k = 0. ``b_deq (..., K, C)``: b's dequantized values over the
-    whole contraction (``b_point``: one power-of-two scale per column, :func:`_codes_and_scales`);
-    ``rows``: the rows of a; ``model``: the matmul's accumulation model (no promotion)."""
+    whole contraction, one power-of-two scale per column (:func:`_codes_and_scales`)."""
 
     def __init__(self, point: QuantPoint, b_point: QuantPoint, b_deq: torch.Tensor, rows: int, model: MatmulModel):
         self.point, self.b_fmt, self.model = point, b_point.fmt, model

@@ -122,16 +122,6 @@ def exp2_int(k):
 
 
 @triton.jit
-def running_pow2_exponent(amax, k_run, IS_E5M2: tl.constexpr):
-    """The running POW2_DOWN exponent of a chained backward's dS rows (``Recipe.bwd_chain``):
-    the smaller of the tile's own (from the row's ``amax``) and the previous one ``k_run``, which
-    an all-zero row keeps. Returns (the new exponents, the factor 2**max(drop, -126) that rescales
-    the chain's accumulator rows: an exact power of two)."""
-    k_new = tl.where(amax > 0, tl.minimum(k_run, pow2_down_exponent(amax, IS_E5M2)), k_run)
-    return k_new, exp2_int(tl.maximum(k_new - k_run, -126))
-
-
-@triton.jit
 def quantize_rows(x, IS_E5M2: tl.constexpr, INTERPRET: tl.constexpr):
     """One POW2_DOWN scale per row of the 2-D tile: returns (codes, dequantization factors,
     the scaled float32 tile the cast received)."""

@@ -22,7 +22,6 @@ LAUNCH_REGS = 128
 # The kernels' power-of-two scale rule, FP8 cast and separately rounded multiply
 pow2_down_exponent = gluon.jit(_common.pow2_down_exponent.fn)
 exp2_int = gluon.jit(_common.exp2_int.fn)
-running_pow2_exponent = gluon.jit(_common.running_pow2_exponent.fn)
 to_fp8 = gluon.jit(_common.to_fp8.fn)
 mul_rn = gluon.jit(_common.mul_rn.fn)
 

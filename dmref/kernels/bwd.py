@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import exp2_int, mul_rn, quantize_rows, running_pow2_exponent, to_bf16, to_fp8
+from ._common import exp2_int, mul_rn, pow2_down_exponent, quantize_rows, to_bf16, to_fp8
 from ._runtime import Launch, interpreting
 from .config import KBAR_P_SCALE_LOG2, QUANT_BLOCK, KernelSpec
 
@@ -108,12 +108,13 @@ def _quantize_ds(ds, INTERPRET: tl.constexpr):
 @triton.jit
 def _running_quantize_ds(ds, acc, k_run, INTERPRET: tl.constexpr):
     """Q-point dS of a chained backward (``Recipe.bwd_chain``): E4M3 against each row's running
-    POW2_DOWN exponent (``_common.running_pow2_exponent``), the chain's accumulator rows rescaled
-    by its drop. Returns (codes, the rescaled accumulator, the new exponents, the scaled float32
-    tile the cast received)."""
-    k_new, fac = running_pow2_exponent(tl.max(tl.abs(ds), axis=1), k_run, False)
-    scaled = ds * exp2_int(k_new)[:, None]
-    return to_fp8(scaled, False, INTERPRET), acc * fac[:, None], k_new, scaled
+    POW2_DOWN exponent, the smaller of the tile's own and the previous one (an all-zero row keeps
+    it); the chain's accumulator rows are rescaled by the drop, an exact power of two (at most
+    2**-126). Returns (codes, the rescaled accumulator, the new exponents)."""
+    amax = tl.max(tl.abs(ds), axis=1)
+    k_new = tl.where(amax > 0, tl.minimum(k_run, pow2_down_exponent(amax, False)), k_run)
+    acc = acc * exp2_int(tl.maximum(k_new - k_run, -126))[:, None]
+    return to_fp8(ds * exp2_int(k_new)[:, None], False, INTERPRET), acc, k_new
 
 
 # --------------------------------------------------------------------------------------------
@@ -200,19 +201,16 @@ def _bwd_dq_kernel(
     q, do, q_scale, do_scale, lse2, d_stale = _dq_load_queries(
         Q8, Q_SCALE, DO8, DO_SCALE, LSE2, DELTA_STALE, bh64, rows, offs_m, in_seq, qk_scale, N, HEAD_DIM)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # kbar is second order (it is multiplied by D - D_stale): float16, in units u of the
+    # largest K scale of this head (K_UNIT), so |kbar / u| <= 448 can never overflow float16
+    kbar = tl.zeros([BLOCK_M, HEAD_DIM], tl.float16)
+    if MATCHED and not CHAIN:
+        unit = tl.load(K_UNIT + kv)
+        kb_c = tl.math.div_rn(1.0 / KBAR_P_SCALE, unit)  # powers of two: exact
     # CHAIN (Recipe.bwd_chain): dQ and kbar are one chain each over all key tiles, in the units of
     # the codes (K^T's one scale per channel, dS's running scale), scaled once after the loop
     k_run = tl.full([BLOCK_M], 126, tl.int32)
-    if CHAIN:
-        kbar = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        unit = 1.0
-    else:
-        # kbar is second order (it is multiplied by D - D_stale): float16, in units u of the
-        # largest K scale of this head (K_UNIT), so |kbar / u| <= 448 can never overflow float16
-        kbar = tl.zeros([BLOCK_M, HEAD_DIM], tl.float16)
-        if MATCHED:
-            unit = tl.load(K_UNIT + kv)
-            kb_c = tl.math.div_rn(1.0 / KBAR_P_SCALE, unit)  # powers of two: exact
+    kbar32 = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     pdp = tl.zeros([BLOCK_M], tl.float32)
     psum = tl.zeros([BLOCK_M], tl.float32)
     rowsum = tl.zeros([BLOCK_M], tl.float32)
@@ -249,7 +247,7 @@ def _bwd_dq_kernel(
         # Every FP8 operand exists before the first matmul below, so the float32 P, dP and dS
         # tiles are dead while a matmul's float32 result is live (registers).
         if CHAIN:
-            ds8, dq, k_run, _ = _running_quantize_ds(ds, dq, k_run, INTERPRET)
+            ds8, dq, k_run = _running_quantize_ds(ds, dq, k_run, INTERPRET)
         else:
             ds8, ds_inv, _ = _quantize_ds(ds, INTERPRET)
         if MATCHED:
@@ -263,7 +261,7 @@ def _bwd_dq_kernel(
             # dS K and P K: the chains run on
             dq = tl.dot(ds8, kt, dq)
             if MATCHED:
-                kbar = tl.dot(p8, kt, kbar)
+                kbar32 = tl.dot(p8, kt, kbar32)
         else:
             # dS K, promoted: one wgmma chain per tile, then one float32 add
             dq += tl.dot(ds8, kt) * tl.load(KT_SCALE + sc)[None, :] * ds_inv[:, None]
@@ -273,10 +271,14 @@ def _bwd_dq_kernel(
         # out of the codes' units: dS's last running scale per row, K^T's per channel
         k_col = tl.load(KT_SCALE + offs_d)[None, :]
         dq = dq * exp2_int(-k_run)[:, None] * k_col
-        kbar = kbar * (k_col * (1.0 / KBAR_P_SCALE))  # in units 1
+        kbar32 = kbar32 * (k_col * (1.0 / KBAR_P_SCALE))
     if MATCHED:
-        dq, rowsum = _dq_matched_delta(dq, kbar, unit, pdp, d_stale, psum, rowsum, DELTA_MATCHED + bh64 * N,
-                                       offs_m, in_seq, DEBUG)
+        if CHAIN:
+            dq, rowsum = _dq_matched_delta(dq, kbar32, 1.0, pdp, d_stale, psum, rowsum, DELTA_MATCHED + bh64 * N,
+                                           offs_m, in_seq, DEBUG)
+        else:
+            dq, rowsum = _dq_matched_delta(dq, kbar, unit, pdp, d_stale, psum, rowsum, DELTA_MATCHED + bh64 * N,
+                                           offs_m, in_seq, DEBUG)
     # stores
     tl.store(DQ + bh64 * N * HEAD_DIM + rows, to_bf16(dq * sm_scale, INTERPRET), mask=in_seq[:, None])
     if DEBUG:
@@ -376,8 +378,9 @@ def _dkdv_head(
         # dS = P (dP - D), with D stale or matched (the dq kernel's) as the caller chose
         ds_t = p_t * (dp_t - delta[None, :])
         if CHAIN:
-            ds8_t, dk, k_run, ds_scaled = _running_quantize_ds(ds_t, dk, k_run, INTERPRET)
+            ds8_t, dk, k_run = _running_quantize_ds(ds_t, dk, k_run, INTERPRET)
             ds_inv = exp2_int(-k_run)
+            ds_scaled = ds_t * exp2_int(k_run)[:, None]
         else:
             ds8_t, ds_inv, ds_scaled = _quantize_ds(ds_t, INTERPRET)
         if DEBUG:

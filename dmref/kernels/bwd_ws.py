@@ -135,7 +135,6 @@ from ._gluon import LAUNCH_REGS, PRODUCER_REGS, allocator
 from ._gluon import exp2_int as _exp2_int
 from ._gluon import mul_rn as _mul_rn
 from ._gluon import pow2_down_exponent as _pow2_down_exponent
-from ._gluon import running_pow2_exponent as _running_pow2_exponent
 from ._gluon import to_fp8 as _to_fp8
 from .config import KBAR_P_SCALE_LOG2 as _KBAR_P_SCALE_LOG2
 from .config import QUANT_BLOCK as _QUANT_BLOCK
@@ -197,12 +196,15 @@ def _promote(acc, a8, b_smem, t_old, scale_smem, row_factor, acc_layout: gl.cons
 @gluon.jit
 def _running_ds8(ds, k_run, op_layout: gl.constexpr, acc_rows: gl.constexpr):
     """Q-point dS of a chained backward (``Recipe.bwd_chain``; ``bwd._running_quantize_ds``):
-    E4M3 against each row's running POW2_DOWN exponent (``_common.running_pow2_exponent``).
-    Returns (codes as the A operand, the factor that rescales the chain's accumulator rows, in
-    ``acc_rows``, the new exponents)."""
-    k_new, fac = _running_pow2_exponent(gl.max(gl.abs(ds), axis=1), k_run, False)
+    E4M3 against each row's running POW2_DOWN exponent, the smaller of the tile's own and the
+    previous one (an all-zero row keeps it). Returns (codes as the A operand, the factor
+    2**max(drop, -126) that rescales the chain's accumulator rows, in ``acc_rows``, the new
+    exponents)."""
+    amax = gl.max(gl.abs(ds), axis=1)
+    k_new = gl.where(amax > 0, gl.minimum(k_run, _pow2_down_exponent(amax, False)), k_run)
     ds8 = gl.convert_layout(_to_fp8(ds * gl.expand_dims(_exp2_int(k_new), 1), False, False), op_layout)
-    return ds8, gl.convert_layout(fac, acc_rows), k_new
+    fac = gl.convert_layout(_exp2_int(gl.maximum(k_new - k_run, -126)), acc_rows)
+    return ds8, fac, k_new
 
 
 @gluon.jit
@@ -858,14 +860,9 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
             # Q-point dS (chained backward): against each query row's running scale; dQ's rows
             # rescaled by its drop
             ds8, fac, k_run = _running_ds8(ds, k_run, op_layout, row_a)
-        else:
-            k_ds = _pow2_down_exponent(gl.max(gl.abs(ds), axis=1), False)
-            ds8 = gl.convert_layout(_to_fp8(ds * gl.expand_dims(_exp2_int(k_ds), 1), False, False), op_layout)
-            ds_inv = gl.convert_layout(_exp2_int(-k_ds), row_a)
-        if MATCHED:
-            # Q-point P (kbar): E4M3, scale KBAR_P_SCALE against LSE
-            p8 = gl.convert_layout(_to_fp8(p * KBAR_P_SCALE, False, False), op_layout)
-        if CHAIN:
+            if MATCHED:
+                # Q-point P (kbar): E4M3, scale KBAR_P_SCALE against LSE
+                p8 = gl.convert_layout(_to_fp8(p * KBAR_P_SCALE, False, False), op_layout)
             mbarrier.wait(cols_ready.index(s), ph)
             kt_s = kt_bufs.index(s).permute((1, 0))
             # dS K and P K: the chains run on, one wait for both
@@ -876,6 +873,12 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
             else:
                 dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
         else:
+            k_ds = _pow2_down_exponent(gl.max(gl.abs(ds), axis=1), False)
+            ds8 = gl.convert_layout(_to_fp8(ds * gl.expand_dims(_exp2_int(k_ds), 1), False, False), op_layout)
+            ds_inv = gl.convert_layout(_exp2_int(-k_ds), row_a)
+            if MATCHED:
+                # Q-point P (kbar): E4M3, scale KBAR_P_SCALE against LSE
+                p8 = gl.convert_layout(_to_fp8(p * KBAR_P_SCALE, False, False), op_layout)
             # dS K, promoted: one wgmma chain per tile, then one float32 multiply-add (the channel
             # scales from shared memory after the wait, not held across the wgmma)
             mbarrier.wait(cols_ready.index(s), ph)

@@ -215,40 +215,6 @@ def test_quantize_kernel_codes_and_scales_equal_the_emulation(backend, fmt, n, h
     assert ((delta.double() - exact).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("backend", ["interpreter", pytest.param("gpu", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
-@pytest.mark.parametrize("group", [1, 2])
-def test_quantize_kernel_scales_per_channel_over_a_group_of_heads(backend, fmt, group):
-    """``col_group`` (the chained backward's transposed copies): one POW2_DOWN scale per channel
-    over all tokens of each ``group`` consecutive heads, in every block of ``col_scale``; the row
-    copy as without it. A head whose channel is 2**20 larger moves its group's scale, not the
-    other group's."""
-    from dmref.emulation import Block, ScaleRule, quantize_blocked
-    from dmref.kernels.config import QUANT_BLOCK
-    from dmref.kernels.quantize import quantize
-
-    device = require_backend(backend)
-    n, d, heads = 203, 64, 4
-    x, _, _, _ = outlier_inputs(Case(2, heads, heads, n, d), device)
-    x = x.float()
-    x[0, 1, :, 5] *= 2.0**20  # head 1 of batch 0: its group's channel 5 scale only
-    x = x.to(torch.bfloat16)
-    got, _ = quantize(x, fmt, rows=True, cols=True, col_group=group)
-    plain, _ = quantize(x, fmt, rows=True, cols=False)
-    assert torch.equal(got.rows.view(torch.uint8), plain.rows.view(torch.uint8))
-    # the emulation: each group's heads' tokens as one (D, G * N) operand, one scale per channel
-    xg = x.float().reshape(2 * heads // group, group * n, d).transpose(1, 2)
-    codes, inv = quantize_blocked(xg, fmt, block=Block.rows(), scale_rule=ScaleRule.POW2_DOWN)
-    npad = -(-n // QUANT_BLOCK) * QUANT_BLOCK
-    codes = codes.reshape(2 * heads // group, d, group, n).permute(0, 2, 1, 3).reshape(2 * heads, d, n)
-    assert torch.equal(got.cols.view(torch.uint8)[..., :n], codes)
-    assert (got.cols.view(torch.uint8)[..., n:] == 0).all()
-    want_scale = inv.reshape(2 * heads // group, 1, 1, d).expand(-1, group, npad // QUANT_BLOCK, -1)
-    assert torch.equal(got.col_scale, want_scale.reshape(2 * heads, npad // QUANT_BLOCK, d).float())
-    with pytest.raises(ValueError, match="col_group"):
-        quantize(x, fmt, col_group=3)
-
-
 def _check_codes(backend, case, names):
     require_backend(backend)
     r = run_case(backend, case)
@@ -474,64 +440,3 @@ def test_kernel_fp8_cast_equals_emulation_cast_at_every_rounding_boundary(backen
     bad = y.cpu() != want
     assert not bad.any(), (f"{bad.sum().item()} of {x.numel()} codes differ: inputs "
                            f"{x[bad].tolist()}, kernel {y.cpu()[bad].tolist()}, emulation {want[bad].tolist()}")
-
-
-_CHAINED = [pytest.param("interpreter", Case(1, 2, 1, 203, 64, True, "kernels_chained_delta_matching"),
-                         id="interpreter-chained-causal-gqa"),
-            pytest.param("gpu", Case(2, 4, 2, 1000, 128, True, "kernels_chained_delta_matching"),
-                         id="gpu-chained-causal-gqa", marks=pytest.mark.gpu)]
-
-
-@pytest.mark.parametrize("backend,case", _CHAINED)
-def test_chained_ds_as_dk_sees_it_agrees_with_the_running_scale(backend, case):
-    """The chained backward's dS for dK (``Recipe.bwd_chain``): the dkdv kernel's dumped codes and
-    scales are the reference's dS quantized per key row against its running POW2_DOWN exponent over
-    the query tiles of the key/value head's query heads, in the kernel's order (head by head, 64
-    queries a tile): codes agree on CODE_AGREEMENT of the elements, scales exactly where the
-    tile's codes do."""
-    from dmref.emulation.blocked import scales_from_amax
-    from dmref.kernels import api
-
-    device = require_backend(backend)
-    q, k, v, do = outlier_inputs(case, device)
-    spec = case.spec()
-    rr = spec.reference_recipe("hopper" if backend == "gpu" else "fp32")
-    scale = 1.0 / math.sqrt(case.head_dim)
-    o, _, saved, _ = api.attention_forward(q, k, v, causal=case.causal, scale=scale, recipe=spec)
-    _, _, _, dbg = api.attention_backward(saved, o, do, shape=api.Shape.of(q, k, v), causal=case.causal,
-                                          scale=scale, recipe=spec, debug=True)
-    # the reference's dS = P (dP - D), whole rows, from its own P, dP and (tile by tile) matched D
-    qf, kf, vf, dof = (t.float().cpu() for t in (q, k, v, do))
-    fwd = tiled.forward(qf, kf, vf, recipe=rr, causal=case.causal, scale=scale)
-    pb = tiled._problem(qf, kf, vf, rr, case.causal, scale, None, dout=dof)
-    ops = tiled._backward_operands(pb, qf, kf, vf, dof)
-    n = case.n
-    x = tiled._logits(pb, ops.q_hat, ops.k_hat, 0, 0, n, rr.accumulation.qk_bwd)
-    p = tiled._backward_p(pb, fwd.stats)(x, 0)
-    dp = tiled._matmul(ops.do_dp, ops.v_dp.transpose(-1, -2), rr.accumulation.dp, torch.float32, (rr.do_dp, rr.v_dp))
-    delta = sum((p[..., j0:j0 + 128] * dp[..., j0:j0 + 128]).sum(-1, keepdim=True) for j0 in range(0, n, 128))
-    ds = flat(p * (dp - delta))  # (B*H, Nq, Nk)
-    g, bm = case.heads // case.kv_heads, spec.bwd_tiles(case.head_dim).block_m1
-    codes, scales = torch.zeros_like(ds), torch.zeros(ds.shape[0], -(-n // bm), n)
-    for kv in range(ds.shape[0] // g):
-        k_run = torch.full((n,), 126.0)
-        for h in range(kv * g, (kv + 1) * g):
-            for t, i0 in enumerate(range(0, n, bm)):
-                tile = ds[h, i0:i0 + bm]  # (queries, keys): one running exponent per key
-                amax = tile.abs().amax(0)
-                k_t = -torch.log2(scales_from_amax(amax, "float8_e4m3fn", "pow2_down").float())
-                k_run = torch.where(amax > 0, torch.minimum(k_run, k_t), k_run)
-                codes[h, i0:i0 + bm] = (tile * torch.exp2(k_run)).to(torch.float8_e4m3fn).float()
-                scales[h, t] = torch.exp2(-k_run)
-    got_codes = decode(dbg["ds_codes"].view(torch.uint8).cpu(), "e4m3").float()
-    valid = torch.ones(n, n, dtype=torch.bool).tril() if case.causal else torch.ones(n, n, dtype=torch.bool)
-    agree = (got_codes == codes)[:, valid].double().mean().item()
-    assert agree >= CODE_AGREEMENT, f"{agree:.6f} of the dS codes agree"
-    # scales: of every tile the kernel visits (causal: from the first tile that sees its key
-    # block; the dump is 0 elsewhere), which covers every tile with an unmasked element
-    got_scales = dbg["ds_scale"].cpu()
-    seen = got_scales != 0
-    tile_end = torch.arange(0, n, bm).clamp(max=n - 1)[:, None] + bm - 1
-    needed = (tile_end >= torch.arange(n)[None, :]) if case.causal else torch.ones_like(seen[0])
-    assert seen[:, needed].all()
-    assert (got_scales == scales)[seen].double().mean().item() >= CODE_AGREEMENT

@@ -355,20 +355,9 @@ class Recipe:
     #: tile's P~ V^ is formed from zero and added to fl(alpha acc) in the working precision (a
     #: promotion per tile). The two differ only under the ``hopper`` model of ``accumulation.pv``.
     pv_chain: bool = False
-    #: dV, dK and dQ (and a deferred dQ's kbar) each run as one wgmma chain across the backward's
-    #: tiles of 64 contraction elements, with no promotion to float32 in between (``dmref.tiled``,
-    #: "Chained backward"). Their token-major operands (``do_dv``, ``q_dk``, ``k_dq``) then need one
-    #: scale over the whole contraction (ROW; for GQA, over the queries of all heads that share a
-    #: key/value head), P one fixed scale, and dS (``ds_dq``, ``ds_dk``: a dynamic power-of-two rule
-    #: in 1 x 64 blocks) is quantized per row against a *running* scale: the exponent of each tile is
-    #: the smaller of its own and the previous tile's (a tile whose row is all zero keeps it), and
-    #: when it drops by d the row of the chain's accumulator is multiplied by 2^max(-d, -126), an
-    #: exact power of two. False: each tile's product starts from zero and is promoted.
-    bwd_chain: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "pv_chain", check_bool(self.pv_chain, "Recipe.pv_chain"))
-        object.__setattr__(self, "bwd_chain", check_bool(self.bwd_chain, "Recipe.bwd_chain"))
         if self.precision not in ("float32", "float64"):
             raise ValueError(f"Recipe.precision={self.precision!r} must be 'float32' or 'float64'")
         if self.p_fwd.reference not in (PReference.RUNNING_MAX, PReference.POW2_RUNNING_MAX):
@@ -390,26 +379,6 @@ class Recipe:
                 "softmax can know before the row is finished; use ScaleRule.FIXED or a tile granularity"
             )
 
-        if self.bwd_chain:
-            self._check_bwd_chain()
-
-    def _check_bwd_chain(self) -> None:
-        """ValueError unless the backward's points allow the chains of ``bwd_chain``."""
-        whole = (Granularity.ROW, Granularity.HEAD, Granularity.TENSOR)
-        bad = [f"{n}: {getattr(self, n).describe()} (needs one scale over the whole contraction: ROW)"
-               for n in ("do_dv", "q_dk", "k_dq")
-               if getattr(self, n).quantized and (getattr(self, n).granularity not in whole
-                                                  or not _dynamic_pow2_or_fixed(getattr(self, n).scale_rule))]
-        if self.p_dv.quantized and self.p_dv.scale_rule is not ScaleRule.FIXED:
-            bad.append(f"p_dv: {self.p_dv.describe()} (needs ScaleRule.FIXED)")
-        for n in ("ds_dq", "ds_dk"):
-            pt = getattr(self, n)
-            if not (pt.quantized and pt.granularity is Granularity.TILE_1x64 and pt.scale_rule.is_dynamic
-                    and pt.scale_rule.is_pow2 and not pt.scale_rule.is_e8m0):
-                bad.append(f"{n}: {pt.describe()} (needs a dynamic power-of-two rule in 1x64 blocks, the running scale's tiles)")
-        if bad:
-            raise ValueError(f"recipe {self.name!r}: bwd_chain: " + "; ".join(bad))
-
     def points(self) -> dict[str, QuantPoint]:
         """Every quantization point by field name."""
         names = ("q", "k", "v", "p", "o", "do_dp", "v_dp", "p_dv", "do_dv", "ds_dq", "k_dq", "ds_dk", "q_dk")
@@ -429,8 +398,7 @@ class Recipe:
         lines.append(f"  norm   {self.normalizer.value}")
         lines.append(f"  delta  {self.delta.name}")
         acc = ", ".join(f"{m}={getattr(self.accumulation, m).name}" for m in MATMULS)
-        lines.append(f"  accum  {acc}" + (", PV chained across key tiles" if self.pv_chain else "")
-                     + (", dV dK dQ chained across tiles (running dS scale)" if self.bwd_chain else ""))
+        lines.append(f"  accum  {acc}" + (", PV chained across key tiles" if self.pv_chain else ""))
         lines.append(f"  tiles  {self.tiles.block_q}x{self.tiles.block_k}, working precision {self.precision}")
         return "\n".join(lines)
 
@@ -438,10 +406,6 @@ class Recipe:
 # ----------------------------------------------------------------------------------------------
 # Presets
 # ----------------------------------------------------------------------------------------------
-
-
-def _dynamic_pow2_or_fixed(rule: ScaleRule) -> bool:
-    return rule is ScaleRule.FIXED or (rule.is_dynamic and rule.is_pow2)
 
 
 def _fp8(fmt: Format, granularity: Granularity, rule: ScaleRule) -> QuantPoint:

@@ -207,105 +207,6 @@ def _chained_gemm(a, sa, bt, sb, c, model: MatmulModel, fa, fb) -> torch.Tensor:
 
 
 # ==============================================================================================
-# The chained backward (Recipe.bwd_chain): one wgmma chain across the tiles
-# ==============================================================================================
-
-#: Contraction elements per tile of a chained backward matmul: the kernels' 64-wide tiles, dS's
-#: 1x64 blocks, the step of the running scale.
-CHAIN_TILE = 64
-
-
-def _codes_and_scales(x_deq: torch.Tensor, fmt) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes, scales) of an operand (..., K, C) quantized with one power-of-two scale per column
-    over the whole contraction K (ROW of the operand laid out for its matmul): codes (..., C, K)
-    exact ``fmt`` values, scales (..., 1, C). Which power of two carries the scale does not change
-    the chain's result (the Hopper model's alignment and truncation are relative)."""
-    k = x_deq.shape[-2]
-    codes, scales = _pow2_blocks(x_deq.transpose(-1, -2), fmt, max(k, 1))  # scales (..., C, 1): one block
-    return codes, scales.transpose(-1, -2).to(torch.float32)
-
-
-class _Chain:
-    """One matmul of a chained backward (Recipe.bwd_chain): ``out = sum over the contraction of
-    Q(a) b``, fed tile by tile (CHAIN_TILE contraction elements, in the kernels' order) into one
-    accumulator, as one wgmma chain with no promotion between tiles:
-
-        acc  = fl(acc * 2^max(k - k_old, -126))        running point: when the row's scale drops
-        acc  = chain(acc, Q(a_tile * 2^k), b_codes)     the model's wgmma with acc fed in
-        out  = acc * 2^-k * b_scale                     after the last tile
-
-    in the units of the codes. ``point``: a's quantization point. With a dynamic rule (dS) the
-    exponent k of a row is its *running* POW2 exponent: the smaller of the tile's own (from the
-    row's amax over the tile) and the previous tile's, unchanged by an all-zero row; with a fixed
-    rule (P times its offset) k = 0. ``b_deq (..., K, C)``: b's dequantized values over the
-    whole contraction, one power-of-two scale per column (:func:`_codes_and_scales`)."""
-
-    def __init__(self, point: QuantPoint, b_point: QuantPoint, b_deq: torch.Tensor, rows: int, model: MatmulModel):
-        self.point, self.b_fmt, self.model = point, b_point.fmt, model
-        self.running = point.scale_rule.is_dynamic
-        self.b_codes, self.b_scale = _codes_and_scales(b_deq, b_point.fmt)
-        lead, dev = b_deq.shape[:-2], b_deq.device
-        self.acc = torch.zeros(*lead, rows, b_deq.shape[-1], dtype=torch.float32, device=dev)
-        self.k = torch.zeros(*lead, rows, 1, dtype=torch.float32, device=dev)
-        self.started = torch.zeros(*lead, rows, 1, dtype=torch.bool, device=dev)
-
-    def add(self, a: torch.Tensor, b0: int, rows: slice = slice(None)):
-        """Feed the tile ``a (..., R', t)`` (rows ``rows`` of the chain, t <= CHAIN_TILE) against
-        b's contraction elements ``b0 : b0 + t``; returns the tile as the matmul sees it."""
-        acc, k, started = self.acc[..., rows, :], self.k[..., rows, :], self.started[..., rows, :]
-        if self.running:
-            amax = abs_amax(a, dim=-1, keepdim=True).to(torch.float32)
-            s_tile = scales_from_amax(amax, self.point.fmt, self.point.scale_rule).to(torch.float32)
-            k_tile = -torch.log2(s_tile)  # exact: s is a power of two
-            nonzero = amax > 0
-            k_new = torch.where(started & nonzero, torch.minimum(k, k_tile), torch.where(nonzero, k_tile, k))
-            factor = torch.where(started, torch.exp2((k_new - k).clamp(min=-126)), torch.ones_like(k))
-            acc = acc * factor  # an exact power of two (float32 multiply)
-            k, started = k_new, started | nonzero
-        scaled = a.to(torch.float32) * torch.exp2(k)
-        # Q-point (chained backward): a * 2^k -> the point's format, no further scale (the running
-        # exponent k for dS, 0 for P * 2^offset)
-        codes = _quantize(scaled, QuantPoint(self.point.fmt, Granularity.TENSOR, ScaleRule.FIXED,
-                                             self.point.rounding, self.point.saturate),
-                          contract_dim=-1, dtype=torch.float32)
-        bt = self.b_codes[..., :, b0:b0 + a.shape[-1]]
-        self.acc[..., rows, :] = _chain_step(codes, bt, acc, self.model, self.point.fmt, self.b_fmt)
-        self.k[..., rows, :], self.started[..., rows, :] = k, started
-        return codes * torch.exp2(-k)  # the tile as the matmul sees it, in a's units
-
-    def result(self) -> torch.Tensor:
-        return self.acc * torch.exp2(-self.k) * self.b_scale
-
-
-def _chain_step(a, bt, c, model: MatmulModel, fa, fb) -> torch.Tensor:
-    """One tile of a chain: ``a @ btᵀ + c`` with a (..., R, t) and bt (..., C, t) exact FP8 values,
-    c (..., R, C) the float32 accumulator. HOPPER: the emulated wgmma chain with c fed in as its
-    accumulator; FP32 and EXACT: the product formed as :func:`_matmul` forms it, then c added
-    once in float32."""
-    if model.accumulation is Accumulation.HOPPER:
-        from .emulation import gemm
-
-        if model.promote_every is not None:
-            raise ValueError(f"a chained backward matmul has no promotion; model {model.name!r} promotes")
-        return gemm.matmul(a.contiguous(), bt.contiguous(), c.contiguous(), fa=fa, fb=fb,
-                           model=model.accumulation, rules=model.rules)
-    return _matmul(a, bt.transpose(-1, -2), model, torch.float32, c=c)
-
-
-def _group_contraction(x: torch.Tensor, groups: int, i0: int, pad: int = CHAIN_TILE) -> torch.Tensor:
-    """(B, H, N, ...) rows ``i0:`` of every query head (``i0 = 0`` for a tile that holds only those rows) -> (B, Hkv, G * M, ...): the contraction of dK
-    or dV for a key/value head, its query heads one after another, each padded with zero rows to
-    a multiple of ``pad`` (M) so that no tile spans two heads (zero rows are no-ops in a chain)."""
-    x = x[:, :, i0:]
-    n = x.shape[2]
-    m = -(-n // pad) * pad
-    if m != n:
-        x = F.pad(x, (0, 0) * (x.dim() - 3) + (0, m - n))
-    b, h = x.shape[:2]
-    return x.reshape(b, h // groups, groups * m, *x.shape[3:])
-
-
-# ==============================================================================================
 # Shared pieces of the forward and the backward
 # ==============================================================================================
 
@@ -628,25 +529,13 @@ def _backward_operands(pb: _Problem, q, k, v, dout) -> _BackwardOperands:
     do_dp = _quantize(dout, r.do_dp, contract_dim=-1, dtype=wd)
     # Q-point V (dP = dO Vᵀ): input -> recipe.v_dp, blocks along d (the forward blocked V along keys)
     v_dp = expand_kv(_quantize(v, r.v_dp, contract_dim=-1, dtype=wd), g)
-    # Q-point dO (dV = Pᵀ dO): input -> recipe.do_dv, blocks along the queries (a ROW block: all
-    # queries of the heads that share a key/value head, the whole contraction of dV)
-    do_dv = _quantize_over_group(dout, r.do_dv, g, dtype=wd)
+    # Q-point dO (dV = Pᵀ dO): input -> recipe.do_dv, blocks along the queries
+    do_dv = _quantize(dout, r.do_dv, contract_dim=-2, dtype=wd)
     # Q-point K (dQ = dS K): input -> recipe.k_dq, blocks along the keys
     k_dq_kv = _quantize(k, r.k_dq, contract_dim=-2, dtype=wd)
-    # Q-point Q (dK = dSᵀ Q): input -> recipe.q_dk, blocks along the queries (ROW: as do_dv)
-    q_dk = _quantize_over_group(q, r.q_dk, g, dtype=wd)
+    # Q-point Q (dK = dSᵀ Q): input -> recipe.q_dk, blocks along the queries
+    q_dk = _quantize(q, r.q_dk, contract_dim=-2, dtype=wd)
     return _BackwardOperands(q_hat, k_hat, do_dp, v_dp, do_dv, k_dq_kv, expand_kv(k_dq_kv, g), q_dk)
-
-
-def _quantize_over_group(x: torch.Tensor, point: QuantPoint, groups: int, *, dtype: torch.dtype) -> torch.Tensor:
-    """``_quantize(x, point, contract_dim=-2)`` for an operand of dV or dK (dO, Q: ``(B, H, N, D)``),
-    whose contraction for a key/value head runs over the queries of all its query heads: a ROW
-    block (one scale per channel over the whole contraction) spans them."""
-    if groups == 1 or point.granularity is not Granularity.ROW:
-        return _quantize(x, point, contract_dim=-2, dtype=dtype)
-    b, h, n, d = x.shape
-    grouped = x.reshape(b, h // groups, groups * n, d)
-    return _quantize(grouped, point, contract_dim=-2, dtype=dtype).reshape(b, h, n, d)
 
 
 def _backward_p(pb: _Problem, stats: SoftmaxStats):
@@ -800,11 +689,6 @@ def backward(q, k, v, fwd: ForwardResult, dout, *, recipe="exact", causal: bool 
     deferred = _DeferredDq(pb, fwd, dout, k, ops, sweep) if r.delta.deferred_dq is not None else None
     amax = _amax_pre_sweep(pb, delta, sweep, q.device)
 
-    if r.bwd_chain:
-        rowsums = _RowsumAccumulator(pb, q.device) if diagnostics else None
-        dq, dk, dv = _chained_sweep(pb, ops, sweep, delta, deferred, rowsums)
-        return BackwardResult(dq * sh.scale, dk * sh.scale, dv, rowsums.stats(delta) if rowsums is not None else None)
-
     # ---- the sweep -----------------------------------------------------------------------------
     dq = torch.zeros(sh.batch, sh.heads, sh.seqlen_q, sh.head_dim, dtype=wd, device=q.device)
     dk = torch.zeros(sh.batch, sh.heads, sh.seqlen_k, sh.head_dim, dtype=wd, device=q.device)
@@ -843,64 +727,6 @@ def backward(q, k, v, fwd: ForwardResult, dout, *, recipe="exact", causal: bool 
     dk = reduce_kv(dk * sh.scale, sh.groups)
     dv = reduce_kv(dv, sh.groups)
     return BackwardResult(dq, dk, dv, rowsums.stats(delta) if rowsums is not None else None)
-
-
-def _chained_sweep(pb: _Problem, ops: _BackwardOperands, sweep, delta, deferred, rowsums):
-    """The sweep of a chained backward (Recipe.bwd_chain): dV and dK of each key tile as one chain
-    over the queries of its key/value head's query heads (head by head, 64 queries a tile, as
-    the dkdv kernel loops), dQ (and a deferred dQ's kbar) as one chain per query row over the
-    key tiles (64 keys a tile, as the dq kernel loops), each through :class:`_Chain`. Returns dQ
-    (B, H, Nq, D) and dK, dV (B, Hkv, Nk, D), before the softmax scale."""
-    r, sh, wd = pb.recipe, pb.shape, pb.dtype
-    acc, g, t = r.accumulation, sh.groups, CHAIN_TILE
-    b_, hkv = sh.batch, sh.heads // g
-    dk = torch.zeros(b_, hkv, sh.seqlen_k, sh.head_dim, dtype=wd, device=delta.device)
-    dv = torch.zeros(b_, hkv, sh.seqlen_k, sh.head_dim_v, dtype=wd, device=delta.device)
-    dq_chain = _Chain(r.ds_dq, r.k_dq, ops.k_dq, sh.seqlen_q, acc.dq)
-    if deferred is not None:
-        spec = deferred.spec
-        kbar_chain = _Chain(spec.p, r.k_dq, ops.k_dq, sh.seqlen_q, acc.dq)
-    p_off = 2.0 ** r.p_bwd.offset_log2
-    for i0, j0, j1, p, dp in sweep():
-        rows = slice(i0, None)
-        # dV and dK of keys j0:j1: contractions over the group's queries i0: (zero-padded per head)
-        m = sh.seqlen_q - i0
-        dv_chain = _Chain(r.p_dv, r.do_dv, _group_contraction(ops.do_dv, g, i0), j1 - j0, acc.dv)
-        dk_chain = _Chain(r.ds_dk, r.q_dk, _group_contraction(ops.q_dk, g, i0), j1 - j0, acc.dk)
-        if rowsums is not None:
-            rowsums.add_p(p, dp, i0)
-        ds_for_dq = deferred.ds_for_dq(p, dp, i0) if deferred is not None else None
-        ds = dp.sub_(delta[..., i0:, :]).mul_(p)  # dS = P ∘ (dP^ - D)
-        if deferred is None:
-            ds_for_dq = ds
-        p_t = _group_contraction(p * p_off, g, 0).transpose(-1, -2)  # (B, Hkv, keys, G * M)
-        ds_t = _group_contraction(ds, g, 0).transpose(-1, -2)
-        ds_dk = torch.empty_like(ds_t)
-        for c0 in range(0, ds_t.shape[-1], t):
-            dv_chain.add(p_t[..., c0:c0 + t], c0)
-            ds_dk[..., c0:c0 + t] = dk_chain.add(ds_t[..., c0:c0 + t], c0)
-        dv[..., j0:j1, :] = dv_chain.result() / p_off
-        dk[..., j0:j1, :] = dk_chain.result()
-        # dQ (and kbar) of rows i0: over keys j0:j1, continuing their chains
-        ds_dq = torch.empty_like(ds_for_dq)
-        p_kb = torch.empty_like(p) if deferred is not None else None
-        for c0 in range(0, j1 - j0, t):
-            c1 = min(c0 + t, j1 - j0)
-            ds_dq[..., c0:c1] = dq_chain.add(ds_for_dq[..., c0:c1], j0 + c0, rows)
-            if deferred is not None:
-                p_kb[..., c0:c1] = kbar_chain.add(p[..., c0:c1] * 2.0 ** spec.p_offset_log2, j0 + c0, rows)
-        if rowsums is not None:
-            # dS as the dK matmul saw it, back in (B, H, rows, keys): undo the grouping and padding
-            ds_dk_rows = ds_dk.transpose(-1, -2).reshape(b_, hkv * g, -1, j1 - j0)[:, :, :m]
-            correction = None if deferred is None else (
-                (delta - deferred.d_pred)[..., i0:, 0].to(torch.float64)
-                * (p_kb / 2.0 ** spec.p_offset_log2).to(torch.float64).sum(dim=-1))
-            rowsums.add_ds(ds, ds_dq, ds_dk_rows, i0, correction)
-    dq = dq_chain.result().to(wd)
-    if deferred is not None:
-        # the deferred correction: dQ_i -= (D_i - Dst_i) kbar_i, kbar = sum_j Q(2^s P_ij) K^_j / 2^s
-        dq = dq - (delta - deferred.d_pred) * (kbar_chain.result().to(wd) / 2.0 ** spec.p_offset_log2)
-    return dq, dk, dv
 
 
 def attention(q, k, v, dout=None, *, recipe="exact", causal: bool = False, scale=None, mask=None,

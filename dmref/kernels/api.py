@@ -59,16 +59,6 @@ class Shape:
         return cls(b, h, hkv, n, d)
 
 
-def _col_group(r: KernelSpec, s: Shape, group: int | None = None) -> int:
-    """The transposed copies' scale blocks (``quantize(..., col_group=)``): per channel and 128
-    tokens (0), or in a chained backward (``Recipe.bwd_chain``) per channel over the whole
-    contraction: all tokens of the ``group`` heads (Q, dO: the query heads of one key/value
-    head; K: 1)."""
-    if not r.recipe.bwd_chain:
-        return 0
-    return s.heads // s.kv_heads if group is None else group
-
-
 def _dims(s: Shape) -> dict:
     return dict(batch=s.batch, heads=s.heads, kv_heads=s.kv_heads, n=s.n, head_dim=s.head_dim)
 
@@ -96,8 +86,8 @@ def attention_forward(
         return _folded_forward(q, k, v, s, r, causal=causal, scale=scale, for_backward=for_backward, debug=debug)
     # one quantization kernel per operand writes the copies of all its Q-points (formats equal:
     # config.unsupported)
-    q8, _ = quantize(q, r.recipe.q.fmt.name, rows=True, cols=for_backward, col_group=_col_group(r, s))
-    k8, _ = quantize(k, r.recipe.k.fmt.name, rows=True, cols=for_backward, col_group=_col_group(r, s, 1))
+    q8, _ = quantize(q, r.recipe.q.fmt.name, rows=True, cols=for_backward)
+    k8, _ = quantize(k, r.recipe.k.fmt.name, rows=True, cols=for_backward)
     v8, _ = quantize(v, r.recipe.v.fmt.name, rows=for_backward, cols=True)
     o, lse2, p_codes = fwd.forward(q8, k8, v8, causal=causal, scale=scale, recipe=r, debug=debug,
                                    **_dims(s))
@@ -129,8 +119,8 @@ def _folded_forward(q, k, v, s: Shape, r: KernelSpec, *, causal: bool, scale: fl
                              pv_sum=r.recipe.normalizer is Normalizer.PV_SUM)
     saved = None
     if for_backward:
-        q8, _ = quantize(q, r.recipe.q.fmt.name, rows=True, cols=True, col_group=_col_group(r, s))
-        k_cols, _ = quantize(k, r.recipe.k_dq.fmt.name, rows=False, cols=True, col_group=_col_group(r, s, 1))
+        q8, _ = quantize(q, r.recipe.q.fmt.name, rows=True, cols=True)
+        k_cols, _ = quantize(k, r.recipe.k_dq.fmt.name, rows=False, cols=True)
         k8 = Quantized(n=s.n, rows=kv.k8, row_scale=kv.k_scale[:, None].expand(-1, s.n).contiguous(),
                        cols=k_cols.cols, col_scale=k_cols.col_scale)
         v8, _ = quantize(v, r.recipe.v_dp.fmt.name, rows=True, cols=False)
@@ -163,8 +153,7 @@ def attention_backward(
     if do.dtype != torch.bfloat16:
         do = do.to(torch.bfloat16)
     # delta step (stale) fused into the quantization of dO: one read of dO and O
-    do8, delta_stale = quantize(do, r.recipe.do_dp.fmt.name, rows=True, cols=True, delta_with=o,
-                                col_group=_col_group(r, shape))
+    do8, delta_stale = quantize(do, r.recipe.do_dp.fmt.name, rows=True, cols=True, delta_with=o)
     why_not = gluon_backward_refusal(r, shape.head_dim, debug, do.device)
     if gluon and why_not:
         raise ValueError(f"the Gluon backward does not run this call: {why_not}")

@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import exp2_int, mul_rn, pow2_down_exponent, quantize_rows, to_bf16, to_fp8
+from ._common import mul_rn, quantize_rows, to_bf16, to_fp8
 from ._runtime import Launch, interpreting
 from .config import KBAR_P_SCALE_LOG2, QUANT_BLOCK, KernelSpec
 
@@ -103,18 +103,6 @@ def _quantize_ds(ds, INTERPRET: tl.constexpr):
     contraction (the recipe's ``ds_dq`` / ``ds_dk``: 1 x tile blocks). Returns (codes, the
     dequantization factor of each row, the scaled float32 tile the cast received)."""
     return quantize_rows(ds, False, INTERPRET)
-
-
-@triton.jit
-def _running_quantize_ds(ds, acc, k_run, INTERPRET: tl.constexpr):
-    """Q-point dS of a chained backward (``Recipe.bwd_chain``): E4M3 against each row's running
-    POW2_DOWN exponent, the smaller of the tile's own and the previous one (an all-zero row keeps
-    it); the chain's accumulator rows are rescaled by the drop, an exact power of two (at most
-    2**-126). Returns (codes, the rescaled accumulator, the new exponents)."""
-    amax = tl.max(tl.abs(ds), axis=1)
-    k_new = tl.where(amax > 0, tl.minimum(k_run, pow2_down_exponent(amax, False)), k_run)
-    acc = acc * exp2_int(tl.maximum(k_new - k_run, -126))[:, None]
-    return to_fp8(ds * exp2_int(k_new)[:, None], False, INTERPRET), acc, k_new
 
 
 # --------------------------------------------------------------------------------------------
@@ -177,7 +165,7 @@ def _bwd_dq_kernel(
     qk_scale, sm_scale, H, GROUP, N, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
     CAUSAL: tl.constexpr, MATCHED: tl.constexpr, P_SCALE: tl.constexpr, TMA: tl.constexpr,
-    CHAIN: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
+    DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     tl.static_assert(QB % BLOCK_N == 0)
     start_m = tl.program_id(0) * BLOCK_M
@@ -204,13 +192,9 @@ def _bwd_dq_kernel(
     # kbar is second order (it is multiplied by D - D_stale): float16, in units u of the
     # largest K scale of this head (K_UNIT), so |kbar / u| <= 448 can never overflow float16
     kbar = tl.zeros([BLOCK_M, HEAD_DIM], tl.float16)
-    if MATCHED and not CHAIN:
+    if MATCHED:
         unit = tl.load(K_UNIT + kv)
         kb_c = tl.math.div_rn(1.0 / KBAR_P_SCALE, unit)  # powers of two: exact
-    # CHAIN (Recipe.bwd_chain): dQ and kbar are one chain each over all key tiles, in the units of
-    # the codes (K^T's one scale per channel, dS's running scale), scaled once after the loop
-    k_run = tl.full([BLOCK_M], 126, tl.int32)
-    kbar32 = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     pdp = tl.zeros([BLOCK_M], tl.float32)
     psum = tl.zeros([BLOCK_M], tl.float32)
     rowsum = tl.zeros([BLOCK_M], tl.float32)
@@ -246,10 +230,7 @@ def _bwd_dq_kernel(
             rowsum += tl.sum(ds, axis=1)
         # Every FP8 operand exists before the first matmul below, so the float32 P, dP and dS
         # tiles are dead while a matmul's float32 result is live (registers).
-        if CHAIN:
-            ds8, dq, k_run = _running_quantize_ds(ds, dq, k_run, INTERPRET)
-        else:
-            ds8, ds_inv, _ = _quantize_ds(ds, INTERPRET)
+        ds8, ds_inv, _ = _quantize_ds(ds, INTERPRET)
         if MATCHED:
             # Q-point P (kbar): float32 -> E4M3, scale KBAR_P_SCALE against LSE: with codes of
             # P <= 2**4 and of K <= 448 a float16 wgmma chain cannot overflow, as sum_j P <= 1
@@ -257,28 +238,13 @@ def _bwd_dq_kernel(
         # load: K transposed copy as a (BLOCK_N, D) tile
         sc = (start_n // QB) * HEAD_DIM + offs_d
         kt = _col_tile_t(KT8, 0, kv32, start_n, offs_n, offs_d, NPAD, BLOCK_N, HEAD_DIM, TMA)
-        if CHAIN:
-            # dS K and P K: the chains run on
-            dq = tl.dot(ds8, kt, dq)
-            if MATCHED:
-                kbar32 = tl.dot(p8, kt, kbar32)
-        else:
-            # dS K, promoted: one wgmma chain per tile, then one float32 add
-            dq += tl.dot(ds8, kt) * tl.load(KT_SCALE + sc)[None, :] * ds_inv[:, None]
-            if MATCHED:
-                kbar = _dq_kbar_step(kbar, p8, kt, KT_SCALE, sc, kb_c)
-    if CHAIN:
-        # out of the codes' units: dS's last running scale per row, K^T's per channel
-        k_col = tl.load(KT_SCALE + offs_d)[None, :]
-        dq = dq * exp2_int(-k_run)[:, None] * k_col
-        kbar32 = kbar32 * (k_col * (1.0 / KBAR_P_SCALE))
+        # dS K, promoted: one wgmma chain per tile, then one float32 add
+        dq += tl.dot(ds8, kt) * tl.load(KT_SCALE + sc)[None, :] * ds_inv[:, None]
+        if MATCHED:
+            kbar = _dq_kbar_step(kbar, p8, kt, KT_SCALE, sc, kb_c)
     if MATCHED:
-        if CHAIN:
-            dq, rowsum = _dq_matched_delta(dq, kbar32, 1.0, pdp, d_stale, psum, rowsum, DELTA_MATCHED + bh64 * N,
-                                           offs_m, in_seq, DEBUG)
-        else:
-            dq, rowsum = _dq_matched_delta(dq, kbar, unit, pdp, d_stale, psum, rowsum, DELTA_MATCHED + bh64 * N,
-                                           offs_m, in_seq, DEBUG)
+        dq, rowsum = _dq_matched_delta(dq, kbar, unit, pdp, d_stale, psum, rowsum, DELTA_MATCHED + bh64 * N,
+                                       offs_m, in_seq, DEBUG)
     # stores
     tl.store(DQ + bh64 * N * HEAD_DIM + rows, to_bf16(dq * sm_scale, INTERPRET), mask=in_seq[:, None])
     if DEBUG:
@@ -335,15 +301,14 @@ def _dkdv_col_tiles(DOT8, QT8, head_cols, head_col_scale, bh32, start_m, offs_m,
 
 @triton.jit
 def _dkdv_head(
-    dk, dv, k_run, k, k_scale, v, v_scale, offs_n, in_seq, bh64, lo,
+    dk, dv, k, k_scale, v, v_scale, offs_n, in_seq, bh64, lo,
     Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA,
     DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE, qk_scale, N, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
     CAUSAL: tl.constexpr, P_SCALE: tl.constexpr,
-    TMA: tl.constexpr, CHAIN: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
+    TMA: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """The query tiles of one query head, accumulated into this key block's dK and dV (CHAIN:
-    continuing their chains, with dS's running exponents ``k_run``).
+    """The query tiles of one query head, accumulated into this key block's dK and dV.
     With TMA, Q8, DO8 (rows, (B*H, N, D)) and QT8, DOT8 (cols, (B*H, D, NPAD)) are tensor
     descriptors."""
     offs_d = tl.arange(0, HEAD_DIM)
@@ -377,12 +342,7 @@ def _dkdv_head(
         p8_t = to_fp8(p_t * P_SCALE, False, INTERPRET)
         # dS = P (dP - D), with D stale or matched (the dq kernel's) as the caller chose
         ds_t = p_t * (dp_t - delta[None, :])
-        if CHAIN:
-            ds8_t, dk, k_run = _running_quantize_ds(ds_t, dk, k_run, INTERPRET)
-            ds_inv = exp2_int(-k_run)
-            ds_scaled = ds_t * exp2_int(k_run)[:, None]
-        else:
-            ds8_t, ds_inv, ds_scaled = _quantize_ds(ds_t, INTERPRET)
+        ds8_t, ds_inv, ds_scaled = _quantize_ds(ds_t, INTERPRET)
         if DEBUG:
             _dkdv_debug_store(p_t, ds_t, ds_scaled, ds_inv, offs_m, offs_n, in_seq, q_in, start_m, head, bh64,
                               DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE, N, BLOCK_M, P_SCALE)
@@ -391,16 +351,11 @@ def _dkdv_head(
         # load: dO and Q transposed copies as (BLOCK_M, D) tiles
         dot, qt, sc = _dkdv_col_tiles(DOT8, QT8, head_cols, head_col_scale, bh32, start_m, offs_m, offs_d, NPAD,
                                       BLOCK_M, HEAD_DIM, QB, TMA)
-        if CHAIN:
-            # P^T dO and dS^T Q: the chains run on (scaled once after the last tile)
-            dv = tl.dot(p8_t, dot, dv)
-            dk = tl.dot(ds8_t, qt, dk)
-        else:
-            # P^T dO and dS^T Q, promoted: one wgmma chain per tile, then one float32 add (scales
-            # applied on the way)
-            dv += tl.dot(p8_t, dot) * tl.load(DOT_SCALE + sc)[None, :]
-            dk += tl.dot(ds8_t, qt) * tl.load(QT_SCALE + sc)[None, :] * ds_inv[:, None]
-    return dk, dv, k_run
+        # P^T dO and dS^T Q, promoted: one wgmma chain per tile, then one float32 add (scales
+        # applied on the way)
+        dv += tl.dot(p8_t, dot) * tl.load(DOT_SCALE + sc)[None, :]
+        dk += tl.dot(ds8_t, qt) * tl.load(QT_SCALE + sc)[None, :] * ds_inv[:, None]
+    return dk, dv
 
 
 @triton.jit
@@ -411,7 +366,7 @@ def _bwd_dkdv_kernel(
     qk_scale, sm_scale, H, HKV, N, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, P_SCALE: tl.constexpr,
-    TMA: tl.constexpr, CHAIN: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
+    TMA: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     tl.static_assert(QB % BLOCK_M == 0)
     start_n = tl.program_id(0) * BLOCK_N
@@ -429,7 +384,6 @@ def _bwd_dkdv_kernel(
     v_scale = tl.load(V_SCALE + bkv64 * N + offs_n, mask=in_seq, other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    k_run = tl.full([BLOCK_N], 126, tl.int32)  # CHAIN: dS's running exponent per key row
     if CAUSAL:
         # the first query tile that sees a key of this block (tiles divide one another)
         lo = (start_n // BLOCK_M) * BLOCK_M
@@ -440,24 +394,19 @@ def _bwd_dkdv_kernel(
     if GROUP == 1:
         # no loop over heads: a run-time head loop keeps its per-head state live across the
         # tile loop (spills at D = 128, compile_check)
-        dk, dv, k_run = _dkdv_head(
-            dk, dv, k_run, k, k_scale, v, v_scale, offs_n, in_seq, bh0, lo,
+        dk, dv = _dkdv_head(
+            dk, dv, k, k_scale, v, v_scale, offs_n, in_seq, bh0, lo,
             Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA,
             DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE, qk_scale, N, NPAD,
-            HEAD_DIM, BLOCK_M, BLOCK_N, QB, CAUSAL, P_SCALE, TMA, CHAIN, DEBUG, INTERPRET)
+            HEAD_DIM, BLOCK_M, BLOCK_N, QB, CAUSAL, P_SCALE, TMA, DEBUG, INTERPRET)
     else:
         # GQA: dK and dV sum over the GROUP query heads that read this key/value head
         for g in range(0, GROUP):
-            dk, dv, k_run = _dkdv_head(
-                dk, dv, k_run, k, k_scale, v, v_scale, offs_n, in_seq, bh0 + g, lo,
+            dk, dv = _dkdv_head(
+                dk, dv, k, k_scale, v, v_scale, offs_n, in_seq, bh0 + g, lo,
                 Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA,
                 DS_ROWSUM, P_DUMP, DS_DUMP, DS_SCALE, qk_scale, N, NPAD,
-                HEAD_DIM, BLOCK_M, BLOCK_N, QB, CAUSAL, P_SCALE, TMA, CHAIN, DEBUG, INTERPRET)
-    if CHAIN:
-        # out of the codes' units: dS's last running scale per key row, the transposed copies'
-        # per channel (one for the whole group: the first head's first block holds it)
-        dk = dk * exp2_int(-k_run)[:, None] * tl.load(QT_SCALE + bh0 * (NPAD // QB) * HEAD_DIM + offs_d)[None, :]
-        dv = dv * tl.load(DOT_SCALE + bh0 * (NPAD // QB) * HEAD_DIM + offs_d)[None, :]
+                HEAD_DIM, BLOCK_M, BLOCK_N, QB, CAUSAL, P_SCALE, TMA, DEBUG, INTERPRET)
     # stores
     tl.store(DK + kv_rows + rows, to_bf16(dk * sm_scale, INTERPRET), mask=in_seq[:, None])
     tl.store(DV + kv_rows + rows, to_bf16(dv * (1.0 / P_SCALE), INTERPRET), mask=in_seq[:, None])
@@ -483,7 +432,7 @@ def launch(spec: KernelSpec, *, head_dim: int, causal: bool, kernel: str, group:
     t = spec.bwd_tiles(head_dim)
     d = head_dim
     common = dict(HEAD_DIM=d, QB=QUANT_BLOCK, CAUSAL=causal, P_SCALE=float(2 ** spec.recipe.p_bwd.offset_log2),
-                  TMA=t.tma, CHAIN=spec.recipe.bwd_chain, DEBUG=bool(debug), INTERPRET=interpreting())
+                  TMA=t.tma, DEBUG=bool(debug), INTERPRET=interpreting())
     if kernel == "dq":
         bn = t.block_n2
         return Launch(dict(common, BLOCK_M=t.block_m2, BLOCK_N=bn, MATCHED=spec.matched),
@@ -530,7 +479,7 @@ def backward(
     scalars = (scale * LOG2E, scale)
 
     def run_dq():
-        k_unit = kbar_unit(k8) if matched and not recipe.recipe.bwd_chain else dummy32
+        k_unit = kbar_unit(k8) if matched else dummy32
         _bwd_dq_kernel[(triton.cdiv(n, t.block_m2), batch * heads)](
             q8.rows, q8.row_scale, dq_ops[0], k8.row_scale, dq_ops[1], v8.row_scale,
             dq_ops[2], k8.col_scale, k_unit, do8.rows, do8.row_scale, saved.lse2, delta_stale,

@@ -194,25 +194,11 @@ def _promote(acc, a8, b_smem, t_old, scale_smem, row_factor, acc_layout: gl.cons
 
 
 @gluon.jit
-def _running_ds8(ds, k_run, op_layout: gl.constexpr, acc_rows: gl.constexpr):
-    """Q-point dS of a chained backward (``Recipe.bwd_chain``; ``bwd._running_quantize_ds``):
-    E4M3 against each row's running POW2_DOWN exponent, the smaller of the tile's own and the
-    previous one (an all-zero row keeps it). Returns (codes as the A operand, the factor
-    2**max(drop, -126) that rescales the chain's accumulator rows, in ``acc_rows``, the new
-    exponents)."""
-    amax = gl.max(gl.abs(ds), axis=1)
-    k_new = gl.where(amax > 0, gl.minimum(k_run, _pow2_down_exponent(amax, False)), k_run)
-    ds8 = gl.convert_layout(_to_fp8(ds * gl.expand_dims(_exp2_int(k_new), 1), False, False), op_layout)
-    fac = gl.convert_layout(_exp2_int(gl.maximum(k_new - k_run, -126)), acc_rows)
-    return ds8, fac, k_new
-
-
-@gluon.jit
 def _consumer(k_smem, v_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs, kv_ready, rows_ready,
               rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV,
               qk_scale, sm_scale, bkv, bh0, start_n, lo, n_m, n_iter, N, NPAD,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              P_SCALE: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr, CHAIN: gl.constexpr):
+              P_SCALE: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr):
     """The consumer warp group: the key tile's scales, every query tile, the stores. With
     ``SPLIT`` dK and dV are held as two halves of the head dim, each accumulated by its own
     wgmma (the same per-element chains: a wgmma's output element depends on its row of A, its
@@ -242,10 +228,6 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots
     if SPLIT:
         dk1 = gl.zeros([BLOCK_N, CH], gl.float32, a_layout)
         dv1 = gl.zeros([BLOCK_N, CH], gl.float32, a_layout)
-    gl.static_assert(not CHAIN or (OVERLAP < 2 and not SPLIT))
-    # CHAIN (Recipe.bwd_chain): dK and dV are one wgmma chain each over all query tiles, in the
-    # units of the codes; k_run: dS's running exponent per key row
-    k_run = gl.full([BLOCK_N], 126, gl.int32, row_s)
     mbarrier.wait(kv_ready, 0)
     # Invariant at the top of each iteration, over the query tiles (and query heads) done so far:
     # dk = sum of deq(Q8(dS^T)) Q, dv = sum of Q8(2**8 P^T) deq(dO) (float32, one add per tile;
@@ -312,52 +294,35 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots
         dp_t = _mul_rn(dpt, gl.expand_dims(v_scale, 1) * gl.expand_dims(do_scale, 0), False)
         # dS = P (dP - D); Q-point dS: one POW2_DOWN scale per key row of the tile
         ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
-        if CHAIN:
-            # Q-point dS (chained backward): against each key row's running scale; dK's rows
-            # rescaled by its drop
-            ds8, fac, k_run = _running_ds8(ds_t, k_run, op_layout, row_a)
-            dk0 = dk0 * gl.expand_dims(fac, 1)
-            mbarrier.wait(cols_ready.index(s), ph)
-            # P^T dO and dS^T Q: the chains run on, one wait for both
-            dv0 = warpgroup_mma(p8, dot_s.permute((1, 0)), dv0, is_async=True)
-            dk0 = warpgroup_mma(ds8, qt_s.permute((1, 0)), dk0, is_async=True)
-            dv0, dk0 = warpgroup_mma_wait(num_outstanding=0, deps=(dv0, dk0))
+        k_ds = _pow2_down_exponent(gl.max(gl.abs(ds_t), axis=1), False)
+        ds8 = gl.convert_layout(_to_fp8(ds_t * gl.expand_dims(_exp2_int(k_ds), 1), False, False), op_layout)
+        ds_inv = gl.convert_layout(_exp2_int(-k_ds), row_a)
+        # P^T dO and dS^T Q, promoted: one wgmma chain per tile, then one float32 add
+        if OVERLAP == 2:
+            t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
+            dv0 += t * gl.expand_dims(dots_s.load(col_a), 0)
+            dk0, t = _promote(dk0, ds8, qt_s.permute((1, 0)), t, qts_s, ds_inv, a_layout, True)
         else:
-            k_ds = _pow2_down_exponent(gl.max(gl.abs(ds_t), axis=1), False)
-            ds8 = gl.convert_layout(_to_fp8(ds_t * gl.expand_dims(_exp2_int(k_ds), 1), False, False), op_layout)
-            ds_inv = gl.convert_layout(_exp2_int(-k_ds), row_a)
-            # P^T dO and dS^T Q, promoted: one wgmma chain per tile, then one float32 add
-            if OVERLAP == 2:
-                t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
-                dv0 += t * gl.expand_dims(dots_s.load(col_a), 0)
-                dk0, t = _promote(dk0, ds8, qt_s.permute((1, 0)), t, qts_s, ds_inv, a_layout, True)
+            mbarrier.wait(cols_ready.index(s), ph)
+            t = gl.zeros([BLOCK_N, CH], gl.float32, a_layout)
+            if SPLIT:
+                dv0, t = _promote(dv0, p8, dot_s.slice(0, CH, dim=0).permute((1, 0)), t, dots_s.slice(0, CH),
+                                  ds_inv, a_layout, False)
+                dv1, t = _promote(dv1, p8, dot_s.slice(CH, CH, dim=0).permute((1, 0)), t, dots_s.slice(CH, CH),
+                                  ds_inv, a_layout, False)
+                dk0, t = _promote(dk0, ds8, qt_s.slice(0, CH, dim=0).permute((1, 0)), t, qts_s.slice(0, CH),
+                                  ds_inv, a_layout, True)
+                dk1, t = _promote(dk1, ds8, qt_s.slice(CH, CH, dim=0).permute((1, 0)), t, qts_s.slice(CH, CH),
+                                  ds_inv, a_layout, True)
             else:
-                mbarrier.wait(cols_ready.index(s), ph)
-                t = gl.zeros([BLOCK_N, CH], gl.float32, a_layout)
-                if SPLIT:
-                    dv0, t = _promote(dv0, p8, dot_s.slice(0, CH, dim=0).permute((1, 0)), t, dots_s.slice(0, CH),
-                                      ds_inv, a_layout, False)
-                    dv1, t = _promote(dv1, p8, dot_s.slice(CH, CH, dim=0).permute((1, 0)), t, dots_s.slice(CH, CH),
-                                      ds_inv, a_layout, False)
-                    dk0, t = _promote(dk0, ds8, qt_s.slice(0, CH, dim=0).permute((1, 0)), t, qts_s.slice(0, CH),
-                                      ds_inv, a_layout, True)
-                    dk1, t = _promote(dk1, ds8, qt_s.slice(CH, CH, dim=0).permute((1, 0)), t, qts_s.slice(CH, CH),
-                                      ds_inv, a_layout, True)
-                else:
-                    dv0, t = _promote(dv0, p8, dot_s.permute((1, 0)), t, dots_s, ds_inv, a_layout, False)
-                    dk0, t = _promote(dk0, ds8, qt_s.permute((1, 0)), t, qts_s, ds_inv, a_layout, True)
+                dv0, t = _promote(dv0, p8, dot_s.permute((1, 0)), t, dots_s, ds_inv, a_layout, False)
+                dk0, t = _promote(dk0, ds8, qt_s.permute((1, 0)), t, qts_s, ds_inv, a_layout, True)
         fence_async_shared()  # the reads of this stage before the next TMA writes into it
         mbarrier.arrive(cols_free.index(s), count=1)
     # stores
     offs_na = start_n + gl.arange(0, BLOCK_N, layout=row_a)
     rows = kv64 * N * HEAD_DIM + gl.expand_dims(offs_na, 1) * HEAD_DIM + gl.expand_dims(offs_c, 0)
     mask = gl.expand_dims(offs_na < N, 1)
-    if CHAIN:
-        # out of the codes' units: dS's last running scale per key row; the transposed copies'
-        # one scale per channel for the whole group (every stage's scale row holds it)
-        dk0 = dk0 * gl.expand_dims(gl.convert_layout(_exp2_int(-k_run), row_a), 1) \
-            * gl.expand_dims(qts_bufs.index(0).reshape([HEAD_DIM]).load(col_a), 0)
-        dv0 = dv0 * gl.expand_dims(dots_bufs.index(0).reshape([HEAD_DIM]).load(col_a), 0)
     gl.store(DK + rows, (dk0 * sm_scale).to(gl.bfloat16), mask=mask)
     gl.store(DV + rows, (dv0 * (1.0 / P_SCALE)).to(gl.bfloat16), mask=mask)
     if SPLIT:
@@ -386,8 +351,7 @@ def _ring_barriers(STAGES: gl.constexpr):
 def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, Q_SCALE, K_SCALE, V_SCALE,
           DO_SCALE, LSE2, DELTA, DK, DV, qk_scale, sm_scale, H, HKV, N, NPAD,
           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
-          CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr,
-          CHAIN: gl.constexpr):
+          CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr):
     """The kernel on its TMA descriptors: K, V rows ``(B*HKV*N, D)``, Q, dO rows ``(B*H*N, D)``,
     Q^T, dO^T ``(B*H*D, NPAD)`` and their scales ``(B*H*NPAD/128, D)``."""
     gl.static_assert(QUANT_BLOCK % BLOCK_M == 0)
@@ -419,7 +383,7 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
         (_consumer, (k_smem, v_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs, kv_ready, rows_ready,
                      rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV,
                      qk_scale, sm_scale, bkv, bh0, start_n, lo, n_m, n_iter, N, NPAD, HEAD_DIM, BLOCK_M, STAGES,
-                     CAUSAL, P_SCALE, SPLIT, OVERLAP, CHAIN)),
+                     CAUSAL, P_SCALE, SPLIT, OVERLAP)),
         (_producer, (k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, k_smem, v_smem, q_bufs,
                      do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs, kv_ready, rows_ready, rows_free, cols_ready,
                      cols_free, bkv * N + start_n, bh0, lo, n_m, n_iter, N, NPAD, HEAD_DIM, BLOCK_M, STAGES)),
@@ -431,11 +395,11 @@ def _bwd_dkdv_ws_kernel(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_
                         V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV, qk_scale, sm_scale, H, HKV, N, NPAD,
                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, GROUP: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, P_SCALE: gl.constexpr,
-                        SPLIT: gl.constexpr, OVERLAP: gl.constexpr, CHAIN: gl.constexpr):
+                        SPLIT: gl.constexpr, OVERLAP: gl.constexpr):
     """The kernel on host-side TMA descriptors (``_descriptors``): no descriptor is built per CTA."""
     _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, Q_SCALE, K_SCALE, V_SCALE,
           DO_SCALE, LSE2, DELTA, DK, DV, qk_scale, sm_scale, H, HKV, N, NPAD, HEAD_DIM, BLOCK_M, GROUP, STAGES,
-          CAUSAL, P_SCALE, SPLIT, OVERLAP, CHAIN)
+          CAUSAL, P_SCALE, SPLIT, OVERLAP)
 
 
 @gluon.jit
@@ -443,7 +407,7 @@ def _bwd_dkdv_ws_kernel_dev(Q8, Q_SCALE, QT8, QT_SCALE, K8, K_SCALE, V8, V_SCALE
                             LSE2, DELTA, DK, DV, qk_scale, sm_scale, H, HKV, N, NPAD, ROWS_Q, ROWS_KV,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, GROUP: gl.constexpr,
                             STAGES: gl.constexpr, CAUSAL: gl.constexpr, P_SCALE: gl.constexpr,
-                            SPLIT: gl.constexpr, OVERLAP: gl.constexpr, CHAIN: gl.constexpr):
+                            SPLIT: gl.constexpr, OVERLAP: gl.constexpr):
     """The kernel on device-side TMA descriptors, as ``fwd_ws`` builds them: every CTA writes its
     eight 128-byte tensor maps and waits for them before its first load (``dkdv(..., host_descriptors=False)``)."""
     row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float8e4nv)
@@ -463,7 +427,7 @@ def _bwd_dkdv_ws_kernel_dev(Q8, Q_SCALE, QT8, QT_SCALE, K8, K_SCALE, V8, V_SCALE
     dots_desc = tma.make_tensor_descriptor(DOT_SCALE, [sc_rows, HEAD_DIM], [HEAD_DIM, 1], [1, HEAD_DIM], sc_layout)
     _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, Q_SCALE, K_SCALE, V_SCALE,
           DO_SCALE, LSE2, DELTA, DK, DV, qk_scale, sm_scale, H, HKV, N, NPAD, HEAD_DIM, BLOCK_M, GROUP, STAGES,
-          CAUSAL, P_SCALE, SPLIT, OVERLAP, CHAIN)
+          CAUSAL, P_SCALE, SPLIT, OVERLAP)
 
 
 #: shared-memory stages of the query-tile ring (two: 80 KB at D = 128, two CTAs an SM)
@@ -494,8 +458,7 @@ def _constexprs(recipe, head_dim: int, causal: bool, group: int, stages: int = S
     return dict(HEAD_DIM=head_dim, BLOCK_M=t.block_m1, GROUP=group, STAGES=stages, CAUSAL=bool(causal),
                 P_SCALE=float(2 ** recipe.p_scale_log2),
                 SPLIT=default_split(head_dim) if split is None else bool(split),
-                OVERLAP=default_overlap(head_dim) if overlap is None else int(overlap),
-                CHAIN=recipe.recipe.bwd_chain)
+                OVERLAP=default_overlap(head_dim) if overlap is None else int(overlap))
 
 
 def _check(recipe, head_dim: int, debug: bool = False) -> None:
@@ -753,7 +716,7 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
                  cols_free, Q_SCALE, K_SCALE, V_SCALE, K_UNIT, DO_SCALE, LSE2, DELTA_STALE, DELTA_MATCHED, DQ,
                  qk_scale, sm_scale, bh, kv, start_m, n_iter, N,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 CAUSAL: gl.constexpr, MATCHED: gl.constexpr, OVERLAP: gl.constexpr, CHAIN: gl.constexpr):
+                 CAUSAL: gl.constexpr, MATCHED: gl.constexpr, OVERLAP: gl.constexpr):
     """The consumer warp group of the dq kernel: its queries' scales, every key tile, the matched
     delta's correction, the stores. ``OVERLAP`` 1: dP is issued right behind S and runs during
     the softmax; 2 (matched): also kbar's wgmma right behind dS K, running during dQ's promotion;
@@ -784,18 +747,11 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
     dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, a_layout)
     # kbar is second order (it is multiplied by D - D_stale): float16, in units u of the largest
     # K scale of this head (K_UNIT), so |kbar / u| <= 448 can never overflow float16
-    gl.static_assert(not CHAIN or OVERLAP < 2)
-    if CHAIN:
-        # CHAIN (Recipe.bwd_chain): dQ and kbar are one wgmma chain each over all key tiles, in
-        # the units of the codes (kbar in float32); k_run: dS's running exponent per query row
-        kbar = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, a_layout)
-    else:
-        kbar = gl.zeros([BLOCK_M, HEAD_DIM], gl.float16, a_layout)
+    kbar = gl.zeros([BLOCK_M, HEAD_DIM], gl.float16, a_layout)
     if MATCHED:
         unit = gl.load(K_UNIT + kv64)
         kb_c = gl.div_rn(1.0 / KBAR_P_SCALE, unit)  # powers of two: exact
     pdp = gl.zeros([BLOCK_M], gl.float32, row_s)
-    k_run = gl.full([BLOCK_M], 126, gl.int32, row_s)
     mbarrier.wait(q_ready, 0)
     if OVERLAP == 3:
         s_next = _dq_next_s(q_smem, k_bufs, rows_ready, 0, s_layout, BLOCK_M, BLOCK_N, STAGES)
@@ -856,75 +812,51 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
         # dS against the stale D (the matched D is not known yet: deferred correction below);
         # Q-point dS: one POW2_DOWN scale per query row of the tile (its 64 keys)
         ds = p * (dp - gl.expand_dims(d_stale, 1))
-        if CHAIN:
-            # Q-point dS (chained backward): against each query row's running scale; dQ's rows
-            # rescaled by its drop
-            ds8, fac, k_run = _running_ds8(ds, k_run, op_layout, row_a)
-            if MATCHED:
-                # Q-point P (kbar): E4M3, scale KBAR_P_SCALE against LSE
-                p8 = gl.convert_layout(_to_fp8(p * KBAR_P_SCALE, False, False), op_layout)
-            mbarrier.wait(cols_ready.index(s), ph)
-            kt_s = kt_bufs.index(s).permute((1, 0))
-            # dS K and P K: the chains run on, one wait for both
-            dq = warpgroup_mma(ds8, kt_s, dq * gl.expand_dims(fac, 1), is_async=True)
-            if MATCHED:
-                kbar = warpgroup_mma(p8, kt_s, kbar, is_async=True)
-                dq, kbar = warpgroup_mma_wait(num_outstanding=0, deps=(dq, kbar))
-            else:
-                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+        k_ds = _pow2_down_exponent(gl.max(gl.abs(ds), axis=1), False)
+        ds8 = gl.convert_layout(_to_fp8(ds * gl.expand_dims(_exp2_int(k_ds), 1), False, False), op_layout)
+        ds_inv = gl.convert_layout(_exp2_int(-k_ds), row_a)
+        if MATCHED:
+            # Q-point P (kbar): E4M3, scale KBAR_P_SCALE against LSE
+            p8 = gl.convert_layout(_to_fp8(p * KBAR_P_SCALE, False, False), op_layout)
+        # dS K, promoted: one wgmma chain per tile, then one float32 multiply-add (the channel
+        # scales from shared memory after the wait, not held across the wgmma)
+        mbarrier.wait(cols_ready.index(s), ph)
+        kt_s = kt_bufs.index(s).permute((1, 0))
+        kts_s = kts_bufs.index(s).reshape([HEAD_DIM])
+        t = warpgroup_mma(ds8, kt_s, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, a_layout), use_acc=False,
+                          is_async=True)
+        if OVERLAP == 3 and not MATCHED:
+            # S of tile i + 1 behind it, running during dQ's promotion
+            s_next = _dq_next_s(q_smem, k_bufs, rows_ready, i + 1, s_layout, BLOCK_M, BLOCK_N, STAGES)
+            t = warpgroup_mma_wait(num_outstanding=1, deps=(t, ))
+        elif MATCHED and OVERLAP == 2:
+            kb = warpgroup_mma(p8, kt_s, gl.zeros([BLOCK_M, HEAD_DIM], gl.float16, a_layout), use_acc=False,
+                               is_async=True)
+            t = warpgroup_mma_wait(num_outstanding=1, deps=(t, ))
         else:
-            k_ds = _pow2_down_exponent(gl.max(gl.abs(ds), axis=1), False)
-            ds8 = gl.convert_layout(_to_fp8(ds * gl.expand_dims(_exp2_int(k_ds), 1), False, False), op_layout)
-            ds_inv = gl.convert_layout(_exp2_int(-k_ds), row_a)
-            if MATCHED:
-                # Q-point P (kbar): E4M3, scale KBAR_P_SCALE against LSE
-                p8 = gl.convert_layout(_to_fp8(p * KBAR_P_SCALE, False, False), op_layout)
-            # dS K, promoted: one wgmma chain per tile, then one float32 multiply-add (the channel
-            # scales from shared memory after the wait, not held across the wgmma)
-            mbarrier.wait(cols_ready.index(s), ph)
-            kt_s = kt_bufs.index(s).permute((1, 0))
-            kts_s = kts_bufs.index(s).reshape([HEAD_DIM])
-            t = warpgroup_mma(ds8, kt_s, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, a_layout), use_acc=False,
-                              is_async=True)
-            if OVERLAP == 3 and not MATCHED:
-                # S of tile i + 1 behind it, running during dQ's promotion
-                s_next = _dq_next_s(q_smem, k_bufs, rows_ready, i + 1, s_layout, BLOCK_M, BLOCK_N, STAGES)
-                t = warpgroup_mma_wait(num_outstanding=1, deps=(t, ))
-            elif MATCHED and OVERLAP == 2:
+            t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
+        dq += t * gl.expand_dims(kts_s.load(col_a), 0) * gl.expand_dims(ds_inv, 1)
+        if MATCHED:
+            # kbar: a float16 wgmma chain per tile, scaled to units u in float32, added and
+            # rounded to float16
+            if OVERLAP != 2:
                 kb = warpgroup_mma(p8, kt_s, gl.zeros([BLOCK_M, HEAD_DIM], gl.float16, a_layout), use_acc=False,
                                    is_async=True)
-                t = warpgroup_mma_wait(num_outstanding=1, deps=(t, ))
-            else:
-                t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
-            dq += t * gl.expand_dims(kts_s.load(col_a), 0) * gl.expand_dims(ds_inv, 1)
-            if MATCHED:
-                # kbar: a float16 wgmma chain per tile, scaled to units u in float32, added and
-                # rounded to float16
-                if OVERLAP != 2:
-                    kb = warpgroup_mma(p8, kt_s, gl.zeros([BLOCK_M, HEAD_DIM], gl.float16, a_layout), use_acc=False,
-                                       is_async=True)
-                if OVERLAP == 3:
-                    # S of tile i + 1 behind it, running during kbar's promotion (dQ's chain result is
-                    # dead by then: fewer registers than behind dS K)
-                    s_next = _dq_next_s(q_smem, k_bufs, rows_ready, i + 1, s_layout, BLOCK_M, BLOCK_N, STAGES)
-                    kb = warpgroup_mma_wait(num_outstanding=1, deps=(kb, ))
-                else:
-                    kb = warpgroup_mma_wait(num_outstanding=0, deps=(kb, ))
-                kbar = (kbar.to(gl.float32) + kb.to(gl.float32) * gl.expand_dims(kts_s.load(col_a) * kb_c, 0)
-                        ).to(gl.float16)
             if OVERLAP == 3:
-                # nothing in flight across the loop's back edge
-                s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, ))
+                # S of tile i + 1 behind it, running during kbar's promotion (dQ's chain result is
+                # dead by then: fewer registers than behind dS K)
+                s_next = _dq_next_s(q_smem, k_bufs, rows_ready, i + 1, s_layout, BLOCK_M, BLOCK_N, STAGES)
+                kb = warpgroup_mma_wait(num_outstanding=1, deps=(kb, ))
+            else:
+                kb = warpgroup_mma_wait(num_outstanding=0, deps=(kb, ))
+            kbar = (kbar.to(gl.float32) + kb.to(gl.float32) * gl.expand_dims(kts_s.load(col_a) * kb_c, 0)
+                    ).to(gl.float16)
+        if OVERLAP == 3:
+            # nothing in flight across the loop's back edge
+            s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, ))
         fence_async_shared()  # the reads of this stage before the next TMA writes into it
         mbarrier.arrive(cols_free.index(s), count=1)
     offs_ma = start_m + gl.arange(0, BLOCK_M, layout=row_a)
-    if CHAIN:
-        # out of the codes' units: dS's last running scale per query row, K^T's one scale per
-        # channel (every stage's scale row holds it); kbar in units u, as the correction reads it
-        kc = gl.expand_dims(kts_bufs.index(0).reshape([HEAD_DIM]).load(col_a), 0)
-        dq = dq * gl.expand_dims(gl.convert_layout(_exp2_int(-k_run), row_a), 1) * kc
-        if MATCHED:
-            kbar = kbar * (kc * kb_c)
     if MATCHED:
         # the matched delta, after the last key tile: D = sum_j P dP, and dQ's deferred correction
         # dS K = (P (dP - Dst)) K - (D - Dst) (P K), with P K = kbar * u
@@ -941,7 +873,7 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
 def _bwd_dq_ws_kernel(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, Q_SCALE, K_SCALE, V_SCALE, K_UNIT,
                       DO_SCALE, LSE2, DELTA_STALE, DELTA_MATCHED, DQ, qk_scale, sm_scale, H, GROUP, N, NPAD,
                       HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                      MATCHED: gl.constexpr, OVERLAP: gl.constexpr, CHAIN: gl.constexpr):
+                      MATCHED: gl.constexpr, OVERLAP: gl.constexpr):
     """The dq kernel on host-side TMA descriptors: Q, dO rows ``(B*H*N, D)``, K, V rows
     ``(B*HKV*N, D)``, K^T ``(B*HKV*D, NPAD)`` and its scales ``(B*HKV*NPAD/128, D)``."""
     BLOCK_M: gl.constexpr = DQ_BLOCK_M
@@ -972,7 +904,7 @@ def _bwd_dq_ws_kernel(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, Q_SCAL
         (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, rows_ready, rows_free,
                         cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, K_UNIT, DO_SCALE, LSE2, DELTA_STALE,
                         DELTA_MATCHED, DQ, qk_scale, sm_scale, bh, kv, start_m, n_iter, N, HEAD_DIM, BLOCK_M,
-                        BLOCK_N, STAGES, CAUSAL, MATCHED, OVERLAP, CHAIN)),
+                        BLOCK_N, STAGES, CAUSAL, MATCHED, OVERLAP)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, q_smem, do_smem, k_bufs, v_bufs,
                         kt_bufs, kts_bufs, q_ready, rows_ready, rows_free, cols_ready, cols_free, bh * N + start_m,
                         kv, n_iter, N, NPAD, HEAD_DIM, BLOCK_N, STAGES, OVERLAP == 3)),
@@ -988,9 +920,6 @@ def default_dq_overlap(recipe, head_dim: int) -> int:
     issued behind dS K (2), 3-5% faster than serial on the H200; otherwise serial, as the
     overlapped schedules were within -4% to +4% of it (``gluon_dq_ov*_ms`` against
     ``gluon_dq_ms`` and ``gluon_dq_stale_ms`` in benchmarks/results/h200_bwd_ws_probe.jsonl)."""
-    if recipe.recipe.bwd_chain:
-        # the chained step issues kbar's wgmma behind dS K itself; OVERLAP 2 and 3 do not apply
-        return 0
     return 2 if head_dim == 64 and recipe.matched else 0
 
 
@@ -1000,8 +929,7 @@ def _dq_constexprs(recipe, head_dim: int, causal: bool, stages: int = DQ_STAGES,
     t = recipe.bwd_tiles(head_dim)
     return dict(HEAD_DIM=head_dim, BLOCK_N=t.block_n2, STAGES=stages, CAUSAL=bool(causal),
                 MATCHED=recipe.matched,
-                OVERLAP=default_dq_overlap(recipe, head_dim) if overlap is None else int(overlap),
-                CHAIN=recipe.recipe.bwd_chain)
+                OVERLAP=default_dq_overlap(recipe, head_dim) if overlap is None else int(overlap))
 
 
 def _check_dq(recipe, head_dim: int, debug: bool = False) -> None:

@@ -121,18 +121,11 @@ def _promoted(model, tile: int):
     return MatmulModel(model.accumulation, promote_every=None if tile >= QUANT_BLOCK else tile, rules=model.rules)
 
 
-def _unpromoted(model):
-    """``model`` without promotion (one chain)."""
-    return MatmulModel(model.accumulation, rules=model.rules) if model.accumulation is Accumulation.HOPPER else model
-
-
 def fit_to_tiles(recipe, bwd: BwdTiles):
     """``recipe`` with the parts the backward tiling decides: dS blocks of 1 x ``block_n2``
-    (dQ) and 1 x ``block_m1`` (dK), HOPPER promotion per kernel tile for dV, dQ and dK (none in a
-    chained backward, ``Recipe.bwd_chain``), and the deferred dQ's kbar tile of ``block_n2`` keys."""
+    (dQ) and 1 x ``block_m1`` (dK), HOPPER promotion per kernel tile for dV, dQ and dK, and the
+    deferred dQ's kbar tile of ``block_n2`` keys."""
     acc = recipe.accumulation
-    if recipe.bwd_chain:
-        acc = dataclasses.replace(acc, dv=_unpromoted(acc.dv), dq=_unpromoted(acc.dq), dk=_unpromoted(acc.dk))
     delta = recipe.delta
     if delta.deferred_dq is not None:
         delta = DeltaStrategy(delta.kind, delta.do, delta.o,
@@ -140,9 +133,8 @@ def fit_to_tiles(recipe, bwd: BwdTiles):
     return dataclasses.replace(
         recipe, ds_dq=_ds_point(bwd.block_n2), ds_dk=_ds_point(bwd.block_m1), delta=delta,
         accumulation=MatmulModels(qk=acc.qk, pv=acc.pv, qk_bwd=acc.qk_bwd, dp=acc.dp,
-                                  dv=acc.dv if recipe.bwd_chain else _promoted(acc.dv, bwd.block_m1),
-                                  dq=acc.dq if recipe.bwd_chain else _promoted(acc.dq, bwd.block_n2),
-                                  dk=acc.dk if recipe.bwd_chain else _promoted(acc.dk, bwd.block_m1)))
+                                  dv=_promoted(acc.dv, bwd.block_m1), dq=_promoted(acc.dq, bwd.block_n2),
+                                  dk=_promoted(acc.dk, bwd.block_m1)))
 
 
 def unsupported(recipe, bwd: BwdTiles | None = None) -> str | None:
@@ -165,17 +157,14 @@ def _differences(recipe, bwd: BwdTiles | None) -> list[str]:
                     f"the recipe says {pt.describe()}")
         return None
 
-    row, tensor = (Granularity.ROW,), (Granularity.TENSOR,)
-    # the transposed copies: per channel and 128-token block, or (a chained backward) per channel
-    # over the whole contraction
-    tok = row if recipe.bwd_chain else (Granularity.TILE_1x128,)
+    row, tok, tensor = (Granularity.ROW,), (Granularity.TILE_1x128,), (Granularity.TENSOR,)
     ds_grans = (Granularity.MX32, Granularity.TILE_1x64, Granularity.TILE_1x128)
     do_fmt = (recipe.do_dp.fmt,) if recipe.do_dp.fmt in (e4m3, e5m2) else (e4m3, e5m2)
     # K and V: the Triton forward's (per token, per 128-token block and channel) or the
     # warp-specialized forward's folded pair (per head, per head and channel)
     folded = recipe.k.granularity is Granularity.HEAD
     k_v = ((point("k", (e4m3,), (Granularity.HEAD,)), point("v", (e4m3,), row)) if folded
-           else (point("k", (e4m3,), row), point("v", (e4m3,), (Granularity.TILE_1x128,))))
+           else (point("k", (e4m3,), row), point("v", (e4m3,), tok)))
     checks = [point("q", (e4m3,), row), *k_v,
               point("p", (e4m3,), tensor, ScaleRule.FIXED), point("do_dp", do_fmt, row),
               point("v_dp", (e4m3,), row), point("p_dv", (e4m3,), tensor, ScaleRule.FIXED),
@@ -190,7 +179,7 @@ def _differences(recipe, bwd: BwdTiles | None) -> list[str]:
                       f"2^{recipe.p_fwd.offset_log2} and 2^{recipe.p_bwd.offset_log2}")
     if recipe.pv_chain and not folded:
         checks.append("pv_chain: the Triton forward promotes PV once per key tile; the warp-specialized "
-                      "forward (K scaled per head) chains it")
+                      "forward (K scaled per head) runs both")
     if recipe.normalizer is not Normalizer.FP32_SUM and not (folded and recipe.normalizer is Normalizer.PV_SUM):
         checks.append("normalizer: the kernels divide by the float32 sum of P (the warp-specialized forward, K "
                       "scaled per head, also by PV's own sum of P's codes, Normalizer.PV_SUM)")
@@ -198,8 +187,7 @@ def _differences(recipe, bwd: BwdTiles | None) -> list[str]:
         checks.append(f"the kernels work in float32 with the running max rescaled every {QUANT_BLOCK} keys")
     if recipe.delta not in (STALE,) and not (recipe.delta.kind is DeltaKind.MATCHED
                                             and recipe.delta.deferred_dq is not None
-                                            and recipe.delta.deferred_dq == _deferred(recipe.delta.deferred_dq.tile,
-                                                                                      recipe.bwd_chain)):
+                                            and recipe.delta.deferred_dq == _deferred(recipe.delta.deferred_dq.tile)):
         checks.append(f"delta: the kernels compute the stale delta from BF16 dO and O, or the matched delta "
                       f"with their deferred dQ; the recipe says {recipe.delta.name}")
     if any(m.accumulation is Accumulation.EXACT for m in recipe.accumulation.models()):
@@ -210,18 +198,17 @@ def _differences(recipe, bwd: BwdTiles | None) -> list[str]:
     return [c for c in checks if c]
 
 
-def _deferred(tile: int, chained: bool = False):
+def _deferred(tile: int):
     """The kernels' deferred dQ (dmref.recipes.DeferredDq): stale predictor, P in E4M3 times
     2^KBAR_P_SCALE_LOG2, float16 tile sums and accumulator (Triton's float32 -> float16: RNE,
-    overflow to inf); in a chained backward (``Recipe.bwd_chain``) kbar is one float32 wgmma chain
-    over all keys (tile sums and accumulator not rounded)."""
-    acc = QuantPoint() if chained else QuantPoint(FLOAT16, saturate=False)
+    overflow to inf)."""
+    fp16 = QuantPoint(FLOAT16, saturate=False)
     return DeferredDq(predictor=STALE, p=QuantPoint(FLOAT8_E4M3FN), p_offset_log2=KBAR_P_SCALE_LOG2,
-                      tile=tile, tile_result=acc, accumulator=acc)
+                      tile=tile, tile_result=fp16, accumulator=fp16)
 
 
 def kernel_recipe(delta: KernelDelta, bwd: BwdTiles | None = None, do_format: str = "float8_e4m3fn",
-                  folded: bool = False, chained: bool = False):
+                  folded: bool = False):
     """The ``dmref.recipes.Recipe`` the kernels run for ``delta`` (``"stale"`` or
     ``"matched"``) with the backward tiling ``bwd``: the ``naive_fp8`` preset with Q, K, dO
     and V (dP) scaled per token over the whole head dim (ROW), dS in 1 x tile blocks, O in
@@ -235,12 +222,7 @@ def kernel_recipe(delta: KernelDelta, bwd: BwdTiles | None = None, do_format: st
     per 128-key tile, as in the Triton forward: one wgmma chain over all keys
     (``Recipe.pv_chain``) loses the products of a long row once its accumulator outgrows them
     (an average over thousands of keys of a V whose channels have one sign: 6.8% of O at 4,096
-    keys, benchmarks/results/cpu_pv_accuracy.json).
-
-    ``chained``: the chained backward (``Recipe.bwd_chain``): dV, dK, dQ and kbar each one wgmma
-    chain across the tiles, the transposed copies of dO, Q and K with one scale per channel over
-    the whole contraction (``Granularity.ROW``; for GQA over the queries of all heads that share
-    a key/value head), dS against a running scale; the backward tiling's dS tiles must be 64."""
+    keys, benchmarks/results/cpu_pv_accuracy.json)."""
 
     if delta not in ("stale", "matched"):
         raise ValueError(f"delta={delta!r} must be 'stale' or 'matched'")
@@ -254,13 +236,6 @@ def kernel_recipe(delta: KernelDelta, bwd: BwdTiles | None = None, do_format: st
         do_dv=dataclasses.replace(base.do_dv, fmt=do_fmt), accumulation=MatmulModels.all("hopper"),
         delta=(base.delta if delta == "stale" else DeltaStrategy(DeltaKind.MATCHED, deferred_dq=_deferred(bwd.block_n2))),
     )
-    if chained:
-        do_row = QuantPoint(do_fmt, Granularity.ROW, ScaleRule.POW2_DOWN)
-        recipe = dataclasses.replace(
-            recipe, name=recipe.name.replace("kernels_", "kernels_chained_"), do_dv=do_row, q_dk=e4m3_row,
-            k_dq=e4m3_row, ds_dq=_ds_point(bwd.block_n2), ds_dk=_ds_point(bwd.block_m1), bwd_chain=True,
-            delta=(recipe.delta if delta == "stale"
-                   else DeltaStrategy(DeltaKind.MATCHED, deferred_dq=_deferred(bwd.block_n2, chained=True))))
     if folded:
         recipe = dataclasses.replace(recipe, name=recipe.name.replace("kernels_", "kernels_folded_"),
                                      k=QuantPoint(base.k.fmt, Granularity.HEAD, ScaleRule.POW2_DOWN),
@@ -379,20 +354,14 @@ RECIPES: dict[str, KernelSpec] = _specs(
     # the warp-specialized Gluon forward (fwd_ws), the same backward kernels
     kernel_recipe("matched", folded=True),
     kernel_recipe("stale", folded=True),
-    # the chained backward (Recipe.bwd_chain), after either forward
-    kernel_recipe("matched", chained=True),
-    kernel_recipe("stale", chained=True),
-    kernel_recipe("matched", folded=True, chained=True),
-    kernel_recipe("stale", folded=True, chained=True),
 )
 
 
 def _suggestion(recipe: Recipe) -> str:
-    """The shipped spec of the same delta, forward and backward as ``recipe``."""
+    """The shipped spec of the same delta (and forward) as ``recipe``."""
     folded = recipe.k.granularity is Granularity.HEAD
     matched = recipe.delta.kind is DeltaKind.MATCHED
-    return (f"kernels_{'folded_' if folded else ''}{'chained_' if recipe.bwd_chain else ''}"
-            f"{'delta_matching' if matched else 'naive_fp8'}")
+    return f"kernels_{'folded_' if folded else ''}{'delta_matching' if matched else 'naive_fp8'}"
 
 
 def _not_run(recipe: Recipe) -> ValueError:

@@ -50,10 +50,10 @@ def _quantize_kernel(
     X, stride_xb, stride_xh, stride_xn, stride_xd,
     XR, XR_SCALE, XT, XT_SCALE,
     O, stride_ob, stride_oh, stride_on, stride_od, DELTA,
-    COL_AMAX, H, N, NPAD,
+    H, N, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
     EMIT_ROWS: tl.constexpr, EMIT_COLS: tl.constexpr, WITH_DELTA: tl.constexpr,
-    COL_GROUP: tl.constexpr, IS_E5M2: tl.constexpr, INTERPRET: tl.constexpr,
+    IS_E5M2: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     bh = tl.program_id(1)
@@ -80,14 +80,8 @@ def _quantize_kernel(
         tl.store(XR + offs_t[:, None] * HEAD_DIM + offs_d[None, :], codes, mask=in_seq[:, None])
         tl.store(XR_SCALE + offs_t, exp2_int(-k_row), mask=in_seq)
     if EMIT_COLS:
-        if COL_GROUP > 0:
-            # Q-point transposed copy: one POW2_DOWN scale per channel over all tokens of the
-            # COL_GROUP heads of this head's group (the amaxes of _col_amax_kernel)
-            col_amax = tl.load(COL_AMAX + (bh // COL_GROUP).to(tl.int64) * HEAD_DIM + offs_d)
-            k_col = pow2_down_exponent(col_amax.to(tl.float32, bitcast=True), IS_E5M2)
-        else:
-            # Q-point transposed copy: one POW2_DOWN scale per channel over BLOCK_T tokens
-            k_col = pow2_down_exponent(tl.max(tl.abs(x), axis=0), IS_E5M2)
+        # Q-point transposed copy: one POW2_DOWN scale per channel over BLOCK_T tokens
+        k_col = pow2_down_exponent(tl.max(tl.abs(x), axis=0), IS_E5M2)
         codes_t = to_fp8(x * exp2_int(k_col)[None, :], IS_E5M2, INTERPRET)
         # NPAD is a multiple of BLOCK_T: padding is written as 0
         tl.store(XT + offs_d[None, :] * NPAD + offs_t[:, None], codes_t)
@@ -100,32 +94,12 @@ def _quantize_kernel(
         tl.store(DELTA + offs_t, tl.sum(o * x, axis=1), mask=in_seq)
 
 
-@triton.jit
-def _col_amax_kernel(X, stride_xb, stride_xh, stride_xn, stride_xd, AMAX, H, N,
-                     HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, COL_GROUP: tl.constexpr,
-                     INTERPRET: tl.constexpr):
-    """max |X| of each channel over all tokens of the COL_GROUP consecutive heads of a group
-    (``AMAX[(b * H + h) // COL_GROUP, d]``), as int32 bit patterns merged with atomic_max (AMAX
-    starts at 0; for |x| >= 0 integer order is float order, and NaN, the largest pattern, wins)."""
-    bh = tl.program_id(1)
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, HEAD_DIM)
-    off = (bh // H).to(tl.int64) * stride_xb + (bh % H).to(tl.int64) * stride_xh
-    x = from_bf16(tl.load(X + off + offs_t[:, None] * stride_xn + offs_d[None, :] * stride_xd,
-                          mask=(offs_t < N)[:, None], other=0.0), INTERPRET)
-    tl.atomic_max(AMAX + (bh // COL_GROUP).to(tl.int64) * HEAD_DIM + offs_d,
-                  tl.max(tl.abs(x).to(tl.int32, bitcast=True), axis=0))
-
-
-def launch(head_dim: int, fmt: str, *, rows: bool = True, cols: bool = True, with_delta: bool = False,
-           col_group: int = 0) -> Launch:
+def launch(head_dim: int, fmt: str, *, rows: bool = True, cols: bool = True, with_delta: bool = False) -> Launch:
     """The quantization kernel's launch for ``head_dim`` and the FP8 format ``fmt``: the copies
-    it writes, whether it computes the stale delta, and the transposed copy's scale blocks
-    (``col_group`` 0: per channel and 128 tokens; G > 0: per channel over all tokens of G
-    consecutive heads). The one description that :func:`quantize` and ``compile_check`` read."""
+    it writes and whether it computes the stale delta. The one description that
+    :func:`quantize` and ``compile_check`` read."""
     consts = dict(HEAD_DIM=head_dim, BLOCK_T=QUANT_BLOCK, EMIT_ROWS=bool(rows), EMIT_COLS=bool(cols),
-                  WITH_DELTA=bool(with_delta), COL_GROUP=int(col_group), IS_E5M2=fmt == "float8_e5m2",
-                  INTERPRET=interpreting())
+                  WITH_DELTA=bool(with_delta), IS_E5M2=fmt == "float8_e5m2", INTERPRET=interpreting())
     return Launch(consts, num_warps=8, num_stages=3)
 
 
@@ -136,15 +110,11 @@ def quantize(
     rows: bool = True,
     cols: bool = True,
     delta_with: torch.Tensor | None = None,
-    col_group: int = 0,
 ) -> tuple[Quantized, torch.Tensor | None]:
     """Quantize ``x: (B, H, N, D)`` (BF16, any strides) in one pass.
 
     Returns the copies asked for and, when ``delta_with`` (O, same shape) is given, the stale delta
-    ``rowsum(x * O)`` as ``(B*H, N)`` float32. ``col_group`` G > 0: the transposed copy has one
-    scale per channel over all tokens of each G consecutive heads (the contraction of a chained
-    backward's dK or dV for one key/value head, ``Recipe.bwd_chain``), written into every block
-    of ``col_scale``; one more launch (the amaxes) comes first.
+    ``rowsum(x * O)`` as ``(B*H, N)`` float32.
     """
     if x.ndim != 4:
         raise ValueError(f"x must be (B, H, N, D), got shape {tuple(x.shape)}")
@@ -172,22 +142,14 @@ def quantize(
             raise ValueError(f"delta_with shape {tuple(delta_with.shape)} != x shape {tuple(x.shape)}")
         delta = torch.empty((bsz * heads, n), device=dev, dtype=torch.float32)
         o = delta_with
-    col_group = int(col_group) if cols else 0
-    if col_group < 0 or (col_group and heads % col_group):
-        raise ValueError(f"col_group={col_group} must be 0 or divide the {heads} heads")
-    run = launch(d, fmt, rows=rows, cols=cols, with_delta=delta is not None, col_group=col_group)
+    run = launch(d, fmt, rows=rows, cols=cols, with_delta=delta is not None)
     grid = (npad // QUANT_BLOCK, bsz * heads)
-    col_amax = dummy32
-    if col_group:
-        col_amax = torch.zeros((bsz * heads // col_group, d), device=dev, dtype=torch.int32)
-        _col_amax_kernel[grid](x, *x.stride(), col_amax, heads, n, HEAD_DIM=d, BLOCK_T=QUANT_BLOCK,
-                               COL_GROUP=col_group, INTERPRET=interpreting(), num_warps=8)
     _quantize_kernel[grid](
         x, *x.stride(),
         out.rows if rows else dummy8, out.row_scale if rows else dummy32,
         out.cols if cols else dummy8, out.col_scale if cols else dummy32,
         o, *o.stride(), delta if delta is not None else dummy32,
-        col_amax, heads, n, npad,
+        heads, n, npad,
         **run.constexprs, **run.options(),
     )
     return out, delta

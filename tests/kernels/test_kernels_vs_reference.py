@@ -4,9 +4,8 @@ the kernels run (``KernelSpec.reference_recipe``).
 The reference reproduces the kernels' forward (P against the running max of 128-key tiles), the
 matched and stale delta, dV, dK and dQ, the matched dQ with its deferred kbar correction
 (``dmref.recipes.DeferredDq``) included: on the H200 with the Hopper wgmma model and the kernels'
-promotion points (``hopper``, ``hopper-p64``) or their chains across tiles (the chained backward,
-``Recipe.bwd_chain``), in Triton's interpreter with float32 matmuls. The kernels run with their
-shipped tilings (dS blocks of 1x64, ``Granularity.TILE_1x64``).
+promotion points (``hopper``, ``hopper-p64``), in Triton's interpreter with float32 matmuls. The
+kernels run with their shipped tilings (dS blocks of 1x64, ``Granularity.TILE_1x64``).
 """
 
 from __future__ import annotations
@@ -30,9 +29,6 @@ CASES = {
     "interpreter": [
         Case(1, 2, 1, 203, 64, True, "kernels_naive_fp8"),
         Case(1, 2, 2, 150, 64, False, "kernels_delta_matching"),
-        # the chained backward (Recipe.bwd_chain): GQA across the chain, tails, causal
-        Case(1, 2, 1, 203, 64, True, "kernels_chained_delta_matching"),
-        Case(1, 2, 2, 150, 64, False, "kernels_chained_naive_fp8"),
     ],
     "gpu": [
         Case(2, 4, 2, 1000, 128, False, "kernels_naive_fp8"),
@@ -43,11 +39,6 @@ CASES = {
         Case(2, 4, 2, 1000, 128, True, "kernels_folded_delta_matching"),
         Case(1, 4, 1, 777, 64, False, "kernels_folded_naive_fp8"),
         Case(1, 2, 2, 203, 128, True, "kernels_folded_delta_matching"),
-        # the chained backward, after either forward
-        Case(2, 4, 2, 1000, 128, True, "kernels_chained_delta_matching"),
-        Case(1, 4, 1, 777, 64, False, "kernels_chained_naive_fp8"),
-        Case(2, 4, 2, 1000, 128, False, "kernels_folded_chained_delta_matching"),
-        Case(1, 4, 4, 777, 64, True, "kernels_folded_chained_delta_matching"),
     ],
 }
 

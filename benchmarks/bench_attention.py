@@ -18,9 +18,7 @@ Measures, per shape B·H·N·D and causal or not, medians of ``triton.testing.do
   ``api.attention_backward`` runs it (the Gluon kernels ``bwd_ws`` where they run the recipe:
   ``bwd_kernels``) and with the Triton kernels (``_triton``), and that backward's kernels without
   the preprocess: both, the dq alone, the dkdv alone (``_kernels``, ``_dq``, ``_dkdv``);
-  end to end (quantization + forward + backward through ``torch.autograd``); the same for the
-  chained backward (``kernels_chained_*``, ``Recipe.bwd_chain``: keys ``ours_bwd_{stale,matched}_chained``
-  with their parts, ``ours_e2e_matched_folded_chained``, ``matched_over_stale_chained``);
+  end to end (quantization + forward + backward through ``torch.autograd``);
 - the warp-specialized Gluon forward (``dmref.kernels.fwd_ws``, the ``folded`` scales): kernel
   alone and incl. its quantization of K and V (it quantizes Q inside), and the same with the
   normalizer from the tensor cores (``pv_sum=True``, ``Normalizer.PV_SUM``: ``ours_fwd_ws_pv_sum_*``);
@@ -131,8 +129,7 @@ def _warm_one(job):
 
         torch.manual_seed(0)
         q, k, v, do = (torch.randn(1, heads, 512, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-        for name in ("kernels_naive_fp8", "kernels_delta_matching", "kernels_chained_naive_fp8",
-                     "kernels_chained_delta_matching"):
+        for name in ("kernels_naive_fp8", "kernels_delta_matching"):
             r = _recipe(name, fwd_c, bwd_c)
             o, _, saved, _ = api.attention_forward(q, k, v, causal=causal, recipe=r, for_backward=True)
             api.attention_forward(q, k, v, causal=causal, recipe=r, for_backward=False)
@@ -209,9 +206,6 @@ def _speedups(ms: dict, anchor: str) -> dict:
         "fwd_ws_pv_sum_incl_quant": fwd / ms["ours_fwd_ws_pv_sum_incl_quant"],
         "e2e_matched_folded": e2e / ms["ours_e2e_matched_folded"],
         "bwd_matched_triton": bwd / ms["ours_bwd_matched_triton"],
-        "bwd_matched_chained": bwd / ms["ours_bwd_matched_chained"],
-        "bwd_stale_chained": bwd / ms["ours_bwd_stale_chained"],
-        "e2e_matched_folded_chained": e2e / ms["ours_e2e_matched_folded_chained"],
     }
 
 
@@ -286,26 +280,10 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
         # its kernels without the preprocess: both, the dq alone, the dkdv alone (on the dq's D)
         for part, fn in _bwd_parts(r, gluon, saved, do8, d_stale, kw).items():
             ms[f"ours_bwd_{tag}_{part}"] = _bench(fn)
-    # --- ours: the chained backward (Recipe.bwd_chain: dV, dK, dQ one wgmma chain each), after
-    # the forward of its recipe (the transposed copies with one scale per channel)
-    r_cst = _recipe("kernels_chained_naive_fp8", fwd_c, bwd_c)
-    r_cdm = _recipe("kernels_chained_delta_matching", fwd_c, bwd_c)
-    o_c, _, saved_c, _ = api.attention_forward(q, k, v, causal=causal, scale=scale, recipe=r_cdm)
-    do8_c, d_stale_c = quantize(do, "float8_e4m3fn", rows=True, cols=True, delta_with=o_c, col_group=1)
-    for tag, r in (("stale_chained", r_cst), ("matched_chained", r_cdm)):
-        gluon = api.gluon_backward_refusal(r, d) is None
-        res.setdefault("bwd_kernels", {})[tag] = "gluon" if gluon else "triton"
-        ms[f"ours_bwd_{tag}"] = _bench(lambda r=r: api.attention_backward(
-            saved_c, o_c, do, shape=shape, causal=causal, scale=scale, recipe=r))
-        for part, fn in _bwd_parts(r, gluon, saved_c, do8_c, d_stale_c, kw).items():
-            ms[f"ours_bwd_{tag}_{part}"] = _bench(fn)
-    del saved_c, o_c, do8_c
     # --- ours: end to end through autograd
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
     r_fdm = _recipe("kernels_folded_delta_matching", fwd_c, bwd_c)
-    r_fcdm = _recipe("kernels_folded_chained_delta_matching", fwd_c, bwd_c)
-    for tag, r in (("stale", r_st), ("matched", r_dm), ("matched_folded", r_fdm),
-                   ("matched_folded_chained", r_fcdm)):
+    for tag, r in (("stale", r_st), ("matched", r_dm), ("matched_folded", r_fdm)):
         def step(r=r):
             out = api.attention(qg, kg, vg, causal=causal, scale=scale, recipe=r)
             out.backward(do)
@@ -354,7 +332,6 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
             res[key] = _speedups(ms, anchor)
     res["matched_over_stale"] = ms["ours_bwd_matched"] / ms["ours_bwd_stale"] - 1
     res["matched_over_stale_kernels"] = ms["ours_bwd_matched_kernels"] / ms["ours_bwd_stale_kernels"] - 1
-    res["matched_over_stale_chained"] = ms["ours_bwd_matched_chained"] / ms["ours_bwd_stale_chained"] - 1
     return res
 
 

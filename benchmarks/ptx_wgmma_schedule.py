@@ -10,11 +10,11 @@ compile_check``) and prints, per kernel, the order of the loop's wgmma issues (`
 ``W0`` right after every ``C`` means each matmul completes before anything else runs in that
 warpgroup: no overlap of tensor cores with the softmax inside a CTA.
 
-Then, for the warp-specialized Gluon kernels (``fwd_ws``, and with ``pv_sum``; ``bwd_ws``'s dq for the stale and the
-matched recipe; its dkdv; the dq and dkdv of the chained backward, ``Recipe.bwd_chain``), the
-sm_90a SASS instructions a consumer thread issues per iteration of its key- or query-tile loop
-(the innermost loop that holds a wgmma and an exp2; the forward's takes two key tiles an
-iteration), with the most frequent opcodes and the local-memory (spill) accesses:
+Then, for the warp-specialized Gluon kernels (``fwd_ws``, also with ``pv_sum``; ``bwd_ws``'s dq for
+the stale and the matched recipe; its dkdv), the sm_90a SASS instructions a consumer thread
+issues per iteration of its key- or query-tile loop (the innermost loop that holds a wgmma and an
+exp2; the forward's takes two key tiles an iteration), with the most frequent opcodes and the
+local-memory (spill) accesses:
 these kernels are issue-bound, so the count per tile is where their time goes.
 docs/kernels_speed.md cites the result.
 """
@@ -68,12 +68,7 @@ def gluon_loops(head_dims) -> list[str]:
                                ("fwd_ws, pv_sum", lambda: fwd_ws.compile_sm90(d, pv_sum=True)),
                                ("dq stale", lambda: bwd_ws.compile_sm90_dq(d, recipe="kernels_naive_fp8")),
                                ("dq matched", lambda: bwd_ws.compile_sm90_dq(d, recipe="kernels_delta_matching")),
-                               ("dkdv", lambda: bwd_ws.compile_sm90(d, recipe="kernels_delta_matching")),
-                               # the chained backward (Recipe.bwd_chain)
-                               ("dq stale, chained", lambda: bwd_ws.compile_sm90_dq(d, recipe="kernels_chained_naive_fp8")),
-                               ("dq matched, chained",
-                                lambda: bwd_ws.compile_sm90_dq(d, recipe="kernels_chained_delta_matching")),
-                               ("dkdv, chained", lambda: bwd_ws.compile_sm90(d, recipe="kernels_chained_delta_matching"))):
+                               ("dkdv", lambda: bwd_ws.compile_sm90(d, recipe="kernels_delta_matching"))):
             ops = sass_loop(compile_())
             top = " ".join(f"{op} {n}" for op, n in ops.most_common(10))
             lines.append(f"D={d:<3d} {name:19s} {sum(ops.values()):5d}  {top}  | spills: STL {ops['STL']} LDL {ops['LDL']}")

@@ -372,27 +372,38 @@ def sweep(d, causal, h, n, b):
     return tuple(best_f), tuple(best_b), out
 
 
+#: The accuracy inputs: ``channels`` (randn, every 16th channel of q and k x4) and ``dc`` (q, k of
+#: that x0.1, so that each row's mass spreads over all keys; v and dO = 1 + randn / 4, channels of
+#: one sign: the long sums a tensor-core chain without promotion loses, docs/kernels_speed.md)
+ACCURACY_CASES = [((1, 8, 2048, 128), True, "channels"), ((1, 8, 2048, 64), False, "channels"),
+                  ((1, 8, 4096, 128), False, "dc")]
+
+
 def accuracy(out_dir):
-    """Errors against float64 attention on inputs with outlier channels: ours (both recipes),
-    SDPA cuDNN and flash in BF16."""
+    """Errors against float64 attention: ours (the four recipes of both forwards), cuDNN's FP8
+    attention (head dim 128), SDPA cuDNN and flash in BF16, on the same inputs."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from dmref import targets
     from dmref.kernels import attention
 
     res = []
-    for (b, h, n, d), causal in (((1, 8, 2048, 128), True), ((1, 8, 2048, 64), False)):
+    for (b, h, n, d), causal, kind in ACCURACY_CASES:
         g = torch.Generator(device="cuda").manual_seed(0)
         outlier = torch.ones(d, device="cuda")
         outlier[::16] = 4.0
-        q = (torch.randn(b, h, n, d, device="cuda", generator=g) * outlier).bfloat16()
-        k = (torch.randn(b, h, n, d, device="cuda", generator=g) * outlier).bfloat16()
-        v = torch.randn(b, h, n, d, device="cuda", generator=g).bfloat16()
-        do = torch.randn(b, h, n, d, device="cuda", generator=g).bfloat16()
+        q = torch.randn(b, h, n, d, device="cuda", generator=g) * outlier
+        k = torch.randn(b, h, n, d, device="cuda", generator=g) * outlier
+        v = torch.randn(b, h, n, d, device="cuda", generator=g)
+        do = torch.randn(b, h, n, d, device="cuda", generator=g)
+        if kind == "dc":
+            q, k, v, do = q * 0.1, k * 0.1, 1 + v / 4, 1 + do / 4
+        q, k, v, do = (t.bfloat16() for t in (q, k, v, do))
         q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
         o64 = F.scaled_dot_product_attention(q64, k64, v64, is_causal=causal)
         o64.backward(do.double())
         ref = dict(o=o64.detach(), dq=q64.grad, dk=k64.grad, dv=v64.grad)
-        row = dict(shape=[b, h, n, d], causal=causal, inputs="randn, every 16th channel of q and k x4")
+        row = dict(shape=[b, h, n, d], causal=causal, inputs=kind)
 
         def errs(fn):
             qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
@@ -401,8 +412,14 @@ def accuracy(out_dir):
             got = dict(o=o.detach(), dq=qg.grad, dk=kg.grad, dv=vg.grad)
             return {x: ((got[x].double() - ref[x]).norm() / ref[x].norm()).item() for x in ref}
 
-        for name in ("kernels_delta_matching", "kernels_naive_fp8"):
+        for name in ("kernels_delta_matching", "kernels_naive_fp8", "kernels_folded_delta_matching",
+                     "kernels_folded_naive_fp8"):
             row[f"ours_{name}"] = errs(lambda a, b_, c, name=name: attention(a, b_, c, causal=causal, recipe=name))
+        if d == 128:
+            try:
+                row["cudnn_fp8"] = errs(lambda a, b_, c: targets.cudnn_fp8(a, b_, c, causal=causal))
+            except Exception as exc:
+                row["cudnn_fp8"] = f"{type(exc).__name__}: {exc}"[:200]
         for name, backend in (("cudnn_bf16", SDPBackend.CUDNN_ATTENTION), ("flash_bf16", SDPBackend.FLASH_ATTENTION)):
             try:
                 with sdpa_kernel(backend):

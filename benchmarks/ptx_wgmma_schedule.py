@@ -60,12 +60,17 @@ def gluon_loops(head_dims) -> list[str]:
     from dmref.kernels.compile_check import sass_loop
 
     lines = ["# sm_90a SASS instructions per consumer thread and loop iteration of the Gluon kernels "
-             "(non-causal; fwd_ws: two 128-key tiles of 64 queries; dq: one 64-key tile of 64 queries; "
+             "(non-causal; fwd_ws: 128-key tiles of 64 queries, two an iteration in the overlapped (ov) schedules, "
+             "one in the serial one (fwd_ws at D = 128); dq: one 64-key tile of 64 queries; "
              "dkdv: one 64-query tile of 64 keys), the most frequent opcodes after the total"]
     for d in head_dims:
         for name, compile_ in (("fwd_ws", lambda: fwd_ws.compile_sm90(d)),  # noqa: B023 (called at once)
-                               # the normalizer from a narrow wgmma beside PV (Normalizer.PV_SUM)
-                               ("fwd_ws, pv_sum", lambda: fwd_ws.compile_sm90(d, pv_sum=True)),
+                               # PV promoted, overlapped (the shipped schedule at D = 64), with the
+                               # normalizer from a narrow wgmma beside PV (Normalizer.PV_SUM), and
+                               # PV chained over all keys
+                               ("fwd_ws, ov", lambda: fwd_ws.compile_sm90(d, overlap=True)),
+                               ("fwd_ws, ov, pv_sum", lambda: fwd_ws.compile_sm90(d, overlap=True, pv_sum=True)),
+                               ("fwd_ws, ov, chained", lambda: fwd_ws.compile_sm90(d, chain=True)),
                                ("dq stale", lambda: bwd_ws.compile_sm90_dq(d, recipe="kernels_naive_fp8")),
                                ("dq matched", lambda: bwd_ws.compile_sm90_dq(d, recipe="kernels_delta_matching")),
                                ("dkdv", lambda: bwd_ws.compile_sm90(d, recipe="kernels_delta_matching"))):

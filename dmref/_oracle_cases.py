@@ -18,7 +18,8 @@ keys, 32,785 keys in ``thorough``), head dims (64 to 256, Q's and V's apart), th
 up to the dtype's limits (every case representable in it: :func:`representable`), the logits'
 range and where an extreme sits, causal or not and its alignment, boolean and additive masks with
 fully masked rows, sliding windows and documents, the softmax scale, and the memory layout
-(non-contiguous views, a storage offset, a non-contiguous dO). The model shapes come from
+(non-contiguous views, a storage offset, a non-contiguous dO), and long sums of terms of one sign
+(an accumulation without promotion). The model shapes come from
 :data:`MODEL_SHAPES`. ``Case.feature`` names the optional feature a case exercises (``"gqa"``,
 ``"mask"``, ``"window"``, ``"documents"``), None for the core cases.
 
@@ -241,6 +242,16 @@ def _gaussian(g, b, h, nq, nk, d, dv=None):
             _token_scaled_dout(g, b, h, nq, dv, 1.0))
 
 
+def _one_signed(g, b, h, nq, nk, d, dv=None):
+    """Gaussian q, k; v and dO = 1 + randn / 4: positive but for a few values, so that
+    O = P V / l (rows close to uniform, by the case's scale) and dV = Pᵀ dO are long sums of
+    terms of one sign, whose accumulator outgrows each term: what a tensor-core chain without
+    promotion truncates (docs/kernels_speed.md, "Long chains on the tensor cores")."""
+    dv = dv or d
+    return (_randn(g, b, h, nq, d), _randn(g, b, h, nk, d), 1 + _randn(g, b, h, nk, dv) / 4,
+            1 + _randn(g, b, h, nq, dv) / 4)
+
+
 def _gqa(g, b, h, hkv, nq, nk, d, dv=None):
     """Gaussian q (h heads), k, v (hkv heads) with four outlier channels (x3 in Q and K, x8 in V,
     as dmref.demo), the query heads of a group sharing a mean direction (|mu| about half a
@@ -421,6 +432,11 @@ def _specs(size: str) -> list[_Spec]:
         _Spec("documents_bidirectional", "packed sequences of 40, 1, 72 tokens, not causal (an encoder's; needs "
               "fn(..., documents=))", 1, h, 113, 113, d, False, "gaussian", documents=((40, 1, 72),),
               tags=("features", "documents")),
+        # the accumulation's own axis (appended: the cases above keep their inputs)
+        _Spec("long_average", f"one block of 64 queries averaging {context:,} keys (scale 2^-10/sqrt(d): rows "
+              "close to uniform) whose V, like dO, is 1 + randn/4: long sums of terms of (nearly) one sign",
+              1, 1, 64, context, d, False, "one_signed", scale_factor=2.0**-10, tags=("adversarial", "long",
+                                                                                  "accumulation", "cross")),
     ]
 
 
@@ -553,6 +569,8 @@ def make_cases(size: str = "standard", *, dtype: torch.dtype = torch.bfloat16, s
             q, k, v, dout = _spikes(g, s.batch, s.heads, s.seqlen_q, s.seqlen_k, d, SPIKE_POSITIONS)
         elif s.make == "gqa":
             q, k, v, dout = _gqa(g, s.batch, s.heads, s.kv_heads, s.seqlen_q, s.seqlen_k, d, dv)
+        elif s.make == "one_signed":
+            q, k, v, dout = _one_signed(g, s.batch, s.heads, s.seqlen_q, s.seqlen_k, d, dv)
         else:
             q, k, v, dout = _gaussian(g, s.batch, s.heads, s.seqlen_q, s.seqlen_k, d, dv)
         m = extreme_magnitude(dtype) ** s.extreme

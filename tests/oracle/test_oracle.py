@@ -339,3 +339,20 @@ def test_a_device_fault_fails_its_case_and_stops_the_rest_instead_of_blaming_the
     later = runs[runs.index(failed[0]) + 1:]
     assert later and all(c.passed is None and c.detail.startswith("not run: ") for c in later)
     assert not report.passed
+
+
+def test_a_pv_chain_over_all_keys_fails_a_promoted_claim_on_long_averages():
+    """An implementation that accumulates P V in one tensor-core chain over all keys (FA3's
+    forward; ``Recipe.pv_chain``) while it claims the promoted recipe: the chain's accumulator
+    outgrows the products of a long, flat row and truncates them (docs/kernels_speed.md), which
+    only ``long_average`` shows. The honest implementation passes it."""
+    from dataclasses import replace
+
+    from dmref import get_recipe
+
+    promoted = get_recipe("kernels_folded_naive_fp8")
+    assert not promoted.pv_chain
+    chained = replace(promoted, name="kernels_folded_naive_fp8_pv_chained", pv_chain=True)
+    report = oracle.check(oracle.emulated(chained), recipe=promoted, cases=_cases(names=["long_average"]))
+    assert "agree_out" in report.failed_names()
+    oracle.check(oracle.emulated(promoted), recipe=promoted, cases=_cases(names=["long_average"])).raise_for_failures()

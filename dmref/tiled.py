@@ -368,18 +368,13 @@ def forward(q, k, v, *, recipe="exact", causal: bool = False, scale=None, mask=N
         if codes is not None:  # P~ = p_hat * 2^offset is on the format's grid: encode is exact
             codes[..., i0:, j0:j1] = torch.as_tensor(
                 encode((p_hat * 2.0 ** r.p_fwd.offset_log2).float(), r.p.fmt)).to(codes.device)
-        if r.normalizer is Normalizer.PV_SUM:
-            l[..., i0:] = _pv_sum(p_hat, l[..., i0:] * alpha, r, wd)
+        if r.normalizer is Normalizer.PV_SUM:  # one more column of P~ V: P~ against a column of ones
+            ones = torch.ones(*p_hat.shape[:-2], p_hat.shape[-1], 1, dtype=wd, device=p_hat.device)
+            l[..., i0:] = _pv_product(p_hat, ones, _ONES, l[..., i0:, None] * alpha[..., None], r, wd)[..., 0]
         else:
             mass = p if r.normalizer is Normalizer.FP32_SUM else p_hat
             l[..., i0:] = l[..., i0:] * alpha + mass.sum(dim=-1)
-        if r.pv_chain:  # the chain runs on from fl(alpha acc) (a wgmma with C = alpha acc)
-            acc[..., i0:, :] = _matmul(p_hat, v_hat[..., j0:j1, :], acc_model.pv, wd, (r.p, r.v),
-                                       c=acc[..., i0:, :] * alpha[..., None])
-        else:  # promoted: the tile's product from zero, then one add
-            acc[..., i0:, :] = acc[..., i0:, :] * alpha[..., None] + _matmul(
-                p_hat, v_hat[..., j0:j1, :], acc_model.pv, wd, (r.p, r.v)
-            )
+        acc[..., i0:, :] = _pv_product(p_hat, v_hat[..., j0:j1, :], r.v, acc[..., i0:, :] * alpha[..., None], r, wd)
         ref[..., i0:] = ref_new
 
     dead = l == 0  # fully masked rows (a NaN l stays NaN: non-finite inputs propagate)
@@ -395,15 +390,14 @@ def forward(q, k, v, *, recipe="exact", causal: bool = False, scale=None, mask=N
 _ONES = QuantPoint(FLOAT8_E4M3FN, Granularity.TENSOR, ScaleRule.FIXED)
 
 
-def _pv_sum(p_hat: torch.Tensor, l_alpha: torch.Tensor, r: Recipe, wd: torch.dtype) -> torch.Tensor:
-    """Normalizer.PV_SUM: l = fl(l alpha) + sum_j p~_j as one more column of P~ V, against a column
-    of ones, under PV's accumulation model: inside PV's chain with ``pv_chain``, else the tile's
-    sum from zero added once (as PV is)."""
-    ones = torch.ones(*p_hat.shape[:-1][:-1], p_hat.shape[-1], 1, dtype=wd, device=p_hat.device)
-    col = l_alpha[..., None]
+def _pv_product(p_hat: torch.Tensor, b: torch.Tensor, b_point: QuantPoint, c: torch.Tensor, r: Recipe,
+                wd: torch.dtype) -> torch.Tensor:
+    """P~ b (b: V, or PV_SUM's column of ones) accumulated as ``r`` accumulates PV onto
+    c = fl(alpha acc): with ``pv_chain`` the chain runs on from c (a wgmma with C = alpha acc,
+    FA3's forward); promoted, the tile's product is formed from zero and c added once."""
     if r.pv_chain:
-        return _matmul(p_hat, ones, r.accumulation.pv, wd, (r.p, _ONES), c=col)[..., 0]
-    return (col + _matmul(p_hat, ones, r.accumulation.pv, wd, (r.p, _ONES)))[..., 0]
+        return _matmul(p_hat, b, r.accumulation.pv, wd, (r.p, b_point), c=c)
+    return c + _matmul(p_hat, b, r.accumulation.pv, wd, (r.p, b_point))
 
 
 # ==============================================================================================

@@ -140,8 +140,7 @@ def warp_specialized_budget(compiled) -> dict:
     ptx = compiled.asm["ptx"]
     report = ptxas_report(compiled)
     regs, spills, shared = resource_usage(compiled, report)
-    loop = sass_loop(compiled) if "MUFU" in compiled.asm["sass"] else {}
-    return dict(regs=regs, spills=spills, shared=shared, loop_spills=loop.get("STL", 0) + loop.get("LDL", 0),
+    return dict(regs=regs, spills=spills, shared=shared,
                 serialized="C7514" in report or added_wgmma_waits(compiled) > 0,
                 setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
                 threads=int(re.search(r"\.reqntid (\d+)", ptx).group(1)),

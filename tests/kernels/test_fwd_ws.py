@@ -95,11 +95,11 @@ _GPU_CASES = [
     (ProblemShape(1, 2, 1, 203, 128), True),
     (ProblemShape(1, 2, 2, 64, 64), False),
 ]
+_CASE_IDS = [f"{s.batch}x{s.heads}x{s.kv_heads}x{s.n}x{s.head_dim}{'-causal' if c else ''}" for s, c in _GPU_CASES]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape,causal", _GPU_CASES, ids=[f"{s.batch}x{s.heads}x{s.kv_heads}x{s.n}x{s.head_dim}"
-                                                         f"{'-causal' if c else ''}" for s, c in _GPU_CASES])
+@pytest.mark.parametrize("shape,causal", _GPU_CASES, ids=_CASE_IDS)
 def test_fwd_ws_equals_the_reference_on_its_recipe(shape, causal):
     device = require_backend("gpu")
     from dmref import tiled
@@ -120,13 +120,12 @@ def test_fwd_ws_equals_the_reference_on_its_recipe(shape, causal):
 
 
 _SCHEDULES = [(True, True), (True, False), (False, False), (False, True)]
+_SCHEDULE_IDS = ["chained-overlapped", "chained-serial", "promoted-serial", "promoted-overlapped"]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("chain,overlap", _SCHEDULES, ids=["chained-overlapped", "chained-serial", "promoted-serial",
-                                                           "promoted-overlapped"])
-@pytest.mark.parametrize("shape,causal", _GPU_CASES, ids=[f"{s.batch}x{s.heads}x{s.kv_heads}x{s.n}x{s.head_dim}"
-                                                         f"{'-causal' if c else ''}" for s, c in _GPU_CASES])
+@pytest.mark.parametrize("chain,overlap", _SCHEDULES, ids=_SCHEDULE_IDS)
+@pytest.mark.parametrize("shape,causal", _GPU_CASES, ids=_CASE_IDS)
 def test_every_schedule_equals_the_reference_of_its_pv_accumulation(shape, causal, chain, overlap):
     """Each schedule of the kernel (``chain``: PV in one wgmma chain over all keys, a recipe with
     ``pv_chain``, or promoted once per tile, the folded recipes'; ``overlap``: QK^T of the next tile during
@@ -158,10 +157,8 @@ def test_every_schedule_equals_the_reference_of_its_pv_accumulation(shape, causa
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("chain,overlap", _SCHEDULES, ids=["chained-overlapped", "chained-serial", "promoted-serial",
-                                                           "promoted-overlapped"])
-@pytest.mark.parametrize("shape,causal", _GPU_CASES, ids=[f"{s.batch}x{s.heads}x{s.kv_heads}x{s.n}x{s.head_dim}"
-                                                         f"{'-causal' if c else ''}" for s, c in _GPU_CASES])
+@pytest.mark.parametrize("chain,overlap", _SCHEDULES, ids=_SCHEDULE_IDS)
+@pytest.mark.parametrize("shape,causal", _GPU_CASES, ids=_CASE_IDS)
 def test_the_pv_sum_normalizer_equals_the_reference(shape, causal, chain, overlap):
     """``pv_sum=True`` (``Normalizer.PV_SUM``: l from an m64n8 wgmma of P's codes against a tile of
     ones, issued beside PV) against the folded recipe with that normalizer and ``pv_chain = chain``:
@@ -190,9 +187,11 @@ def test_the_pv_sum_normalizer_equals_the_reference(shape, causal, chain, overla
     # 2**(m_tile - m) <= 1 there, so the unweighted flips bound the weighted ones
     flipped = (got - want).abs().sum(-1) * 2.0 ** -recipe.p_fwd.offset_log2
     l_ref = ref.stats.l.double().cpu()
-    block_n = 128
+    # the forward's key tiles (the recipe's) and the wgmma's k-steps over them
+    block_n = recipe.tiles.block_k
     n_tiles = -(-n // block_n)
-    rel_l = pv_sum_l_rel_bound(flipped, l_ref, k_steps=n_tiles * block_n // 32, n_tiles=n_tiles)
+    rel_l = pv_sum_l_rel_bound(flipped, l_ref, k_steps=n_tiles * block_n // recipe.accumulation.pv.rules.k_step,
+                               n_tiles=n_tiles)
     want_lse = ref.stats.lse2.double().cpu()
     finite = torch.isfinite(want_lse)
     got_lse = lse2.view_as(want_lse).double().cpu()
@@ -205,8 +204,7 @@ def test_the_pv_sum_normalizer_equals_the_reference(shape, causal, chain, overla
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape,causal", _GPU_CASES, ids=[f"{s.batch}x{s.heads}x{s.kv_heads}x{s.n}x{s.head_dim}"
-                                                         f"{'-causal' if c else ''}" for s, c in _GPU_CASES])
+@pytest.mark.parametrize("shape,causal", _GPU_CASES, ids=_CASE_IDS)
 def test_overlap_and_host_descriptors_give_the_serial_schedule_bits(shape, causal):
     """The overlapped schedule (QK^T of tile i + 1 in flight during the softmax of tile i) runs
     the serial schedule's operations on the same values, and host-side TMA descriptors (built
@@ -236,8 +234,7 @@ P_CODE_AGREEMENT = 0.999
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape,causal", _GPU_CASES, ids=[f"{s.batch}x{s.heads}x{s.kv_heads}x{s.n}x{s.head_dim}"
-                                                         f"{'-causal' if c else ''}" for s, c in _GPU_CASES])
+@pytest.mark.parametrize("shape,causal", _GPU_CASES, ids=_CASE_IDS)
 def test_p_codes_equal_the_reference(shape, causal, record_property):
     """The kernel's P codes (``debug=True``: every tile's E4M3 codes of P * 2**8 against the
     running max) against ``dmref.tiled``'s (``p_codes=True``) on every key a query sees, and the

@@ -1,8 +1,7 @@
 """What the forward's PV accumulation on the tensor cores costs in accuracy, on the CPU: the folded
 recipe (``kernels_folded_naive_fp8``, the Hopper wgmma model) with PV chained over all keys (its
-``pv_chain``) or promoted to float32 per 128-key tile, and with the normalizer summed in float32
-(``FP32_SUM``) or by the tensor cores beside PV (``PV_SUM``), through ``dmref.tiled``, against
-float64 attention.
+``pv_chain=True``) or promoted to float32 per 128-key tile (the recipe's), through ``dmref.tiled``,
+against float64 attention.
 
     python benchmarks/cpu_pv_accuracy.py            # writes benchmarks/results/cpu_pv_accuracy.json
     python benchmarks/cpu_pv_accuracy.py --cases 4096:dc --out -   # print only
@@ -15,7 +14,7 @@ One head, D = 64, not causal; per case N tokens and an input kind, rounded to BF
   average of many values is what attention computes; the tensor cores' truncation is relative
   to the accumulator, which then grows with every key).
 
-Per variant (``<pv>_<normalizer>``): ``o_err`` (||O - O*|| / ||O*||) and ``o_bias`` (the
+Per variant (``chained``, ``promoted``): ``o_err`` (||O - O*|| / ||O*||) and ``o_bias`` (the
 component of O - O* along O*, relative: a systematic shrink of O is negative). The Hopper model
 truncates each k-step's terms to 2^(E-13) with E the exponent of the largest of them and the
 accumulator (docs/gemm.md): a chain over all keys whose accumulator outgrows its products loses
@@ -34,14 +33,10 @@ import time
 import torch
 
 from dmref import get_recipe, tiled
-from dmref.recipes import Normalizer
 
 RESULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "cpu_pv_accuracy.json")
 CASES = ["1024:channels", "4096:channels", "1024:diffuse", "4096:diffuse", "1024:dc", "4096:dc"]
-VARIANTS = {"chained_fp32_sum": (True, Normalizer.FP32_SUM),  # the folded recipes' (fwd_ws's default)
-            "promoted_fp32_sum": (False, Normalizer.FP32_SUM),
-            "chained_pv_sum": (True, Normalizer.PV_SUM),
-            "promoted_pv_sum": (False, Normalizer.PV_SUM)}
+VARIANTS = {"chained": True, "promoted": False}  # pv_chain; the folded recipes promote
 
 
 def inputs(n, kind, d=64, seed=0):
@@ -62,8 +57,8 @@ def run(n, kind):
     exact = tiled.forward(q.double(), k.double(), v.double(), recipe="exact").out
     base = get_recipe("kernels_folded_naive_fp8")
     row = {}
-    for name, (chain, norm) in VARIANTS.items():
-        out = tiled.forward(q, k, v, recipe=dataclasses.replace(base, pv_chain=chain, normalizer=norm)).out.double()
+    for name, chain in VARIANTS.items():
+        out = tiled.forward(q, k, v, recipe=dataclasses.replace(base, pv_chain=chain)).out.double()
         row[name] = dict(o_err=float((out - exact).norm() / exact.norm()),
                          o_bias=float(((out - exact) * exact).sum() / (exact * exact).sum()))
     return row

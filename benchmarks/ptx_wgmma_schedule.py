@@ -10,7 +10,7 @@ compile_check``) and prints, per kernel, the order of the loop's wgmma issues (`
 ``W0`` right after every ``C`` means each matmul completes before anything else runs in that
 warpgroup: no overlap of tensor cores with the softmax inside a CTA.
 
-Then, for the warp-specialized Gluon kernels (``fwd_ws``, also with ``pv_sum``; ``bwd_ws``'s dq for
+Then, for the warp-specialized Gluon kernels (``fwd_ws``, overlapped, serial and chained; ``bwd_ws``'s dq for
 the stale and the matched recipe; its dkdv), the sm_90a SASS instructions a consumer thread
 issues per iteration of its key- or query-tile loop (the innermost loop that holds a wgmma and an
 exp2; the forward's takes two key tiles an iteration), with the most frequent opcodes and the
@@ -61,15 +61,13 @@ def gluon_loops(head_dims) -> list[str]:
 
     lines = ["# sm_90a SASS instructions per consumer thread and loop iteration of the Gluon kernels "
              "(non-causal; fwd_ws: 128-key tiles of 64 queries, two an iteration in the overlapped (ov) schedules, "
-             "one in the serial one (fwd_ws at D = 128); dq: one 64-key tile of 64 queries; "
+             "one in the serial one; dq: one 64-key tile of 64 queries; "
              "dkdv: one 64-query tile of 64 keys), the most frequent opcodes after the total"]
     for d in head_dims:
-        for name, compile_ in (("fwd_ws", lambda: fwd_ws.compile_sm90(d)),  # noqa: B023 (called at once)
-                               # PV promoted, overlapped (the shipped schedule at D = 64), with the
-                               # normalizer from a narrow wgmma beside PV (Normalizer.PV_SUM), and
-                               # PV chained over all keys
-                               ("fwd_ws, ov", lambda: fwd_ws.compile_sm90(d, overlap=True)),
-                               ("fwd_ws, ov, pv_sum", lambda: fwd_ws.compile_sm90(d, overlap=True, pv_sum=True)),
+        for name, compile_ in (("fwd_ws, ov", lambda: fwd_ws.compile_sm90(d)),  # noqa: B023 (called at once)
+                               # the shipped schedule (PV promoted, overlapped), the serial one, and
+                               # the overlap with PV chained over all keys
+                               ("fwd_ws, serial", lambda: fwd_ws.compile_sm90(d, overlap=False)),
                                ("fwd_ws, ov, chained", lambda: fwd_ws.compile_sm90(d, chain=True)),
                                ("dq stale", lambda: bwd_ws.compile_sm90_dq(d, recipe="kernels_naive_fp8")),
                                ("dq matched", lambda: bwd_ws.compile_sm90_dq(d, recipe="kernels_delta_matching")),

@@ -172,11 +172,6 @@ class Normalizer(enum.Enum):
 
     FP32_SUM = "fp32_sum"  #: l = sum_j p_ij of the unquantized p (FlashAttention; with quantized P the weights sum to != 1)
     QUANTIZED_SUM = "quantized_sum"  #: l = sum_j p~_ij of the quantized p actually multiplied into V
-    #: l = sum_j p~_ij formed by the PV matmul itself: one more column of P~ V, against a column of
-    #: ones, accumulated as ``accumulation.pv`` accumulates PV (with ``pv_chain`` inside PV's chain,
-    #: rescaled by the same alpha). Under the ``hopper`` model the tensor cores' sum, which a
-    #: kernel gets from one narrow wgmma beside PV instead of a float32 add per score
-    PV_SUM = "pv_sum"
 
 
 class DeltaKind(enum.Enum):

@@ -13,9 +13,7 @@ the tile are skipped)::
               m    = running row max of x;  alpha = 2^(m_old - m);  p = 2^(x - m)
               P~   = Q-point P (p * 2^offset) * 2^-offset
               l    = alpha l + rowsum(p or P~);  acc = alpha acc + P~ V^  (Recipe.pv_chain:
-                                                    P~ V^ accumulated into fl(alpha acc);
-                                                    Normalizer.PV_SUM: l is one more column of
-                                                    it, P~ against a column of ones)
+                                                    P~ V^ accumulated into fl(alpha acc))
               O    = acc / l;  lse = m + log2 l                          (saved: O, lse)
     delta     D    (one of the strategies below, its own step before the sweep)
     backward  P    = 2^(x - lse)   (FP32: the multiplier of dS)
@@ -42,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .emulation import FLOAT8_E4M3FN, FLOAT8_E8M0FNU, Accumulation, MatmulModel, decode, encode
+from .emulation import FLOAT8_E8M0FNU, Accumulation, MatmulModel, decode, encode
 from .emulation.blocked import Block, block_amax, scales_from_amax
 from .emulation.blocked_fast import abs_amax, fake_quantize_blocked
 from .emulation.constants import LN2, LOG2E
@@ -368,13 +366,9 @@ def forward(q, k, v, *, recipe="exact", causal: bool = False, scale=None, mask=N
         if codes is not None:  # P~ = p_hat * 2^offset is on the format's grid: encode is exact
             codes[..., i0:, j0:j1] = torch.as_tensor(
                 encode((p_hat * 2.0 ** r.p_fwd.offset_log2).float(), r.p.fmt)).to(codes.device)
-        if r.normalizer is Normalizer.PV_SUM:  # one more column of P~ V: P~ against a column of ones
-            ones = torch.ones(*p_hat.shape[:-2], p_hat.shape[-1], 1, dtype=wd, device=p_hat.device)
-            l[..., i0:] = _pv_product(p_hat, ones, _ONES, l[..., i0:, None] * alpha[..., None], r, wd)[..., 0]
-        else:
-            mass = p if r.normalizer is Normalizer.FP32_SUM else p_hat
-            l[..., i0:] = l[..., i0:] * alpha + mass.sum(dim=-1)
-        acc[..., i0:, :] = _pv_product(p_hat, v_hat[..., j0:j1, :], r.v, acc[..., i0:, :] * alpha[..., None], r, wd)
+        mass = p if r.normalizer is Normalizer.FP32_SUM else p_hat
+        l[..., i0:] = l[..., i0:] * alpha + mass.sum(dim=-1)
+        acc[..., i0:, :] = _pv_product(p_hat, v_hat[..., j0:j1, :], r, acc[..., i0:, :] * alpha[..., None], wd)
         ref[..., i0:] = ref_new
 
     dead = l == 0  # fully masked rows (a NaN l stays NaN: non-finite inputs propagate)
@@ -386,18 +380,13 @@ def forward(q, k, v, *, recipe="exact", causal: bool = False, scale=None, mask=N
     return ForwardResult(out, SoftmaxStats(ref, l, lse2), codes)
 
 
-#: The column of ones the PV_SUM normalizer multiplies P~ with: exact in every FP8 format, no scale.
-_ONES = QuantPoint(FLOAT8_E4M3FN, Granularity.TENSOR, ScaleRule.FIXED)
-
-
-def _pv_product(p_hat: torch.Tensor, b: torch.Tensor, b_point: QuantPoint, c: torch.Tensor, r: Recipe,
-                wd: torch.dtype) -> torch.Tensor:
-    """P~ b (b: V, or PV_SUM's column of ones) accumulated as ``r`` accumulates PV onto
-    c = fl(alpha acc): with ``pv_chain`` the chain runs on from c (a wgmma with C = alpha acc,
-    FA3's forward); promoted, the tile's product is formed from zero and c added once."""
+def _pv_product(p_hat: torch.Tensor, v_hat: torch.Tensor, r: Recipe, c: torch.Tensor, wd: torch.dtype) -> torch.Tensor:
+    """P~ V^ of one key tile accumulated as ``r`` accumulates PV onto c = fl(alpha acc): with
+    ``pv_chain`` the chain runs on from c (a wgmma with C = alpha acc, FA3's forward); promoted,
+    the tile's product is formed from zero and c added once."""
     if r.pv_chain:
-        return _matmul(p_hat, b, r.accumulation.pv, wd, (r.p, b_point), c=c)
-    return c + _matmul(p_hat, b, r.accumulation.pv, wd, (r.p, b_point))
+        return _matmul(p_hat, v_hat, r.accumulation.pv, wd, (r.p, r.v), c=c)
+    return c + _matmul(p_hat, v_hat, r.accumulation.pv, wd, (r.p, r.v))
 
 
 # ==============================================================================================

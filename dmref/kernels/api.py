@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dmref.recipes import Normalizer, Recipe
+from dmref.recipes import Recipe
 
 from ._runtime import require_runnable
 from .config import KernelSpec, get_recipe
@@ -115,8 +115,7 @@ def _folded_forward(q, k, v, s: Shape, r: KernelSpec, *, causal: bool, scale: fl
                          "kernels_naive_fp8)")
     kv = quantize_kv_folded(k, v)
     o, lse2 = fwd_ws.forward(q.contiguous(), kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=s.kv_heads,
-                             causal=causal, scale=scale, chain=r.recipe.pv_chain,
-                             pv_sum=r.recipe.normalizer is Normalizer.PV_SUM)
+                             causal=causal, scale=scale, chain=r.recipe.pv_chain)
     saved = None
     if for_backward:
         q8, _ = quantize(q, r.recipe.q.fmt.name, rows=True, cols=True)

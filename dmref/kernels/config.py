@@ -180,9 +180,8 @@ def _differences(recipe, bwd: BwdTiles | None) -> list[str]:
     if recipe.pv_chain and not folded:
         checks.append("pv_chain: the Triton forward promotes PV once per key tile; the warp-specialized "
                       "forward (K scaled per head) runs both")
-    if recipe.normalizer is not Normalizer.FP32_SUM and not (folded and recipe.normalizer is Normalizer.PV_SUM):
-        checks.append("normalizer: the kernels divide by the float32 sum of P (the warp-specialized forward, K "
-                      "scaled per head, also by PV's own sum of P's codes, Normalizer.PV_SUM)")
+    if recipe.normalizer is not Normalizer.FP32_SUM:
+        checks.append("normalizer: the kernels divide by the float32 sum of P")
     if recipe.precision != "float32" or recipe.tiles.block_k != QUANT_BLOCK:
         checks.append(f"the kernels work in float32 with the running max rescaled every {QUANT_BLOCK} keys")
     if recipe.delta not in (STALE,) and not (recipe.delta.kind is DeltaKind.MATCHED

@@ -25,10 +25,8 @@ on the H200 (docs/kernels_speed.md). ``CHAIN=True`` runs PV as one chain over al
 accumulation, which loses the products of a long row once the accumulator outgrows them,
 docs/kernels_speed.md). Promoted and overlapped, the PV tile T takes the registers of the S tile
 whose softmax made its P (dead by then) where the two have one shape (D = 128), so the loop
-carries three 64-register tiles (acc, S and the next S), not four. ``PV_SUM`` (a recipe with ``Normalizer.PV_SUM``) takes l off the
-float32 adds: ``l = wgmma(Q(P8), ones, C = l * alpha)``, an m64n8 wgmma issued beside PV on a
-tile of E4M3 ones the consumer writes to shared memory once, accumulated (chained or promoted)
-as PV is; every column of that accumulator holds l. ``dmref.tiled`` computes the same recipe with exp2's argument rounded
+carries three 64-register tiles (acc, S and the next S), not four. ``dmref.tiled`` computes the
+same recipe with exp2's argument rounded
 as fl(fl(S c) - m) and O as fl(acc / l): the kernel differs from it in the last bits of float32
 intermediates, below the code-flip bound its tests hold it to.
 
@@ -60,8 +58,6 @@ from ._gluon import to_fp8 as _to_fp8
 
 #: queries per CTA: one m64 wgmma row block for the consumer warp group
 BLOCK_M = gl.constexpr(64)
-#: columns of the normalizer's wgmma with ``PV_SUM`` (Normalizer.PV_SUM): the narrowest FP8 wgmma
-PV_SUM_N = gl.constexpr(8)
 
 
 @gluon.jit
@@ -112,9 +108,9 @@ def _quantize_q(Q, stride_qn, q_smem, start_m, N, HEAD_DIM: gl.constexpr):
 @gluon.jit
 def _softmax(sc, cs, m_i, l_i, i, offs_m, N, s_layout: gl.constexpr, o_layout: gl.constexpr,
              p_layout: gl.constexpr, BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
-             P_SCALE: gl.constexpr, PV_SUM: gl.constexpr, PD, NPAD, DEBUG: gl.constexpr):
+             P_SCALE: gl.constexpr, PD, NPAD, DEBUG: gl.constexpr):
     """Tile i's scores S -> (P codes in the wgmma operand layout, alpha per O row, m, l), with l
-    summing P * P_SCALE in float32 (with ``PV_SUM`` l is the PV side's and left as it is)."""
+    summing P * P_SCALE in float32."""
     if MASK:
         offs_n = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         valid = gl.expand_dims(offs_n, 0) < N
@@ -130,8 +126,7 @@ def _softmax(sc, cs, m_i, l_i, i, offs_m, N, s_layout: gl.constexpr, o_layout: g
     # P * P_SCALE = exp2(S cs - m + log2 P_SCALE), the argument one fused multiply-add
     p = gl.exp2(gl.fma(sc, gl.expand_dims(cs, 1), gl.expand_dims(gl.log2(P_SCALE) - m_sub, 1)))
     alpha = gl.exp2(m_i - m_sub)
-    if not PV_SUM:
-        l_i = l_i * alpha + gl.sum(p, axis=1)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
     if DEBUG:  # the float32 values the cast receives, (B*H, N, NPAD) row-major from PD (this head's rows)
         offs_nd = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         gl.store(PD + gl.expand_dims(offs_m.to(gl.int64) * NPAD, 1) + gl.expand_dims(offs_nd, 0), p,
@@ -160,45 +155,29 @@ def _qk(q_smem, k_bufs, k_ready, k_free, j, s_old, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _pv(p8, v_bufs, v_ready, v_free, s, ph, acc, alpha_o, t_old, s_next, l_i, ones_smem, CHAIN: gl.constexpr,
-        PV_SUM: gl.constexpr):
+def _pv(p8, v_bufs, v_ready, v_free, s, ph, acc, alpha_o, t_old, s_next, CHAIN: gl.constexpr):
     """acc <- acc * alpha + P V for the tile in stage s, waited on together with every wgmma in
-    flight (``s_next``, the next tile's QK^T, when overlapped). With ``PV_SUM`` the normalizer
-    ``l_i`` (``(BLOCK_M, 8)``) is one more narrow wgmma beside PV, P against ``ones_smem``
-    (Normalizer.PV_SUM), accumulated as acc is. Returns (acc, T, s_next, l)."""
+    flight (``s_next``, the next tile's QK^T, when overlapped). Returns (acc, T, s_next)."""
     mbarrier.wait(v_ready.index(s), ph)
-    if PV_SUM:
-        l_layout: gl.constexpr = l_i.type.layout
-        p8_l = gl.convert_layout(p8, gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=4))
-        alpha_l = gl.convert_layout(alpha_o, l_layout)
     if CHAIN:
         # the wgmma chain runs on across tiles, its accumulator rescaled by alpha in float32
         t = t_old
         acc = warpgroup_mma(p8, v_bufs.index(s).permute((1, 0)), acc * alpha_o, use_acc=True, is_async=True)
-        if PV_SUM:
-            l_i = warpgroup_mma(p8_l, ones_smem.permute((1, 0)), l_i * alpha_l, use_acc=True, is_async=True)
-            acc, l_i, s_next = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_i, s_next))
-        else:
-            acc, s_next = warpgroup_mma_wait(num_outstanding=0, deps=(acc, s_next))
+        acc, s_next = warpgroup_mma_wait(num_outstanding=0, deps=(acc, s_next))
     else:
         # promoted: the wgmma chain covers one tile, then one float32 multiply-add
         t = warpgroup_mma(p8, v_bufs.index(s).permute((1, 0)), t_old, use_acc=False, is_async=True)
-        if PV_SUM:
-            tl_ = warpgroup_mma(p8_l, ones_smem.permute((1, 0)), l_i, use_acc=False, is_async=True)
-            t, tl_, s_next = warpgroup_mma_wait(num_outstanding=0, deps=(t, tl_, s_next))
-            l_i = l_i * alpha_l + tl_
-        else:
-            t, s_next = warpgroup_mma_wait(num_outstanding=0, deps=(t, s_next))
+        t, s_next = warpgroup_mma_wait(num_outstanding=0, deps=(t, s_next))
         acc = acc * alpha_o + t
     mbarrier.arrive(v_free.index(s), count=1)
-    return acc, t, s_next, l_i
+    return acc, t, s_next
 
 
 @gluon.jit
 def _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_old, t_old, m_i, l_i, cs,
-          offs_m, N, ones_smem, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+          offs_m, N, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
-          P_SCALE: gl.constexpr, CHAIN: gl.constexpr, PV_SUM: gl.constexpr, PD, NPAD, DEBUG: gl.constexpr):
+          P_SCALE: gl.constexpr, CHAIN: gl.constexpr, PD, NPAD, DEBUG: gl.constexpr):
     """Key tile i: QK^T, the softmax, PV, each waited on. ``s_old`` / ``t_old`` are the previous
     tile's dead registers, passed as the wgmmas' ignored accumulators (``use_acc=False``) so that
     no zero tile is written. Returns (acc, S, T, m, l)."""
@@ -206,16 +185,16 @@ def _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_ol
     ph = (i // STAGES) & 1
     sc = _qk(q_smem, k_bufs, k_ready, k_free, i, s_old, STAGES)
     p8, alpha_o, m_i, l_i = _softmax(sc, cs, m_i, l_i, i, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, MASK,
-                                     CAUSAL, P_SCALE, PV_SUM, PD, NPAD, DEBUG)
-    acc, t, sc, l_i = _pv(p8, v_bufs, v_ready, v_free, s, ph, acc, alpha_o, t_old, sc, l_i, ones_smem, CHAIN, PV_SUM)
+                                     CAUSAL, P_SCALE, PD, NPAD, DEBUG)
+    acc, t, sc = _pv(p8, v_bufs, v_ready, v_free, s, ph, acc, alpha_o, t_old, sc, CHAIN)
     return acc, sc, t, m_i, l_i
 
 
 @gluon.jit
 def _tile_overlap(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, sc, s_old, t_old, m_i,
-                  l_i, cs, offs_m, N, ones_smem, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                  l_i, cs, offs_m, N, s_layout: gl.constexpr, o_layout: gl.constexpr,
                   p_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
-                  CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, CHAIN: gl.constexpr, PV_SUM: gl.constexpr,
+                  CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, CHAIN: gl.constexpr,
                   NEXT: gl.constexpr, PD, NPAD, DEBUG: gl.constexpr):
     """Key tile i, its QK^T ``sc`` done: QK^T of tile i + 1 is issued (``NEXT``) into the dead
     registers ``s_old`` and runs during the softmax of tile i (FA3's intra-warp-group overlap);
@@ -227,14 +206,13 @@ def _tile_overlap(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, a
     if NEXT:
         s_next = _issue_qk(q_smem, k_bufs, k_ready, i + 1, s_old, STAGES)
     p8, alpha_o, m_i, l_i = _softmax(sc, cs, m_i, l_i, i, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, MASK,
-                                     CAUSAL, P_SCALE, PV_SUM, PD, NPAD, DEBUG)
+                                     CAUSAL, P_SCALE, PD, NPAD, DEBUG)
     # promoted PV where S and T have one shape and layout (BLOCK_N == D): T takes the registers of
     # S_i, dead once P is formed, so that no third tile is carried round the loop
     REUSE: gl.constexpr = (not CHAIN) and s_layout == o_layout
     if REUSE:
         t_old = sc
-    acc, t, s_next, l_i = _pv(p8, v_bufs, v_ready, v_free, s, ph, acc, alpha_o, t_old, s_next, l_i, ones_smem, CHAIN,
-                              PV_SUM)
+    acc, t, s_next = _pv(p8, v_bufs, v_ready, v_free, s, ph, acc, alpha_o, t_old, s_next, CHAIN)
     if NEXT:
         mbarrier.arrive(k_free.index((i + 1) % STAGES), count=1)
     if REUSE:
@@ -243,35 +221,24 @@ def _tile_overlap(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, a
 
 
 @gluon.jit
-def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, ones_smem, V_SCALE, O, LSE2,
+def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, V_SCALE, O, LSE2,
               cs_head, bh, kv, start_m, n_plain, n_tiles, N,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, CHAIN: gl.constexpr, OVERLAP: gl.constexpr,
-              PV_SUM: gl.constexpr, PD, NPAD, DEBUG: gl.constexpr):
-    """The consumer warp group: Q, the key tiles (masked from n_plain on), the epilogue. With
-    ``PV_SUM`` it writes the tile of ones that the normalizer's wgmma reads (``ones_smem``, 8 x
-    BLOCK_N) before Q's codes, under the same fence and barrier."""
+              PD, NPAD, DEBUG: gl.constexpr):
+    """The consumer warp group: Q, the key tiles (masked from n_plain on), the epilogue."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 32])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    # Normalizer.PV_SUM: l in the accumulator of an m64n8 wgmma, every column the same row sum
-    l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, PV_SUM_N, 32])
-    if PV_SUM:
-        ones_layout: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])
-        ones_smem.store(gl.full([PV_SUM_N, BLOCK_N], 1.0, gl.float32, ones_layout).to(gl.float8e4nv))
     q_scale = _quantize_q(Q, stride_qn, q_smem, start_m, N, HEAD_DIM)
     # tau * log2(e) and the head's K scale ride on the query's scale: one factor per row
     cs = gl.convert_layout(q_scale, row_s) * cs_head
     offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_s)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-    if PV_SUM:
-        l_i = gl.zeros([BLOCK_M, PV_SUM_N], gl.float32, l_layout)
-    else:
-        l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     s_old = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     t_old = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
@@ -286,38 +253,35 @@ def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_
         for j in range(0, n_pairs):
             acc, s_next, s_old, t_old, m_i, l_i = _tile_overlap(
                 2 * j, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, t_old, m_i,
-                l_i, cs, offs_m, N, ones_smem, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE,
-                CHAIN, PV_SUM, True, PD, NPAD, DEBUG)
+                l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE,
+                CHAIN, True, PD, NPAD, DEBUG)
             acc, s_next, s_old, t_old, m_i, l_i = _tile_overlap(
                 2 * j + 1, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, t_old, m_i,
-                l_i, cs, offs_m, N, ones_smem, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE,
-                CHAIN, PV_SUM, True, PD, NPAD, DEBUG)
+                l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE,
+                CHAIN, True, PD, NPAD, DEBUG)
         if (n_tiles - 1) % 2 == 1:
             acc, s_next, s_old, t_old, m_i, l_i = _tile_overlap(
                 n_tiles - 2, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, t_old,
-                m_i, l_i, cs, offs_m, N, ones_smem, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE,
-                CHAIN, PV_SUM, True, PD, NPAD, DEBUG)
+                m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE,
+                CHAIN, True, PD, NPAD, DEBUG)
         acc, s_next, s_old, t_old, m_i, l_i = _tile_overlap(
             n_tiles - 1, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, t_old, m_i,
-            l_i, cs, offs_m, N, ones_smem, s_layout, o_layout, p_layout, BLOCK_N, STAGES, True, CAUSAL, P_SCALE,
-            CHAIN, PV_SUM, False, PD,
-            NPAD, DEBUG)
+            l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, True, CAUSAL, P_SCALE,
+            CHAIN, False, PD, NPAD, DEBUG)
     else:
         for i in range(0, n_plain):
             acc, s_old, t_old, m_i, l_i = _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc,
-                                                s_old, t_old, m_i, l_i, cs, offs_m, N, ones_smem, s_layout, o_layout,
-                                                p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE, CHAIN, PV_SUM, PD, NPAD,
+                                                s_old, t_old, m_i, l_i, cs, offs_m, N, s_layout, o_layout,
+                                                p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE, CHAIN, PD, NPAD,
                                                 DEBUG)
         for i in range(n_plain, n_tiles):
             acc, s_old, t_old, m_i, l_i = _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc,
-                                                s_old, t_old, m_i, l_i, cs, offs_m, N, ones_smem, s_layout, o_layout,
-                                                p_layout, BLOCK_N, STAGES, True, CAUSAL, P_SCALE, CHAIN, PV_SUM, PD, NPAD,
+                                                s_old, t_old, m_i, l_i, cs, offs_m, N, s_layout, o_layout,
+                                                p_layout, BLOCK_N, STAGES, True, CAUSAL, P_SCALE, CHAIN, PD, NPAD,
                                                 DEBUG)
     # epilogue: O = acc * fl(1 / l) * v_scale (l sums P * 2**8; v_scale per channel, a power of
     # two), one division per row; LSE2 = m - 8 + log2(l)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    if PV_SUM:
-        l_i = gl.convert_layout(gl.max(l_i, axis=1), row_s)  # its columns are equal
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     v_scale = gl.load(V_SCALE + kv.to(gl.int64) * HEAD_DIM + offs_d)
     l_o = gl.convert_layout(l_i, row_o)
@@ -333,8 +297,7 @@ def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_
 @gluon.jit
 def _body(k_desc, v_desc, Q, stride_qb, stride_qh, stride_qn, K_SCALE, V_SCALE, O, LSE2, PD, qk_scale, H, GROUP,
           N, NPAD, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-          P_SCALE: gl.constexpr, CHAIN: gl.constexpr, OVERLAP: gl.constexpr, PV_SUM: gl.constexpr,
-          DEBUG: gl.constexpr):
+          P_SCALE: gl.constexpr, CHAIN: gl.constexpr, OVERLAP: gl.constexpr, DEBUG: gl.constexpr):
     """The kernel on its TMA descriptors: K rows ``(B*HKV*N, D)`` and V^T ``(B*HKV*D, NPAD)``. A
     key tile past this head's N reads the next head's rows, masked in the softmax; V^T's padding
     columns hold code 0."""
@@ -348,11 +311,6 @@ def _body(k_desc, v_desc, Q, stride_qb, stride_qh, stride_qn, K_SCALE, V_SCALE, 
     q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, HEAD_DIM], q_layout)
     k_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_N], v_desc.layout)
-    if PV_SUM:
-        ones_smem = gl.allocate_shared_memory(gl.float8e4nv, [PV_SUM_N, BLOCK_N],
-                                              gl.NVMMASharedLayout.get_default_for([PV_SUM_N, BLOCK_N], gl.float8e4nv))
-    else:
-        ones_smem = q_smem  # not read
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -372,9 +330,9 @@ def _body(k_desc, v_desc, Q, stride_qb, stride_qh, stride_qn, K_SCALE, V_SCALE, 
     cs_head = gl.load(K_SCALE + kv) * qk_scale
     q_ptr = Q + (bh // H).to(gl.int64) * stride_qb + (bh % H).to(gl.int64) * stride_qh
     gl.warp_specialize([
-        (_consumer, (q_ptr, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, ones_smem, V_SCALE, O,
+        (_consumer, (q_ptr, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, V_SCALE, O,
                      LSE2, cs_head, bh, kv, start_m, n_plain, n_tiles, N, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, P_SCALE,
-                     CHAIN, OVERLAP, PV_SUM, PD + bh.to(gl.int64) * N * NPAD, NPAD, DEBUG)),
+                     CHAIN, OVERLAP, PD + bh.to(gl.int64) * N * NPAD, NPAD, DEBUG)),
         (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, kv * N, kv * HEAD_DIM,
                      n_tiles, BLOCK_N, STAGES)),
     ], [1], [PRODUCER_REGS])
@@ -385,10 +343,10 @@ def _fwd_ws_kernel(k_desc, v_desc, Q, stride_qb, stride_qh, stride_qn, K_SCALE, 
                    qk_scale, H, GROUP, N, NPAD,
                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, CHAIN: gl.constexpr, OVERLAP: gl.constexpr,
-                   PV_SUM: gl.constexpr, DEBUG: gl.constexpr):
+                   DEBUG: gl.constexpr):
     """The kernel on host-side TMA descriptors (:func:`_descriptors`, built once a launch)."""
     _body(k_desc, v_desc, Q, stride_qb, stride_qh, stride_qn, K_SCALE, V_SCALE, O, LSE2, PD, qk_scale, H, GROUP, N,
-          NPAD, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, P_SCALE, CHAIN, OVERLAP, PV_SUM, DEBUG)
+          NPAD, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, P_SCALE, CHAIN, OVERLAP, DEBUG)
 
 
 @gluon.jit
@@ -396,7 +354,7 @@ def _fwd_ws_kernel_dev(Q, stride_qb, stride_qh, stride_qn, K8, K_SCALE, VT8, V_S
                        qk_scale, H, GROUP, N, NPAD, ROWS_KV,
                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                        CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, CHAIN: gl.constexpr, OVERLAP: gl.constexpr,
-                       PV_SUM: gl.constexpr, DEBUG: gl.constexpr):
+                       DEBUG: gl.constexpr):
     """The kernel on device-side TMA descriptors: every CTA writes its two 128-byte tensor maps
     (``forward(..., host_descriptors=False)``)."""
     k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float8e4nv)
@@ -405,7 +363,7 @@ def _fwd_ws_kernel_dev(Q, stride_qb, stride_qh, stride_qn, K8, K_SCALE, VT8, V_S
     v_desc = tma.make_tensor_descriptor(VT8, [ROWS_KV // N * HEAD_DIM, NPAD], [NPAD, 1], [HEAD_DIM, BLOCK_N],
                                         v_layout)
     _body(k_desc, v_desc, Q, stride_qb, stride_qh, stride_qn, K_SCALE, V_SCALE, O, LSE2, PD, qk_scale, H, GROUP, N,
-          NPAD, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, P_SCALE, CHAIN, OVERLAP, PV_SUM, DEBUG)
+          NPAD, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, P_SCALE, CHAIN, OVERLAP, DEBUG)
 
 
 def _descriptors(k8, vt8, block_n: int):
@@ -421,40 +379,35 @@ def _descriptors(k8, vt8, block_n: int):
 
 
 def _constexprs(head_dim: int, block_n: int, stages: int, causal: bool, chain: bool | None,
-                overlap: bool | None, debug: bool = False, pv_sum: bool | None = None) -> dict:
+                overlap: bool | None, debug: bool = False) -> dict:
     """The kernel's constexprs: one description for the launcher and the compile check. P's
-    fixed scale, PV's accumulation and the normalizer are the folded recipes'
-    (``Recipe.p_fwd.offset_log2``; ``Recipe.pv_chain`` for ``chain=None``; ``Recipe.normalizer``
-    is ``Normalizer.PV_SUM`` for ``pv_sum=None``); ``overlap=None`` is :func:`default_overlap`."""
-    from dmref.recipes import Normalizer
-
+    fixed scale and PV's accumulation are the folded recipes' (``Recipe.p_fwd.offset_log2``;
+    ``Recipe.pv_chain`` for ``chain=None``); ``overlap=None`` is :func:`default_overlap`."""
     from .config import RECIPES
 
     recipe = RECIPES["kernels_folded_delta_matching"]
     p_scale = float(2 ** recipe.p_scale_log2)
     if chain is None:
         chain = recipe.recipe.pv_chain
-    if pv_sum is None:
-        pv_sum = recipe.recipe.normalizer is Normalizer.PV_SUM
     if overlap is None:
         overlap = default_overlap(head_dim, chain)
     if int(overlap) not in (0, 1):
         raise ValueError(f"overlap must be 0 or 1 (or a bool), got {overlap!r}")
     return dict(HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), P_SCALE=p_scale,
-                CHAIN=bool(chain), OVERLAP=int(overlap), PV_SUM=bool(pv_sum), DEBUG=bool(debug))
+                CHAIN=bool(chain), OVERLAP=int(overlap), DEBUG=bool(debug))
 
 
 def compile_sm90(head_dim: int = 128, block_n: int = 128, stages: int = 2, causal: bool = False,
                  chain: bool | None = None, overlap: bool | None = None, debug: bool = False,
-                 host_descriptors: bool = False, pv_sum: bool | None = None):
+                 host_descriptors: bool = False):
     """Compile the kernel for sm_90a without a GPU (ptxas included); returns the compiled kernel.
-    ``chain=None, overlap=None, host_descriptors=False, pv_sum=None``: as :func:`forward` launches it."""
+    ``chain=None, overlap=None, host_descriptors=False``: as :func:`forward` launches it."""
     import torch
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    consts = _constexprs(head_dim, block_n, stages, causal, chain, overlap, debug, pv_sum)
+    consts = _constexprs(head_dim, block_n, stages, causal, chain, overlap, debug)
     rest = {"Q": "*bf16", "stride_qb": "i32", "stride_qh": "i32", "stride_qn": "i32", "K_SCALE": "*fp32",
             "V_SCALE": "*fp32", "O": "*bf16", "LSE2": "*fp32", "PD": "*fp32", "qk_scale": "fp32", "H": "i32",
             "GROUP": "i32", "N": "i32", "NPAD": "i32"}
@@ -471,16 +424,16 @@ def compile_sm90(head_dim: int = 128, block_n: int = 128, stages: int = 2, causa
 
 
 def default_overlap(head_dim: int, chain: bool) -> bool:
-    """The overlapped schedule where the H200 has run it: with PV chained (both head dims), and
-    promoted at D = 64 (its outputs bit-identical to the serial schedule's). The promoted overlap
-    at D = 128 (PV's tile in the registers of the S tile it follows) compiles within 232
-    registers without spills but has not run on a GPU yet: ``overlap=True`` selects it."""
-    return bool(chain) or head_dim == 64
+    """The overlapped schedule, at both head dims and with PV chained or promoted: on the H200 it
+    is faster than the serial one at every shape of ``benchmarks/gpu_fwd_ws_probe.py`` and its
+    outputs are bit-identical to the serial schedule's with the same PV accumulation (at D = 128
+    with PV promoted, PV's tile takes the registers of the S tile whose softmax made P)."""
+    return True
 
 
 def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale: float,
             block_n: int = 128, stages: int = 2, chain: bool | None = None, overlap: bool | None = None,
-            debug: bool = False, host_descriptors: bool = False, pv_sum: bool | None = None):
+            debug: bool = False, host_descriptors: bool = False):
     """Run the warp-specialized forward: ``q (B, H, N, D)`` BF16 (quantized inside, per token;
     its last dim contiguous), ``k8 (B*HKV, N, D)`` with ``k_scale (B*HKV,)``, ``vt8 (B*HKV, D,
     NPAD)`` with ``v_scale (B*HKV, D)`` (:func:`dmref.kernels.quantize.quantize_kv_folded`). Returns O
@@ -491,9 +444,7 @@ def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale:
     H200 in half the rows when N % 16 != 0: docs/kernels.md). ``chain=None``: the folded recipes' ``pv_chain``;
     ``overlap``: 0 (or False) serial, 1 (or True) QK^T of the next tile during the softmax, None
     :func:`default_overlap`. ``host_descriptors``: K's and V's
-    TMA descriptors built on the host once a launch, else (the default) in every CTA. ``pv_sum``:
-    the normalizer summed by a narrow wgmma beside PV (``Normalizer.PV_SUM``), else in float32
-    (``FP32_SUM``); None: the folded recipes'."""
+    TMA descriptors built on the host once a launch, else (the default) in every CTA."""
     import torch
 
     from ..emulation.constants import LOG2E
@@ -507,7 +458,7 @@ def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale:
     lse2 = torch.empty((b * h, n), device=q.device, dtype=torch.float32)
     p_dump = torch.zeros((b * h, n, vt8.shape[-1]) if debug else (1,), device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(n, BLOCK_M.value), b * h)
-    consts = _constexprs(d, block_n, stages, causal, chain, overlap, debug, pv_sum)
+    consts = _constexprs(d, block_n, stages, causal, chain, overlap, debug)
     scalars = (scale * LOG2E, h, h // kv_heads, n, vt8.shape[-1])
     if host_descriptors:
         _fwd_ws_kernel[grid](*_descriptors(k8, vt8, block_n), q, q.stride(0), q.stride(1), q.stride(2), k_scale,

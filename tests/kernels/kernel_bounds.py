@@ -92,24 +92,3 @@ def lse2_tolerance(ref_lse2: torch.Tensor, n: int) -> float:
     rounding of LSE2 itself. ``ref_lse2``'s non-finite rows (fully masked) are not bounded."""
     lse2 = ref_lse2.double()
     return 2 * (gamma(n) + EXP2_APPROX_REL) + 2 * U32 * lse2[torch.isfinite(lse2)].abs().max().item()
-
-
-#: The Hopper wgmma model (docs/gemm.md, "The hopper model"): a k-step truncates every term, C
-#: included, to a multiple of 2**(E-13) and the sum to 14 significant bits.
-HOPPER_STEP_REL = 2.0**-13
-
-
-def pv_sum_l_rel_bound(flipped_mass: torch.Tensor, l_ref: torch.Tensor, k_steps: int, n_tiles: int) -> torch.Tensor:
-    """Per row, a bound on |l_kernel - l_ref| / l_ref for Normalizer.PV_SUM, where both sum P's
-    codes on the tensor cores (one narrow wgmma chain beside PV, rescaled by alpha each key tile).
-    With the same codes and the same accumulator the model is the hardware bit for bit, so the
-    difference comes from:
-
-    - P codes that differ (``flipped_mass``: the row's sum of |code_kernel - code_ref|, in l's
-      units; every later alpha is <= 1, so a flip moves l by at most itself);
-    - alpha = exp2(m_old - m), one per key tile, computed with ``ex2.approx`` by the kernel:
-      EXP2_APPROX_REL each;
-    - an accumulator that differs in its last bits can move a k-step's truncations by one unit
-      each, C's and the sum's: 2 HOPPER_STEP_REL of the running sum per k-step.
-    """
-    return flipped_mass / l_ref + 2 * k_steps * HOPPER_STEP_REL + n_tiles * EXP2_APPROX_REL

@@ -1,5 +1,10 @@
 """H200: the warp-specialized forward (dmref/kernels/fwd_ws.py) against float64 and the Triton forward,
-and its speed beside cuDNN BF16 and cuDNN FP8 in one process. One JSON line per result."""
+and its speed beside cuDNN BF16 and cuDNN FP8 in one process. One JSON line per result, in
+``$OUT/fwd_ws_probe.jsonl`` (appended; ``OUT`` defaults to this folder):
+
+    cd benchmarks && python gpu_fwd_ws_probe.py            # variants' checks, accuracy, speed, length
+    cd benchmarks && python gpu_fwd_ws_probe.py --length   # only the speed against the sequence length
+"""
 import json
 import os
 import sys
@@ -151,11 +156,37 @@ def accuracy():
         emit(**r)
 
 
+def length():
+    """The shipped kernel's speed against the sequence length at a fixed token count (B·N =
+    16,384, non-causal): every shape launches the same number of CTAs (B·H·N/64), each over N/128
+    key tiles, so the time per key tile is ``ms / (B·H·N/64 · N/128)`` and what does not shrink with
+    N is what each CTA spends outside its loop (Q's quantization, the pipeline's fill, the
+    epilogue). Also with the TMA descriptors built on the host."""
+    for d, h in ((128, 16), (64, 32)):
+        for n in (1024, 2048, 4096, 8192, 16384):
+            b = 16384 // n
+            q, k, v = inputs(b, h, h, n, d, wide=False)
+            fl = 4 * b * h * n * n * d
+            _, _, kv = fwd_ws.attention_forward(q, k, v)
+            r = dict(check="length", shape=[b, h, h, n, d], causal=False, ctas=b * h * n // 64,
+                     tiles_per_cta=n // 128)
+            for tag, kw in (("shipped", {}), ("host", dict(host_descriptors=True))):
+                ms = bench(lambda: fwd_ws.forward(q, kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=h, causal=False,
+                                                  scale=d ** -0.5, **kw))
+                r[tag + "_ms"] = ms
+                r[tag + "_tflops"] = fl / ms / 1e9
+            emit(**r)
+            torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     import subprocess
 
     if len(sys.argv) > 2 and sys.argv[1] == "--check":
         check_variant(sys.argv[2])
+        raise SystemExit(0)
+    if len(sys.argv) > 1 and sys.argv[1] == "--length":  # only length(), its rows appended to the file
+        length()
         raise SystemExit(0)
     t0 = time.time()
     emit(check="env", torch=torch.__version__, triton=triton.__version__, gpu=torch.cuda.get_device_name())
@@ -182,4 +213,5 @@ if __name__ == "__main__":
     emit(check="time", seconds=time.time() - t0)
     speed([(4, 16, 16, 4096, 128), (1, 16, 16, 16384, 128), (4, 32, 32, 4096, 64), (1, 32, 8, 8192, 128)],
           ok)
+    length()
     emit(check="time", seconds=time.time() - t0)

@@ -160,21 +160,22 @@ def test_overlap_and_host_descriptors_give_the_serial_schedule_bits(shape, causa
     """The overlapped schedule (QK^T of tile i + 1 in flight during the softmax of tile i) runs
     the serial schedule's operations on the same values, and host-side TMA descriptors (built
     once a launch) load the tiles the device-side ones (written by every CTA) do: O and LSE are
-    the serial chained schedule's bits, for both key-tile widths. The cases cover one key tile
+    the serial schedule's bits with the same PV accumulation, chained (both key-tile widths) and
+    promoted (the recipe's 128-key tiles, the shipped schedule). The cases cover one key tile
     (64 tokens), two (203), and odd and even counts of middle tiles (777, 1000)."""
     device = require_backend("gpu")
     from dmref.kernels import fwd_ws
 
     q, k, v = _wide_inputs(shape, device)
     scale = 1.0 / math.sqrt(shape.head_dim)
-    for block_n in (128, 64):
-        o1, lse1, _ = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, chain=True, overlap=False,
+    for chain, block_n in ((True, 128), (True, 64), (False, 128)):
+        o1, lse1, _ = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, chain=chain, overlap=False,
                                                block_n=block_n)
         for tiles in (dict(overlap=True), dict(overlap=False, host_descriptors=True),
                       dict(overlap=True, host_descriptors=True)):
-            o2, lse2, _ = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, chain=True, block_n=block_n,
+            o2, lse2, _ = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, chain=chain, block_n=block_n,
                                                    **tiles)
-            assert torch.equal(o2, o1) and torch.equal(lse2, lse1), (block_n, tiles)
+            assert torch.equal(o2, o1) and torch.equal(lse2, lse1), (chain, block_n, tiles)
 
 
 #: The share of P codes the kernel must agree on with the reference (issue: at least 99.9%): both

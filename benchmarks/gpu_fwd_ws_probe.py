@@ -168,8 +168,8 @@ def length():
             q, k, v = inputs(b, h, h, n, d, wide=False)
             fl = 4 * b * h * n * n * d
             _, _, kv = fwd_ws.attention_forward(q, k, v)
-            r = dict(check="length", shape=[b, h, h, n, d], causal=False, ctas=b * h * n // 64,
-                     tiles_per_cta=n // 128)
+            r = dict(check="length", shape=[b, h, h, n, d], causal=False, ctas=b * h * n // fwd_ws.BLOCK_M.value,
+                     tiles_per_cta=n // 128)  # forward's default 128-key tiles
             for tag, kw in (("shipped", {}), ("host", dict(host_descriptors=True))):
                 ms = bench(lambda: fwd_ws.forward(q, kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=h, causal=False,
                                                   scale=d ** -0.5, **kw))

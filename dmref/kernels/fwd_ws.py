@@ -18,17 +18,19 @@ The consumer, for its Q tile and then for every key tile of ``BLOCK_N`` keys:
                                                             # chain per tile, promoted
     O  = acc * fl(1 / l) * v_scale_d;  LSE2 = m - 8 + log2(l)
 
-``OVERLAP = 1`` issues QK^T of tile j + 1 before the softmax of tile j (:func:`default_overlap`
-says where it is the default); a deeper one, with PV of tile j - 1 also in flight, ran slower
-on the H200 (docs/kernels_speed.md). ``CHAIN=True`` runs PV as one chain over all keys,
+``OVERLAP = 1`` (the default) issues QK^T of tile j + 1 before the softmax of tile j: on the
+H200 it runs 0.99-1.11x the serial schedule's speed at the shapes of
+``benchmarks/gpu_fwd_ws_probe.py``, with the serial schedule's bits for the same PV accumulation.
+A deeper one, with PV of tile j - 1 also in flight, ran slower on the H200
+(docs/kernels_speed.md). ``CHAIN=True`` runs PV as one chain over all keys,
 ``acc = wgmma(Q(P8), V8, C = acc * alpha)`` (a recipe with ``pv_chain=True``: FA3's
 accumulation, which loses the products of a long row once the accumulator outgrows them,
 docs/kernels_speed.md). Promoted and overlapped, the PV tile T takes the registers of the S tile
 whose softmax made its P (dead by then) where the two have one shape (D = 128), so the loop
 carries three 64-register tiles (acc, S and the next S), not four. ``dmref.tiled`` computes the
-same recipe with exp2's argument rounded
-as fl(fl(S c) - m) and O as fl(acc / l): the kernel differs from it in the last bits of float32
-intermediates, below the code-flip bound its tests hold it to.
+same recipe with exp2's argument rounded as fl(fl(S c) - m) and O as fl(acc / l): the kernel
+differs from it in the last bits of float32 intermediates, below the code-flip bound its tests
+hold it to.
 
 K is scaled per (batch, key/value head) and V per (batch, key/value head, channel) over all
 tokens (``dmref.kernels.quantize.quantize_kv_folded``), so every scale folds into a per-row factor of S or a
@@ -379,18 +381,16 @@ def _descriptors(k8, vt8, block_n: int):
 
 
 def _constexprs(head_dim: int, block_n: int, stages: int, causal: bool, chain: bool | None,
-                overlap: bool | None, debug: bool = False) -> dict:
+                overlap: bool, debug: bool = False) -> dict:
     """The kernel's constexprs: one description for the launcher and the compile check. P's
     fixed scale and PV's accumulation are the folded recipes' (``Recipe.p_fwd.offset_log2``;
-    ``Recipe.pv_chain`` for ``chain=None``); ``overlap=None`` is :func:`default_overlap`."""
+    ``Recipe.pv_chain`` for ``chain=None``)."""
     from .config import RECIPES
 
     recipe = RECIPES["kernels_folded_delta_matching"]
     p_scale = float(2 ** recipe.p_scale_log2)
     if chain is None:
         chain = recipe.recipe.pv_chain
-    if overlap is None:
-        overlap = default_overlap(head_dim, chain)
     if int(overlap) not in (0, 1):
         raise ValueError(f"overlap must be 0 or 1 (or a bool), got {overlap!r}")
     return dict(HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), P_SCALE=p_scale,
@@ -398,10 +398,10 @@ def _constexprs(head_dim: int, block_n: int, stages: int, causal: bool, chain: b
 
 
 def compile_sm90(head_dim: int = 128, block_n: int = 128, stages: int = 2, causal: bool = False,
-                 chain: bool | None = None, overlap: bool | None = None, debug: bool = False,
+                 chain: bool | None = None, overlap: bool = True, debug: bool = False,
                  host_descriptors: bool = False):
     """Compile the kernel for sm_90a without a GPU (ptxas included); returns the compiled kernel.
-    ``chain=None, overlap=None, host_descriptors=False``: as :func:`forward` launches it."""
+    The defaults are :func:`forward`'s."""
     import torch
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -423,16 +423,8 @@ def compile_sm90(head_dim: int = 128, block_n: int = 128, stages: int = 2, causa
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=LAUNCH_REGS))
 
 
-def default_overlap(head_dim: int, chain: bool) -> bool:
-    """The overlapped schedule, at both head dims and with PV chained or promoted: on the H200 it
-    is faster than the serial one at every shape of ``benchmarks/gpu_fwd_ws_probe.py`` and its
-    outputs are bit-identical to the serial schedule's with the same PV accumulation (at D = 128
-    with PV promoted, PV's tile takes the registers of the S tile whose softmax made P)."""
-    return True
-
-
 def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale: float,
-            block_n: int = 128, stages: int = 2, chain: bool | None = None, overlap: bool | None = None,
+            block_n: int = 128, stages: int = 2, chain: bool | None = None, overlap: bool = True,
             debug: bool = False, host_descriptors: bool = False):
     """Run the warp-specialized forward: ``q (B, H, N, D)`` BF16 (quantized inside, per token;
     its last dim contiguous), ``k8 (B*HKV, N, D)`` with ``k_scale (B*HKV,)``, ``vt8 (B*HKV, D,
@@ -442,8 +434,8 @@ def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale:
     masked; columns past N unused): the kernel stores the float32 values its cast receives and
     :func:`dmref.kernels.fwd.fp8_codes` casts them (stored as bytes, the codes were wrong on the
     H200 in half the rows when N % 16 != 0: docs/kernels.md). ``chain=None``: the folded recipes' ``pv_chain``;
-    ``overlap``: 0 (or False) serial, 1 (or True) QK^T of the next tile during the softmax, None
-    :func:`default_overlap`. ``host_descriptors``: K's and V's
+    ``overlap``: 0 (or False) serial, 1 (or True, the default) QK^T of the next tile during the
+    softmax. ``host_descriptors``: K's and V's
     TMA descriptors built on the host once a launch, else (the default) in every CTA."""
     import torch
 

@@ -17,7 +17,7 @@ import pytest
 
 from dmref.emulation.gemm import triton_dot_schedule
 
-from dmref.emulation._gemm_npz import Case, load_cases, replay
+from dmref.emulation.gemm.captures import Case, load_cases, replay
 from dmref.emulation.formats import Rounding
 from dmref.emulation.gemm import HOPPER
 

@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .formats import get_format
-from .gemm import cublas_schedule, matmul, triton_dot_schedule
+from ..formats import get_format
+from .engine import matmul
+from .model import cublas_schedule, triton_dot_schedule
 
 #: The arrays of one case, as key suffixes (``cNNN_a``, ...), and the keys every case needs.
 PARTS = ("scale_a", "scale_b", "meta", "out", "bt", "a", "c")  # longest suffix first

@@ -93,7 +93,7 @@ def import_graph(root: Path = ROOT, package: str = PACKAGE) -> dict[str, set[str
                 sub = f"{source}.{alias.name}"
                 targets.add(sub if sub in files else source)
         for target in targets:
-            while target and target not in files:  # ``import dmref.x.y`` where y is a name
+            while target and target not in files:  # ``import pkg.mod.name`` where name is no module
                 target = target.rpartition(".")[0]
             if not target or target == name:
                 continue

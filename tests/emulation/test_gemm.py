@@ -22,7 +22,7 @@ from dmref.emulation.gemm import HOPPER, cublas_schedule, matmul, triton_dot_sch
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 H200 = DATA / "h200_fp8_gemm.npz"
-MORE = DATA / "h200_fp8_gemm_more.npz"  # captured by benchmarks/gpu_capture_gemm.py
+MORE = DATA / "h200_fp8_gemm_more.npz"  # captured by captures/gpu_capture_gemm.py
 
 
 def _groups(path: Path) -> dict:

@@ -67,7 +67,7 @@ class MatmulModel:
     - ``EXACT``: exact products and sum, rounded once to float32; with ``float64_result`` the
       sum is kept in float64 (the ``exact`` preset's reference arithmetic).
     - ``FP32``: float32 additions of exact products (the error bound is gamma_K whatever the
-      order; :func:`matmul` adds in k order, ``dmref.tiled`` in torch's order).
+      order; :func:`~dmref.emulation.gemm.matmul` adds in k order, ``dmref.tiled`` in torch's order).
     - ``HOPPER``: the wgmma k-steps of ``rules``, promoted to float32 every ``promote_every``
       products (None: one chain per scale block).
 

@@ -15,7 +15,6 @@ import enum
 import functools
 import math
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 import numpy as np

@@ -70,7 +70,8 @@ Modules
 
 from .bounds import error_bound
 from .engine import CPU_BLOCK, matmul
-from .model import HOPPER, Accumulation, KTile, MatmulModel, WgmmaRules, cublas_schedule, plan_k_tiles, triton_dot_schedule
+from .model import (HOPPER, Accumulation, KTile, MatmulModel, WgmmaRules, cublas_schedule, plan_k_tiles,
+                    triton_dot_schedule)
 
 __all__ = ["Accumulation", "HOPPER", "MatmulModel", "WgmmaRules", "cublas_schedule", "error_bound", "matmul",
            "triton_dot_schedule"]

@@ -110,7 +110,9 @@ def _flops(b, h, n, d, causal):
     return f / 2 if causal else f
 
 
-def _bench(fn, grad_to_none=None):
+def bench(fn, grad_to_none=None):
+    """Median milliseconds of ``fn`` (``triton.testing.do_bench``, 25 ms warm-up, 100 ms of runs): the
+    timing of every figure here and of the experiments in dev/."""
     import triton
 
     return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none,
@@ -181,7 +183,7 @@ def cudnn_fp8_timers(q, k, v, do, causal):
     bwd = targets.cudnn_fp8_backward(fwd, do)
     g = fwd["graphs"]
     f_in = {"q": fwd["q_fp8"], "k": fwd["k_fp8"], "v": fwd["v_fp8"], "o": fwd["o_fp8"], "stats": fwd["stats"],
-            "amax_s": fwd["amax_s"], "amax_o": fwd["amax_o"], **{n: fwd[n] for n in targets._FWD_SCALARS}}
+            "amax_s": fwd["amax_s"], "amax_o": fwd["amax_o"], **{n: fwd[n] for n in targets.FWD_SCALARS}}
     b_in = {"q": fwd["q_fp8"], "k": fwd["k_fp8"], "v": fwd["v_fp8"], "o": fwd["o_fp8"], "dO": bwd["do_fp8"],
             "stats": fwd["stats"], "dQ": bwd["dq_fp8"], "dK": bwd["dk_fp8"], "dV": bwd["dv_fp8"],
             **{n: fwd[n] for n in ("descale_q", "descale_k", "descale_v", "descale_o", "descale_s", "scale_s")},
@@ -244,42 +246,42 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
     # --- ours: forward
     o, lse, saved, _ = api.attention_forward(q, k, v, causal=causal, scale=scale, recipe=r_dm)
     dims = dict(batch=b, heads=h, kv_heads=h, n=n, head_dim=d)
-    ms["ours_fwd_kernel"] = _bench(lambda: fwd_mod.forward(saved.q, saved.k, saved.v, causal=causal,
+    ms["ours_fwd_kernel"] = bench(lambda: fwd_mod.forward(saved.q, saved.k, saved.v, causal=causal,
                                                            scale=scale, recipe=r_dm, **dims))
-    ms["ours_fwd_incl_quant"] = _bench(lambda: api.attention_forward(
+    ms["ours_fwd_incl_quant"] = bench(lambda: api.attention_forward(
         q, k, v, causal=causal, scale=scale, recipe=r_dm, for_backward=False))
-    ms["ours_fwd_incl_quant_for_bwd"] = _bench(lambda: api.attention_forward(
+    ms["ours_fwd_incl_quant_for_bwd"] = bench(lambda: api.attention_forward(
         q, k, v, causal=causal, scale=scale, recipe=r_dm, for_backward=True))
-    ms["ours_quant_qkv_for_bwd"] = _bench(lambda: [quantize(t, "float8_e4m3fn") for t in (q, k, v)])
+    ms["ours_quant_qkv_for_bwd"] = bench(lambda: [quantize(t, "float8_e4m3fn") for t in (q, k, v)])
     # --- ours: the warp-specialized forward (folded scales)
     from dmref.kernels import fwd_ws
 
     _, _, kv = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale)
-    ms["ours_fwd_ws_kernel"] = _bench(lambda: fwd_ws.forward(q, kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=h,
+    ms["ours_fwd_ws_kernel"] = bench(lambda: fwd_ws.forward(q, kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=h,
                                                              causal=causal, scale=scale))
-    ms["ours_fwd_ws_incl_quant"] = _bench(lambda: fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale))
+    ms["ours_fwd_ws_incl_quant"] = bench(lambda: fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale))
     # the same with K's and V's TMA descriptors built on the host once a launch (not yet the default)
-    ms["ours_fwd_ws_kernel_host"] = _bench(lambda: fwd_ws.forward(
+    ms["ours_fwd_ws_kernel_host"] = bench(lambda: fwd_ws.forward(
         q, kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=h, causal=causal, scale=scale, host_descriptors=True))
-    ms["ours_fwd_ws_incl_quant_host"] = _bench(lambda: fwd_ws.attention_forward(
+    ms["ours_fwd_ws_incl_quant_host"] = bench(lambda: fwd_ws.attention_forward(
         q, k, v, causal=causal, scale=scale, host_descriptors=True))
     del kv
     # --- ours: backward
     do8, d_stale = quantize(do, "float8_e4m3fn", rows=True, cols=True, delta_with=o)
-    ms["ours_bwd_preprocess"] = _bench(lambda: quantize(do, "float8_e4m3fn", rows=True, cols=True,
+    ms["ours_bwd_preprocess"] = bench(lambda: quantize(do, "float8_e4m3fn", rows=True, cols=True,
                                                         delta_with=o))
     kw = dict(causal=causal, scale=scale, **dims)
     for tag, r in (("stale", r_st), ("matched", r_dm)):
         # what the API runs (the Gluon kernels where they run the recipe), and the Triton kernels
         gluon = api.gluon_backward_refusal(r, d) is None
         res.setdefault("bwd_kernels", {})[tag] = "gluon" if gluon else "triton"
-        ms[f"ours_bwd_{tag}"] = _bench(lambda r=r: api.attention_backward(
+        ms[f"ours_bwd_{tag}"] = bench(lambda r=r: api.attention_backward(
             saved, o, do, shape=shape, causal=causal, scale=scale, recipe=r))
-        ms[f"ours_bwd_{tag}_triton"] = _bench(lambda r=r: api.attention_backward(
+        ms[f"ours_bwd_{tag}_triton"] = bench(lambda r=r: api.attention_backward(
             saved, o, do, shape=shape, causal=causal, scale=scale, recipe=r, gluon=False))
         # its kernels without the preprocess: both, the dq alone, the dkdv alone (on the dq's D)
         for part, fn in _bwd_parts(r, gluon, saved, do8, d_stale, kw).items():
-            ms[f"ours_bwd_{tag}_{part}"] = _bench(fn)
+            ms[f"ours_bwd_{tag}_{part}"] = bench(fn)
     # --- ours: end to end through autograd
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
     r_fdm = _recipe("kernels_folded_delta_matching", fwd_c, bwd_c)
@@ -287,20 +289,20 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
         def step(r=r):
             out = api.attention(qg, kg, vg, causal=causal, scale=scale, recipe=r)
             out.backward(do)
-        ms[f"ours_e2e_{tag}"] = _bench(step, grad_to_none=[qg, kg, vg])
+        ms[f"ours_e2e_{tag}"] = bench(step, grad_to_none=[qg, kg, vg])
     del saved, o
     # --- SDPA
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
         try:
             with sdpa_kernel(backend):
-                ms[f"{name}_fwd"] = _bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+                ms[f"{name}_fwd"] = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
                 out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
-                ms[f"{name}_bwd"] = _bench(lambda: out.backward(do, retain_graph=True),
+                ms[f"{name}_bwd"] = bench(lambda: out.backward(do, retain_graph=True),
                                            grad_to_none=[qg, kg, vg])
 
                 def step():
                     F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal).backward(do)
-                ms[f"{name}_e2e"] = _bench(step, grad_to_none=[qg, kg, vg])
+                ms[f"{name}_e2e"] = bench(step, grad_to_none=[qg, kg, vg])
                 del out
         except Exception as exc:
             res[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -308,8 +310,8 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
     if d == 128:
         try:
             f8, b8 = cudnn_fp8_timers(q, k, v, do, causal)
-            ms["cudnn_fp8_fwd"] = _bench(f8)
-            ms["cudnn_fp8_bwd"] = _bench(b8)
+            ms["cudnn_fp8_fwd"] = bench(f8)
+            ms["cudnn_fp8_bwd"] = bench(b8)
             ms["cudnn_fp8_e2e"] = ms["cudnn_fp8_fwd"] + ms["cudnn_fp8_bwd"]
         except Exception as exc:
             res["cudnn_fp8_error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -351,7 +353,7 @@ def sweep(d, causal, h, n, b):
     for fc in FWD_CANDIDATES:
         try:
             r = _recipe("kernels_delta_matching", fc, base_bwd)
-            out["fwd"][str(fc)] = _bench(lambda: fwd_mod.forward(saved.q, saved.k, saved.v, causal=causal,
+            out["fwd"][str(fc)] = bench(lambda: fwd_mod.forward(saved.q, saved.k, saved.v, causal=causal,
                                                                 scale=scale, recipe=r, **dims))
         except Exception as exc:
             out["fwd"][str(fc)] = f"{type(exc).__name__}: {exc}"[:200]
@@ -360,7 +362,7 @@ def sweep(d, causal, h, n, b):
         for name in ("kernels_delta_matching", "kernels_naive_fp8"):
             try:
                 r = _recipe(name, FWD_CANDIDATES[0], bc)
-                out["bwd"][f"{name}{bc}"] = _bench(lambda: bwd_mod.backward(
+                out["bwd"][f"{name}{bc}"] = bench(lambda: bwd_mod.backward(
                     saved, do8, do8, d_stale, causal=causal, scale=scale, recipe=r, **dims))
             except Exception as exc:
                 out["bwd"][f"{name}{bc}"] = f"{type(exc).__name__}: {exc}"[:200]
@@ -547,16 +549,9 @@ def main(argv=None):
             print(json.dumps({k: v for k, v in r.items() if k != "ms"}), flush=True)
             torch.cuda.empty_cache()
             _write(args.out, results)  # after every case: a time limit keeps what was measured
-    from dmref.kernels import bwd as bwd_mod, bwd_ws, fwd as fwd_mod, quantize as q_mod
+    from dmref.kernels.compile_check import jitted_kernels
 
-    results["compiled"] = {
-        "fwd": _kernel_stats(fwd_mod._fwd_kernel),
-        "dq": _kernel_stats(bwd_mod._bwd_dq_kernel),
-        "dkdv": _kernel_stats(bwd_mod._bwd_dkdv_kernel),
-        "quantize": _kernel_stats(q_mod._quantize_kernel),
-        "dq_ws": _kernel_stats(bwd_ws._bwd_dq_ws_kernel),
-        "dkdv_ws": _kernel_stats(bwd_ws._bwd_dkdv_ws_kernel),
-    }
+    results["compiled"] = {name: _kernel_stats(kernel) for name, kernel in jitted_kernels().items()}
     results["meta"]["wall_s"] = time.time() - t_start
     _write(args.out, results)
     if args.accuracy:

@@ -18,10 +18,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _oracle_runs import Target, run  # noqa: E402
+from dmref import oracle
 
-from dmref import oracle  # noqa: E402
+from oracle_runs import Target, run  # this folder's module (a script's folder is first on sys.path)
 
 RECIPES = ["exact", "bf16", "naive_fp8", "cudnn_fp8", "mxfp8_stale", "delta_matching", "consistent_p"]
 

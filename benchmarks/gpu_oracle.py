@@ -35,8 +35,7 @@ import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _oracle_runs import Target, run  # noqa: E402
+from oracle_runs import Target, run  # this folder's module (a script's folder is first on sys.path)
 
 # dmref.kernels: head dim 64 or 128, seqlen_q == seqlen_k, GQA, no mask
 KERNEL_CASES = ["realistic", "realistic_causal", "outlier_channels", "peaked_rows", "flat_rows", "long_sequence",

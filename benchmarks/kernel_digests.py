@@ -25,8 +25,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_attention import SHAPES  # noqa: E402
+from bench_attention import SHAPES  # this folder's benchmark (a script's folder is first on sys.path)
 
 #: B, H, HKV, N, D: the benchmark shapes (H = HKV) and one GQA shape with a tail tile
 PROBLEMS = [(b, h, h, n, d) for b, h, n, d in SHAPES] + [(2, 8, 2, 1000, 128), (1, 8, 4, 777, 64)]

@@ -1,7 +1,7 @@
 """Replay of cuDNN's FP8 attention (per-tensor scaling, Hopper) from a capture, code for code.
 
 A capture (the format of ``tests/data/h200_cudnn_fp8_sdpa.npz``, written by
-``benchmarks/capture_cudnn_fp8.py``; its ``about`` entry states the layout) holds, per case, the
+``captures/capture_cudnn_fp8.py``; its ``about`` entry states the layout) holds, per case, the
 FP8 codes cuDNN consumed (Q, K, V, dO) and produced (O, dQ, dK, dV), every scale it was given and
 the softmax stats it returned. :func:`replay_case` recomputes O, the stats, dQ, dK and dV from the
 very same input codes and scales with the emulated Hopper FP8 GEMM of :mod:`dmref.emulation`

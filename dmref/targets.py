@@ -48,7 +48,7 @@ the oracle records the case as skipped); a machine without the frontend or a Hop
 
 ``import dmref.targets`` needs neither the frontend nor a GPU (both load on the first call).
 :func:`cudnn_fp8_forward` and :func:`cudnn_fp8_backward` return every FP8 tensor, scale and
-amax cuDNN consumed and produced (``benchmarks/capture_cudnn_fp8.py`` saves them).
+amax cuDNN consumed and produced (``captures/capture_cudnn_fp8.py`` saves them).
 """
 
 from __future__ import annotations
@@ -209,7 +209,8 @@ def _finalize(g, cudnn):
         raise CaseUnsupported("cuDNN declines the FP8 attention graph: " + " ".join(str(e).split())) from None
 
 
-_FWD_SCALARS = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
+#: The scalars of the forward graph (its descales and scales), by their names in the graph.
+FWD_SCALARS = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
 _BWD_SCALARS = ("descale_q", "descale_k", "descale_v", "descale_o", "descale_dO", "descale_s", "descale_dP",
                 "scale_s", "scale_dQ", "scale_dK", "scale_dV", "scale_dP")
 _BWD_OUTPUTS = ("dQ", "dK", "dV", "amax_dQ", "amax_dK", "amax_dV", "amax_dP")
@@ -221,7 +222,7 @@ def _build_fwd(cudnn, handle, geo):
     g = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
     t = {n: g.tensor(name=n.upper(), dim=list(s), stride=_bshd_stride(s), data_type=e4m3)
          for n, s in (("q", qs), ("k", ks), ("v", geo["v"]))}
-    t.update({n: _scalar_tensor(g, cudnn, n) for n in _FWD_SCALARS})
+    t.update({n: _scalar_tensor(g, cudnn, n) for n in FWD_SCALARS})
     o, stats, amax_s, amax_o = g.sdpa_fp8(
         q=t["q"], k=t["k"], v=t["v"],
         descale_q=t["descale_q"], descale_k=t["descale_k"], descale_v=t["descale_v"],
@@ -377,7 +378,7 @@ def cudnn_fp8_forward(q, k, v, *, causal: bool = False, scale: float | None = No
         out = {"o": _bshd_output(o_shape, get_format(_FWD_FORMAT).torch_dtype, dev),
                "stats": torch.empty(*o_shape[:3], 1, dtype=torch.float32, device=dev),
                "amax_s": _scalar(float("nan"), dev), "amax_o": _scalar(float("nan"), dev)}
-        g.run("fwd", {"q": r["q_fp8"], "k": r["k_fp8"], "v": r["v_fp8"], **{n: r[n] for n in _FWD_SCALARS},
+        g.run("fwd", {"q": r["q_fp8"], "k": r["k_fp8"], "v": r["v_fp8"], **{n: r[n] for n in FWD_SCALARS},
                       **out})
         if calibrating:
             r["amax_o_calibration"] = _measured(out["amax_o"], "amax_o")

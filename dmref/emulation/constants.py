@@ -2,8 +2,9 @@
 
 Everything here is a plain Python ``float`` or ``int`` (so that Triton kernels can use the values
 as ``tl.constexpr``): the FP8 limits come from :class:`~dmref.emulation.formats.Format`, the
-unit roundoffs from the mantissa widths of the IEEE binary formats, and the wgmma model's bit
-counts from :data:`dmref.emulation.gemm.HOPPER`.
+unit roundoffs from the mantissa widths of the IEEE binary formats; the wgmma model's bit counts
+are the measured ones, and :class:`~dmref.emulation.gemm.WgmmaRules` (hence
+:data:`~dmref.emulation.gemm.HOPPER`) takes them as its defaults.
 
 Check: ``python -c "from dmref.emulation import constants as c; print(c.E4M3_MAX, c.U_FP32)"``
 prints ``448.0 5.960464477539063e-08``; tests/emulation/test_constants.py compares every value
@@ -105,17 +106,12 @@ def gamma(n, u: float = U_FP32):
     return float(out) if out.ndim == 0 else out
 
 
-def _wgmma():
-    from .gemm import HOPPER  # gemm imports torch; the values are plain ints
-
-    return HOPPER
-
-
-#: The Hopper FP8 wgmma model's bit counts (:data:`dmref.emulation.gemm.HOPPER`): products per
+#: The Hopper FP8 wgmma's bit counts, as measured on an H200 (docs/gemm.md): products per
 #: k-step, fraction bits kept of each term relative to 2**E, significant bits of a step's result.
-WGMMA_K_STEP: int = _wgmma().k_step
-WGMMA_TERM_FRAC_BITS: int = _wgmma().term_frac_bits
-WGMMA_RESULT_BITS: int = _wgmma().result_bits
+#: The defaults of :class:`~dmref.emulation.gemm.WgmmaRules`, so :data:`~dmref.emulation.gemm.HOPPER` has them.
+WGMMA_K_STEP: int = 32
+WGMMA_TERM_FRAC_BITS: int = 13
+WGMMA_RESULT_BITS: int = 14
 #: Relative error of truncating one k-step's result to WGMMA_RESULT_BITS significant bits
 #: (2**-(WGMMA_RESULT_BITS - 1)): the unit roundoff of the wgmma accumulation.
 U_WGMMA: float = math.ldexp(1.0, -(WGMMA_RESULT_BITS - 1))

@@ -15,9 +15,12 @@ import enum
 import functools
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Rounding(enum.Enum):
@@ -202,7 +205,10 @@ class Format:
     @property
     def torch_dtype(self) -> torch.dtype | None:
         """The torch dtype of the same name (``torch.float8_e4m3fn`` ...), None where this torch
-        has none. The one map from a format to a torch dtype; :func:`get_format` maps back."""
+        has none. The one map from a format to a torch dtype; :func:`get_format` maps back.
+        torch is imported here only: formats are data, readable without it."""
+        import torch
+
         dtype = getattr(torch, self.name, None)
         return dtype if isinstance(dtype, torch.dtype) else None
 

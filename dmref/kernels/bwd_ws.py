@@ -445,7 +445,7 @@ def default_overlap(head_dim: int) -> int:
     """The schedule ``OVERLAP`` (module docstring): at D = 64, dP^T issued behind S^T (1), 2-3%
     faster than serial on the H200; at D = 128 serial, the one that fits without spills (1 is
     0-3.5% slower there) (``gluon_dkdv_ov1_ms`` against ``gluon_dkdv_ms`` in
-    benchmarks/results/h200_bwd_ws_probe.jsonl)."""
+    dev/results/h200_bwd_ws_probe.jsonl)."""
     return 1 if head_dim == 64 else 0
 
 
@@ -919,7 +919,7 @@ def default_dq_overlap(recipe, head_dim: int) -> int:
     """The dq kernel's schedule ``OVERLAP`` (``_dq_consumer``): matched at D = 64, kbar's wgmma
     issued behind dS K (2), 3-5% faster than serial on the H200; otherwise serial, as the
     overlapped schedules were within -4% to +4% of it (``gluon_dq_ov*_ms`` against
-    ``gluon_dq_ms`` and ``gluon_dq_stale_ms`` in benchmarks/results/h200_bwd_ws_probe.jsonl)."""
+    ``gluon_dq_ms`` and ``gluon_dq_stale_ms`` in dev/results/h200_bwd_ws_probe.jsonl)."""
     return 2 if head_dim == 64 and recipe.matched else 0
 
 

@@ -221,7 +221,7 @@ def kernel_recipe(delta: KernelDelta, bwd: BwdTiles | None = None, do_format: st
     per 128-key tile, as in the Triton forward: one wgmma chain over all keys
     (``Recipe.pv_chain``) loses the products of a long row once its accumulator outgrows them
     (an average over thousands of keys of a V whose channels have one sign: 6.8% of O at 4,096
-    keys, benchmarks/results/cpu_pv_accuracy.json)."""
+    keys, dev/results/cpu_pv_accuracy.json)."""
 
     if delta not in ("stale", "matched"):
         raise ValueError(f"delta={delta!r} must be 'stale' or 'matched'")

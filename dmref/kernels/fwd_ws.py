@@ -20,7 +20,7 @@ The consumer, for its Q tile and then for every key tile of ``BLOCK_N`` keys:
 
 ``OVERLAP = 1`` (the default) issues QK^T of tile j + 1 before the softmax of tile j: on the
 H200 it runs 0.99-1.11x the serial schedule's speed at the shapes of
-``benchmarks/gpu_fwd_ws_probe.py``, with the serial schedule's bits for the same PV accumulation.
+``dev/gpu_fwd_ws_probe.py``, with the serial schedule's bits for the same PV accumulation.
 A deeper one, with PV of tile j - 1 also in flight, ran slower on the H200
 (docs/kernels_speed.md). ``CHAIN=True`` runs PV as one chain over all keys,
 ``acc = wgmma(Q(P8), V8, C = acc * alpha)`` (a recipe with ``pv_chain=True``: FA3's

@@ -85,7 +85,7 @@ def test_a_long_chain_loses_what_promotion_keeps():
     (docs/gemm.md), so late keys lose their low bits and O shrinks; promoted per 128-key tile, each
     chain starts from zero. Against float64 the chained O's error is more than twice the promoted
     one's: the accumulation loses more than all of the FP8 quantization does
-    (benchmarks/results/cpu_pv_accuracy.json, ``4096:dc``)."""
+    (dev/results/cpu_pv_accuracy.json, ``4096:dc``)."""
     g = torch.Generator().manual_seed(0)
     n, d = 4096, 64
     q, k = ((torch.randn(1, 1, n, d, generator=g) * 0.1).bfloat16().float() for _ in range(2))

@@ -199,7 +199,7 @@ def test_bad_shape(tmp_path, capsys):
 # ----------------------------------------------------------------------------------------------
 
 HELDOUT = CAPTURE.with_name("h200_cudnn_fp8_sdpa_heldout.npz")
-#: captured after the FMA point was found (benchmarks/capture_cudnn_fp8.py --seed 1, other lengths;
+#: captured after the FMA point was found (captures/capture_cudnn_fp8.py --seed 1, other lengths;
 #: docs/cudnn_fp8.md gives the commands): every length a multiple of 64, and lengths with a tail
 FRESH = CAPTURE.with_name("h200_cudnn_fp8_sdpa_seed1.npz")
 FRESH_TAIL = CAPTURE.with_name("h200_cudnn_fp8_sdpa_seed1_tail.npz")

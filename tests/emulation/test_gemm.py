@@ -1,5 +1,5 @@
 """The emulated FP8 GEMM: bit-exact against the H200 ground truth, and the vectorised models equal
-the plain-Python specification (dmref.emulation._gemm_spec) on every input, NaN/inf and the
+the plain-Python specification (dmref.emulation.gemm.spec) on every input, NaN/inf and the
 extremes of the float32 accumulator included."""
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dmref.emulation import decode
-from dmref.emulation import _gemm_spec as spec
-from dmref.emulation._gemm_npz import load_cases, replay, ulp_distance
+from dmref.emulation.gemm import spec
+from dmref.emulation.gemm.captures import load_cases, replay, ulp_distance
 from dmref.emulation.formats import Rounding
 from dmref.emulation.gemm import HOPPER, cublas_schedule, matmul, triton_dot_schedule
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 H200 = DATA / "h200_fp8_gemm.npz"
-MORE = DATA / "h200_fp8_gemm_more.npz"  # captured by benchmarks/gpu_capture_gemm.py
+MORE = DATA / "h200_fp8_gemm_more.npz"  # captured by captures/gpu_capture_gemm.py
 
 
 def _groups(path: Path) -> dict:
@@ -268,7 +268,7 @@ def test_cuda_gives_the_cpu_bits():
 
 
 def test_the_exponent_division_by_six_is_exact_on_its_whole_domain():
-    """_gemm_hopper finds floor(x / 6) as (x * 43691) >> 18 in int32 for its lifted exponents x,
+    """dmref.emulation.gemm.hopper finds floor(x / 6) as (x * 43691) >> 18 in int32 for its lifted exponents x,
     which lie in [0, 2**12)."""
     x = torch.arange(1 << 15, dtype=torch.int32)
     assert torch.equal((x * 43691) >> 18, x // 6)

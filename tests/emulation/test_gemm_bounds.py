@@ -1,4 +1,4 @@
-"""The a-priori error bound of each accumulation model (dmref.emulation._gemm_bounds) holds against
+"""The a-priori error bound of each accumulation model (dmref.emulation.gemm.bounds) holds against
 the exact value on adversarial inputs: the widest exponent spread, near-cancellation, long K,
 block scales. The exact value is computed with rationals."""
 

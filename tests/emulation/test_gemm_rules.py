@@ -3,7 +3,7 @@ model reproduces bit for bit is no longer reproduced (docs/gemm.md lists the sam
 
 Rules that tests/data/h200_fp8_gemm.npz cannot decide (no case there depends on them) are
 decided by the second capture, tests/data/h200_fp8_gemm_more.npz, made by
-benchmarks/gpu_capture_gemm.py; that the capture's inputs *do* depend on each of those rules is
+captures/gpu_capture_gemm.py; that the capture's inputs *do* depend on each of those rules is
 checked here without a GPU, from the capture script's own case plan.
 """
 
@@ -17,14 +17,14 @@ import pytest
 
 from dmref.emulation.gemm import triton_dot_schedule
 
-from dmref.emulation._gemm_npz import Case, load_cases, replay
+from dmref.emulation.gemm.captures import Case, load_cases, replay
 from dmref.emulation.formats import Rounding
 from dmref.emulation.gemm import HOPPER
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 CASES = {c.name: c for c in load_cases(DATA / "h200_fp8_gemm.npz")[1]}
 MORE = DATA / "h200_fp8_gemm_more.npz"
-CAPTURE_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_capture_gemm.py"
+CAPTURE_SCRIPT = Path(__file__).resolve().parents[2] / "captures" / "gpu_capture_gemm.py"
 
 
 def rules(**change):
@@ -90,15 +90,14 @@ def _capture_module():
 
 @pytest.mark.parametrize("rule, change, decides", CAPTURE_FLIPS, ids=[r for r, _, _ in CAPTURE_FLIPS])
 def test_the_capture_plan_decides_rules_the_first_file_cannot(rule, change, decides):
-    """The inputs that benchmarks/gpu_capture_gemm.py will send to the GPU give different outputs
+    """The inputs that captures/gpu_capture_gemm.py will send to the GPU give different outputs
     under the rule and under its change: whatever the H200 returns, one of them fails."""
     capture = _capture_module()
-    _, _, encode = capture.import_dmref()
     witnesses = [c for c in capture.plan_cases() if decides(c)]
     assert witnesses, f"the capture plan has no case for rule '{rule}'"
     differing = 0
     for plan in witnesses[:4]:
-        inputs = capture.make_inputs(plan, 2026, encode)
+        inputs = capture.make_inputs(plan, 2026)
         meta = {k: v for k, v in plan.items() if k != "name"}
         case = Case(plan["name"], meta, inputs["a"], inputs["bt"], inputs["c"], None,
                     inputs.get("scale_a"), inputs.get("scale_b"))
@@ -118,7 +117,7 @@ def test_changing_a_rule_breaks_a_case_of_the_second_capture(rule, change, decid
 def test_triton_schedule_rejects_imprecise_acc_above_block_k():
     """Triton 3.6 refuses max_num_imprecise_acc > BK at compile time ("max_num_imprecise_acc
     (128) must be <= K (64)": the 12 such cases of the capture plan failed to compile on the
-    H200, benchmarks/results/h200_gemm_capture_report.json), so no kernel can run
+    H200, captures/results/h200_gemm_capture_report.json), so no kernel can run
     that schedule and the schedule helper says so instead of modelling it."""
     with pytest.raises(ValueError, match="max_num_imprecise_acc=128 > block_k=64"):
         triton_dot_schedule(64, 128)

@@ -9,8 +9,8 @@ import torch
 from dmref.emulation.constants import U_FP16, U_FP32 as U32, gamma  # noqa: F401  (the tests import them here)
 
 #: Issue 5: quantized P and dS codes of kernel and reference agree on at least 99.9% of elements.
-#: Measured on the H200 against a plain-torch model of the recipe (benchmarks/gpu_code_agreement.py,
-#: benchmarks/results/h200_code_agreement.json): P codes all equal, dS codes >= 0.999998 in every
+#: Measured on the H200 against a plain-torch model of the recipe (dev/gpu_code_agreement.py,
+#: dev/results/h200_code_agreement.json): P codes all equal, dS codes >= 0.999998 in every
 #: case (one-step flips, 18 of 28.3M), once S2 and dP are rounded on their own (_common.mul_rn);
 #: before, fused multiply-adds flipped codes, and at large logits broke P. In the interpreter, P
 #: and dS agree with the reference's 100% (99.992% with the 32-key backward tiles).

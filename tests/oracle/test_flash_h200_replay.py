@@ -1,6 +1,6 @@
 """torch's flash SDPA backend on the H200, replayed: its BF16 outputs and gradients
 on the oracle's ``peaked_rows`` case (tests/data/h200_sdpa_flash_peaked_rows.pt, written by
-benchmarks/gpu_dump_sdpa.py) pass at BF16 bounds, and fail (dQ at 7.2x the baseline) without the
+captures/gpu_dump_sdpa.py) pass at BF16 bounds, and fail (dQ at 7.2x the baseline) without the
 floor's allowance for a delta from the BF16 output and without the allowance for rounding each
 result to BF16 (either alone admits it): flash rounds 19 of 64 channels of O in row 67 of head 1 the other
 way than dmref's bf16 preset, so its D error there is 0.023 (the preset's 0.002), within

@@ -2,7 +2,7 @@
 bit for bit and in time, beside cuDNN BF16's backward. One JSON line per result, in
 $OUT/bwd_ws_probe.jsonl (the current directory without $OUT).
 
-    cd benchmarks && python gpu_bwd_ws_probe.py
+    PYTHONPATH=benchmarks python dev/gpu_bwd_ws_probe.py   # bench_attention's timing (dev/README.md)
 
 A smoke test runs each Gluon kernel first on two small problems (45 s limit each; the kernel whose
 smoke test fails is not run afterwards, the Triton kernels and cuDNN still are), then each shape
@@ -16,7 +16,7 @@ magnitudes 2**-6 .. 2**6). Lines:
   ``bwd_ws.dq`` against the Triton dq kernel's (delta_matching, and dQ for naive_fp8), the same
   fractions, and the whole backward with both Gluon kernels (``backward_ws(kernels=("dq", "dkdv"))``)
   equal to ``bwd.backward``;
-- ``check="speed"``: ``triton.testing.do_bench`` medians in ms (bench_attention's ``_bench``) of
+- ``check="speed"``: ``triton.testing.do_bench`` medians in ms (bench_attention's ``bench``) of
   the Triton dkdv alone, the Gluon dkdv alone (and its overlapped, 3-stage and device-side
   descriptor forms), the Triton dq and the Gluon dq alone (delta_matching, with kbar, and
   naive_fp8), the whole ``bwd.backward``, ``bwd_ws.backward_ws`` (``ws_bwd``: Triton dq, Gluon
@@ -103,7 +103,7 @@ def _compare(c, name, got, want, int_view):
 
 
 def run_shape(b, h, hkv, n, d, gluon=True, gluon_dq=True):
-    from bench_attention import _bench as bench  # this folder: the same timing
+    from bench_attention import bench  # the product benchmark's timing
 
     from dmref.kernels import api, bwd, bwd_ws
     from dmref.kernels.config import RECIPES

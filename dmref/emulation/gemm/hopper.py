@@ -1,6 +1,6 @@
 """The ``hopper`` accumulation model, vectorised with torch (CPU or CUDA).
 
-One k-step (see :mod:`dmref.emulation._gemm_spec` for the plain-Python specification):
+One k-step (see :mod:`dmref.emulation.gemm.spec` for the plain-Python specification):
 
     E   = max(e(a_k) + e(b_k) over the nonzero products, e(C))
     S   = trunc(C / 2**(E-13)) + sum_k trunc(a_k b_k / 2**(E-13))        (an integer)
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._gemm_tables import NO_EXPONENT, code_table, exponent_range, lut, pow2_f32, pow2_f64
-from .formats import Format, Rounding
+from ..formats import Format, Rounding
+from .tables import NO_EXPONENT, code_table, exponent_range, lut, pow2_f32, pow2_f64
 
 _LOG_BASE = 6  # weights are 64**e: 64 > 32 terms per k-step
 

@@ -1,8 +1,8 @@
 """Which rounding of dS = P (dP - D) attn_scale reproduces cuDNN's FP8 backward where P is one-hot
 (docs/cudnn_fp8.md, "dS in one-hot rows"): every variant on one case of a capture, on the CPU.
 
-    python benchmarks/replay_dp_minus_d.py [--capture tests/data/h200_cudnn_fp8_sdpa_heldout.npz]
-        [--case 1] [--out benchmarks/results/cpu_replay_dp_minus_d.json]
+    python dev/replay_dp_minus_d.py [--capture tests/data/h200_cudnn_fp8_sdpa_heldout.npz]
+        [--case 1] [--out dev/results/cpu_replay_dp_minus_d.json]
 
 The replay (dmref.attention_replay, ``dp_fma``) forms dP - D as one fused multiply-add of the
 dO V accumulator; the variants round dP first, sum D in other float32 orders (sequential,
@@ -25,9 +25,8 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from dmref import attention_replay as ar  # noqa: E402
-from dmref import emulation  # noqa: E402
+from dmref import attention_replay as ar
+from dmref import emulation
 
 F32 = np.float32
 E4M3 = emulation.get_format("float8_e4m3fn")
@@ -154,7 +153,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--capture", default="tests/data/h200_cudnn_fp8_sdpa_heldout.npz")
     ap.add_argument("--case", type=int, default=1)
-    ap.add_argument("--out", default="benchmarks/results/cpu_replay_dp_minus_d.json")
+    ap.add_argument("--out", default="dev/results/cpu_replay_dp_minus_d.json")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     case = ar.load_capture(args.capture)[args.case]

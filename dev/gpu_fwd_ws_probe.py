@@ -2,8 +2,10 @@
 and its speed beside cuDNN BF16 and cuDNN FP8 in one process. One JSON line per result, in
 ``$OUT/fwd_ws_probe.jsonl`` (appended; ``OUT`` defaults to this folder):
 
-    cd benchmarks && python gpu_fwd_ws_probe.py            # variants' checks, accuracy, speed, length
-    cd benchmarks && python gpu_fwd_ws_probe.py --length   # only the speed against the sequence length
+    PYTHONPATH=benchmarks python dev/gpu_fwd_ws_probe.py            # variants' checks, accuracy, speed, length
+    PYTHONPATH=benchmarks python dev/gpu_fwd_ws_probe.py --length   # only the speed against the sequence length
+
+benchmarks/ on PYTHONPATH: the timing and the cuDNN FP8 anchors are bench_attention's (dev/README.md).
 """
 import json
 import os
@@ -15,7 +17,7 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from bench_attention import _bench as bench, cudnn_fp8_timers  # this folder: the same timing and anchors
+from bench_attention import bench, cudnn_fp8_timers  # the product benchmark's timing and anchors
 
 from dmref.kernels import api, fwd as fwd_mod, fwd_ws
 from dmref.kernels.config import RECIPES

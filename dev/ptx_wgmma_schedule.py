@@ -1,7 +1,7 @@
 """Where the compiled kernels wait for their tensor cores (sm_90a PTX, no GPU needed).
 
-    python benchmarks/ptx_wgmma_schedule.py      # writes benchmarks/results/sm90_ptx_wgmma_schedule.txt
-    python benchmarks/ptx_wgmma_schedule.py --head-dim 64 --recipe kernels_naive_fp8 --out -   # print only
+    python dev/ptx_wgmma_schedule.py      # writes dev/results/sm90_ptx_wgmma_schedule.txt
+    python dev/ptx_wgmma_schedule.py --head-dim 64 --recipe kernels_naive_fp8 --out -   # print only
 
 Compiles the forward, dq and dkdv kernels with Triton's own compiler (``dmref.kernels.
 compile_check``) and prints, per kernel, the order of the loop's wgmma issues (``MMA``), commits
@@ -92,7 +92,7 @@ def main() -> int:
 
     r = get_recipe(args.recipe)
     lines = [f"# sm_90a PTX wgmma schedule, recipe {args.recipe}, Triton {triton.__version__}, compiled "
-             "without a GPU: python benchmarks/ptx_wgmma_schedule.py"]
+             "without a GPU: python dev/ptx_wgmma_schedule.py"]
     for d in (args.head_dim,) if args.head_dim else (128, 64):
         for name, kernel, run in cc.recipe_variants(r, d, False):
             if name == "quantize":

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .formats import Format
+from ..formats import Format
 
 #: Exponent given to terms that never take part in the alignment maximum.
 NO_EXPONENT = -(1 << 20)

@@ -11,8 +11,8 @@ from fractions import Fraction
 
 import numpy as np
 
-from .formats import Format, Rounding, get_format
-from .gemm import HOPPER, Accumulation, WgmmaRules, plan_k_tiles
+from ..formats import Format, Rounding, get_format
+from .model import HOPPER, Accumulation, WgmmaRules, plan_k_tiles
 
 NAN = float(np.array(0x7FFFFFFF, dtype=np.uint32).view(np.float32))  # the GPU's NaN
 

@@ -1,6 +1,9 @@
 """Exact P and dS agreement of the kernels with the emulated reference, on the GPU test cases.
 
-    python benchmarks/gpu_code_agreement.py [--out DIR] [--no-fp-fusion]
+    PYTHONPATH=tests/kernels:benchmarks python dev/gpu_code_agreement.py [--out DIR] [--no-fp-fusion]
+
+tests/kernels on PYTHONPATH for the test module whose cases and helpers it runs, benchmarks for
+bench_attention's ``device_tag`` (dev/README.md).
 
 For every GPU case of tests/kernels/test_kernels_intermediates.py: the fraction of FP8 codes
 (forward P, dkdv P) equal to the reference's (``dmref.tiled`` on the kernels' recipe, read where it
@@ -13,7 +16,7 @@ rounded, as the reference computes them (no fused multiply-add). Result files wr
 these tests compared with the reference compare with a plain-torch model of the recipe
 (``kernel_model``, since removed) and call dS ``ds_codes``.
 Writes DIR/<device>_code_agreement[_nofusion].json (<device>: the GPU's model in lower case,
-``h200``; DIR: benchmarks/results by default, the files docs/kernels.md and docs/kernels_speed.md cite).
+``h200``; DIR: dev/results by default, the files docs/kernels.md cites).
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ def main() -> int:
     args = ap.parse_args()
     if args.no_fp_fusion:
         os.environ["TRITON_DEFAULT_FP_FUSION"] = "0"
-    sys.path.insert(0, os.path.join(HERE, "..", "tests", "kernels"))
     import torch
     import triton
 
@@ -83,7 +85,6 @@ def main() -> int:
               "fp_fusion": not args.no_fp_fusion, "cases": rows,
               "ms_4x16x4096x128": {"forward_e2e": t_fwd, "backward_matched": t_bwd}}
     os.makedirs(args.out, exist_ok=True)
-    sys.path.insert(0, HERE)
     from bench_attention import device_tag
 
     name = f"{device_tag()}_code_agreement{'_nofusion' if args.no_fp_fusion else ''}.json"

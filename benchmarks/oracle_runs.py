@@ -1,5 +1,7 @@
-"""Shared by benchmarks/cpu_oracle.py and benchmarks/gpu_oracle.py: run dmref.oracle.check on a
-list of targets, print one summary table, write every report into one JSON file."""
+"""The module that benchmarks/cpu_oracle.py and benchmarks/gpu_oracle.py share (not a script): run
+dmref.oracle.check on a list of targets, print one summary table, write every report into one JSON
+file. The two scripts import it as ``oracle_runs``: Python puts a script's own folder first on
+sys.path."""
 
 from __future__ import annotations
 

@@ -20,8 +20,8 @@ import math
 
 import torch
 
-from ._gemm_tables import code_table, exponent_range, lut, run_blocks
-from .formats import Format
+from ..formats import Format
+from .tables import code_table, exponent_range, lut, run_blocks
 
 _CHUNK_BITS = 12  # K is cut into chunks of at most 2**12 products for the exact matmuls
 _FLOAT64_BITS = 53

@@ -1,13 +1,16 @@
 """H200: where the folded K/V quantization's time goes (``quantize.quantize_kv_folded``): each of
 its two launches alone at several tilings, the amax buffer's zeroing, and the whole call, against
-the bytes it moves. One JSON line per shape to ``$OUT/quant_probe.jsonl``."""
+the bytes it moves. One JSON line per shape to ``$OUT/quant_probe.jsonl``.
+
+    PYTHONPATH=benchmarks python dev/gpu_quant_probe.py   # bench_attention's timing (dev/README.md)
+"""
 import json
 import os
 
 import torch
 import triton
 
-from bench_attention import _bench as bench  # this folder: the same timing
+from bench_attention import bench  # the product benchmark's timing
 
 from dmref.kernels import quantize as qm
 from dmref.kernels._runtime import interpreting

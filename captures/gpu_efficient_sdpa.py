@@ -1,7 +1,7 @@
 """torch's memory-efficient SDPA backend (``SDPBackend.EFFICIENT_ATTENTION``, BF16) against numerical
 models of its backward, on the oracle's realistic and realistic_causal cases (seed 0, ``standard``).
 
-    python benchmarks/gpu_efficient_sdpa.py --out DIR        # a CUDA GPU; well under a minute
+    python captures/gpu_efficient_sdpa.py --out DIR        # a CUDA GPU; well under a minute
 
 The oracle (``dmref.check`` at BF16 bounds) fails the backend on realistic:dq (1.07x its bound)
 and realistic_causal:dk (1.37x) (issue 21; docs/oracle.md, "torch's memory-efficient backend on
@@ -32,8 +32,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from dmref import oracle  # noqa: E402
+from dmref import oracle
 
 CASES = ("realistic", "realistic_causal")
 

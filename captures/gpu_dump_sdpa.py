@@ -1,6 +1,6 @@
 """Dump torch SDPA's BF16 outputs and gradients on the oracle's cases, for analysis on the CPU.
 
-    python benchmarks/gpu_dump_sdpa.py --out DIR [--cases peaked_rows,realistic] [--size standard]
+    python captures/gpu_dump_sdpa.py --out DIR [--cases peaked_rows,realistic] [--size standard]
 
 For each case (dmref.oracle.make_cases, BF16) and each backend (flash, cuDNN, math) writes the
 inputs and out, dQ, dK, dV (and flash's and cuDNN's LSE from their aten ops, where they run)

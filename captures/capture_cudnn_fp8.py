@@ -1,6 +1,6 @@
 """Capture cuDNN's FP8 attention (forward with softmax stats, backward) on a Hopper GPU, bit for bit.
 
-    python benchmarks/capture_cudnn_fp8.py --out DIR [--name FILE.npz] [--seed S]
+    python captures/capture_cudnn_fp8.py --out DIR [--name FILE.npz] [--seed S]
         [--shapes "B,H,HKV,N,D;..."] [--causal no|yes|both] [--grad-formats e4m3,e5m2]
 
 Needs nvidia-cudnn-frontend (``pip install 'dmref[cudnn]'``, or the wheel on PYTHONPATH) and a
@@ -28,9 +28,7 @@ import time
 import numpy as np
 import torch
 
-# this checkout's dmref, even where another dmref is installed
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import dmref.targets as targets  # noqa: E402
+import dmref.targets as targets
 
 DEFAULT_SHAPES = "1,2,2,128,128;1,2,1,200,128;2,2,2,256,128"
 FILE_NAME = "h200_cudnn_fp8_sdpa.npz"

@@ -37,9 +37,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ._gemm_tables import code_table, lut
-from .constants import FP32_MIN_NORMAL, U_FP32, gamma
-from .gemm import HOPPER, Accumulation, WgmmaRules, _as_codes, _as_float32, _expand_scale, plan_k_tiles
+from ..constants import FP32_MIN_NORMAL, U_FP32, gamma
+from .model import HOPPER, Accumulation, WgmmaRules, plan_k_tiles
+from .operands import as_codes, as_float32, expand_scale
+from .tables import code_table, lut
 
 _SLACK = 1 + 2.0 ** -40
 
@@ -79,14 +80,14 @@ def error_bound(a, bt, c=None, *, fa=None, fb=None, model="hopper", promote_ever
                 rules: WgmmaRules = HOPPER) -> np.ndarray:
     """(M, N) float64: an upper bound on |matmul(same arguments) - exact value|. 2-D only."""
     model = Accumulation(model)
-    a, fa = _as_codes(a, fa, "a")
-    bt, fb = _as_codes(bt, fb, "bt")
+    a, fa = as_codes(a, fa, "a")
+    bt, fb = as_codes(bt, fb, "bt")
     if model is Accumulation.HOPPER and rules != HOPPER:
         raise ValueError("the hopper bound is proved for the HOPPER rules only")
     m, k = a.shape
     n = bt.shape[0]
     c_abs = torch.zeros((m, n), dtype=torch.float64) if c is None else \
-        _as_float32(c, "cpu", "c").double().abs().expand(m, n).clone()
+        as_float32(c, "cpu", "c").double().abs().expand(m, n).clone()
     va, vb, ea, eb = _magnitudes(a.cpu(), bt.cpu(), fa, fb)
     ks = rules.k_step
 
@@ -117,8 +118,8 @@ def error_bound(a, bt, c=None, *, fa=None, fb=None, model="hopper", promote_ever
         bound, _ = tile_bound(0, k, c_abs, chain)
         return (bound * _SLACK).numpy()
     tiles = -(-k // scale_block_k)
-    sa = _expand_scale(scale_a, m, tiles, "cpu", "scale_a").double().abs()
-    sb = _expand_scale(scale_b, n, tiles, "cpu", "scale_b").double().abs()
+    sa = expand_scale(scale_a, m, tiles, "cpu", "scale_a").double().abs()
+    sb = expand_scale(scale_b, n, tiles, "cpu", "scale_b").double().abs()
     g = gamma(tiles + 1)
     bound = g * c_abs
     zero = torch.zeros_like(c_abs)

@@ -1,7 +1,7 @@
 """Capture real Hopper FP8 GEMM outputs, check them against dmref's ``hopper`` model, and time
-the model on CUDA -- one command, on an H100/H200 with torch and triton, needing only this repo:
+the model on CUDA -- one command, on an H100/H200 with torch, triton and dmref installed (``pip install -e .``):
 
-    python3 benchmarks/gpu_capture_gemm.py --out $OUT
+    python3 captures/gpu_capture_gemm.py --out $OUT
 
 writes into ``--out`` (<device>: the GPU's model in lower case, ``h200``; ``cpu`` with ``--dry-run``):
 
@@ -25,7 +25,7 @@ writes into ``--out`` (<device>: the GPU's model in lower case, ``h200``; ``cpu`
 the plumbing, the file size and the case plan; its "captured" outputs are predictions).
 Every case is generated on the CPU from ``--seed`` with dmref's own encoder, so the inputs do
 not depend on the torch version's casts. docs/gemm.md cites the two JSON files as
-benchmarks/results/h200_gemm_*.json (copy them there); the npz goes to tests/data/.
+captures/results/h200_gemm_*.json (copy them there); the npz goes to tests/data/.
 """
 
 from __future__ import annotations
@@ -36,11 +36,13 @@ import re
 import sys
 import time
 import traceback
-import types
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from dmref.emulation import encode, gemm
+from dmref.emulation.gemm import captures
 
 ROOT = Path(__file__).resolve().parents[1]
 FILE_NAME = "h200_fp8_gemm_more.npz"
@@ -53,20 +55,6 @@ def device_tag(dry: bool) -> str:
     name = torch.cuda.get_device_name()
     found = re.search(r"\b([A-Z]+[0-9]+[A-Z]*)\b", name)
     return (found.group(1) if found else name.split()[-1]).lower()
-
-
-def import_dmref():
-    """dmref.emulation from this checkout, installed or not (without the install: a bare parent
-    package over the folder dmref/, so that dmref/__init__.py and its imports are not needed)."""
-    try:
-        import dmref.emulation  # noqa: F401
-    except ImportError:
-        pkg = types.ModuleType("dmref")
-        pkg.__path__ = [str(ROOT / "dmref")]
-        sys.modules["dmref"] = pkg
-    from dmref.emulation import _gemm_npz, encode, gemm
-
-    return gemm, _gemm_npz, encode
 
 
 # ----------------------------------------------------------------------------------------------
@@ -120,12 +108,12 @@ def plan_cases() -> list[dict]:
     return cases
 
 
-def make_inputs(case: dict, seed: int, encode) -> dict:
+def make_inputs(case: dict, seed: int) -> dict:
     """a (M, K), bt (N, K) uint8 codes, c (M, N) float32 (and block scales): numpy, on the CPU."""
     g = torch.Generator().manual_seed(seed * 100003 + int(case["name"][1:]))
     m, n, k = case["M"], case["N"], case["K"]
-    a = _codes(case["dist"], case["fa"], (m, k), g, encode, side="a")
-    b = _codes(case["dist"], case["fb"], (n, k), g, encode, side="b")
+    a = _codes(case["dist"], case["fa"], (m, k), g, side="a")
+    b = _codes(case["dist"], case["fb"], (n, k), g, side="b")
     if case["dist"] == "cancel":
         a, b = _near_cancellation(a, b, case["fb"], g)
     if case["dist"] == "zero_rows":  # half the rows of a are zero: only C remains
@@ -154,7 +142,7 @@ def _near_cancellation(a, b, fb, g):
     return a, b
 
 
-def _codes(dist, fmt, shape, g, encode, side):
+def _codes(dist, fmt, shape, g, side):
     name = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}[fmt]
     top = 448.0 if fmt == "e4m3" else 57344.0
     if dist in ("randn", "cancel", "zero_rows"):
@@ -296,13 +284,13 @@ def run_cublas(case, a, bt, c):
                             scale_b=one, out_dtype=torch.float32, use_fast_accum=case["use_fast_accum"])
 
 
-def capture(case, inputs, dry_run, gemm, _gemm_npz):
+def capture(case, inputs, dry_run):
     """The hardware's output bits (uint32) for one case."""
     if dry_run:
         meta = {k: v for k, v in case.items() if k != "name"}
-        stand_in = _gemm_npz.Case(case["name"], meta, inputs["a"], inputs["bt"], inputs["c"],
+        stand_in = captures.Case(case["name"], meta, inputs["a"], inputs["bt"], inputs["c"],
                                   np.zeros(1, np.uint32), inputs.get("scale_a"), inputs.get("scale_b"))
-        return _gemm_npz.replay(stand_in)
+        return captures.replay(stand_in)
     dev = {key: torch.from_numpy(v).cuda() for key, v in inputs.items()}
     if case["engine"] == "cublas_scaled_mm":
         out = run_cublas(case, dev["a"], dev["bt"], dev["c"])
@@ -312,14 +300,14 @@ def capture(case, inputs, dry_run, gemm, _gemm_npz):
     return out.cpu().numpy().view(np.uint32)
 
 
-def harness_check(path, dry_run, gemm, _gemm_npz) -> dict:
+def harness_check(path, dry_run) -> dict:
     """Does this script's Triton/cuBLAS harness give the stored outputs of the original file from
     its inputs? (Then the new file was captured the same way.)"""
-    _, cases = _gemm_npz.load_cases(path)
+    _, cases = captures.load_cases(path)
     matched = total = 0
     for case in cases:
         meta = dict(case.meta, M=case.a.shape[0], N=case.bt.shape[0], name=case.name)
-        got = capture(meta, {"a": case.a, "bt": case.bt, "c": case.c}, dry_run, gemm, _gemm_npz)
+        got = capture(meta, {"a": case.a, "bt": case.bt, "c": case.c}, dry_run)
         matched += int((got == case.out).sum())
         total += case.out.size
     return {"outputs": total, "matched": matched, "fraction": matched / total if total else None}
@@ -364,9 +352,9 @@ def _progress(start, what):
     print(f"[{time.perf_counter() - start:7.1f} s] {what}", flush=True)
 
 
-def _verify(_gemm_npz, path, device) -> dict:
+def _verify(path, device) -> dict:
     t0 = time.perf_counter()
-    groups = _gemm_npz.verify(path, device=device)
+    groups = captures.verify(path, device=device)
     return {"file": path.name, "seconds": round(time.perf_counter() - t0, 1),
             "all_reproduced": all(g.matched == g.outputs for g in groups),
             "groups": [g.as_dict() for g in groups]}
@@ -382,7 +370,6 @@ def main(argv=None) -> int:
                    help="seconds after which the optional verification steps are skipped")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    gemm, _gemm_npz, encode = import_dmref()
     dry = args.dry_run or not torch.cuda.is_available()
     device = "cpu" if dry else "cuda"
     start = time.perf_counter()
@@ -400,8 +387,8 @@ def main(argv=None) -> int:
         if index % 50 == 0:
             _progress(start, f"capturing case {index}")
         try:
-            inputs = make_inputs(case, args.seed, encode)
-            bits = capture(case, inputs, dry, gemm, _gemm_npz)
+            inputs = make_inputs(case, args.seed)
+            bits = capture(case, inputs, dry)
         except Exception as exc:  # keep going: a failed case is reported, not fatal
             report["errors"].append({"case": case["name"], "meta": case, "error": repr(exc),
                                      "trace": traceback.format_exc(limit=3)})
@@ -466,9 +453,9 @@ def main(argv=None) -> int:
     # 3. the model against both files on the same device, and the harness against the original
     #    file (optional steps are skipped past --budget seconds; verify-gemm does them anywhere)
     original = ROOT / "tests" / "data" / "h200_fp8_gemm.npz"
-    steps = [("new_file", lambda: _verify(_gemm_npz, path, device)),
-             ("harness_reproduces_original_file", lambda: harness_check(original, dry, gemm, _gemm_npz)),
-             ("original_file", lambda: _verify(_gemm_npz, original, device))]
+    steps = [("new_file", lambda: _verify(path, device)),
+             ("harness_reproduces_original_file", lambda: harness_check(original, dry)),
+             ("original_file", lambda: _verify(original, device))]
     for label, step in steps:
         if time.perf_counter() - start > args.budget:
             report[label] = {"skipped": f"past the {args.budget} s budget"}

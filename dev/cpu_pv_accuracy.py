@@ -3,8 +3,8 @@ recipe (``kernels_folded_naive_fp8``, the Hopper wgmma model) with PV chained ov
 ``pv_chain=True``) or promoted to float32 per 128-key tile (the recipe's), through ``dmref.tiled``,
 against float64 attention.
 
-    python benchmarks/cpu_pv_accuracy.py            # writes benchmarks/results/cpu_pv_accuracy.json
-    python benchmarks/cpu_pv_accuracy.py --cases 4096:dc --out -   # print only
+    python dev/cpu_pv_accuracy.py            # writes dev/results/cpu_pv_accuracy.json
+    python dev/cpu_pv_accuracy.py --cases 4096:dc --out -   # print only
 
 One head, D = 64, not causal; per case N tokens and an input kind, rounded to BF16:
 
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=RESULT, help="result file, '-' to print only (default: %(default)s)")
     args = ap.parse_args(argv)
     torch.set_num_threads(os.cpu_count() or 1)
-    out = dict(script="benchmarks/cpu_pv_accuracy.py", torch=torch.__version__, machine=platform.machine(),
+    out = dict(script="dev/cpu_pv_accuracy.py", torch=torch.__version__, machine=platform.machine(),
                recipe="kernels_folded_naive_fp8", head_dim=64, rows=[])
     for case in args.cases:
         n, kind = case.split(":")

@@ -437,12 +437,14 @@ def launch(spec: KernelSpec, *, head_dim: int, causal: bool, kernel: str, group:
         bn = t.block_n2
         return Launch(dict(common, BLOCK_M=t.block_m2, BLOCK_N=bn, MATCHED=spec.matched),
                       t.num_warps_dq, t.num_stages_dq, t.maxnreg_dq,
-                      {"K8": [1, bn, d], "V8": [1, bn, d], "KT8": [1, d, bn]} if t.tma else {})
+                      {"K8": [1, bn, d], "V8": [1, bn, d], "KT8": [1, d, bn]} if t.tma else {},
+                      kernel=_bwd_dq_kernel, block_m=t.block_m2)
     if kernel == "dkdv":
         bm = t.block_m1
         return Launch(dict(common, BLOCK_M=bm, BLOCK_N=t.block_n1, GROUP=group),
                       t.num_warps_dkdv, t.num_stages_dkdv, t.maxnreg_dkdv,
-                      {"Q8": [1, bm, d], "DO8": [1, bm, d], "QT8": [1, d, bm], "DOT8": [1, d, bm]} if t.tma else {})
+                      {"Q8": [1, bm, d], "DO8": [1, bm, d], "QT8": [1, d, bm], "DOT8": [1, d, bm]} if t.tma else {},
+                      kernel=_bwd_dkdv_kernel, block_m=t.block_n1)
     raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}")
 
 
@@ -480,7 +482,7 @@ def backward(
 
     def run_dq():
         k_unit = kbar_unit(k8) if matched else dummy32
-        _bwd_dq_kernel[(triton.cdiv(n, t.block_m2), batch * heads)](
+        dq_run.kernel[dq_run.grid(n, batch * heads)](
             q8.rows, q8.row_scale, dq_ops[0], k8.row_scale, dq_ops[1], v8.row_scale,
             dq_ops[2], k8.col_scale, k_unit, do8.rows, do8.row_scale, saved.lse2, delta_stale,
             delta_matched if matched else dummy32,
@@ -488,7 +490,7 @@ def backward(
             *scalars, heads, heads // kv_heads, n, do_t.npad, **dq_run.constexprs, **dq_run.options())
 
     def run_dkdv():
-        _bwd_dkdv_kernel[(triton.cdiv(n, t.block_n1), batch * kv_heads)](
+        dkdv_run.kernel[dkdv_run.grid(n, batch * kv_heads)](
             dkdv_ops[0], q8.row_scale, dkdv_ops[1], q8.col_scale, k8.rows, k8.row_scale,
             v8.rows, v8.row_scale, dkdv_ops[2], do8.row_scale, dkdv_ops[3], do_t.col_scale,
             saved.lse2, delta_matched,

@@ -136,6 +136,7 @@ from ._gluon import exp2_int as _exp2_int
 from ._gluon import mul_rn as _mul_rn
 from ._gluon import pow2_down_exponent as _pow2_down_exponent
 from ._gluon import to_fp8 as _to_fp8
+from ._runtime import Launch, triton_type
 from .config import KBAR_P_SCALE_LOG2 as _KBAR_P_SCALE_LOG2
 from .config import QUANT_BLOCK as _QUANT_BLOCK
 
@@ -456,7 +457,7 @@ def _constexprs(recipe, head_dim: int, causal: bool, group: int, stages: int = S
     ``block_m1`` (its dS block and promotion interval)."""
     t = recipe.bwd_tiles(head_dim)
     return dict(HEAD_DIM=head_dim, BLOCK_M=t.block_m1, GROUP=group, STAGES=stages, CAUSAL=bool(causal),
-                P_SCALE=float(2 ** recipe.p_scale_log2),
+                P_SCALE=float(2 ** recipe.recipe.p_bwd.offset_log2),
                 SPLIT=default_split(head_dim) if split is None else bool(split),
                 OVERLAP=default_overlap(head_dim) if overlap is None else int(overlap))
 
@@ -473,16 +474,13 @@ def _check(recipe, head_dim: int, debug: bool = False) -> None:
                          "over keys, 64 queries wide")
 
 
-_FP8_SIG = {"float8_e4m3fn": "*fp8e4nv", "float8_e5m2": "*fp8e5"}
-
-
 def _row_desc(x, block: int):
     """Host-side TMA descriptor of a row copy ``(..., N, D)`` viewed as ``(rows, D)``, ``block``
     tokens a tile (the device-side path's shared-memory layout)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     d = x.shape[-1]
-    layout = gl.NVMMASharedLayout.get_default_for([block, d], _GL_DTYPE[x.dtype])
+    layout = gl.NVMMASharedLayout.get_default_for([block, d], _gl_dtype(x.dtype))
     return TensorDescriptor.from_tensor(x.reshape(-1, d), [block, d], layout)
 
 
@@ -491,7 +489,7 @@ def _col_desc(x, head_dim: int, block: int):
     ``(rows * D, NPAD)``, ``(D, block)`` tiles."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    layout = gl.NVMMASharedLayout.get_default_for([head_dim, block], _GL_DTYPE[x.dtype])
+    layout = gl.NVMMASharedLayout.get_default_for([head_dim, block], _gl_dtype(x.dtype))
     return TensorDescriptor.from_tensor(x.reshape(-1, x.shape[-1]), [head_dim, block], layout)
 
 
@@ -515,70 +513,97 @@ def _descriptors(q_rows, q_cols, q_col_scale, k_rows, v_rows, do_rows, do_cols, 
             _scale_desc(q_col_scale, d), _scale_desc(do_col_scale, d))
 
 
-def _gl_dtypes():
+def _gl_dtype(dtype):
+    """Gluon's element type of a torch ``dtype`` (``_runtime.TRITON_TYPES``)."""
+    return gl.dtype(triton_type(str(dtype).removeprefix("torch.")))
+
+
+def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, debug: bool = False,
+           host_descriptors: bool = True, stages: int | None = None, split: bool | None = None,
+           overlap: int | None = None) -> Launch:
+    """The launch of the Gluon backward kernel ``kernel`` (``"dq"`` or ``"dkdv"``) for ``spec`` (a
+    ``config.KernelSpec`` or its name) at ``head_dim``, ``group`` query heads per key/value head:
+    P's scale ``2**recipe.p_bwd.offset_log2`` (dkdv), the matched delta where
+    ``recipe.delta.deferred_dq`` is set (dq), the query tile ``block_m1`` (dkdv) and key tile
+    ``block_n2`` (dq) of the backward tiling, which the recipe's dS blocks, promotion and kbar's
+    tile follow; ``stages``, ``split``, ``overlap``: the ring's depth and the schedule (None: their
+    defaults, :data:`STAGES`, :func:`default_split`, :func:`default_overlap`,
+    :data:`DQ_STAGES`, :func:`default_dq_overlap`). ``host_descriptors`` (dkdv): TMA descriptors
+    built on the host once a launch, else in every CTA. The one description that :func:`dkdv`,
+    :func:`dq` and ``compile_check.compile_launch`` read. Raises ValueError, with the reason,
+    for what the kernel does not run."""
+    from .config import get_recipe
+
+    r = get_recipe(spec)
+    if kernel == "dq":
+        _check_dq(r, head_dim, debug)
+        consts = _dq_constexprs(r, head_dim, causal, DQ_STAGES if stages is None else stages, overlap)
+        return Launch(consts, num_warps=NUM_WARPS, num_stages=None, maxnreg=LAUNCH_REGS, kernel=_bwd_dq_ws_kernel,
+                      block_m=DQ_BLOCK_M.value, signature=_signature)
+    if kernel != "dkdv":
+        raise ValueError(f"bwd_ws: kernel={kernel!r} is not one of ('dq', 'dkdv')")
+    _check(r, head_dim, debug)
+    consts = _constexprs(r, head_dim, causal, group, STAGES if stages is None else stages, split, overlap)
+    return Launch(consts, num_warps=NUM_WARPS, num_stages=None, maxnreg=LAUNCH_REGS,
+                  kernel=_bwd_dkdv_ws_kernel if host_descriptors else _bwd_dkdv_ws_kernel_dev,
+                  block_m=BLOCK_N.value, signature=_signature)
+
+
+def _signature(run: Launch, n_multiple_of_16: bool = True, do_format: str = "float8_e4m3fn") -> tuple[dict, dict]:
+    """The argument types and divisibility attributes of ``run``'s kernel, as a launch specializes
+    it (``compile_check.compile_launch``): descriptors of small CPU tensors (their type holds only
+    dtype, block shape and layout), every pointer 16-byte aligned (torch's allocations), NPAD a
+    multiple of 16, and N too with ``n_multiple_of_16`` (else N is a plain integer, as for
+    N = 1000); dO's copies in ``do_format``."""
     import torch
+    from triton.runtime.jit import mangle_type
 
-    return {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5, torch.float32: gl.float32}
-
-
-_GL_DTYPE = _gl_dtypes()
+    d = run.constexprs["HEAD_DIM"]
+    fp8, fp32, bf16 = (triton_type(f) for f in ("float8_e4m3fn", "float32", "bfloat16"))
+    n = npad = 128
+    do_dt = getattr(torch, do_format)
+    rows = torch.zeros(n, d, dtype=torch.float8_e4m3fn)
+    cols = torch.zeros(d, npad, dtype=torch.float8_e4m3fn)
+    sc = torch.zeros(npad // QUANT_BLOCK.value, d)
+    if run.kernel is _bwd_dq_ws_kernel:
+        descs = _dq_descriptors(rows, rows.to(do_dt), rows, rows, cols, sc, run.constexprs["BLOCK_N"])
+        names = ("q_desc", "do_desc", "k_desc", "v_desc", "kt_desc", "kts_desc")
+        sig = {k: mangle_type(x) for k, x in zip(names, descs)}
+        sig.update({k: "*" + fp32 for k in ("Q_SCALE", "K_SCALE", "V_SCALE", "K_UNIT", "DO_SCALE", "LSE2",
+                                            "DELTA_STALE", "DELTA_MATCHED")})
+        sig.update(DQ="*" + bf16, qk_scale=fp32, sm_scale=fp32, H="i32", GROUP="i32", N="i32", NPAD="i32")
+    else:
+        scalars = {"qk_scale": fp32, "sm_scale": fp32, "H": "i32", "HKV": "i32", "N": "i32", "NPAD": "i32"}
+        vectors = {name: "*" + fp32 for name in ("Q_SCALE", "K_SCALE", "V_SCALE", "DO_SCALE", "LSE2", "DELTA")}
+        vectors.update(DK="*" + bf16, DV="*" + bf16)
+        if run.kernel is _bwd_dkdv_ws_kernel:
+            descs = _descriptors(rows, cols, sc, rows, rows, rows.to(do_dt), cols.to(do_dt), sc, run.constexprs["BLOCK_M"])
+            names = ("k_desc", "v_desc", "q_desc", "do_desc", "qt_desc", "dot_desc", "qts_desc", "dots_desc")
+            sig = {**{k: mangle_type(x) for k, x in zip(names, descs)}, **vectors, **scalars}
+        else:
+            sig = {**{name: "*" + fp8 for name in ("Q8", "QT8", "K8", "V8")}, **vectors, **scalars,
+                   **{name: "*" + triton_type(do_format) for name in ("DO8", "DOT8")}, "ROWS_Q": "i32", "ROWS_KV": "i32"}
+    names = list(run.kernel.arg_names)
+    aligned = {"NPAD", "N"} if n_multiple_of_16 else {"NPAD"}
+    attrs = {k: [["tt.divisibility", 16]] for k, t in sig.items() if t.startswith("*") or k in aligned}
+    return {k: sig[k] for k in names if k in sig}, attrs
 
 
 def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, recipe="kernels_delta_matching",
-                 stages: int = STAGES, split: bool | None = None, overlap: int | None = None,
+                 stages: int | None = None, split: bool | None = None, overlap: int | None = None,
                  host_descriptors: bool = True, n_multiple_of_16: bool = True, kernel: str = "dkdv"):
-    """Compile the kernel for sm_90a without a GPU (ptxas included); returns the compiled kernel.
-    ``kernel="dq"``: the dq kernel (:func:`compile_sm90_dq`; ``group``, ``split`` and
-    ``host_descriptors`` are the dkdv kernel's only).
-    ``host_descriptors``: the kernel :func:`dkdv` launches by default (descriptors as arguments),
-    else the one that builds them per CTA. Specialized as a launch specializes it: every pointer
-    16-byte aligned (torch's allocations), NPAD a multiple of 16, and N too with
-    ``n_multiple_of_16`` (else N is a plain integer, as for N = 1000)."""
-    import torch
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
+    """Compile ``kernel`` for sm_90a without a GPU (ptxas included) as :func:`launch` describes it
+    (``group``, ``split`` and ``host_descriptors`` are the dkdv kernel's only; GQA is a run-time
+    argument of the dq kernel), specialized as :func:`_signature` says; returns the compiled
+    kernel."""
+    from .compile_check import compile_launch
 
     from .config import get_recipe
 
-    if kernel == "dq":
-        return compile_sm90_dq(head_dim=head_dim, causal=causal, recipe=recipe, stages=stages,
-                               n_multiple_of_16=n_multiple_of_16, overlap=overlap)
-    if kernel != "dkdv":
-        raise ValueError(f"bwd_ws: kernel={kernel!r} is not one of ('dq', 'dkdv')")
-    r = get_recipe(recipe)
-    _check(r, head_dim)
-    consts = _constexprs(r, head_dim, causal, group, stages, split, overlap)
-    do_format = r.recipe.do_dp.fmt.name
-    do = _FP8_SIG[do_format]
-    scalars = {"qk_scale": "fp32", "sm_scale": "fp32", "H": "i32", "HKV": "i32", "N": "i32", "NPAD": "i32"}
-    vectors = {"Q_SCALE": "*fp32", "K_SCALE": "*fp32", "V_SCALE": "*fp32", "DO_SCALE": "*fp32", "LSE2": "*fp32",
-               "DELTA": "*fp32", "DK": "*bf16", "DV": "*bf16"}
-    if host_descriptors:
-        # descriptors of small CPU tensors: the signature holds only dtype, block shape and layout
-        fp8, do_dt = torch.float8_e4m3fn, getattr(torch, do_format)
-        n, npad, bm = 128, 128, consts["BLOCK_M"]
-        rows = torch.zeros(n, head_dim, dtype=fp8)
-        cols = torch.zeros(head_dim, npad, dtype=fp8)
-        sc = torch.zeros(npad // QUANT_BLOCK.value, head_dim)
-        descs = _descriptors(rows, cols, sc, rows, rows, rows.to(do_dt), cols.to(do_dt), sc, bm)
-        names = ("k_desc", "v_desc", "q_desc", "do_desc", "qt_desc", "dot_desc", "qts_desc", "dots_desc")
-        sig = {**{k: mangle_type(x) for k, x in zip(names, descs)}, **vectors, **scalars}
-        kernel = _bwd_dkdv_ws_kernel
-    else:
-        sig = {"Q8": "*fp8e4nv", "Q_SCALE": "*fp32", "QT8": "*fp8e4nv", "QT_SCALE": "*fp32", "K8": "*fp8e4nv",
-               "K_SCALE": "*fp32", "V8": "*fp8e4nv", "V_SCALE": "*fp32", "DO8": do, "DO_SCALE": "*fp32", "DOT8": do,
-               "DOT_SCALE": "*fp32", "LSE2": "*fp32", "DELTA": "*fp32", "DK": "*bf16", "DV": "*bf16",
-               **scalars, "ROWS_Q": "i32", "ROWS_KV": "i32"}
-        kernel = _bwd_dkdv_ws_kernel_dev
-    sig.update({name: "constexpr" for name in consts})
-    names = list(kernel.arg_names)
-    aligned = {"NPAD", "N"} if n_multiple_of_16 else {"NPAD"}
-    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, t in sig.items()
-             if t.startswith("*") or k in aligned}
-    src = GluonASTSource(kernel, {k: sig[k] for k in names}, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=NUM_WARPS, maxnreg=LAUNCH_REGS))
+    spec = get_recipe(recipe)
+    run = launch(spec, head_dim=head_dim, causal=causal, kernel=kernel, group=group,
+                 host_descriptors=host_descriptors, stages=stages, split=split, overlap=overlap)
+    return compile_launch(run, n_multiple_of_16=n_multiple_of_16, do_format=spec.recipe.do_dp.fmt.name)
 
 
 def dkdv(saved, do8, do_t, delta, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int,
@@ -594,29 +619,27 @@ def dkdv(saved, do8, do_t, delta, *, batch: int, heads: int, kv_heads: int, n: i
     values."""
     import torch
 
-    from .config import get_recipe
     from .fwd import LOG2E
 
-    r = get_recipe(recipe)
-    _check(r, head_dim, debug)
+    run = launch(recipe, head_dim=head_dim, causal=causal, kernel="dkdv", group=heads // kv_heads, debug=debug,
+                 host_descriptors=host_descriptors, stages=stages, split=split, overlap=overlap)
     q8, k8, v8 = saved.q, saved.k, saved.v
     dev = do8.rows.device
     dk = torch.empty((batch, kv_heads, n, head_dim), device=dev, dtype=torch.bfloat16)
     dv = torch.empty_like(dk)
-    grid = (triton.cdiv(n, BLOCK_N.value), batch * kv_heads)
-    consts = _constexprs(r, head_dim, causal, heads // kv_heads, stages, split, overlap)
+    grid = run.grid(n, batch * kv_heads)
     scalars = (scale * LOG2E, scale, heads, kv_heads, n, do_t.npad)
     if host_descriptors:
         descs = _descriptors(q8.rows, q8.cols, q8.col_scale, k8.rows, v8.rows, do8.rows, do_t.cols, do_t.col_scale,
-                             consts["BLOCK_M"])
-        _bwd_dkdv_ws_kernel[grid](*descs, q8.row_scale, k8.row_scale, v8.row_scale, do8.row_scale, saved.lse2, delta,
-                                  dk, dv, *scalars, **consts, num_warps=NUM_WARPS, maxnreg=LAUNCH_REGS)
+                             run.constexprs["BLOCK_M"])
+        run.kernel[grid](*descs, q8.row_scale, k8.row_scale, v8.row_scale, do8.row_scale, saved.lse2, delta,
+                         dk, dv, *scalars, **run.constexprs, **run.options())
     else:
         triton.set_allocator(allocator)
-        _bwd_dkdv_ws_kernel_dev[grid](
+        run.kernel[grid](
             q8.rows, q8.row_scale, q8.cols, q8.col_scale, k8.rows, k8.row_scale, v8.rows, v8.row_scale,
             do8.rows, do8.row_scale, do_t.cols, do_t.col_scale, saved.lse2, delta, dk, dv,
-            *scalars, batch * heads * n, batch * kv_heads * n, **consts, num_warps=NUM_WARPS, maxnreg=LAUNCH_REGS)
+            *scalars, batch * heads * n, batch * kv_heads * n, **run.constexprs, **run.options())
     return dk, dv
 
 
@@ -953,41 +976,11 @@ def _dq_descriptors(q_rows, do_rows, k_rows, v_rows, k_cols, k_col_scale, block_
             _col_desc(k_cols, d, block_n), _scale_desc(k_col_scale, d))
 
 
-def compile_sm90_dq(head_dim: int = 128, causal: bool = False, recipe="kernels_delta_matching", stages: int = DQ_STAGES,
-                    n_multiple_of_16: bool = True, overlap: int | None = None):
-    """Compile the dq kernel for sm_90a without a GPU (ptxas included), specialized as
-    :func:`dq` launches it (16-byte aligned pointers, NPAD a multiple of 16, N too with
-    ``n_multiple_of_16``); returns the compiled kernel. GQA is a run-time argument (GROUP)."""
-    import torch
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
-    from .config import get_recipe
-
-    r = get_recipe(recipe)
-    _check_dq(r, head_dim)
-    consts = _dq_constexprs(r, head_dim, causal, stages, overlap)
-    fp8, do_dt = torch.float8_e4m3fn, getattr(torch, r.recipe.do_dp.fmt.name)
-    n = npad = 128
-    rows = torch.zeros(n, head_dim, dtype=fp8)
-    cols = torch.zeros(head_dim, npad, dtype=fp8)
-    sc = torch.zeros(npad // QUANT_BLOCK.value, head_dim)
-    descs = _dq_descriptors(rows, rows.to(do_dt), rows, rows, cols, sc, consts["BLOCK_N"])
-    names = ("q_desc", "do_desc", "k_desc", "v_desc", "kt_desc", "kts_desc")
-    sig = {k: mangle_type(x) for k, x in zip(names, descs)}
-    sig.update({k: "*fp32" for k in ("Q_SCALE", "K_SCALE", "V_SCALE", "K_UNIT", "DO_SCALE", "LSE2", "DELTA_STALE",
-                                     "DELTA_MATCHED")})
-    sig.update(DQ="*bf16", qk_scale="fp32", sm_scale="fp32", H="i32", GROUP="i32", N="i32", NPAD="i32")
-    sig.update({name: "constexpr" for name in consts})
-    kernel = _bwd_dq_ws_kernel
-    names = list(kernel.arg_names)
-    aligned = {"NPAD", "N"} if n_multiple_of_16 else {"NPAD"}
-    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, t in sig.items()
-             if t.startswith("*") or k in aligned}
-    src = GluonASTSource(kernel, {k: sig[k] for k in names}, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=NUM_WARPS, maxnreg=LAUNCH_REGS))
+def compile_sm90_dq(head_dim: int = 128, causal: bool = False, recipe="kernels_delta_matching",
+                    stages: int | None = None, n_multiple_of_16: bool = True, overlap: int | None = None):
+    """:func:`compile_sm90` of the dq kernel."""
+    return compile_sm90(head_dim=head_dim, causal=causal, recipe=recipe, stages=stages,
+                        n_multiple_of_16=n_multiple_of_16, overlap=overlap, kernel="dq")
 
 
 def dq(saved, do8, delta_stale, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int, causal: bool,
@@ -999,24 +992,20 @@ def dq(saved, do8, delta_stale, *, batch: int, heads: int, kv_heads: int, n: int
     made, ``sum_j P dP``; stale: ``delta_stale`` itself), the Triton kernel's values."""
     import torch
 
-    from .config import get_recipe
+    from . import bwd
     from .fwd import LOG2E
 
-    from . import bwd
-
-    r = get_recipe(recipe)
-    _check_dq(r, head_dim, debug)
+    run = launch(recipe, head_dim=head_dim, causal=causal, kernel="dq", debug=debug, stages=stages, overlap=overlap)
+    consts = run.constexprs
     q8, k8, v8 = saved.q, saved.k, saved.v
     dev = do8.rows.device
     out = torch.empty((batch, heads, n, head_dim), device=dev, dtype=torch.bfloat16)
-    consts = _dq_constexprs(r, head_dim, causal, stages, overlap)
     matched = consts["MATCHED"]
     delta = torch.empty_like(delta_stale) if matched else delta_stale
     k_unit = bwd.kbar_unit(k8) if matched else delta_stale
     descs = _dq_descriptors(q8.rows, do8.rows, k8.rows, v8.rows, k8.cols, k8.col_scale, consts["BLOCK_N"])
     npad = triton.cdiv(n, QUANT_BLOCK.value) * QUANT_BLOCK.value
-    grid = (triton.cdiv(n, DQ_BLOCK_M.value), batch * heads)
-    _bwd_dq_ws_kernel[grid](*descs, q8.row_scale, k8.row_scale, v8.row_scale, k_unit, do8.row_scale, saved.lse2,
-                            delta_stale, delta, out, scale * LOG2E, scale, heads, heads // kv_heads, n, npad,
-                            **consts, num_warps=NUM_WARPS, maxnreg=LAUNCH_REGS)
+    run.kernel[run.grid(n, batch * heads)](
+        *descs, q8.row_scale, k8.row_scale, v8.row_scale, k_unit, do8.row_scale, saved.lse2, delta_stale, delta, out,
+        scale * LOG2E, scale, heads, heads // kv_heads, n, npad, **consts, **run.options())
     return out, delta

@@ -46,20 +46,73 @@ KernelDelta = Literal["stale", "matched"]
 class FwdTiles:
     """Forward tiling: one program per ``block_m`` queries, looping over key tiles of the
     recipe's ``Tiles.block_k`` (128) keys, the running-max granularity P is quantized against
-    and the PV contraction per promotion (``acc += dot(P~, V^)`` once per tile)."""
+    and the PV contraction per promotion (``acc += dot(P~, V^)`` once per tile). The Triton
+    forward honours every field but ``overlap``; the warp-specialized Gluon forward (``fwd_ws``,
+    the folded recipes') honours ``num_stages`` and ``overlap`` and refuses any other
+    ``block_m``, ``num_warps``, ``tma`` or ``maxnreg`` than its own (:func:`fwd_refusal`).
+    :func:`default_fwd_tiles` says which tiling each runs by default, and why."""
 
     block_m: int = 64  #: queries per program
     num_warps: int = 4  #: warps per program (Triton launch option)
-    num_stages: int = 3  #: software-pipelining depth (Triton launch option)
+    #: software-pipelining depth (Triton launch option); in ``fwd_ws`` the depth of the
+    #: shared-memory ring of K and V tiles (``STAGES``)
+    num_stages: int = 3
     #: load K and V tiles through TMA tensor descriptors instead of per-element pointers (faster on
     #: the H200 at every benchmark shape: docs/kernels_speed.md, "Tried, measured, and not kept")
     tma: bool = True
     #: register cap per thread (Triton's ``maxnreg`` launch option; None: the compiler's choice).
     #: A lower cap lets more CTAs share an SM (ptxas spills what does not fit)
     maxnreg: int | None = None
+    #: ``fwd_ws``'s schedule (``OVERLAP``): 0 serial, 1 QK^T of the next key tile issued before
+    #: the softmax of this one; None for the Triton forward, which has one schedule
+    overlap: int | None = None
 
     def __post_init__(self) -> None:
         _check_tile("block_m", self.block_m)
+
+
+#: What the warp-specialized forward (``fwd_ws``) fixes: one m64 wgmma row block of one
+#: consumer warp group a CTA, K and V through TMA, registers set by ``setmaxnreg`` (128 at
+#: launch, 232 for the consumer), so no cap of its own.
+WS_FWD_BLOCK_M, WS_FWD_NUM_WARPS = 64, 4
+
+
+def default_fwd_tiles(recipe, head_dim: int) -> FwdTiles:
+    """The forward tiling each kernel family runs ``recipe`` with at ``head_dim`` by default: every
+    choice in one place, each with its reason (measurements: docs/kernels_speed.md)."""
+    if recipe.k.granularity is Granularity.HEAD:  # folded K and V: the warp-specialized Gluon forward
+        # two ring stages: two K and V tiles in flight, 72 KB of shared memory at D = 128 so that two
+        # CTAs share an SM; overlap 1: QK^T of the next tile during the softmax, 0.99-1.11x the
+        # serial schedule's speed on the H200 (benchmarks/gpu_fwd_ws_probe.py), with its bits
+        return FwdTiles(block_m=WS_FWD_BLOCK_M, num_warps=WS_FWD_NUM_WARPS, num_stages=2, overlap=1)
+    if head_dim == 64:
+        # a register cap of 168 so that three CTAs share an SM: 3% faster at D = 64 on the H200
+        # (benchmarks/results/h200_sweep_d64.json); at D = 128 the cap spills and loses
+        return FwdTiles(maxnreg=168)
+    # 64 queries on 4 warps, 3 stages, TMA loads: the fastest of the H200 sweeps at D = 128
+    return FwdTiles()
+
+
+def fwd_refusal(recipe, tiles: FwdTiles) -> str | None:
+    """None if the forward kernel of ``recipe``'s family honours ``tiles``, else why not, one
+    line: the warp-specialized forward (folded recipes) fixes its block, warps, loads and
+    registers; the Triton forward has no overlapped schedule."""
+    if recipe.k.granularity is not Granularity.HEAD:
+        if tiles.overlap is not None:
+            return (f"overlap={tiles.overlap}: the Triton forward has one schedule (overlap is the warp-specialized "
+                    "forward's, the folded recipes')")
+        return None
+    fixed = dict(block_m=WS_FWD_BLOCK_M, num_warps=WS_FWD_NUM_WARPS, tma=True, maxnreg=None)
+    wrong = [f"{k}={getattr(tiles, k)!r}" for k, v in fixed.items() if getattr(tiles, k) != v]
+    if wrong:
+        return (f"{', '.join(wrong)}: the warp-specialized forward runs block_m={WS_FWD_BLOCK_M} on "
+                f"num_warps={WS_FWD_NUM_WARPS} (one m64 wgmma warp group), TMA loads and setmaxnreg's registers "
+                "(maxnreg=None)")
+    if tiles.overlap not in (None, 0, 1):
+        return f"overlap={tiles.overlap!r}: the warp-specialized forward's schedules are 0 (serial) and 1"
+    if tiles.num_stages < 1:
+        return f"num_stages={tiles.num_stages}: the warp-specialized forward's ring needs at least one stage"
+    return None
 
 
 @dataclass(frozen=True)
@@ -252,16 +305,18 @@ class KernelSpec:
     (HOPPER wgmma chains, promoted to float32 between backward tiles shorter than 128). The
     backward tiling decides the dS block extents, the promotion interval and kbar's tile
     (:func:`fit_to_tiles`), so every tiling of a spec agrees with its recipe; the forward's key
-    tile is the recipe's ``Tiles.block_k``. The launchers read the spec through one launch
-    description per kernel (``fwd.launch``, ``bwd.launch``), which ``compile_check`` reads too.
+    tile is the recipe's ``Tiles.block_k``. A forward tiling its forward kernel does not honour is
+    refused (:func:`fwd_refusal`). The launchers read the spec through one launch description per
+    kernel (``fwd.launch``, ``fwd_ws.launch``, ``bwd.launch``, ``bwd_ws.launch``), which
+    ``compile_check`` reads too.
     """
 
     recipe: Recipe
-    fwd: FwdTiles = field(default_factory=FwdTiles)
-    #: forward tiling at head dim 64 (None: ``fwd``): a register cap of 168 so that three CTAs
-    #: share an SM (H200: 3% faster at D = 64, benchmarks/results/h200_sweep_d64.json; at
-    #: D = 128 the cap spills and loses)
-    fwd_d64: FwdTiles | None = field(default_factory=lambda: FwdTiles(maxnreg=168))
+    #: forward tiling (None: :func:`default_fwd_tiles` of the recipe at head dim 128, and
+    #: ``fwd_d64`` its default at 64 unless given)
+    fwd: FwdTiles | None = None
+    #: forward tiling at head dim 64 (None: ``fwd`` where ``fwd`` is given, else the default)
+    fwd_d64: FwdTiles | None = None
     bwd: BwdTiles = field(default_factory=BwdTiles)
     #: backward tiling at head dim 64 (None: ``bwd``): the H200 sweep picks 64 x 64 tiles on 4
     #: warps, pointer loads, and the matched dq capped at 168 registers (3 CTAs per SM instead of
@@ -272,6 +327,14 @@ class KernelSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.recipe, Recipe):
             raise TypeError(f"recipe must be a dmref.recipes.Recipe, got {type(self.recipe).__name__}")
+        if self.fwd is None:  # the defaults, resolved once (frozen: set as dataclasses do)
+            object.__setattr__(self, "fwd", default_fwd_tiles(self.recipe, 128))
+            if self.fwd_d64 is None and default_fwd_tiles(self.recipe, 64) != self.fwd:
+                object.__setattr__(self, "fwd_d64", default_fwd_tiles(self.recipe, 64))
+        for tiles in {self.fwd, self.fwd_d64 or self.fwd}:
+            reason = fwd_refusal(self.recipe, tiles)
+            if reason is not None:
+                raise ValueError(f"the forward kernel of recipe {self.recipe.name!r} does not run this tiling: {reason}")
         for tiles in {self.bwd, self.bwd_d64 or self.bwd}:
             reason = unsupported(self.recipe, tiles)
             if reason is not None:

@@ -55,7 +55,7 @@ Nothing is in flight across the loop's back edge. At D = 64 all three compile wi
 and without ptxas serializing the wgmmas (C7514); at D = 128, 1 spills 60 B (non-causal) and 2
 about 0.9 KB (the dP^T or P^T dO accumulator in flight beside dK and dV), so there the serial
 schedule is the one that fits; at D = 64, 1 is 2-3% faster than serial on the H200
-(:func:`default_overlap`).
+(``config.default_ws_bwd_tiles``).
 
 Barriers, in the order each role uses them:
 
@@ -87,8 +87,9 @@ query head (``DQ_BLOCK_M``; the Triton kernel takes 128 at D = 128, which no sto
 every row of dQ and D depends on its own rows of P and dP alone), looping over the key tiles of
 ``BLOCK_N`` = the recipe's ``block_n2`` = 64 keys (its dS block for dQ, its promotion interval and
 kbar's tile). The producer warp loads the Q and dO row tiles once, then streams each key tile's
-K and V row tiles and the K^T tile with its scale row into a ring of ``DQ_STAGES`` stages. The
-consumer, for every key tile, the Triton kernel's operations in its order:
+K and V row tiles and the K^T tile with its scale row into a ring of ``STAGES`` stages
+(``WsBwdTiles.dq_stages``). The consumer, for every key tile, the Triton kernel's operations in
+its order:
 
     S2 = wgmma(Q8, K8^T) * (q_scale_i * tau * log2 e * k_scale_j)   # one rounded multiply
     P  = exp2(S2 - LSE2_i), 0 where masked (causal; keys past N)
@@ -112,7 +113,7 @@ issued behind dS K, stale, or behind kbar's wgmma, matched, running during that 
 waited on before the loop's back edge; then dP runs during the softmax; the producer loads one K
 tile past the last, which that last issue reads and nothing uses); ``OVERLAP`` 2 (matched: kbar's
 wgmma issued behind dS K) spills about 60 B at D = 128 and none at D = 64, where it is the
-matched dq's default (:func:`default_dq_overlap`). In the SASS, ptxas
+matched dq's default (``config.default_ws_bwd_tiles``). In the SASS, ptxas
 places the softmax's exp2s after dP's wait (1 and 3), while 3's next S does run during the
 promotion it is issued before. Queries past N get
 LSE2 = +inf (P = 0) and are not stored; keys past N (the last tile reads the next head's K and
@@ -431,35 +432,14 @@ def _bwd_dkdv_ws_kernel_dev(Q8, Q_SCALE, QT8, QT_SCALE, K8, K_SCALE, V8, V_SCALE
           CAUSAL, P_SCALE, SPLIT, OVERLAP)
 
 
-#: shared-memory stages of the query-tile ring (two: 80 KB at D = 128, two CTAs an SM)
-STAGES = 2
-
-
-def default_split(head_dim: int) -> bool:
-    """Whether dK and dV are held as two halves of the head dim (``SPLIT``, four n = D/2 wgmmas
-    a tile instead of two n = D ones; the same results bit for bit): not by default, as the whole
-    accumulators fit 232 registers at both head dims."""
-    return False
-
-
-def default_overlap(head_dim: int) -> int:
-    """The schedule ``OVERLAP`` (module docstring): at D = 64, dP^T issued behind S^T (1), 2-3%
-    faster than serial on the H200; at D = 128 serial, the one that fits without spills (1 is
-    0-3.5% slower there) (``gluon_dkdv_ov1_ms`` against ``gluon_dkdv_ms`` in
-    benchmarks/results/h200_bwd_ws_probe.jsonl)."""
-    return 1 if head_dim == 64 else 0
-
-
-def _constexprs(recipe, head_dim: int, causal: bool, group: int, stages: int = STAGES,
-                split: bool | None = None, overlap: int | None = None) -> dict:
-    """The kernel's constexprs for ``recipe`` (a ``config.KernelSpec``) at ``head_dim``: one
-    description for the launcher and the compile check. The query tile is the recipe's
-    ``block_m1`` (its dS block and promotion interval)."""
-    t = recipe.bwd_tiles(head_dim)
-    return dict(HEAD_DIM=head_dim, BLOCK_M=t.block_m1, GROUP=group, STAGES=stages, CAUSAL=bool(causal),
-                P_SCALE=float(2 ** recipe.recipe.p_bwd.offset_log2),
-                SPLIT=default_split(head_dim) if split is None else bool(split),
-                OVERLAP=default_overlap(head_dim) if overlap is None else int(overlap))
+def _constexprs(spec, head_dim: int, causal: bool, group: int) -> dict:
+    """The dkdv kernel's constexprs for ``spec`` (a ``config.KernelSpec``) at ``head_dim``: the
+    query tile is the backward tiling's ``block_m1`` (the recipe's dS block and promotion
+    interval), P's scale the recipe's ``p_bwd``, the ring and schedule ``spec.ws_bwd_tiles``."""
+    t, ws = spec.bwd_tiles(head_dim), spec.ws_bwd_tiles(head_dim)
+    return dict(HEAD_DIM=head_dim, BLOCK_M=t.block_m1, GROUP=group, STAGES=ws.dkdv_stages, CAUSAL=bool(causal),
+                P_SCALE=float(2 ** spec.recipe.p_bwd.offset_log2), SPLIT=bool(ws.dkdv_split),
+                OVERLAP=int(ws.dkdv_overlap))
 
 
 def _check(recipe, head_dim: int, debug: bool = False) -> None:
@@ -526,24 +506,32 @@ def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, de
     P's scale ``2**recipe.p_bwd.offset_log2`` (dkdv), the matched delta where
     ``recipe.delta.deferred_dq`` is set (dq), the query tile ``block_m1`` (dkdv) and key tile
     ``block_n2`` (dq) of the backward tiling, which the recipe's dS blocks, promotion and kbar's
-    tile follow; ``stages``, ``split``, ``overlap``: the ring's depth and the schedule (None: their
-    defaults, :data:`STAGES`, :func:`default_split`, :func:`default_overlap`,
-    :data:`DQ_STAGES`, :func:`default_dq_overlap`). ``host_descriptors`` (dkdv): TMA descriptors
+    tile follow; the ring's depth and the schedule of the spec's ``ws_bwd_tiles(head_dim)``
+    (``config.default_ws_bwd_tiles`` by default), or ``stages``, ``split``, ``overlap`` where
+    given (the spec with them: ``config.WsBwdTiles``). ``host_descriptors`` (dkdv): TMA descriptors
     built on the host once a launch, else in every CTA. The one description that :func:`dkdv`,
     :func:`dq` and ``compile_check.compile_launch`` read. Raises ValueError, with the reason,
     for what the kernel does not run."""
     from .config import get_recipe
 
+    import dataclasses
+
     r = get_recipe(spec)
+    ws = r.ws_bwd_tiles(head_dim)
+    given = {f"{kernel}_{k}": v for k, v in dict(stages=stages, split=split, overlap=overlap).items() if v is not None}
+    if given:
+        r = r.with_tiles(ws_bwd=dataclasses.replace(ws, **given))
     if kernel == "dq":
+        if split is not None:
+            raise ValueError("bwd_ws: split is the dkdv kernel's")
         _check_dq(r, head_dim, debug)
-        consts = _dq_constexprs(r, head_dim, causal, DQ_STAGES if stages is None else stages, overlap)
+        consts = _dq_constexprs(r, head_dim, causal)
         return Launch(consts, num_warps=NUM_WARPS, num_stages=None, maxnreg=LAUNCH_REGS, kernel=_bwd_dq_ws_kernel,
                       block_m=DQ_BLOCK_M.value, signature=_signature)
     if kernel != "dkdv":
         raise ValueError(f"bwd_ws: kernel={kernel!r} is not one of ('dq', 'dkdv')")
     _check(r, head_dim, debug)
-    consts = _constexprs(r, head_dim, causal, group, STAGES if stages is None else stages, split, overlap)
+    consts = _constexprs(r, head_dim, causal, group)
     return Launch(consts, num_warps=NUM_WARPS, num_stages=None, maxnreg=LAUNCH_REGS,
                   kernel=_bwd_dkdv_ws_kernel if host_descriptors else _bwd_dkdv_ws_kernel_dev,
                   block_m=BLOCK_N.value, signature=_signature)
@@ -581,6 +569,7 @@ def _signature(run: Launch, n_multiple_of_16: bool = True, do_format: str = "flo
             names = ("k_desc", "v_desc", "q_desc", "do_desc", "qt_desc", "dot_desc", "qts_desc", "dots_desc")
             sig = {**{k: mangle_type(x) for k, x in zip(names, descs)}, **vectors, **scalars}
         else:
+            vectors.update(QT_SCALE="*" + fp32, DOT_SCALE="*" + fp32)
             sig = {**{name: "*" + fp8 for name in ("Q8", "QT8", "K8", "V8")}, **vectors, **scalars,
                    **{name: "*" + triton_type(do_format) for name in ("DO8", "DOT8")}, "ROWS_Q": "i32", "ROWS_KV": "i32"}
     names = list(run.kernel.arg_names)
@@ -607,16 +596,15 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, reci
 
 
 def dkdv(saved, do8, do_t, delta, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int,
-         causal: bool, scale: float, recipe, debug: bool = False, stages: int = STAGES, split: bool | None = None,
+         causal: bool, scale: float, recipe, debug: bool = False, stages: int | None = None, split: bool | None = None,
          overlap: int | None = None, host_descriptors: bool = True):
     """The Gluon dkdv kernel on what ``bwd.backward`` passes the Triton one: ``saved`` (the
     forward's ``SavedForward``: Q's row and transposed copies, K's and V's row copies, LSE2),
     ``do8`` / ``do_t`` (dO's row and transposed copies) and ``delta`` (the D that dS = P (dP - D)
-    subtracts: the dq kernel's matched one or the stale one). ``stages``, ``split``, ``overlap``,
-    ``host_descriptors``: the ring's depth, :func:`default_split`'s and :func:`default_overlap`'s
-    choices and the TMA descriptors' side (host: built once a launch; device: per CTA, as
-    ``fwd_ws``), for experiments. Returns dk, dv ``(B, HKV, N, D)`` BF16, the Triton kernel's
-    values."""
+    subtracts: the dq kernel's matched one or the stale one). ``stages``, ``split``, ``overlap``:
+    another ring depth and schedule than the spec's (:func:`launch`); ``host_descriptors``: the TMA
+    descriptors' side (host: built once a launch; device: per CTA, as ``fwd_ws``). Returns dk, dv
+    ``(B, HKV, N, D)`` BF16, the Triton kernel's values."""
     import torch
 
     from .fwd import LOG2E
@@ -934,25 +922,14 @@ def _bwd_dq_ws_kernel(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, Q_SCAL
     ], [1], [PRODUCER_REGS])
 
 
-#: shared-memory stages of the dq kernel's key-tile ring (two: 65 KB at D = 128, two CTAs an SM)
-DQ_STAGES = 2
-
-
-def default_dq_overlap(recipe, head_dim: int) -> int:
-    """The dq kernel's schedule ``OVERLAP`` (``_dq_consumer``): matched at D = 64, kbar's wgmma
-    issued behind dS K (2), 3-5% faster than serial on the H200; otherwise serial, as the
-    overlapped schedules were within -4% to +4% of it (``gluon_dq_ov*_ms`` against
-    ``gluon_dq_ms`` and ``gluon_dq_stale_ms`` in benchmarks/results/h200_bwd_ws_probe.jsonl)."""
-    return 2 if head_dim == 64 and recipe.matched else 0
-
-
-def _dq_constexprs(recipe, head_dim: int, causal: bool, stages: int = DQ_STAGES, overlap: int | None = None) -> dict:
-    """The dq kernel's constexprs for ``recipe`` at ``head_dim``: the key tile is the recipe's
-    ``block_n2`` (its dS block for dQ, its promotion interval and kbar's tile)."""
-    t = recipe.bwd_tiles(head_dim)
-    return dict(HEAD_DIM=head_dim, BLOCK_N=t.block_n2, STAGES=stages, CAUSAL=bool(causal),
-                MATCHED=recipe.matched,
-                OVERLAP=default_dq_overlap(recipe, head_dim) if overlap is None else int(overlap))
+def _dq_constexprs(spec, head_dim: int, causal: bool) -> dict:
+    """The dq kernel's constexprs for ``spec`` at ``head_dim``: the key tile is the backward
+    tiling's ``block_n2`` (the recipe's dS block for dQ, its promotion interval and kbar's tile),
+    the matched delta where the recipe has a deferred dQ, the ring and schedule
+    ``spec.ws_bwd_tiles``."""
+    t, ws = spec.bwd_tiles(head_dim), spec.ws_bwd_tiles(head_dim)
+    return dict(HEAD_DIM=head_dim, BLOCK_N=t.block_n2, STAGES=ws.dq_stages, CAUSAL=bool(causal),
+                MATCHED=spec.matched, OVERLAP=int(ws.dq_overlap))
 
 
 def _check_dq(recipe, head_dim: int, debug: bool = False) -> None:
@@ -984,7 +961,7 @@ def compile_sm90_dq(head_dim: int = 128, causal: bool = False, recipe="kernels_d
 
 
 def dq(saved, do8, delta_stale, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int, causal: bool,
-       scale: float, recipe, debug: bool = False, stages: int = DQ_STAGES, overlap: int | None = None):
+       scale: float, recipe, debug: bool = False, stages: int | None = None, overlap: int | None = None):
     """The Gluon dq kernel on what ``bwd.backward`` passes the Triton one: ``saved`` (the forward's
     ``SavedForward``: Q's row copy, K's row and transposed copies, V's row copy, LSE2), ``do8``
     (dO's row copy) and ``delta_stale`` (the preprocess's rowsum(dO * O)). Returns ``(dq, delta)``:

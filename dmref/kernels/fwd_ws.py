@@ -423,7 +423,7 @@ def variant(recipe="kernels_folded_naive_fp8", *, chain: bool | None = None, ove
     tiling at every head dim); None keeps the spec's."""
     import dataclasses
 
-    from .config import KernelSpec, get_recipe
+    from .config import get_recipe
 
     spec = get_recipe(recipe)
     if chain is not None and bool(chain) != spec.recipe.pv_chain:
@@ -435,7 +435,7 @@ def variant(recipe="kernels_folded_naive_fp8", *, chain: bool | None = None, ove
     tiles = {d: spec.fwd_tiles(d) for d in (64, 128)}
     fwd = {d: dataclasses.replace(t, overlap=t.overlap if overlap is None else int(overlap),
                                   num_stages=t.num_stages if stages is None else stages) for d, t in tiles.items()}
-    return KernelSpec(spec.recipe, fwd=fwd[128], fwd_d64=fwd[64], bwd=spec.bwd, bwd_d64=spec.bwd_d64)
+    return dataclasses.replace(spec, fwd=fwd[128], fwd_d64=fwd[64])
 
 
 def compile_sm90(head_dim: int = 128, causal: bool = False, recipe="kernels_folded_delta_matching", *,

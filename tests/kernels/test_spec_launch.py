@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from dmref.kernels.config import RECIPES, FwdTiles, default_fwd_tiles
+from dmref.kernels.config import RECIPES, FwdTiles, WsBwdTiles, default_fwd_tiles, default_ws_bwd_tiles
 
 from kernel_inputs import ProblemShape, outlier_inputs, require_backend, with_p_scale
 
@@ -62,6 +62,29 @@ def test_the_gluon_forward_reads_chain_key_tile_stages_and_schedule_from_the_spe
     for d in (64, 128):
         c = fwd_ws.launch(chained, head_dim=d, causal=True).constexprs
         assert (c["CHAIN"], c["STAGES"], c["OVERLAP"], c["CAUSAL"]) == (True, 3, 0, True)
+
+
+def test_the_gluon_backward_reads_its_schedule_from_the_spec():
+    """The Gluon dq and dkdv take their ring depth and schedule from the spec's ``ws_bwd_tiles``:
+    the defaults of ``default_ws_bwd_tiles`` for the shipped specs, another one where the spec says
+    so, or where a launch names one (the spec with it)."""
+    from dmref.kernels import bwd_ws
+
+    def schedule(spec, d):
+        runs = _launches(spec, d)
+        dkdv, dq = runs["dkdv_ws"].constexprs, runs["dq_ws"].constexprs
+        return WsBwdTiles(dkdv["STAGES"], dkdv["SPLIT"], dkdv["OVERLAP"], dq["STAGES"], dq["OVERLAP"])
+
+    for name, spec in RECIPES.items():
+        for d in (64, 128):
+            assert schedule(spec, d) == spec.ws_bwd_tiles(d) == default_ws_bwd_tiles(spec.recipe, d), (name, d)
+    other = WsBwdTiles(dkdv_stages=3, dkdv_split=False, dkdv_overlap=2, dq_stages=3, dq_overlap=3)
+    spec = RECIPES["kernels_delta_matching"].with_tiles(ws_bwd=other)
+    assert schedule(spec, 64) == schedule(spec, 128) == other
+    given = bwd_ws.launch("kernels_delta_matching", head_dim=128, causal=False, kernel="dkdv", overlap=1, stages=3)
+    assert (given.constexprs["OVERLAP"], given.constexprs["STAGES"]) == (1, 3)
+    with pytest.raises(ValueError, match="split"):
+        WsBwdTiles(dkdv_split=True, dkdv_overlap=2)
 
 
 _NOT_HONOURED = [FwdTiles(block_m=128), FwdTiles(num_warps=8), FwdTiles(maxnreg=168), FwdTiles(tma=False),

@@ -138,7 +138,6 @@ from ._gluon import mul_rn as _mul_rn
 from ._gluon import pow2_down_exponent as _pow2_down_exponent
 from ._gluon import to_fp8 as _to_fp8
 from ._runtime import Launch, triton_type
-from .config import KBAR_P_SCALE_LOG2 as _KBAR_P_SCALE_LOG2
 from .config import QUANT_BLOCK as _QUANT_BLOCK
 
 #: tokens per scale block of a transposed copy (``config.QUANT_BLOCK``)
@@ -677,8 +676,6 @@ def backward_ws(saved, do8, do_t, delta_stale, *, batch: int, heads: int, kv_hea
 
 #: queries per CTA of the dq kernel: one m64 wgmma row block of the consumer warp group
 DQ_BLOCK_M = gl.constexpr(64)
-#: P's scale at kbar's quantization point (``config.KBAR_P_SCALE_LOG2``)
-KBAR_P_SCALE = gl.constexpr(float(2**_KBAR_P_SCALE_LOG2))
 
 
 @gluon.jit
@@ -727,7 +724,7 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
                  cols_free, Q_SCALE, K_SCALE, V_SCALE, K_UNIT, DO_SCALE, LSE2, DELTA_STALE, DELTA_MATCHED, DQ,
                  qk_scale, sm_scale, bh, kv, start_m, n_iter, N,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 CAUSAL: gl.constexpr, MATCHED: gl.constexpr, OVERLAP: gl.constexpr):
+                 CAUSAL: gl.constexpr, MATCHED: gl.constexpr, KBAR_P_SCALE: gl.constexpr, OVERLAP: gl.constexpr):
     """The consumer warp group of the dq kernel: its queries' scales, every key tile, the matched
     delta's correction, the stores. ``OVERLAP`` 1: dP is issued right behind S and runs during
     the softmax; 2 (matched): also kbar's wgmma right behind dS K, running during dQ's promotion;
@@ -884,7 +881,7 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
 def _bwd_dq_ws_kernel(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, Q_SCALE, K_SCALE, V_SCALE, K_UNIT,
                       DO_SCALE, LSE2, DELTA_STALE, DELTA_MATCHED, DQ, qk_scale, sm_scale, H, GROUP, N, NPAD,
                       HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                      MATCHED: gl.constexpr, OVERLAP: gl.constexpr):
+                      MATCHED: gl.constexpr, KBAR_P_SCALE: gl.constexpr, OVERLAP: gl.constexpr):
     """The dq kernel on host-side TMA descriptors: Q, dO rows ``(B*H*N, D)``, K, V rows
     ``(B*HKV*N, D)``, K^T ``(B*HKV*D, NPAD)`` and its scales ``(B*HKV*NPAD/128, D)``."""
     BLOCK_M: gl.constexpr = DQ_BLOCK_M
@@ -915,7 +912,7 @@ def _bwd_dq_ws_kernel(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, Q_SCAL
         (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, rows_ready, rows_free,
                         cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, K_UNIT, DO_SCALE, LSE2, DELTA_STALE,
                         DELTA_MATCHED, DQ, qk_scale, sm_scale, bh, kv, start_m, n_iter, N, HEAD_DIM, BLOCK_M,
-                        BLOCK_N, STAGES, CAUSAL, MATCHED, OVERLAP)),
+                        BLOCK_N, STAGES, CAUSAL, MATCHED, KBAR_P_SCALE, OVERLAP)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, q_smem, do_smem, k_bufs, v_bufs,
                         kt_bufs, kts_bufs, q_ready, rows_ready, rows_free, cols_ready, cols_free, bh * N + start_m,
                         kv, n_iter, N, NPAD, HEAD_DIM, BLOCK_N, STAGES, OVERLAP == 3)),
@@ -925,11 +922,13 @@ def _bwd_dq_ws_kernel(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, Q_SCAL
 def _dq_constexprs(spec, head_dim: int, causal: bool) -> dict:
     """The dq kernel's constexprs for ``spec`` at ``head_dim``: the key tile is the backward
     tiling's ``block_n2`` (the recipe's dS block for dQ, its promotion interval and kbar's tile),
-    the matched delta where the recipe has a deferred dQ, the ring and schedule
+    the matched delta where the recipe has a deferred dQ (kbar's P scale its ``p_offset_log2``), the ring and schedule
     ``spec.ws_bwd_tiles``."""
     t, ws = spec.bwd_tiles(head_dim), spec.ws_bwd_tiles(head_dim)
+    from .bwd import kbar_p_scale
+
     return dict(HEAD_DIM=head_dim, BLOCK_N=t.block_n2, STAGES=ws.dq_stages, CAUSAL=bool(causal),
-                MATCHED=spec.matched, OVERLAP=int(ws.dq_overlap))
+                MATCHED=spec.matched, KBAR_P_SCALE=kbar_p_scale(spec), OVERLAP=int(ws.dq_overlap))
 
 
 def _check_dq(recipe, head_dim: int, debug: bool = False) -> None:

@@ -146,16 +146,22 @@ def warp_specialized_budget(compiled) -> dict:
                 wgmma=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\w+)\.", ptx))))
 
 
-def recipe_variants(spec: KernelSpec, head_dim: int, causal: bool, group: int = 1):
+def recipe_variants(spec: KernelSpec, head_dim: int, causal: bool, group: int = 1, gluon: bool = True):
     """(name, launch) of the kernels a training step of ``spec`` runs, from the launchers' own
     descriptions (``quantize.launch``, ``fwd.launch`` or ``fwd_ws.launch`` for a folded spec,
-    ``bwd.launch``)."""
-    from . import bwd, fwd, fwd_ws, quantize
+    ``bwd.launch``, and with ``gluon`` ``bwd_ws.launch`` as ``dq_ws`` and ``dkdv_ws`` where the Gluon
+    backward runs the spec)."""
+    from . import bwd, bwd_ws, fwd, fwd_ws, quantize
 
     yield "quantize", quantize.launch(head_dim, spec.recipe.do_dp.fmt.name, rows=True, cols=True, with_delta=True)
     yield "fwd", (fwd_ws if spec.folded else fwd).launch(spec, head_dim=head_dim, causal=causal)
     yield "dq", bwd.launch(spec, head_dim=head_dim, causal=causal, kernel="dq")
     yield "dkdv", bwd.launch(spec, head_dim=head_dim, causal=causal, kernel="dkdv", group=group)
+    for kernel in ("dq", "dkdv") if gluon else ():
+        try:
+            yield f"{kernel}_ws", bwd_ws.launch(spec, head_dim=head_dim, causal=causal, kernel=kernel, group=group)
+        except ValueError:  # a backward tiling the Gluon kernels do not run: the Triton ones run it
+            continue
 
 
 def check(recipe: str | KernelSpec = "kernels_delta_matching", head_dims=(64, 128), causal=(False, True),
@@ -170,8 +176,9 @@ def check(recipe: str | KernelSpec = "kernels_delta_matching", head_dims=(64, 12
                 ck = compile_launch(run, do_format=spec.recipe.do_dp.fmt.name)
                 regs, spills, shared = resource_usage(ck)
                 cap = "" if run.maxnreg is None else f" maxnreg={run.maxnreg}"
+                stages = run.constexprs.get("STAGES") if run.num_stages is None else run.num_stages
                 out.append(Usage(name, regs, spills, shared,
-                                 f"{spec.name} d={d} causal={c} warps={run.num_warps} stages={run.num_stages}{cap}"))
+                                 f"{spec.name} d={d} causal={c} warps={run.num_warps} stages={stages}{cap}"))
     return out
 
 

@@ -48,6 +48,19 @@ def test_every_kernel_scales_p_as_its_spec_says(name, head_dim):
             assert runs[kernel].constexprs["P_SCALE"] == 2.0 ** e, (spec.name, kernel)
 
 
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_both_dq_kernels_scale_kbars_p_as_the_spec_says(name):
+    """The matched dq kernels (Triton and Gluon) quantize kbar's P times
+    ``2**recipe.delta.deferred_dq.p_offset_log2``, read from the spec."""
+    spec = RECIPES[name]
+    runs = _launches(spec)
+    deferred = spec.recipe.delta.deferred_dq
+    for kernel in ("dq", "dq_ws"):
+        assert runs[kernel].constexprs["MATCHED"] == (deferred is not None)
+        if deferred is not None:
+            assert runs[kernel].constexprs["KBAR_P_SCALE"] == 2.0 ** deferred.p_offset_log2
+
+
 def test_the_gluon_forward_reads_chain_key_tile_stages_and_schedule_from_the_spec():
     from dmref.kernels import fwd_ws
 
@@ -111,9 +124,10 @@ def test_the_triton_forward_refuses_a_schedule_it_does_not_have():
         fwd_ws.launch("kernels_delta_matching", head_dim=128, causal=False)
 
 
-def test_compile_check_describes_the_forward_of_the_spec():
-    """``compile_check.recipe_variants`` (what ``check`` compiles) gives the Gluon forward's launch
-    for a folded spec and the Triton forward's otherwise: the launchers' own descriptions."""
+def test_compile_check_describes_the_kernels_of_the_spec():
+    """``compile_check.recipe_variants`` (what ``check`` compiles) gives the launchers' own
+    descriptions: the Gluon forward's for a folded spec and the Triton forward's otherwise, both
+    Triton backward kernels and both Gluon ones."""
     from dmref.kernels import compile_check, fwd, fwd_ws
 
     for name, module in (("kernels_folded_naive_fp8", fwd_ws), ("kernels_naive_fp8", fwd)):
@@ -121,6 +135,9 @@ def test_compile_check_describes_the_forward_of_the_spec():
         runs = dict(compile_check.recipe_variants(spec, 128, False))
         want = module.launch(spec, head_dim=128, causal=False)
         assert runs["fwd"] == want and runs["fwd"].constexprs["P_SCALE"] == 2.0 ** P_SCALE_LOG2
+        launches = _launches(spec, 128, causal=False)
+        assert {k: runs[k] for k in ("dq", "dkdv", "dq_ws", "dkdv_ws")} == {
+            k: launches[k] for k in ("dq", "dkdv", "dq_ws", "dkdv_ws")}
 
 
 def test_one_format_table():

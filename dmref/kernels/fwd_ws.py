@@ -59,12 +59,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ._gluon import LAUNCH_REGS, PRODUCER_REGS, allocator
 from ._runtime import Launch, triton_type
+from .config import WS_FWD_BLOCK_M
 from ._gluon import exp2_int as _exp2_int
 from ._gluon import pow2_down_exponent as _pow2_down_exponent
 from ._gluon import to_fp8 as _to_fp8
 
-#: queries per CTA: one m64 wgmma row block for the consumer warp group
-BLOCK_M = gl.constexpr(64)
+#: queries per CTA: one m64 wgmma row block for the consumer warp group (``config.WS_FWD_BLOCK_M``)
+BLOCK_M = gl.constexpr(WS_FWD_BLOCK_M)
 
 
 @gluon.jit

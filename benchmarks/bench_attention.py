@@ -96,7 +96,9 @@ def _recipe(name, fwd_c, bwd_c):
     if fwd_c is None and bwd_c is None:
         return RECIPES[name]
     fwd, bwd = _tiles(fwd_c, bwd_c)
-    return RECIPES[name].with_tiles(fwd, bwd)
+    spec = RECIPES[name]
+    # the forward candidates are the Triton forward's: a folded spec keeps its Gluon forward's tiling
+    return spec.with_tiles(None if spec.folded else fwd, bwd)
 
 
 def _describe_tiles(recipe, head_dim):

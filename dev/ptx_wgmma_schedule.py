@@ -94,10 +94,10 @@ def main() -> int:
     lines = [f"# sm_90a PTX wgmma schedule, recipe {args.recipe}, Triton {triton.__version__}, compiled "
              "without a GPU: python dev/ptx_wgmma_schedule.py"]
     for d in (args.head_dim,) if args.head_dim else (128, 64):
-        for name, kernel, run in cc.recipe_variants(r, d, False):
+        for name, run in cc.recipe_variants(r, d, False, gluon=False):
             if name == "quantize":
                 continue
-            ck = cc.compile_launch(kernel, run, do_format=r.recipe.do_dp.fmt.name)
+            ck = cc.compile_launch(run, do_format=r.recipe.do_dp.fmt.name)
             lines.append(f"D={d:<3d} {name:5s} {schedule(ck)}")
             print(lines[-1], flush=True)
     lines += gluon_loops((args.head_dim,) if args.head_dim else (128, 64))

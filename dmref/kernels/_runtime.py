@@ -55,19 +55,47 @@ def register_cap(maxnreg: int | None) -> dict:
     return {} if maxnreg is None or interpreting() else {"maxnreg": maxnreg}
 
 
+#: Triton's name of each element type the kernels' arguments hold, by the format's name (the one
+#: table: signatures write ``"*" + name``, Gluon layouts take ``triton.language.dtype(name)``).
+TRITON_TYPES = {"float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5", "bfloat16": "bf16", "float32": "fp32"}
+
+
+def triton_type(fmt: str) -> str:
+    """Triton's name of the element type ``fmt`` (a format's name, ``dmref.emulation``'s or torch's
+    dtype name, e.g. ``"float8_e4m3fn"`` -> ``"fp8e4nv"``)."""
+    try:
+        return TRITON_TYPES[fmt]
+    except KeyError:
+        raise ValueError(f"no Triton type for {fmt!r}: one of {sorted(TRITON_TYPES)}") from None
+
+
 @dataclass(frozen=True)
 class Launch:
-    """How one kernel is launched: its constexprs, Triton's launch options and the block shapes
-    of the arguments it takes as TMA tensor descriptors. Each kernel has one function that
-    returns it (``fwd.launch``, ``bwd.launch``, ``quantize.launch``), read by its launcher and by
-    ``compile_check`` alike."""
+    """How one kernel is launched: the jitted kernel (Triton or Gluon), its constexprs, the launch
+    options, the tokens a program takes along the grid's first axis, and the block shapes of the
+    arguments it takes as Triton TMA tensor descriptors. Each kernel has one function that returns
+    it from a ``config.KernelSpec`` and the problem (``fwd.launch``, ``bwd.launch``,
+    ``fwd_ws.launch``, ``bwd_ws.launch``, ``quantize.launch``), read by its launcher and by
+    ``compile_check.compile_launch`` alike."""
 
     constexprs: dict
     num_warps: int
-    num_stages: int
+    #: Triton's software-pipelining depth (None: not an option of the kernel, as for Gluon's)
+    num_stages: int | None
     maxnreg: int | None = None  #: register cap per thread (None: the compiler's choice)
     descriptors: dict = field(default_factory=dict)  #: argument name -> TMA block shape
+    kernel: object = None  #: the jitted kernel
+    block_m: int | None = None  #: tokens per program along the grid's first axis
+    #: a compilation without a launch (Gluon kernels): ``signature(launch, n_multiple_of_16)`` gives
+    #: the argument types and divisibility attributes; None: ``compile_check`` derives them from the
+    #: argument names
+    signature: object = None
 
     def options(self) -> dict:
         """The launch options as keyword arguments (``num_warps``, ``num_stages``, ``maxnreg``)."""
-        return dict(num_warps=self.num_warps, num_stages=self.num_stages, **register_cap(self.maxnreg))
+        stages = {} if self.num_stages is None else {"num_stages": self.num_stages}
+        return dict(num_warps=self.num_warps, **stages, **register_cap(self.maxnreg))
+
+    def grid(self, n: int, programs: int) -> tuple[int, int]:
+        """The grid over ``n`` tokens and ``programs`` heads (or key/value heads)."""
+        return (-(-n // self.block_m), programs)

@@ -115,7 +115,7 @@ def _folded_forward(q, k, v, s: Shape, r: KernelSpec, *, causal: bool, scale: fl
                          "kernels_naive_fp8)")
     kv = quantize_kv_folded(k, v)
     o, lse2 = fwd_ws.forward(q.contiguous(), kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=s.kv_heads,
-                             causal=causal, scale=scale, chain=r.recipe.pv_chain)
+                             causal=causal, scale=scale, recipe=r)
     saved = None
     if for_backward:
         q8, _ = quantize(q, r.recipe.q.fmt.name, rows=True, cols=True)

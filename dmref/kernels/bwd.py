@@ -48,10 +48,7 @@ import triton.language as tl
 
 from ._common import mul_rn, quantize_rows, to_bf16, to_fp8
 from ._runtime import Launch, interpreting
-from .config import KBAR_P_SCALE_LOG2, QUANT_BLOCK, KernelSpec
-
-#: P's scale at the kbar quantization point (see config.KBAR_P_SCALE_LOG2).
-KBAR_P_SCALE = tl.constexpr(float(2**KBAR_P_SCALE_LOG2))
+from .config import QUANT_BLOCK, KernelSpec
 
 
 # --------------------------------------------------------------------------------------------
@@ -164,8 +161,8 @@ def _bwd_dq_kernel(
     DQ, DQ_ROWSUM,
     qk_scale, sm_scale, H, GROUP, N, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
-    CAUSAL: tl.constexpr, MATCHED: tl.constexpr, P_SCALE: tl.constexpr, TMA: tl.constexpr,
-    DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
+    CAUSAL: tl.constexpr, MATCHED: tl.constexpr, P_SCALE: tl.constexpr, KBAR_P_SCALE: tl.constexpr,
+    TMA: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     tl.static_assert(QB % BLOCK_N == 0)
     start_m = tl.program_id(0) * BLOCK_M
@@ -426,7 +423,7 @@ def launch(spec: KernelSpec, *, head_dim: int, causal: bool, kernel: str, group:
     """The launch of the backward kernel ``kernel`` (``"dq"`` or ``"dkdv"``) for ``spec`` at
     ``head_dim``; ``group``: query heads per key/value head. P's fixed scale is
     ``2**recipe.p_bwd.offset_log2``, dq's deferred dQ runs where ``recipe.delta.deferred_dq`` is
-    set, and dS is quantized per row of the tile (the recipe's 1 x tile ``ds_dq``/``ds_dk``,
+    set (P scaled by :func:`kbar_p_scale` at kbar's point), and dS is quantized per row of the tile (the recipe's 1 x tile ``ds_dq``/``ds_dk``,
     which the tiling decides: ``config.fit_to_tiles``). The one description that
     :func:`backward` and ``compile_check`` read."""
     t = spec.bwd_tiles(head_dim)
@@ -435,15 +432,25 @@ def launch(spec: KernelSpec, *, head_dim: int, causal: bool, kernel: str, group:
                   TMA=t.tma, DEBUG=bool(debug), INTERPRET=interpreting())
     if kernel == "dq":
         bn = t.block_n2
-        return Launch(dict(common, BLOCK_M=t.block_m2, BLOCK_N=bn, MATCHED=spec.matched),
+        return Launch(dict(common, BLOCK_M=t.block_m2, BLOCK_N=bn, MATCHED=spec.matched,
+                           KBAR_P_SCALE=kbar_p_scale(spec)),
                       t.num_warps_dq, t.num_stages_dq, t.maxnreg_dq,
-                      {"K8": [1, bn, d], "V8": [1, bn, d], "KT8": [1, d, bn]} if t.tma else {})
+                      {"K8": [1, bn, d], "V8": [1, bn, d], "KT8": [1, d, bn]} if t.tma else {},
+                      kernel=_bwd_dq_kernel, block_m=t.block_m2)
     if kernel == "dkdv":
         bm = t.block_m1
         return Launch(dict(common, BLOCK_M=bm, BLOCK_N=t.block_n1, GROUP=group),
                       t.num_warps_dkdv, t.num_stages_dkdv, t.maxnreg_dkdv,
-                      {"Q8": [1, bm, d], "DO8": [1, bm, d], "QT8": [1, d, bm], "DOT8": [1, d, bm]} if t.tma else {})
+                      {"Q8": [1, bm, d], "DO8": [1, bm, d], "QT8": [1, d, bm], "DOT8": [1, d, bm]} if t.tma else {},
+                      kernel=_bwd_dkdv_kernel, block_m=t.block_n1)
     raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}")
+
+
+def kbar_p_scale(spec: KernelSpec) -> float:
+    """P's fixed scale at kbar's quantization point, ``2**recipe.delta.deferred_dq.p_offset_log2``
+    (1 where the delta is stale: no kbar)."""
+    deferred = spec.recipe.delta.deferred_dq
+    return 1.0 if deferred is None else float(2 ** deferred.p_offset_log2)
 
 
 def backward(
@@ -480,7 +487,7 @@ def backward(
 
     def run_dq():
         k_unit = kbar_unit(k8) if matched else dummy32
-        _bwd_dq_kernel[(triton.cdiv(n, t.block_m2), batch * heads)](
+        dq_run.kernel[dq_run.grid(n, batch * heads)](
             q8.rows, q8.row_scale, dq_ops[0], k8.row_scale, dq_ops[1], v8.row_scale,
             dq_ops[2], k8.col_scale, k_unit, do8.rows, do8.row_scale, saved.lse2, delta_stale,
             delta_matched if matched else dummy32,
@@ -488,7 +495,7 @@ def backward(
             *scalars, heads, heads // kv_heads, n, do_t.npad, **dq_run.constexprs, **dq_run.options())
 
     def run_dkdv():
-        _bwd_dkdv_kernel[(triton.cdiv(n, t.block_n1), batch * kv_heads)](
+        dkdv_run.kernel[dkdv_run.grid(n, batch * kv_heads)](
             dkdv_ops[0], q8.row_scale, dkdv_ops[1], q8.col_scale, k8.rows, k8.row_scale,
             v8.rows, v8.row_scale, dkdv_ops[2], do8.row_scale, dkdv_ops[3], do_t.col_scale,
             saved.lse2, delta_matched,

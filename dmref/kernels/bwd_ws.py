@@ -55,7 +55,7 @@ Nothing is in flight across the loop's back edge. At D = 64 all three compile wi
 and without ptxas serializing the wgmmas (C7514); at D = 128, 1 spills 60 B (non-causal) and 2
 about 0.9 KB (the dP^T or P^T dO accumulator in flight beside dK and dV), so there the serial
 schedule is the one that fits; at D = 64, 1 is 2-3% faster than serial on the H200
-(:func:`default_overlap`).
+(``config.default_ws_bwd_tiles``).
 
 Barriers, in the order each role uses them:
 
@@ -87,8 +87,9 @@ query head (``DQ_BLOCK_M``; the Triton kernel takes 128 at D = 128, which no sto
 every row of dQ and D depends on its own rows of P and dP alone), looping over the key tiles of
 ``BLOCK_N`` = the recipe's ``block_n2`` = 64 keys (its dS block for dQ, its promotion interval and
 kbar's tile). The producer warp loads the Q and dO row tiles once, then streams each key tile's
-K and V row tiles and the K^T tile with its scale row into a ring of ``DQ_STAGES`` stages. The
-consumer, for every key tile, the Triton kernel's operations in its order:
+K and V row tiles and the K^T tile with its scale row into a ring of ``STAGES`` stages
+(``WsBwdTiles.dq_stages``). The consumer, for every key tile, the Triton kernel's operations in
+its order:
 
     S2 = wgmma(Q8, K8^T) * (q_scale_i * tau * log2 e * k_scale_j)   # one rounded multiply
     P  = exp2(S2 - LSE2_i), 0 where masked (causal; keys past N)
@@ -112,7 +113,7 @@ issued behind dS K, stale, or behind kbar's wgmma, matched, running during that 
 waited on before the loop's back edge; then dP runs during the softmax; the producer loads one K
 tile past the last, which that last issue reads and nothing uses); ``OVERLAP`` 2 (matched: kbar's
 wgmma issued behind dS K) spills about 60 B at D = 128 and none at D = 64, where it is the
-matched dq's default (:func:`default_dq_overlap`). In the SASS, ptxas
+matched dq's default (``config.default_ws_bwd_tiles``). In the SASS, ptxas
 places the softmax's exp2s after dP's wait (1 and 3), while 3's next S does run during the
 promotion it is issued before. Queries past N get
 LSE2 = +inf (P = 0) and are not stored; keys past N (the last tile reads the next head's K and
@@ -136,7 +137,7 @@ from ._gluon import exp2_int as _exp2_int
 from ._gluon import mul_rn as _mul_rn
 from ._gluon import pow2_down_exponent as _pow2_down_exponent
 from ._gluon import to_fp8 as _to_fp8
-from .config import KBAR_P_SCALE_LOG2 as _KBAR_P_SCALE_LOG2
+from ._runtime import Launch, triton_type
 from .config import QUANT_BLOCK as _QUANT_BLOCK
 
 #: tokens per scale block of a transposed copy (``config.QUANT_BLOCK``)
@@ -430,35 +431,14 @@ def _bwd_dkdv_ws_kernel_dev(Q8, Q_SCALE, QT8, QT_SCALE, K8, K_SCALE, V8, V_SCALE
           CAUSAL, P_SCALE, SPLIT, OVERLAP)
 
 
-#: shared-memory stages of the query-tile ring (two: 80 KB at D = 128, two CTAs an SM)
-STAGES = 2
-
-
-def default_split(head_dim: int) -> bool:
-    """Whether dK and dV are held as two halves of the head dim (``SPLIT``, four n = D/2 wgmmas
-    a tile instead of two n = D ones; the same results bit for bit): not by default, as the whole
-    accumulators fit 232 registers at both head dims."""
-    return False
-
-
-def default_overlap(head_dim: int) -> int:
-    """The schedule ``OVERLAP`` (module docstring): at D = 64, dP^T issued behind S^T (1), 2-3%
-    faster than serial on the H200; at D = 128 serial, the one that fits without spills (1 is
-    0-3.5% slower there) (``gluon_dkdv_ov1_ms`` against ``gluon_dkdv_ms`` in
-    dev/results/h200_bwd_ws_probe.jsonl)."""
-    return 1 if head_dim == 64 else 0
-
-
-def _constexprs(recipe, head_dim: int, causal: bool, group: int, stages: int = STAGES,
-                split: bool | None = None, overlap: int | None = None) -> dict:
-    """The kernel's constexprs for ``recipe`` (a ``config.KernelSpec``) at ``head_dim``: one
-    description for the launcher and the compile check. The query tile is the recipe's
-    ``block_m1`` (its dS block and promotion interval)."""
-    t = recipe.bwd_tiles(head_dim)
-    return dict(HEAD_DIM=head_dim, BLOCK_M=t.block_m1, GROUP=group, STAGES=stages, CAUSAL=bool(causal),
-                P_SCALE=float(2 ** recipe.p_scale_log2),
-                SPLIT=default_split(head_dim) if split is None else bool(split),
-                OVERLAP=default_overlap(head_dim) if overlap is None else int(overlap))
+def _constexprs(spec, head_dim: int, causal: bool, group: int) -> dict:
+    """The dkdv kernel's constexprs for ``spec`` (a ``config.KernelSpec``) at ``head_dim``: the
+    query tile is the backward tiling's ``block_m1`` (the recipe's dS block and promotion
+    interval), P's scale the recipe's ``p_bwd``, the ring and schedule ``spec.ws_bwd_tiles``."""
+    t, ws = spec.bwd_tiles(head_dim), spec.ws_bwd_tiles(head_dim)
+    return dict(HEAD_DIM=head_dim, BLOCK_M=t.block_m1, GROUP=group, STAGES=ws.dkdv_stages, CAUSAL=bool(causal),
+                P_SCALE=float(2 ** spec.recipe.p_bwd.offset_log2), SPLIT=bool(ws.dkdv_split),
+                OVERLAP=int(ws.dkdv_overlap))
 
 
 def _check(recipe, head_dim: int, debug: bool = False) -> None:
@@ -473,16 +453,13 @@ def _check(recipe, head_dim: int, debug: bool = False) -> None:
                          "over keys, 64 queries wide")
 
 
-_FP8_SIG = {"float8_e4m3fn": "*fp8e4nv", "float8_e5m2": "*fp8e5"}
-
-
 def _row_desc(x, block: int):
     """Host-side TMA descriptor of a row copy ``(..., N, D)`` viewed as ``(rows, D)``, ``block``
     tokens a tile (the device-side path's shared-memory layout)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     d = x.shape[-1]
-    layout = gl.NVMMASharedLayout.get_default_for([block, d], _GL_DTYPE[x.dtype])
+    layout = gl.NVMMASharedLayout.get_default_for([block, d], _gl_dtype(x.dtype))
     return TensorDescriptor.from_tensor(x.reshape(-1, d), [block, d], layout)
 
 
@@ -491,7 +468,7 @@ def _col_desc(x, head_dim: int, block: int):
     ``(rows * D, NPAD)``, ``(D, block)`` tiles."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    layout = gl.NVMMASharedLayout.get_default_for([head_dim, block], _GL_DTYPE[x.dtype])
+    layout = gl.NVMMASharedLayout.get_default_for([head_dim, block], _gl_dtype(x.dtype))
     return TensorDescriptor.from_tensor(x.reshape(-1, x.shape[-1]), [head_dim, block], layout)
 
 
@@ -515,108 +492,141 @@ def _descriptors(q_rows, q_cols, q_col_scale, k_rows, v_rows, do_rows, do_cols, 
             _scale_desc(q_col_scale, d), _scale_desc(do_col_scale, d))
 
 
-def _gl_dtypes():
+def _gl_dtype(dtype):
+    """Gluon's element type of a torch ``dtype`` (``_runtime.TRITON_TYPES``)."""
+    return gl.dtype(triton_type(str(dtype).removeprefix("torch.")))
+
+
+def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, debug: bool = False,
+           host_descriptors: bool = True, stages: int | None = None, split: bool | None = None,
+           overlap: int | None = None) -> Launch:
+    """The launch of the Gluon backward kernel ``kernel`` (``"dq"`` or ``"dkdv"``) for ``spec`` (a
+    ``config.KernelSpec`` or its name) at ``head_dim``, ``group`` query heads per key/value head:
+    P's scale ``2**recipe.p_bwd.offset_log2`` (dkdv), the matched delta where
+    ``recipe.delta.deferred_dq`` is set (dq), the query tile ``block_m1`` (dkdv) and key tile
+    ``block_n2`` (dq) of the backward tiling, which the recipe's dS blocks, promotion and kbar's
+    tile follow; the ring's depth and the schedule of the spec's ``ws_bwd_tiles(head_dim)``
+    (``config.default_ws_bwd_tiles`` by default), or ``stages``, ``split``, ``overlap`` where
+    given (the spec with them: ``config.WsBwdTiles``). ``host_descriptors`` (dkdv): TMA descriptors
+    built on the host once a launch, else in every CTA. The one description that :func:`dkdv`,
+    :func:`dq` and ``compile_check.compile_launch`` read. Raises ValueError, with the reason,
+    for what the kernel does not run."""
+    from .config import get_recipe
+
+    import dataclasses
+
+    r = get_recipe(spec)
+    ws = r.ws_bwd_tiles(head_dim)
+    given = {f"{kernel}_{k}": v for k, v in dict(stages=stages, split=split, overlap=overlap).items() if v is not None}
+    if given:
+        r = r.with_tiles(ws_bwd=dataclasses.replace(ws, **given))
+    if kernel == "dq":
+        if split is not None:
+            raise ValueError("bwd_ws: split is the dkdv kernel's")
+        _check_dq(r, head_dim, debug)
+        consts = _dq_constexprs(r, head_dim, causal)
+        return Launch(consts, num_warps=NUM_WARPS, num_stages=None, maxnreg=LAUNCH_REGS, kernel=_bwd_dq_ws_kernel,
+                      block_m=DQ_BLOCK_M.value, signature=_signature)
+    if kernel != "dkdv":
+        raise ValueError(f"bwd_ws: kernel={kernel!r} is not one of ('dq', 'dkdv')")
+    _check(r, head_dim, debug)
+    consts = _constexprs(r, head_dim, causal, group)
+    return Launch(consts, num_warps=NUM_WARPS, num_stages=None, maxnreg=LAUNCH_REGS,
+                  kernel=_bwd_dkdv_ws_kernel if host_descriptors else _bwd_dkdv_ws_kernel_dev,
+                  block_m=BLOCK_N.value, signature=_signature)
+
+
+def _signature(run: Launch, n_multiple_of_16: bool = True, do_format: str = "float8_e4m3fn") -> tuple[dict, dict]:
+    """The argument types and divisibility attributes of ``run``'s kernel, as a launch specializes
+    it (``compile_check.compile_launch``): descriptors of small CPU tensors (their type holds only
+    dtype, block shape and layout), every pointer 16-byte aligned (torch's allocations), NPAD a
+    multiple of 16, and N too with ``n_multiple_of_16`` (else N is a plain integer, as for
+    N = 1000); dO's copies in ``do_format``."""
     import torch
+    from triton.runtime.jit import mangle_type
 
-    return {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5, torch.float32: gl.float32}
-
-
-_GL_DTYPE = _gl_dtypes()
+    d = run.constexprs["HEAD_DIM"]
+    fp8, fp32, bf16 = (triton_type(f) for f in ("float8_e4m3fn", "float32", "bfloat16"))
+    n = npad = 128
+    do_dt = getattr(torch, do_format)
+    rows = torch.zeros(n, d, dtype=torch.float8_e4m3fn)
+    cols = torch.zeros(d, npad, dtype=torch.float8_e4m3fn)
+    sc = torch.zeros(npad // QUANT_BLOCK.value, d)
+    if run.kernel is _bwd_dq_ws_kernel:
+        descs = _dq_descriptors(rows, rows.to(do_dt), rows, rows, cols, sc, run.constexprs["BLOCK_N"])
+        names = ("q_desc", "do_desc", "k_desc", "v_desc", "kt_desc", "kts_desc")
+        sig = {k: mangle_type(x) for k, x in zip(names, descs)}
+        sig.update({k: "*" + fp32 for k in ("Q_SCALE", "K_SCALE", "V_SCALE", "K_UNIT", "DO_SCALE", "LSE2",
+                                            "DELTA_STALE", "DELTA_MATCHED")})
+        sig.update(DQ="*" + bf16, qk_scale=fp32, sm_scale=fp32, H="i32", GROUP="i32", N="i32", NPAD="i32")
+    else:
+        scalars = {"qk_scale": fp32, "sm_scale": fp32, "H": "i32", "HKV": "i32", "N": "i32", "NPAD": "i32"}
+        vectors = {name: "*" + fp32 for name in ("Q_SCALE", "K_SCALE", "V_SCALE", "DO_SCALE", "LSE2", "DELTA")}
+        vectors.update(DK="*" + bf16, DV="*" + bf16)
+        if run.kernel is _bwd_dkdv_ws_kernel:
+            descs = _descriptors(rows, cols, sc, rows, rows, rows.to(do_dt), cols.to(do_dt), sc, run.constexprs["BLOCK_M"])
+            names = ("k_desc", "v_desc", "q_desc", "do_desc", "qt_desc", "dot_desc", "qts_desc", "dots_desc")
+            sig = {**{k: mangle_type(x) for k, x in zip(names, descs)}, **vectors, **scalars}
+        else:
+            vectors.update(QT_SCALE="*" + fp32, DOT_SCALE="*" + fp32)
+            sig = {**{name: "*" + fp8 for name in ("Q8", "QT8", "K8", "V8")}, **vectors, **scalars,
+                   **{name: "*" + triton_type(do_format) for name in ("DO8", "DOT8")}, "ROWS_Q": "i32", "ROWS_KV": "i32"}
+    names = list(run.kernel.arg_names)
+    aligned = {"NPAD", "N"} if n_multiple_of_16 else {"NPAD"}
+    attrs = {k: [["tt.divisibility", 16]] for k, t in sig.items() if t.startswith("*") or k in aligned}
+    return {k: sig[k] for k in names if k in sig}, attrs
 
 
 def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, recipe="kernels_delta_matching",
-                 stages: int = STAGES, split: bool | None = None, overlap: int | None = None,
+                 stages: int | None = None, split: bool | None = None, overlap: int | None = None,
                  host_descriptors: bool = True, n_multiple_of_16: bool = True, kernel: str = "dkdv"):
-    """Compile the kernel for sm_90a without a GPU (ptxas included); returns the compiled kernel.
-    ``kernel="dq"``: the dq kernel (:func:`compile_sm90_dq`; ``group``, ``split`` and
-    ``host_descriptors`` are the dkdv kernel's only).
-    ``host_descriptors``: the kernel :func:`dkdv` launches by default (descriptors as arguments),
-    else the one that builds them per CTA. Specialized as a launch specializes it: every pointer
-    16-byte aligned (torch's allocations), NPAD a multiple of 16, and N too with
-    ``n_multiple_of_16`` (else N is a plain integer, as for N = 1000)."""
-    import torch
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
+    """Compile ``kernel`` for sm_90a without a GPU (ptxas included) as :func:`launch` describes it
+    (``group``, ``split`` and ``host_descriptors`` are the dkdv kernel's only; GQA is a run-time
+    argument of the dq kernel), specialized as :func:`_signature` says; returns the compiled
+    kernel."""
+    from .compile_check import compile_launch
 
     from .config import get_recipe
 
-    if kernel == "dq":
-        return compile_sm90_dq(head_dim=head_dim, causal=causal, recipe=recipe, stages=stages,
-                               n_multiple_of_16=n_multiple_of_16, overlap=overlap)
-    if kernel != "dkdv":
-        raise ValueError(f"bwd_ws: kernel={kernel!r} is not one of ('dq', 'dkdv')")
-    r = get_recipe(recipe)
-    _check(r, head_dim)
-    consts = _constexprs(r, head_dim, causal, group, stages, split, overlap)
-    do_format = r.recipe.do_dp.fmt.name
-    do = _FP8_SIG[do_format]
-    scalars = {"qk_scale": "fp32", "sm_scale": "fp32", "H": "i32", "HKV": "i32", "N": "i32", "NPAD": "i32"}
-    vectors = {"Q_SCALE": "*fp32", "K_SCALE": "*fp32", "V_SCALE": "*fp32", "DO_SCALE": "*fp32", "LSE2": "*fp32",
-               "DELTA": "*fp32", "DK": "*bf16", "DV": "*bf16"}
-    if host_descriptors:
-        # descriptors of small CPU tensors: the signature holds only dtype, block shape and layout
-        fp8, do_dt = torch.float8_e4m3fn, getattr(torch, do_format)
-        n, npad, bm = 128, 128, consts["BLOCK_M"]
-        rows = torch.zeros(n, head_dim, dtype=fp8)
-        cols = torch.zeros(head_dim, npad, dtype=fp8)
-        sc = torch.zeros(npad // QUANT_BLOCK.value, head_dim)
-        descs = _descriptors(rows, cols, sc, rows, rows, rows.to(do_dt), cols.to(do_dt), sc, bm)
-        names = ("k_desc", "v_desc", "q_desc", "do_desc", "qt_desc", "dot_desc", "qts_desc", "dots_desc")
-        sig = {**{k: mangle_type(x) for k, x in zip(names, descs)}, **vectors, **scalars}
-        kernel = _bwd_dkdv_ws_kernel
-    else:
-        sig = {"Q8": "*fp8e4nv", "Q_SCALE": "*fp32", "QT8": "*fp8e4nv", "QT_SCALE": "*fp32", "K8": "*fp8e4nv",
-               "K_SCALE": "*fp32", "V8": "*fp8e4nv", "V_SCALE": "*fp32", "DO8": do, "DO_SCALE": "*fp32", "DOT8": do,
-               "DOT_SCALE": "*fp32", "LSE2": "*fp32", "DELTA": "*fp32", "DK": "*bf16", "DV": "*bf16",
-               **scalars, "ROWS_Q": "i32", "ROWS_KV": "i32"}
-        kernel = _bwd_dkdv_ws_kernel_dev
-    sig.update({name: "constexpr" for name in consts})
-    names = list(kernel.arg_names)
-    aligned = {"NPAD", "N"} if n_multiple_of_16 else {"NPAD"}
-    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, t in sig.items()
-             if t.startswith("*") or k in aligned}
-    src = GluonASTSource(kernel, {k: sig[k] for k in names}, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=NUM_WARPS, maxnreg=LAUNCH_REGS))
+    spec = get_recipe(recipe)
+    run = launch(spec, head_dim=head_dim, causal=causal, kernel=kernel, group=group,
+                 host_descriptors=host_descriptors, stages=stages, split=split, overlap=overlap)
+    return compile_launch(run, n_multiple_of_16=n_multiple_of_16, do_format=spec.recipe.do_dp.fmt.name)
 
 
 def dkdv(saved, do8, do_t, delta, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int,
-         causal: bool, scale: float, recipe, debug: bool = False, stages: int = STAGES, split: bool | None = None,
+         causal: bool, scale: float, recipe, debug: bool = False, stages: int | None = None, split: bool | None = None,
          overlap: int | None = None, host_descriptors: bool = True):
     """The Gluon dkdv kernel on what ``bwd.backward`` passes the Triton one: ``saved`` (the
     forward's ``SavedForward``: Q's row and transposed copies, K's and V's row copies, LSE2),
     ``do8`` / ``do_t`` (dO's row and transposed copies) and ``delta`` (the D that dS = P (dP - D)
-    subtracts: the dq kernel's matched one or the stale one). ``stages``, ``split``, ``overlap``,
-    ``host_descriptors``: the ring's depth, :func:`default_split`'s and :func:`default_overlap`'s
-    choices and the TMA descriptors' side (host: built once a launch; device: per CTA, as
-    ``fwd_ws``), for experiments. Returns dk, dv ``(B, HKV, N, D)`` BF16, the Triton kernel's
-    values."""
+    subtracts: the dq kernel's matched one or the stale one). ``stages``, ``split``, ``overlap``:
+    another ring depth and schedule than the spec's (:func:`launch`); ``host_descriptors``: the TMA
+    descriptors' side (host: built once a launch; device: per CTA, as ``fwd_ws``). Returns dk, dv
+    ``(B, HKV, N, D)`` BF16, the Triton kernel's values."""
     import torch
 
-    from .config import get_recipe
     from .fwd import LOG2E
 
-    r = get_recipe(recipe)
-    _check(r, head_dim, debug)
+    run = launch(recipe, head_dim=head_dim, causal=causal, kernel="dkdv", group=heads // kv_heads, debug=debug,
+                 host_descriptors=host_descriptors, stages=stages, split=split, overlap=overlap)
     q8, k8, v8 = saved.q, saved.k, saved.v
     dev = do8.rows.device
     dk = torch.empty((batch, kv_heads, n, head_dim), device=dev, dtype=torch.bfloat16)
     dv = torch.empty_like(dk)
-    grid = (triton.cdiv(n, BLOCK_N.value), batch * kv_heads)
-    consts = _constexprs(r, head_dim, causal, heads // kv_heads, stages, split, overlap)
+    grid = run.grid(n, batch * kv_heads)
     scalars = (scale * LOG2E, scale, heads, kv_heads, n, do_t.npad)
     if host_descriptors:
         descs = _descriptors(q8.rows, q8.cols, q8.col_scale, k8.rows, v8.rows, do8.rows, do_t.cols, do_t.col_scale,
-                             consts["BLOCK_M"])
-        _bwd_dkdv_ws_kernel[grid](*descs, q8.row_scale, k8.row_scale, v8.row_scale, do8.row_scale, saved.lse2, delta,
-                                  dk, dv, *scalars, **consts, num_warps=NUM_WARPS, maxnreg=LAUNCH_REGS)
+                             run.constexprs["BLOCK_M"])
+        run.kernel[grid](*descs, q8.row_scale, k8.row_scale, v8.row_scale, do8.row_scale, saved.lse2, delta,
+                         dk, dv, *scalars, **run.constexprs, **run.options())
     else:
         triton.set_allocator(allocator)
-        _bwd_dkdv_ws_kernel_dev[grid](
+        run.kernel[grid](
             q8.rows, q8.row_scale, q8.cols, q8.col_scale, k8.rows, k8.row_scale, v8.rows, v8.row_scale,
             do8.rows, do8.row_scale, do_t.cols, do_t.col_scale, saved.lse2, delta, dk, dv,
-            *scalars, batch * heads * n, batch * kv_heads * n, **consts, num_warps=NUM_WARPS, maxnreg=LAUNCH_REGS)
+            *scalars, batch * heads * n, batch * kv_heads * n, **run.constexprs, **run.options())
     return dk, dv
 
 
@@ -666,8 +676,6 @@ def backward_ws(saved, do8, do_t, delta_stale, *, batch: int, heads: int, kv_hea
 
 #: queries per CTA of the dq kernel: one m64 wgmma row block of the consumer warp group
 DQ_BLOCK_M = gl.constexpr(64)
-#: P's scale at kbar's quantization point (``config.KBAR_P_SCALE_LOG2``)
-KBAR_P_SCALE = gl.constexpr(float(2**_KBAR_P_SCALE_LOG2))
 
 
 @gluon.jit
@@ -716,7 +724,7 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
                  cols_free, Q_SCALE, K_SCALE, V_SCALE, K_UNIT, DO_SCALE, LSE2, DELTA_STALE, DELTA_MATCHED, DQ,
                  qk_scale, sm_scale, bh, kv, start_m, n_iter, N,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 CAUSAL: gl.constexpr, MATCHED: gl.constexpr, OVERLAP: gl.constexpr):
+                 CAUSAL: gl.constexpr, MATCHED: gl.constexpr, KBAR_P_SCALE: gl.constexpr, OVERLAP: gl.constexpr):
     """The consumer warp group of the dq kernel: its queries' scales, every key tile, the matched
     delta's correction, the stores. ``OVERLAP`` 1: dP is issued right behind S and runs during
     the softmax; 2 (matched): also kbar's wgmma right behind dS K, running during dQ's promotion;
@@ -873,7 +881,7 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
 def _bwd_dq_ws_kernel(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, Q_SCALE, K_SCALE, V_SCALE, K_UNIT,
                       DO_SCALE, LSE2, DELTA_STALE, DELTA_MATCHED, DQ, qk_scale, sm_scale, H, GROUP, N, NPAD,
                       HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                      MATCHED: gl.constexpr, OVERLAP: gl.constexpr):
+                      MATCHED: gl.constexpr, KBAR_P_SCALE: gl.constexpr, OVERLAP: gl.constexpr):
     """The dq kernel on host-side TMA descriptors: Q, dO rows ``(B*H*N, D)``, K, V rows
     ``(B*HKV*N, D)``, K^T ``(B*HKV*D, NPAD)`` and its scales ``(B*HKV*NPAD/128, D)``."""
     BLOCK_M: gl.constexpr = DQ_BLOCK_M
@@ -904,32 +912,23 @@ def _bwd_dq_ws_kernel(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, Q_SCAL
         (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, rows_ready, rows_free,
                         cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, K_UNIT, DO_SCALE, LSE2, DELTA_STALE,
                         DELTA_MATCHED, DQ, qk_scale, sm_scale, bh, kv, start_m, n_iter, N, HEAD_DIM, BLOCK_M,
-                        BLOCK_N, STAGES, CAUSAL, MATCHED, OVERLAP)),
+                        BLOCK_N, STAGES, CAUSAL, MATCHED, KBAR_P_SCALE, OVERLAP)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, q_smem, do_smem, k_bufs, v_bufs,
                         kt_bufs, kts_bufs, q_ready, rows_ready, rows_free, cols_ready, cols_free, bh * N + start_m,
                         kv, n_iter, N, NPAD, HEAD_DIM, BLOCK_N, STAGES, OVERLAP == 3)),
     ], [1], [PRODUCER_REGS])
 
 
-#: shared-memory stages of the dq kernel's key-tile ring (two: 65 KB at D = 128, two CTAs an SM)
-DQ_STAGES = 2
+def _dq_constexprs(spec, head_dim: int, causal: bool) -> dict:
+    """The dq kernel's constexprs for ``spec`` at ``head_dim``: the key tile is the backward
+    tiling's ``block_n2`` (the recipe's dS block for dQ, its promotion interval and kbar's tile),
+    the matched delta where the recipe has a deferred dQ (kbar's P scale its ``p_offset_log2``), the ring and schedule
+    ``spec.ws_bwd_tiles``."""
+    t, ws = spec.bwd_tiles(head_dim), spec.ws_bwd_tiles(head_dim)
+    from .bwd import kbar_p_scale
 
-
-def default_dq_overlap(recipe, head_dim: int) -> int:
-    """The dq kernel's schedule ``OVERLAP`` (``_dq_consumer``): matched at D = 64, kbar's wgmma
-    issued behind dS K (2), 3-5% faster than serial on the H200; otherwise serial, as the
-    overlapped schedules were within -4% to +4% of it (``gluon_dq_ov*_ms`` against
-    ``gluon_dq_ms`` and ``gluon_dq_stale_ms`` in dev/results/h200_bwd_ws_probe.jsonl)."""
-    return 2 if head_dim == 64 and recipe.matched else 0
-
-
-def _dq_constexprs(recipe, head_dim: int, causal: bool, stages: int = DQ_STAGES, overlap: int | None = None) -> dict:
-    """The dq kernel's constexprs for ``recipe`` at ``head_dim``: the key tile is the recipe's
-    ``block_n2`` (its dS block for dQ, its promotion interval and kbar's tile)."""
-    t = recipe.bwd_tiles(head_dim)
-    return dict(HEAD_DIM=head_dim, BLOCK_N=t.block_n2, STAGES=stages, CAUSAL=bool(causal),
-                MATCHED=recipe.matched,
-                OVERLAP=default_dq_overlap(recipe, head_dim) if overlap is None else int(overlap))
+    return dict(HEAD_DIM=head_dim, BLOCK_N=t.block_n2, STAGES=ws.dq_stages, CAUSAL=bool(causal),
+                MATCHED=spec.matched, KBAR_P_SCALE=kbar_p_scale(spec), OVERLAP=int(ws.dq_overlap))
 
 
 def _check_dq(recipe, head_dim: int, debug: bool = False) -> None:
@@ -953,45 +952,15 @@ def _dq_descriptors(q_rows, do_rows, k_rows, v_rows, k_cols, k_col_scale, block_
             _col_desc(k_cols, d, block_n), _scale_desc(k_col_scale, d))
 
 
-def compile_sm90_dq(head_dim: int = 128, causal: bool = False, recipe="kernels_delta_matching", stages: int = DQ_STAGES,
-                    n_multiple_of_16: bool = True, overlap: int | None = None):
-    """Compile the dq kernel for sm_90a without a GPU (ptxas included), specialized as
-    :func:`dq` launches it (16-byte aligned pointers, NPAD a multiple of 16, N too with
-    ``n_multiple_of_16``); returns the compiled kernel. GQA is a run-time argument (GROUP)."""
-    import torch
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
-    from .config import get_recipe
-
-    r = get_recipe(recipe)
-    _check_dq(r, head_dim)
-    consts = _dq_constexprs(r, head_dim, causal, stages, overlap)
-    fp8, do_dt = torch.float8_e4m3fn, getattr(torch, r.recipe.do_dp.fmt.name)
-    n = npad = 128
-    rows = torch.zeros(n, head_dim, dtype=fp8)
-    cols = torch.zeros(head_dim, npad, dtype=fp8)
-    sc = torch.zeros(npad // QUANT_BLOCK.value, head_dim)
-    descs = _dq_descriptors(rows, rows.to(do_dt), rows, rows, cols, sc, consts["BLOCK_N"])
-    names = ("q_desc", "do_desc", "k_desc", "v_desc", "kt_desc", "kts_desc")
-    sig = {k: mangle_type(x) for k, x in zip(names, descs)}
-    sig.update({k: "*fp32" for k in ("Q_SCALE", "K_SCALE", "V_SCALE", "K_UNIT", "DO_SCALE", "LSE2", "DELTA_STALE",
-                                     "DELTA_MATCHED")})
-    sig.update(DQ="*bf16", qk_scale="fp32", sm_scale="fp32", H="i32", GROUP="i32", N="i32", NPAD="i32")
-    sig.update({name: "constexpr" for name in consts})
-    kernel = _bwd_dq_ws_kernel
-    names = list(kernel.arg_names)
-    aligned = {"NPAD", "N"} if n_multiple_of_16 else {"NPAD"}
-    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, t in sig.items()
-             if t.startswith("*") or k in aligned}
-    src = GluonASTSource(kernel, {k: sig[k] for k in names}, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=NUM_WARPS, maxnreg=LAUNCH_REGS))
+def compile_sm90_dq(head_dim: int = 128, causal: bool = False, recipe="kernels_delta_matching",
+                    stages: int | None = None, n_multiple_of_16: bool = True, overlap: int | None = None):
+    """:func:`compile_sm90` of the dq kernel."""
+    return compile_sm90(head_dim=head_dim, causal=causal, recipe=recipe, stages=stages,
+                        n_multiple_of_16=n_multiple_of_16, overlap=overlap, kernel="dq")
 
 
 def dq(saved, do8, delta_stale, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int, causal: bool,
-       scale: float, recipe, debug: bool = False, stages: int = DQ_STAGES, overlap: int | None = None):
+       scale: float, recipe, debug: bool = False, stages: int | None = None, overlap: int | None = None):
     """The Gluon dq kernel on what ``bwd.backward`` passes the Triton one: ``saved`` (the forward's
     ``SavedForward``: Q's row copy, K's row and transposed copies, V's row copy, LSE2), ``do8``
     (dO's row copy) and ``delta_stale`` (the preprocess's rowsum(dO * O)). Returns ``(dq, delta)``:
@@ -999,24 +968,20 @@ def dq(saved, do8, delta_stale, *, batch: int, heads: int, kv_heads: int, n: int
     made, ``sum_j P dP``; stale: ``delta_stale`` itself), the Triton kernel's values."""
     import torch
 
-    from .config import get_recipe
+    from . import bwd
     from .fwd import LOG2E
 
-    from . import bwd
-
-    r = get_recipe(recipe)
-    _check_dq(r, head_dim, debug)
+    run = launch(recipe, head_dim=head_dim, causal=causal, kernel="dq", debug=debug, stages=stages, overlap=overlap)
+    consts = run.constexprs
     q8, k8, v8 = saved.q, saved.k, saved.v
     dev = do8.rows.device
     out = torch.empty((batch, heads, n, head_dim), device=dev, dtype=torch.bfloat16)
-    consts = _dq_constexprs(r, head_dim, causal, stages, overlap)
     matched = consts["MATCHED"]
     delta = torch.empty_like(delta_stale) if matched else delta_stale
     k_unit = bwd.kbar_unit(k8) if matched else delta_stale
     descs = _dq_descriptors(q8.rows, do8.rows, k8.rows, v8.rows, k8.cols, k8.col_scale, consts["BLOCK_N"])
     npad = triton.cdiv(n, QUANT_BLOCK.value) * QUANT_BLOCK.value
-    grid = (triton.cdiv(n, DQ_BLOCK_M.value), batch * heads)
-    _bwd_dq_ws_kernel[grid](*descs, q8.row_scale, k8.row_scale, v8.row_scale, k_unit, do8.row_scale, saved.lse2,
-                            delta_stale, delta, out, scale * LOG2E, scale, heads, heads // kv_heads, n, npad,
-                            **consts, num_warps=NUM_WARPS, maxnreg=LAUNCH_REGS)
+    run.kernel[run.grid(n, batch * heads)](
+        *descs, q8.row_scale, k8.row_scale, v8.row_scale, k_unit, do8.row_scale, saved.lse2, delta_stale, delta, out,
+        scale * LOG2E, scale, heads, heads // kv_heads, n, npad, **consts, **run.options())
     return out, delta

@@ -18,11 +18,10 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 
-from ._runtime import Launch, register_cap
+from ._runtime import Launch, register_cap, triton_type
 from .config import KernelSpec, get_recipe
 
 _INT_ARGS = ("H", "HKV", "GROUP", "N", "NPAD")
-_FP8 = {"float8_e4m3fn": "*fp8e4nv", "float8_e5m2": "*fp8e5"}
 
 
 @dataclass
@@ -38,9 +37,9 @@ def _pointer_type(name: str, do_format: str) -> str:
     if name in ("O", "DQ", "DK", "DV", "X"):
         return "*bf16"
     if name.startswith(("DO8", "DOT8")):
-        return _FP8[do_format]
+        return "*" + triton_type(do_format)
     if name.endswith("8"):
-        return "*fp8e4nv"
+        return "*" + triton_type("float8_e4m3fn")
     return "*fp32"  # scales, LSE2, deltas, row sums, debug dumps
 
 
@@ -158,17 +157,22 @@ def jitted_kernels() -> dict:
             "dkdv_ws": bwd_ws._bwd_dkdv_ws_kernel}
 
 
-def recipe_variants(spec: KernelSpec, head_dim: int, causal: bool, group: int = 1):
-    """(name, kernel, launch) of every kernel a training step runs, from the launchers' own
-    descriptions (``quantize.launch``, ``fwd.launch``, ``bwd.launch``)."""
-    from . import bwd, fwd, quantize
+def recipe_variants(spec: KernelSpec, head_dim: int, causal: bool, group: int = 1, gluon: bool = True):
+    """(name, launch) of the kernels a training step of ``spec`` runs, from the launchers' own
+    descriptions (``quantize.launch``, ``fwd.launch`` or ``fwd_ws.launch`` for a folded spec,
+    ``bwd.launch``, and with ``gluon`` ``bwd_ws.launch`` as ``dq_ws`` and ``dkdv_ws`` where the Gluon
+    backward runs the spec)."""
+    from . import bwd, bwd_ws, fwd, fwd_ws, quantize
 
-    yield ("quantize", quantize._quantize_kernel,
-           quantize.launch(head_dim, spec.recipe.do_dp.fmt.name, rows=True, cols=True, with_delta=True))
-    yield ("fwd", fwd._fwd_kernel, fwd.launch(spec, head_dim=head_dim, causal=causal))
-    yield ("dq", bwd._bwd_dq_kernel, bwd.launch(spec, head_dim=head_dim, causal=causal, kernel="dq"))
-    yield ("dkdv", bwd._bwd_dkdv_kernel,
-           bwd.launch(spec, head_dim=head_dim, causal=causal, kernel="dkdv", group=group))
+    yield "quantize", quantize.launch(head_dim, spec.recipe.do_dp.fmt.name, rows=True, cols=True, with_delta=True)
+    yield "fwd", (fwd_ws if spec.folded else fwd).launch(spec, head_dim=head_dim, causal=causal)
+    yield "dq", bwd.launch(spec, head_dim=head_dim, causal=causal, kernel="dq")
+    yield "dkdv", bwd.launch(spec, head_dim=head_dim, causal=causal, kernel="dkdv", group=group)
+    for kernel in ("dq", "dkdv") if gluon else ():
+        try:
+            yield f"{kernel}_ws", bwd_ws.launch(spec, head_dim=head_dim, causal=causal, kernel=kernel, group=group)
+        except ValueError:  # a backward tiling the Gluon kernels do not run: the Triton ones run it
+            continue
 
 
 def check(recipe: str | KernelSpec = "kernels_delta_matching", head_dims=(64, 128), causal=(False, True),
@@ -177,21 +181,37 @@ def check(recipe: str | KernelSpec = "kernels_delta_matching", head_dims=(64, 12
     out = []
     for d in head_dims:
         for c in causal:
-            for name, kernel, run in recipe_variants(spec, d, c):
+            for name, run in recipe_variants(spec, d, c):
                 if only is not None and name not in only:
                     continue
-                ck = compile_launch(kernel, run, do_format=spec.recipe.do_dp.fmt.name)
+                ck = compile_launch(run, do_format=spec.recipe.do_dp.fmt.name)
                 regs, spills, shared = resource_usage(ck)
                 cap = "" if run.maxnreg is None else f" maxnreg={run.maxnreg}"
+                stages = run.constexprs.get("STAGES") if run.num_stages is None else run.num_stages
                 out.append(Usage(name, regs, spills, shared,
-                                 f"{spec.name} d={d} causal={c} warps={run.num_warps} stages={run.num_stages}{cap}"))
+                                 f"{spec.name} d={d} causal={c} warps={run.num_warps} stages={stages}{cap}"))
     return out
 
 
-def compile_launch(kernel, run: Launch, *, do_format: str = "float8_e4m3fn"):
-    """:func:`compile_sm90` of ``kernel`` as ``run`` launches it."""
-    return compile_sm90(kernel, run.constexprs, num_warps=run.num_warps, num_stages=run.num_stages,
-                        do_format=do_format, descriptors=run.descriptors or None, maxnreg=run.maxnreg)
+def compile_launch(run: Launch, *, do_format: str = "float8_e4m3fn", n_multiple_of_16: bool = True):
+    """Compile ``run.kernel`` for sm_90a as ``run`` launches it (no GPU needed), Triton and Gluon
+    kernels alike: a Triton kernel through :func:`compile_sm90` (its argument types from their
+    names, dO's of ``do_format``), a Gluon one with the types its launch gives
+    (``run.signature``; N divisible by 16 with ``n_multiple_of_16``, as a launch at such an N
+    specializes it)."""
+    if run.signature is None:
+        return compile_sm90(run.kernel, run.constexprs, num_warps=run.num_warps, num_stages=run.num_stages,
+                            do_format=do_format, descriptors=run.descriptors or None, maxnreg=run.maxnreg)
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig, attrs = run.signature(run, n_multiple_of_16, do_format)
+    sig = {**sig, **{name: "constexpr" for name in run.constexprs}}
+    names = list(run.kernel.arg_names)
+    src = GluonASTSource(run.kernel, {k: sig[k] for k in names}, constexprs=run.constexprs,
+                         attrs={(names.index(k),): v for k, v in attrs.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=run.options())
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -22,7 +22,7 @@ matmul that contracts over the head dim (QK^T, dO V^T) takes row copies.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from dmref.emulation import (BFLOAT16, FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT16, Accumulation, MatmulModel, Rounding, ScaleRule,
@@ -46,25 +46,63 @@ KernelDelta = Literal["stale", "matched"]
 class FwdTiles:
     """Forward tiling: one program per ``block_m`` queries, looping over key tiles of the
     recipe's ``Tiles.block_k`` (128) keys, the running-max granularity P is quantized against
-    and the PV contraction per promotion (``acc += dot(P~, V^)`` once per tile)."""
+    and the PV contraction per promotion (``acc += dot(P~, V^)`` once per tile). The Triton
+    forward honours every field but ``overlap``; the warp-specialized Gluon forward (``fwd_ws``,
+    the folded recipes') honours ``num_stages`` and ``overlap`` and refuses any other
+    ``block_m``, ``num_warps``, ``tma`` or ``maxnreg`` than its own (:func:`fwd_refusal`).
+    :func:`default_fwd_tiles` says which tiling each runs by default, and why."""
 
     block_m: int = 64  #: queries per program
     num_warps: int = 4  #: warps per program (Triton launch option)
-    num_stages: int = 3  #: software-pipelining depth (Triton launch option)
+    #: software-pipelining depth (Triton launch option); in ``fwd_ws`` the depth of the
+    #: shared-memory ring of K and V tiles (``STAGES``)
+    num_stages: int = 3
     #: load K and V tiles through TMA tensor descriptors instead of per-element pointers (faster on
     #: the H200 at every benchmark shape: docs/kernels_speed.md, "Tried, measured, and not kept")
     tma: bool = True
     #: register cap per thread (Triton's ``maxnreg`` launch option; None: the compiler's choice).
     #: A lower cap lets more CTAs share an SM (ptxas spills what does not fit)
     maxnreg: int | None = None
+    #: ``fwd_ws``'s schedule (``OVERLAP``): 0 serial, 1 QK^T of the next key tile issued before
+    #: the softmax of this one; None for the Triton forward, which has one schedule
+    overlap: int | None = None
 
     def __post_init__(self) -> None:
         _check_tile("block_m", self.block_m)
 
 
+#: What the warp-specialized forward (``fwd_ws``) fixes: one m64 wgmma row block of one
+#: consumer warp group a CTA, K and V through TMA, registers set by ``setmaxnreg`` (128 at
+#: launch, 232 for the consumer), so no cap of its own.
+WS_FWD_BLOCK_M, WS_FWD_NUM_WARPS = 64, 4
+
+
+def fwd_refusal(recipe, tiles: FwdTiles) -> str | None:
+    """None if the forward kernel of ``recipe``'s family honours ``tiles``, else why not, one
+    line: the warp-specialized forward (folded recipes) fixes its block, warps, loads and
+    registers; the Triton forward has no overlapped schedule."""
+    if recipe.k.granularity is not Granularity.HEAD:
+        if tiles.overlap is not None:
+            return (f"overlap={tiles.overlap}: the Triton forward has one schedule (overlap is the warp-specialized "
+                    "forward's, the folded recipes')")
+        return None
+    fixed = dict(block_m=WS_FWD_BLOCK_M, num_warps=WS_FWD_NUM_WARPS, tma=True, maxnreg=None)
+    wrong = [f"{k}={getattr(tiles, k)!r}" for k, v in fixed.items() if getattr(tiles, k) != v]
+    if wrong:
+        return (f"{', '.join(wrong)}: the warp-specialized forward runs block_m={WS_FWD_BLOCK_M} on "
+                f"num_warps={WS_FWD_NUM_WARPS} (one m64 wgmma warp group), TMA loads and setmaxnreg's registers "
+                "(maxnreg=None)")
+    if tiles.overlap not in (None, 0, 1):
+        return f"overlap={tiles.overlap!r}: the warp-specialized forward's schedules are 0 (serial) and 1"
+    if tiles.num_stages < 1:
+        return f"num_stages={tiles.num_stages}: the warp-specialized forward's ring needs at least one stage"
+    return None
+
+
 @dataclass(frozen=True)
 class BwdTiles:
-    """Backward tiling of the two named kernels.
+    """Backward tiling of the two named Triton kernels (``bwd``), whose ``block_m1`` and
+    ``block_n2`` the Gluon ones (``bwd_ws``) take too: they decide the recipe's dS blocks.
 
     - ``dkdv``: one program per ``block_n1`` keys (and one key/value head, summing over its query
       heads), looping over ``block_m1`` queries.
@@ -74,8 +112,7 @@ class BwdTiles:
     ``block_n2`` keys for dQ (the contraction of the tile): tiles of 128 give the reference
     presets' 1x128 granularity, tiles of 64 and 32 the 1x64 and 1x32 ones (the Recipe's
     ``ds_dq`` and ``ds_dk``, :func:`fit_to_tiles`). Tiles of 128 spill at head
-    dim 128. The defaults (D = 128) are the fastest tiling and loads of the H200 sweeps that
-    ``benchmarks/bench_attention.py`` runs (docs/kernels_speed.md; benchmarks/results/h200_bench_attention.json).
+    dim 128. :func:`default_bwd_tiles` says which tiling runs by default, and why.
     """
 
     block_m1: int = 64
@@ -104,6 +141,78 @@ def _check_tile(name: str, value: int) -> None:
     # the causal loop split relies on.
     if value < 32 or QUANT_BLOCK % value:
         raise ValueError(f"{name}={value} must be >= 32 and divide QUANT_BLOCK={QUANT_BLOCK}")
+
+
+@dataclass(frozen=True)
+class WsBwdTiles:
+    """The warp-specialized Gluon backward's schedule (``bwd_ws``). Its CTAs are fixed (64 keys
+    (dkdv) or 64 queries (dq) on one consumer warp group and a producer warp, 128 registers at
+    launch) and its query tile (dkdv) and key tile (dq) are the backward tiling's ``block_m1`` and
+    ``block_n2``; what is left to choose is each kernel's ring and schedule (``bwd_ws``'s module
+    docstring: the same operations on the same values in every schedule, so the same bits).
+    :func:`default_ws_bwd_tiles` says which runs by default, and why."""
+
+    dkdv_stages: int = 2  #: shared-memory stages of dkdv's query-tile ring
+    #: dK and dV held as two halves of the head dim (four n = D/2 wgmmas a tile instead of two)
+    dkdv_split: bool = False
+    #: dkdv's ``OVERLAP``: 0 serial, 1 dP^T issued behind S^T, 2 and P^T dO behind dP^T (not split)
+    dkdv_overlap: int = 0
+    dq_stages: int = 2  #: shared-memory stages of dq's key-tile ring
+    #: dq's ``OVERLAP``: 0 serial, 1 dP behind S, 2 (matched) kbar's wgmma behind dS K, 3 the next
+    #: key tile's S behind the last wgmma of this one
+    dq_overlap: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dkdv_overlap not in (0, 1, 2) or self.dq_overlap not in (0, 1, 2, 3):
+            raise ValueError(f"dkdv_overlap={self.dkdv_overlap} must be 0, 1 or 2 and dq_overlap={self.dq_overlap} "
+                             "0, 1, 2 or 3")
+        if self.dkdv_overlap == 2 and self.dkdv_split:
+            raise ValueError("dkdv_overlap=2 issues P^T dO behind dP^T, which the split dK and dV do not")
+        if min(self.dkdv_stages, self.dq_stages) < 1:
+            raise ValueError(f"stages ({self.dkdv_stages}, {self.dq_stages}) must be at least 1")
+
+
+# ---- every default tiling and schedule, one function per kernel family (FA3's tile_size.h) ------
+# The reasons are measurements on the H200 (docs/kernels_speed.md; the files named).
+
+
+def default_fwd_tiles(recipe, head_dim: int) -> FwdTiles:
+    """The forward tiling each forward kernel runs ``recipe`` with at ``head_dim`` by default:
+    the warp-specialized Gluon one for the folded recipes, the Triton one otherwise."""
+    if recipe.k.granularity is Granularity.HEAD:  # folded K and V: the warp-specialized Gluon forward
+        # 64 queries on 4 warps, TMA, setmaxnreg: fixed by the kernel (fwd_refusal); two ring stages:
+        # 72 KB of shared memory at D = 128, so two CTAs share an SM; overlap 1, QK^T of the next tile
+        # during the softmax: 0.99-1.11x the serial speed (dev/gpu_fwd_ws_probe.py)
+        return FwdTiles(block_m=WS_FWD_BLOCK_M, num_warps=WS_FWD_NUM_WARPS, num_stages=2, overlap=1)
+    if head_dim == 64:
+        # a register cap of 168 so that three CTAs share an SM: 3% faster (h200_sweep_d64.json)
+        return FwdTiles(maxnreg=168)
+    # 64 queries on 4 warps, 3 stages, TMA loads: the fastest of the sweeps (a cap spills and loses)
+    return FwdTiles()
+
+
+def default_bwd_tiles(recipe, head_dim: int) -> BwdTiles:
+    """The Triton backward's tiling (``bwd``) at ``head_dim`` by default; its ``block_m1`` and
+    ``block_n2`` (64) are the recipes' 1 x 64 dS blocks, which the Gluon backward runs too."""
+    if head_dim == 64:
+        # 64 x 64 tiles on 4 warps, pointer loads, the matched dq capped at 168 registers (3 CTAs an SM
+        # instead of 2; capping dkdv too is slower): the sweep's fastest (h200_sweep_d64.json)
+        return BwdTiles(64, 64, 64, 64, 4, 2, 4, 2, tma=False, maxnreg_dq=168)
+    # 64 x 128 (dkdv) and 128 x 64 (dq) on 8 warps, 2 stages, TMA loads: the fastest of the sweeps
+    # bench_attention.py runs (h200_bench_attention.json); tiles of 128 x 128 spill
+    return BwdTiles()
+
+
+def default_ws_bwd_tiles(recipe, head_dim: int) -> WsBwdTiles:
+    """The Gluon backward's schedule (``bwd_ws``) for ``recipe`` at ``head_dim`` by default."""
+    # two ring stages: 80 KB (dkdv) and 65 KB (dq) of shared memory at D = 128, two CTAs an SM; dK and dV
+    # whole: they fit 232 registers at both head dims
+    if head_dim == 64:
+        # dkdv: dP^T behind S^T, 2-3% faster than serial; dq, matched: kbar's wgmma behind dS K, 3-5%
+        # faster; stale: serial, the overlapped ones within +-4% (h200_bwd_ws_probe.jsonl)
+        return WsBwdTiles(dkdv_overlap=1, dq_overlap=2 if recipe.delta.deferred_dq is not None else 0)
+    # serial: the schedules that fit 232 registers without spills at D = 128 are no faster there
+    return WsBwdTiles(dkdv_overlap=0, dq_overlap=0)
 
 
 def _ds_point(extent: int):
@@ -252,26 +361,38 @@ class KernelSpec:
     (HOPPER wgmma chains, promoted to float32 between backward tiles shorter than 128). The
     backward tiling decides the dS block extents, the promotion interval and kbar's tile
     (:func:`fit_to_tiles`), so every tiling of a spec agrees with its recipe; the forward's key
-    tile is the recipe's ``Tiles.block_k``. The launchers read the spec through one launch
-    description per kernel (``fwd.launch``, ``bwd.launch``), which ``compile_check`` reads too.
+    tile is the recipe's ``Tiles.block_k``. A forward tiling its forward kernel does not honour is
+    refused (:func:`fwd_refusal`). The launchers read the spec through one launch description per
+    kernel (``fwd.launch``, ``fwd_ws.launch``, ``bwd.launch``, ``bwd_ws.launch``), which
+    ``compile_check`` reads too.
     """
 
     recipe: Recipe
-    fwd: FwdTiles = field(default_factory=FwdTiles)
-    #: forward tiling at head dim 64 (None: ``fwd``): a register cap of 168 so that three CTAs
-    #: share an SM (H200: 3% faster at D = 64, benchmarks/results/h200_sweep_d64.json; at
-    #: D = 128 the cap spills and loses)
-    fwd_d64: FwdTiles | None = field(default_factory=lambda: FwdTiles(maxnreg=168))
-    bwd: BwdTiles = field(default_factory=BwdTiles)
-    #: backward tiling at head dim 64 (None: ``bwd``): the H200 sweep picks 64 x 64 tiles on 4
-    #: warps, pointer loads, and the matched dq capped at 168 registers (3 CTAs per SM instead of
-    #: 2; capping dkdv too is slower; benchmarks/results/h200_sweep_d64.json)
-    bwd_d64: BwdTiles | None = field(
-        default_factory=lambda: BwdTiles(64, 64, 64, 64, 4, 2, 4, 2, tma=False, maxnreg_dq=168))
+    #: forward tiling (None: :func:`default_fwd_tiles` of the recipe at head dim 128, and
+    #: ``fwd_d64`` its default at 64 unless given)
+    fwd: FwdTiles | None = None
+    #: forward tiling at head dim 64 (None: ``fwd`` where ``fwd`` is given, else the default)
+    fwd_d64: FwdTiles | None = None
+    #: the Triton backward's tiling (None: :func:`default_bwd_tiles`, as ``fwd``)
+    bwd: BwdTiles | None = None
+    bwd_d64: BwdTiles | None = None  #: at head dim 64 (None: as ``fwd_d64``)
+    #: the Gluon backward's schedule (None: :func:`default_ws_bwd_tiles`, as ``fwd``)
+    ws_bwd: WsBwdTiles | None = None
+    ws_bwd_d64: WsBwdTiles | None = None  #: at head dim 64 (None: as ``fwd_d64``)
 
     def __post_init__(self) -> None:
         if not isinstance(self.recipe, Recipe):
             raise TypeError(f"recipe must be a dmref.recipes.Recipe, got {type(self.recipe).__name__}")
+        for name, default in (("fwd", default_fwd_tiles), ("bwd", default_bwd_tiles),
+                              ("ws_bwd", default_ws_bwd_tiles)):
+            if getattr(self, name) is None:  # the defaults, resolved once (frozen: set as dataclasses do)
+                object.__setattr__(self, name, default(self.recipe, 128))
+                if getattr(self, f"{name}_d64") is None and default(self.recipe, 64) != getattr(self, name):
+                    object.__setattr__(self, f"{name}_d64", default(self.recipe, 64))
+        for tiles in {self.fwd, self.fwd_d64 or self.fwd}:
+            reason = fwd_refusal(self.recipe, tiles)
+            if reason is not None:
+                raise ValueError(f"the forward kernel of recipe {self.recipe.name!r} does not run this tiling: {reason}")
         for tiles in {self.bwd, self.bwd_d64 or self.bwd}:
             reason = unsupported(self.recipe, tiles)
             if reason is not None:
@@ -308,7 +429,8 @@ class KernelSpec:
         return self.recipe.p_fwd.offset_log2
 
     # ---- tilings -------------------------------------------------------------------------------
-    def with_tiles(self, fwd: FwdTiles | None = None, bwd: BwdTiles | None = None) -> "KernelSpec":
+    def with_tiles(self, fwd: FwdTiles | None = None, bwd: BwdTiles | None = None,
+                   ws_bwd: WsBwdTiles | None = None) -> "KernelSpec":
         """The spec with these tilings (a given tiling applies to every head dim). A backward
         tiling that quantizes dS, promotes or tiles kbar otherwise refits the recipe to it
         (:func:`fit_to_tiles`) under a name of its own, ``<name>_tiles<block_m1>x<block_n2>``."""
@@ -316,8 +438,10 @@ class KernelSpec:
         if bwd is not None and fit_to_tiles(recipe, bwd) != recipe:
             recipe = dataclasses.replace(fit_to_tiles(recipe, bwd), name=f"{self.name}_tiles{bwd.block_m1}x{bwd.block_n2}")
         return dataclasses.replace(self, recipe=recipe, fwd=fwd or self.fwd, bwd=bwd or self.bwd,
+                                   ws_bwd=ws_bwd or self.ws_bwd,
                                    fwd_d64=None if fwd is not None else self.fwd_d64,
-                                   bwd_d64=None if bwd is not None else self.bwd_d64)
+                                   bwd_d64=None if bwd is not None else self.bwd_d64,
+                                   ws_bwd_d64=None if ws_bwd is not None else self.ws_bwd_d64)
 
     def fwd_tiles(self, head_dim: int) -> FwdTiles:
         """The forward tiling used at ``head_dim``."""
@@ -326,6 +450,10 @@ class KernelSpec:
     def bwd_tiles(self, head_dim: int) -> BwdTiles:
         """The backward tiling used at ``head_dim``."""
         return self.bwd_d64 if (head_dim == 64 and self.bwd_d64 is not None) else self.bwd
+
+    def ws_bwd_tiles(self, head_dim: int) -> WsBwdTiles:
+        """The Gluon backward's schedule used at ``head_dim``."""
+        return self.ws_bwd_d64 if (head_dim == 64 and self.ws_bwd_d64 is not None) else self.ws_bwd
 
     def reference_recipe(self, accumulation: str = "hopper") -> Recipe:
         """``recipe`` for the emulated reference ``dmref.tiled`` under ``accumulation``:

@@ -194,7 +194,8 @@ def launch(spec: KernelSpec, *, head_dim: int, causal: bool, debug: bool = False
                   P_SCALE=float(2 ** spec.recipe.p_fwd.offset_log2), TMA=tiles.tma, DEBUG=bool(debug),
                   INTERPRET=interpreting())
     descriptors = {"K8": [1, block_n, head_dim], "VT8": [1, head_dim, block_n]} if tiles.tma else {}
-    return Launch(consts, tiles.num_warps, tiles.num_stages, tiles.maxnreg, descriptors)
+    return Launch(consts, tiles.num_warps, tiles.num_stages, tiles.maxnreg, descriptors, kernel=_fwd_kernel,
+                  block_m=tiles.block_m)
 
 
 def forward(
@@ -214,14 +215,14 @@ def forward(
     lse2 = torch.empty((batch * heads, n), device=dev, dtype=torch.float32)
     p_dump = (torch.zeros((batch * heads, n, n), device=dev, dtype=torch.float32) if debug
               else torch.empty(1, device=dev, dtype=torch.float32))
-    grid = (triton.cdiv(n, run.constexprs["BLOCK_M"]), batch * heads)
+    grid = run.grid(n, batch * heads)
     k_rows, v_cols = k8.rows, vt.cols
     if run.descriptors:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         k_rows = TensorDescriptor.from_tensor(k8.rows, run.descriptors["K8"])
         v_cols = TensorDescriptor.from_tensor(vt.cols, run.descriptors["VT8"])
-    _fwd_kernel[grid](
+    run.kernel[grid](
         q8.rows, q8.row_scale, k_rows, k8.row_scale, v_cols, vt.col_scale,
         o, lse2, p_dump,
         scale * LOG2E, heads, heads // kv_heads, n, vt.npad,

@@ -1,10 +1,14 @@
-"""Warp-specialized FP8 attention forward for Hopper, in Gluon (the ``folded`` recipe).
+"""Warp-specialized FP8 attention forward for Hopper, in Gluon (the ``folded`` recipes).
 
 One CTA per ``BLOCK_M = 64`` queries of one head: a consumer warp group (the default partition,
 four warps) quantizes its Q tile, runs the wgmmas and the softmax; a one-warp producer (a worker
 partition whose registers ``setmaxnreg`` lowers to 24) streams K and V tiles into a ring of
 ``STAGES`` shared-memory buffers through TMA. Two CTAs share an SM (128 registers a thread at
-launch; the consumer rises to 232), so one CTA's softmax overlaps the other's wgmmas.
+launch; the consumer rises to 232), so one CTA's softmax overlaps the other's wgmmas. What it
+computes comes from its ``config.KernelSpec`` through :func:`launch`: P's scale
+``2**e = 2**recipe.p_fwd.offset_log2``, PV promoted or chained (``recipe.pv_chain``), key tiles of
+``recipe.tiles.block_k``, the ring's depth and the schedule (the forward tiling's ``num_stages``
+and ``overlap``; its defaults: ``config.default_fwd_tiles``).
 
 The consumer, for its Q tile and then for every key tile of ``BLOCK_N`` keys:
 
@@ -12,11 +16,11 @@ The consumer, for its Q tile and then for every key tile of ``BLOCK_N`` keys:
     S  = wgmma(Q8, K8^T)                                    # float32, Hopper's FP8 chain
     c  = q_scale_i * k_scale * tau * log2 e                 # one factor per row, c > 0
     m  = max(m, fl(rowmax(S) * c))                          # = the running max of fl(S c)
-    P8 = exp2(fma(S, c, 8 - m))                             # P * 2**8, the argument one FFMA
+    P8 = exp2(fma(S, c, e - m))                             # P * 2**e, the argument one FFMA
     l  = l * alpha + rowsum(P8)                             # float32
-    acc = acc * alpha + wgmma(Q(P8), V8)                    # Q-point P: E4M3, fixed 2**8; a
+    acc = acc * alpha + wgmma(Q(P8), V8)                    # Q-point P: E4M3, fixed 2**e; a
                                                             # chain per tile, promoted
-    O  = acc * fl(1 / l) * v_scale_d;  LSE2 = m - 8 + log2(l)
+    O  = acc * fl(1 / l) * v_scale_d;  LSE2 = m - e + log2(l)
 
 ``OVERLAP = 1`` (the default) issues QK^T of tile j + 1 before the softmax of tile j: on the
 H200 it runs 0.99-1.11x the serial schedule's speed at the shapes of
@@ -54,12 +58,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from ._gluon import LAUNCH_REGS, PRODUCER_REGS, allocator
+from ._runtime import Launch, triton_type
+from .config import WS_FWD_BLOCK_M
 from ._gluon import exp2_int as _exp2_int
 from ._gluon import pow2_down_exponent as _pow2_down_exponent
 from ._gluon import to_fp8 as _to_fp8
 
-#: queries per CTA: one m64 wgmma row block for the consumer warp group
-BLOCK_M = gl.constexpr(64)
+#: queries per CTA: one m64 wgmma row block for the consumer warp group (``config.WS_FWD_BLOCK_M``)
+BLOCK_M = gl.constexpr(WS_FWD_BLOCK_M)
 
 
 @gluon.jit
@@ -281,8 +287,8 @@ def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_
                                                 s_old, t_old, m_i, l_i, cs, offs_m, N, s_layout, o_layout,
                                                 p_layout, BLOCK_N, STAGES, True, CAUSAL, P_SCALE, CHAIN, PD, NPAD,
                                                 DEBUG)
-    # epilogue: O = acc * fl(1 / l) * v_scale (l sums P * 2**8; v_scale per channel, a power of
-    # two), one division per row; LSE2 = m - 8 + log2(l)
+    # epilogue: O = acc * fl(1 / l) * v_scale (l sums P * P_SCALE; v_scale per channel, a power of
+    # two), one division per row; LSE2 = m - log2(P_SCALE) + log2(l)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     v_scale = gl.load(V_SCALE + kv.to(gl.int64) * HEAD_DIM + offs_d)
@@ -380,63 +386,104 @@ def _descriptors(k8, vt8, block_n: int):
             TensorDescriptor.from_tensor(vt8.reshape(-1, vt8.shape[-1]), [d, block_n], v_layout))
 
 
-def _constexprs(head_dim: int, block_n: int, stages: int, causal: bool, chain: bool | None,
-                overlap: bool, debug: bool = False) -> dict:
-    """The kernel's constexprs: one description for the launcher and the compile check. P's
-    fixed scale and PV's accumulation are the folded recipes' (``Recipe.p_fwd.offset_log2``;
-    ``Recipe.pv_chain`` for ``chain=None``)."""
-    from .config import RECIPES
+def launch(spec, *, head_dim: int, causal: bool, debug: bool = False, host_descriptors: bool = False) -> Launch:
+    """The kernel's launch for ``spec`` (a ``config.KernelSpec`` of a folded recipe, or its name)
+    at ``head_dim``: everything it computes read from the spec, P's fixed scale
+    ``2**recipe.p_fwd.offset_log2``, PV promoted per key tile or chained (``recipe.pv_chain``), key
+    tiles of ``recipe.tiles.block_k``, the ring's depth and the schedule of the tiling
+    (``spec.fwd_tiles(head_dim)``: ``num_stages``, ``overlap``). ``host_descriptors``: K's and V's
+    TMA descriptors built on the host once a launch (:func:`_fwd_ws_kernel`), else in every CTA
+    (:func:`_fwd_ws_kernel_dev`). The one description that :func:`forward` and
+    :func:`compile_sm90` read. Raises ValueError, with the reason, for a spec it does not run."""
+    from .config import default_fwd_tiles, fwd_refusal, get_recipe
 
-    recipe = RECIPES["kernels_folded_delta_matching"]
-    p_scale = float(2 ** recipe.p_scale_log2)
-    if chain is None:
-        chain = recipe.recipe.pv_chain
-    if int(overlap) not in (0, 1):
-        raise ValueError(f"overlap must be 0 or 1 (or a bool), got {overlap!r}")
-    return dict(HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), P_SCALE=p_scale,
-                CHAIN=bool(chain), OVERLAP=int(overlap), DEBUG=bool(debug))
+    spec = get_recipe(spec)
+    if not spec.folded:
+        raise ValueError(f"fwd_ws runs the folded recipes (K scaled per head); recipe {spec.name!r} scales K "
+                         f"{spec.recipe.k.describe()}: its forward is fwd.launch's")
+    if head_dim not in (64, 128):
+        raise ValueError(f"fwd_ws: head dim {head_dim} must be 64 or 128")
+    tiles = spec.fwd_tiles(head_dim)
+    why = fwd_refusal(spec.recipe, tiles)
+    if why:
+        raise ValueError(f"fwd_ws: {why}")
+    overlap = default_fwd_tiles(spec.recipe, head_dim).overlap if tiles.overlap is None else tiles.overlap
+    consts = dict(HEAD_DIM=head_dim, BLOCK_N=spec.recipe.tiles.block_k, STAGES=tiles.num_stages,
+                  CAUSAL=bool(causal), P_SCALE=float(2 ** spec.recipe.p_fwd.offset_log2),
+                  CHAIN=bool(spec.recipe.pv_chain), OVERLAP=int(overlap), DEBUG=bool(debug))
+    kernel = _fwd_ws_kernel if host_descriptors else _fwd_ws_kernel_dev
+    return Launch(consts, num_warps=tiles.num_warps, num_stages=None, maxnreg=LAUNCH_REGS, kernel=kernel,
+                  block_m=BLOCK_M.value, signature=signature)
 
 
-def compile_sm90(head_dim: int = 128, block_n: int = 128, stages: int = 2, causal: bool = False,
-                 chain: bool | None = None, overlap: bool = True, debug: bool = False,
-                 host_descriptors: bool = False):
-    """Compile the kernel for sm_90a without a GPU (ptxas included); returns the compiled kernel.
-    The defaults are :func:`forward`'s."""
+def variant(recipe="kernels_folded_naive_fp8", *, chain: bool | None = None, overlap: bool | int | None = None,
+            stages: int | None = None):
+    """The folded spec ``recipe`` with PV chained over all keys or promoted per tile (``chain``:
+    a recipe of its own, ``<name>_pv_chain`` or ``<name>_pv_promoted``, which ``dmref.tiled``
+    takes as it is) and another schedule or ring depth (``overlap``, ``stages``: its forward
+    tiling at every head dim); None keeps the spec's."""
+    import dataclasses
+
+    from .config import get_recipe
+
+    spec = get_recipe(recipe)
+    if chain is not None and bool(chain) != spec.recipe.pv_chain:
+        r = spec.recipe
+        spec = dataclasses.replace(spec, recipe=dataclasses.replace(
+            r, pv_chain=bool(chain), name=f"{r.name}_pv_{'chain' if chain else 'promoted'}"))
+    if overlap is None and stages is None:
+        return spec
+    tiles = {d: spec.fwd_tiles(d) for d in (64, 128)}
+    fwd = {d: dataclasses.replace(t, overlap=t.overlap if overlap is None else int(overlap),
+                                  num_stages=t.num_stages if stages is None else stages) for d, t in tiles.items()}
+    return dataclasses.replace(spec, fwd=fwd[128], fwd_d64=fwd[64])
+
+
+def compile_sm90(head_dim: int = 128, causal: bool = False, recipe="kernels_folded_delta_matching", *,
+                 chain: bool | None = None, overlap: bool | int | None = None, stages: int | None = None,
+                 debug: bool = False, host_descriptors: bool = False):
+    """Compile the kernel for sm_90a without a GPU (ptxas included), as :func:`launch` describes it
+    for ``recipe`` (or its :func:`variant` with ``chain``, ``overlap``, ``stages``); returns the
+    compiled kernel."""
+    from .compile_check import compile_launch
+
+    spec = variant(recipe, chain=chain, overlap=overlap, stages=stages)
+    return compile_launch(launch(spec, head_dim=head_dim, causal=causal, debug=debug,
+                                 host_descriptors=host_descriptors))
+
+
+def signature(run: Launch, n_multiple_of_16: bool = True, do_format: str = "float8_e4m3fn") -> tuple[dict, dict]:
+    """The argument types of ``run``'s kernel for a compilation without a launch
+    (``compile_check.compile_launch``; it reads no dO), and no divisibility attributes: host-side descriptors of
+    small CPU tensors (the type holds only dtype, block shape and layout), or the pointers the
+    device-side kernel takes."""
     import torch
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    consts = _constexprs(head_dim, block_n, stages, causal, chain, overlap, debug)
+    d, block_n = run.constexprs["HEAD_DIM"], run.constexprs["BLOCK_N"]
     rest = {"Q": "*bf16", "stride_qb": "i32", "stride_qh": "i32", "stride_qn": "i32", "K_SCALE": "*fp32",
             "V_SCALE": "*fp32", "O": "*bf16", "LSE2": "*fp32", "PD": "*fp32", "qk_scale": "fp32", "H": "i32",
             "GROUP": "i32", "N": "i32", "NPAD": "i32"}
-    if host_descriptors:
-        # descriptors of small CPU tensors: the signature holds only dtype, block shape and layout
-        k_desc, v_desc = _descriptors(torch.zeros(128, head_dim, dtype=torch.float8_e4m3fn),
-                                      torch.zeros(head_dim, 128, dtype=torch.float8_e4m3fn), block_n)
-        kernel, sig = _fwd_ws_kernel, {"k_desc": mangle_type(k_desc), "v_desc": mangle_type(v_desc), **rest}
-    else:
-        kernel, sig = _fwd_ws_kernel_dev, {**rest, "K8": "*fp8e4nv", "VT8": "*fp8e4nv", "ROWS_KV": "i32"}
-    sig.update({name: "constexpr" for name in consts})
-    src = GluonASTSource(kernel, {k: sig[k] for k in kernel.arg_names}, constexprs=consts)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=LAUNCH_REGS))
+    if run.kernel is _fwd_ws_kernel:
+        k_desc, v_desc = _descriptors(torch.zeros(128, d, dtype=torch.float8_e4m3fn),
+                                      torch.zeros(d, 128, dtype=torch.float8_e4m3fn), block_n)
+        return {"k_desc": mangle_type(k_desc), "v_desc": mangle_type(v_desc), **rest}, {}
+    fp8 = "*" + triton_type("float8_e4m3fn")
+    return {**rest, "K8": fp8, "VT8": fp8, "ROWS_KV": "i32"}, {}
 
 
 def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale: float,
-            block_n: int = 128, stages: int = 2, chain: bool | None = None, overlap: bool = True,
-            debug: bool = False, host_descriptors: bool = False):
-    """Run the warp-specialized forward: ``q (B, H, N, D)`` BF16 (quantized inside, per token;
-    its last dim contiguous), ``k8 (B*HKV, N, D)`` with ``k_scale (B*HKV,)``, ``vt8 (B*HKV, D,
-    NPAD)`` with ``v_scale (B*HKV, D)`` (:func:`dmref.kernels.quantize.quantize_kv_folded`). Returns O
+            recipe="kernels_folded_naive_fp8", debug: bool = False, host_descriptors: bool = False):
+    """Run the warp-specialized forward of ``recipe`` (a folded ``config.KernelSpec`` or its name;
+    :func:`launch`): ``q (B, H, N, D)`` BF16 (quantized inside, per token; its last dim
+    contiguous), ``k8 (B*HKV, N, D)`` with ``k_scale (B*HKV,)``, ``vt8 (B*HKV, D, NPAD)`` with
+    ``v_scale (B*HKV, D)`` (:func:`dmref.kernels.quantize.quantize_kv_folded`). Returns O
     ``(B, H, N, D)`` BF16 and LSE2 ``(B*H, N)`` float32 (base 2), and with ``debug`` a third
-    result, the codes of P~ = P * 2**8 (E4M3) of every tile, ``(B*H, N, NPAD)`` uint8 (0 where
-    masked; columns past N unused): the kernel stores the float32 values its cast receives and
-    :func:`dmref.kernels.fwd.fp8_codes` casts them (stored as bytes, the codes were wrong on the
-    H200 in half the rows when N % 16 != 0: docs/kernels.md). ``chain=None``: the folded recipes' ``pv_chain``;
-    ``overlap``: 0 (or False) serial, 1 (or True, the default) QK^T of the next tile during the
-    softmax. ``host_descriptors``: K's and V's
-    TMA descriptors built on the host once a launch, else (the default) in every CTA."""
+    result, the codes of P~ = P * 2**offset (E4M3) of every tile, ``(B*H, N, NPAD)`` uint8 (0
+    where masked; columns past N unused): the kernel stores the float32 values its cast receives
+    and :func:`dmref.kernels.fwd.fp8_codes` casts them (stored as bytes, the codes were wrong on
+    the H200 in half the rows when N % 16 != 0: docs/kernels.md). ``host_descriptors``: K's and
+    V's TMA descriptors built on the host once a launch, else (the default) in every CTA."""
     import torch
 
     from ..emulation.constants import LOG2E
@@ -445,30 +492,34 @@ def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale:
     b, h, n, d = q.shape
     if q.stride(-1) != 1:
         raise ValueError(f"q's last dim must be contiguous, got strides {q.stride()}")
+    run = launch(recipe, head_dim=d, causal=causal, debug=debug, host_descriptors=host_descriptors)
     triton.set_allocator(allocator)
     o = torch.empty((b, h, n, d), device=q.device, dtype=torch.bfloat16)
     lse2 = torch.empty((b * h, n), device=q.device, dtype=torch.float32)
     p_dump = torch.zeros((b * h, n, vt8.shape[-1]) if debug else (1,), device=q.device, dtype=torch.float32)
-    grid = (triton.cdiv(n, BLOCK_M.value), b * h)
-    consts = _constexprs(d, block_n, stages, causal, chain, overlap, debug)
+    grid = run.grid(n, b * h)
     scalars = (scale * LOG2E, h, h // kv_heads, n, vt8.shape[-1])
     if host_descriptors:
-        _fwd_ws_kernel[grid](*_descriptors(k8, vt8, block_n), q, q.stride(0), q.stride(1), q.stride(2), k_scale,
-                             v_scale, o, lse2, p_dump, *scalars, **consts, num_warps=4, maxnreg=LAUNCH_REGS)
+        run.kernel[grid](*_descriptors(k8, vt8, run.constexprs["BLOCK_N"]), q, q.stride(0), q.stride(1), q.stride(2),
+                         k_scale, v_scale, o, lse2, p_dump, *scalars, **run.constexprs, **run.options())
     else:
-        _fwd_ws_kernel_dev[grid](q, q.stride(0), q.stride(1), q.stride(2), k8, k_scale, vt8, v_scale, o, lse2,
-                                 p_dump, *scalars, b * kv_heads * n, **consts, num_warps=4, maxnreg=LAUNCH_REGS)
+        run.kernel[grid](q, q.stride(0), q.stride(1), q.stride(2), k8, k_scale, vt8, v_scale, o, lse2,
+                         p_dump, *scalars, b * kv_heads * n, **run.constexprs, **run.options())
     return (o, lse2, fp8_codes(p_dump)) if debug else (o, lse2)
 
 
-def attention_forward(q, k, v, *, causal: bool = False, scale: float | None = None, **tiles):
-    """Quantize k (per head) and v (per head and channel), then :func:`forward` (which quantizes q).
-    Returns (O, LSE2, the FP8 operands of K and V as a ``FoldedKV``), and with ``debug=True`` in
-    ``tiles`` the P codes of :func:`forward` last."""
+def attention_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
+                      recipe="kernels_folded_naive_fp8", debug: bool = False, host_descriptors: bool = False,
+                      chain: bool | None = None, overlap: bool | int | None = None, stages: int | None = None):
+    """Quantize k (per head) and v (per head and channel), then :func:`forward` (which quantizes q)
+    of ``recipe``, or of its :func:`variant` with ``chain``, ``overlap``, ``stages``. Returns (O,
+    LSE2, the FP8 operands of K and V as a ``FoldedKV``), and with ``debug`` the P codes of
+    :func:`forward` last."""
     from .quantize import quantize_kv_folded
 
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    spec = variant(recipe, chain=chain, overlap=overlap, stages=stages)
     kv = quantize_kv_folded(k, v)
     o, lse2, *p_codes = forward(q, kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=k.shape[1], causal=causal,
-                                scale=scale, **tiles)
+                                scale=scale, recipe=spec, debug=debug, host_descriptors=host_descriptors)
     return (o, lse2, kv, *p_codes)

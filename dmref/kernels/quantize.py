@@ -100,7 +100,7 @@ def launch(head_dim: int, fmt: str, *, rows: bool = True, cols: bool = True, wit
     :func:`quantize` and ``compile_check`` read."""
     consts = dict(HEAD_DIM=head_dim, BLOCK_T=QUANT_BLOCK, EMIT_ROWS=bool(rows), EMIT_COLS=bool(cols),
                   WITH_DELTA=bool(with_delta), IS_E5M2=fmt == "float8_e5m2", INTERPRET=interpreting())
-    return Launch(consts, num_warps=8, num_stages=3)
+    return Launch(consts, num_warps=8, num_stages=3, kernel=_quantize_kernel, block_m=QUANT_BLOCK)
 
 
 def quantize(

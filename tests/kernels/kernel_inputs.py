@@ -7,6 +7,7 @@ tests compare against the emulated reference ``dmref.tiled`` on it (``reference_
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -54,9 +55,14 @@ class Case(ProblemShape):
     bwd: BwdTiles | None = None
     #: q and k scaled so that the logits reach about 2**logit_log2 (None: unscaled)
     logit_log2: int | None = None
+    #: P scaled by 2**p_scale_log2 at its quantization points in both passes instead of the
+    #: recipe's (:func:`with_p_scale`; None: the recipe's)
+    p_scale_log2: int | None = None
 
     def spec(self) -> KernelSpec:
         r = RECIPES[self.recipe]
+        if self.p_scale_log2 is not None:
+            r = with_p_scale(r, self.p_scale_log2)
         return r if self.bwd is None else r.with_tiles(bwd=self.bwd)
 
     @property
@@ -66,8 +72,19 @@ class Case(ProblemShape):
     def __str__(self) -> str:
         t = "" if self.bwd is None else f"-bwd{self.bwd.block_m1}x{self.bwd.block_n2}"
         t += "" if self.logit_log2 is None else f"-logits2^{self.logit_log2}"
+        t += "" if self.p_scale_log2 is None else f"-p2^{self.p_scale_log2}"
         return (f"{self.recipe}-{'causal' if self.causal else 'full'}-b{self.batch}h{self.heads}"
                 f"kv{self.kv_heads}n{self.n}d{self.head_dim}{t}")
+
+
+def with_p_scale(spec: KernelSpec, p_scale_log2: int) -> KernelSpec:
+    """``spec`` with P entering its quantization points times ``2**p_scale_log2`` in the forward
+    and the backward (``Recipe.p_fwd``, ``Recipe.p_bwd``), under a name of its own."""
+    r = spec.recipe
+    recipe = dataclasses.replace(r, name=f"{r.name}_p2^{p_scale_log2}",
+                                 p_fwd=dataclasses.replace(r.p_fwd, offset_log2=p_scale_log2),
+                                 p_bwd=dataclasses.replace(r.p_bwd, offset_log2=p_scale_log2))
+    return dataclasses.replace(spec, recipe=recipe)
 
 
 def backend_params(cases: dict, keep=None) -> list:

@@ -58,8 +58,8 @@ def test_folded_quantization_equals_the_emulation(backend):
 
 
 #: The register budget of fwd_ws's docstring: producer 24, consumer 232, 128 at launch, for the
-#: schedule ``forward`` runs (its default ``overlap`` with the folded recipes' promoted PV: QK^T of the
-#: next tile in flight during the softmax; at D = 128 PV's tile in the dead S tile's registers),
+#: schedule the folded specs run (their tiling's ``overlap`` with the folded recipes' promoted PV: QK^T
+#: of the next tile in flight during the softmax; at D = 128 PV's tile in the dead S tile's registers),
 #: for the serial schedule at D = 128, and for the chained one. ptxas reports C7514 ("wgmma.mma_async
 #: instructions are serialized") when a non-wgmma instruction reads an accumulator in flight,
 #: which would undo the overlap, and can also serialize them without saying so (a wait after every
@@ -77,15 +77,16 @@ print(json.dumps([dict(d=d, causal=causal, **kw, **warp_specialized_budget(
 
 @pytest.mark.slow
 def test_fwd_ws_compiles_for_sm90_with_its_register_budget_and_overlap():
-    import inspect
-
     from dmref.kernels import fwd_ws
     from dmref.kernels.config import RECIPES
 
-    assert not RECIPES["kernels_folded_delta_matching"].recipe.pv_chain
-    # the configurations ``{}`` below compile what ``forward`` launches: the overlapped schedule
-    defaults = {inspect.signature(f).parameters["overlap"].default for f in (fwd_ws.forward, fwd_ws.compile_sm90)}
-    assert defaults == {True}
+    # the configurations ``{}`` below compile what the folded specs launch: promoted PV, the
+    # overlapped schedule, two stages
+    for name in ("kernels_folded_delta_matching", "kernels_folded_naive_fp8"):
+        assert not RECIPES[name].recipe.pv_chain
+        for d in (64, 128):
+            consts = fwd_ws.launch(name, head_dim=d, causal=False).constexprs
+            assert (consts["CHAIN"], consts["OVERLAP"], consts["STAGES"]) == (False, 1, 2), (name, d, consts)
     compile_and_check_budget(_SCRIPT, 7)
 
 
@@ -163,23 +164,21 @@ def test_every_schedule_equals_the_reference_of_its_pv_accumulation(shape, causa
 def test_overlap_and_host_descriptors_give_the_serial_schedule_bits(shape, causal):
     """The overlapped schedule (QK^T of tile i + 1 in flight during the softmax of tile i) runs
     the serial schedule's operations on the same values, and host-side TMA descriptors (built
-    once a launch) load the tiles the device-side ones (written by every CTA) do: O and LSE are
-    the serial schedule's bits with the same PV accumulation, chained (both key-tile widths) and
-    promoted (the recipe's 128-key tiles, the shipped schedule). The cases cover one key tile
+    once a launch) load the tiles the device-side ones (written by every CTA) do, and so does a
+    ring of three stages: O and LSE are the serial schedule's bits with the same PV accumulation,
+    chained and promoted (the shipped schedule), on the recipes' 128-key tiles. The cases cover one key tile
     (64 tokens), two (203), and odd and even counts of middle tiles (777, 1000)."""
     device = require_backend("gpu")
     from dmref.kernels import fwd_ws
 
     q, k, v = _wide_inputs(shape, device)
     scale = 1.0 / math.sqrt(shape.head_dim)
-    for chain, block_n in ((True, 128), (True, 64), (False, 128)):
-        o1, lse1, _ = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, chain=chain, overlap=False,
-                                               block_n=block_n)
+    for chain in (True, False):
+        o1, lse1, _ = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, chain=chain, overlap=False)
         for tiles in (dict(overlap=True), dict(overlap=False, host_descriptors=True),
-                      dict(overlap=True, host_descriptors=True)):
-            o2, lse2, _ = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, chain=chain, block_n=block_n,
-                                                   **tiles)
-            assert torch.equal(o2, o1) and torch.equal(lse2, lse1), (chain, block_n, tiles)
+                      dict(overlap=True, host_descriptors=True), dict(overlap=True, stages=3)):
+            o2, lse2, _ = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, chain=chain, **tiles)
+            assert torch.equal(o2, o1) and torch.equal(lse2, lse1), (chain, tiles)
 
 
 #: The share of P codes the kernel must agree on with the reference (issue: at least 99.9%): both

@@ -49,6 +49,8 @@ CASES = {
         Case(1, 2, 1, 203, 64, True, "kernels_delta_matching"),
         Case(1, 1, 1, 130, 128, True, "kernels_delta_matching"),
         Case(1, 2, 2, 113, 64, True, "kernels_delta_matching", _SMALL_BWD),
+        # P scaled by 2**6 instead of the recipe's 2**8 in both passes: the kernels read it from the spec
+        Case(1, 2, 1, 203, 64, True, "kernels_delta_matching", p_scale_log2=6),
     ],
     "gpu": [
         Case(2, 4, 2, 1000, 128, False, "kernels_naive_fp8"),
@@ -59,6 +61,7 @@ CASES = {
         Case(1, 4, 1, 777, 64, False, "kernels_naive_fp8"),
         Case(1, 4, 2, 333, 64, True, "kernels_delta_matching", _SMALL_BWD),
         Case(1, 2, 2, 700, 128, True, "kernels_delta_matching", _REFERENCE_BWD),
+        Case(2, 4, 2, 1000, 128, True, "kernels_naive_fp8", p_scale_log2=6),
     ],
 }
 

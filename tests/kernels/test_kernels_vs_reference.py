@@ -39,6 +39,9 @@ CASES = {
         Case(2, 4, 2, 1000, 128, True, "kernels_folded_delta_matching"),
         Case(1, 4, 1, 777, 64, False, "kernels_folded_naive_fp8"),
         Case(1, 2, 2, 203, 128, True, "kernels_folded_delta_matching"),
+        # P scaled by 2**6 in both passes: the Gluon forward and backward read it from the spec
+        Case(2, 4, 2, 1000, 128, True, "kernels_folded_delta_matching", p_scale_log2=6),
+        Case(1, 4, 1, 777, 64, False, "kernels_folded_naive_fp8", p_scale_log2=6),
     ],
 }
 

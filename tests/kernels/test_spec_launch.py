@@ -1,0 +1,184 @@
+"""Every kernel reads what it computes from its ``KernelSpec``, through one launch description per
+kernel (``fwd.launch``, ``fwd_ws.launch``, ``bwd.launch``, ``bwd_ws.launch``), which the launchers
+and ``compile_check`` read alike; a forward tiling a kernel cannot honour is refused with the
+reason. On the CPU, from the launch descriptions (Gluon kernels do not run in Triton's
+interpreter); the runs of a spec with another P scale against the reference are in
+``test_kernels_intermediates`` (interpreter and GPU: P codes of both passes) and
+``test_kernels_vs_reference`` (GPU: the Gluon forward and backward), and below (GPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from dmref.kernels.config import RECIPES, FwdTiles, WsBwdTiles, default_fwd_tiles, default_ws_bwd_tiles
+
+from kernel_inputs import ProblemShape, outlier_inputs, require_backend, with_p_scale
+
+pytest.importorskip("triton")
+
+#: log2 of P's scale in the specs below, other than the shipped recipes' 8
+P_SCALE_LOG2 = 6
+
+
+def _launches(spec, head_dim: int = 128, causal: bool = True) -> dict:
+    """Every kernel's launch for ``spec``: the forward of its family, both Triton backward kernels,
+    and both Gluon ones."""
+    from dmref.kernels import bwd, bwd_ws, fwd, fwd_ws
+
+    dims = dict(head_dim=head_dim, causal=causal)
+    return {"fwd": (fwd_ws if spec.folded else fwd).launch(spec, **dims),
+            "dq": bwd.launch(spec, kernel="dq", **dims), "dkdv": bwd.launch(spec, kernel="dkdv", **dims),
+            "dq_ws": bwd_ws.launch(spec, kernel="dq", **dims), "dkdv_ws": bwd_ws.launch(spec, kernel="dkdv", **dims)}
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_every_kernel_scales_p_as_its_spec_says(name, head_dim):
+    """P's fixed scale of every kernel that quantizes P (forward, Triton dkdv, Gluon dkdv) is the
+    spec's, 2**8 for the shipped recipes and 2**6 for the same recipe with P scaled by 2**6: no
+    kernel reads it from anywhere else."""
+    for spec, e in ((RECIPES[name], 8), (with_p_scale(RECIPES[name], P_SCALE_LOG2), P_SCALE_LOG2)):
+        assert spec.recipe.p_fwd.offset_log2 == spec.recipe.p_bwd.offset_log2 == e
+        runs = _launches(spec, head_dim)
+        for kernel in ("fwd", "dkdv", "dkdv_ws"):
+            assert runs[kernel].constexprs["P_SCALE"] == 2.0 ** e, (spec.name, kernel)
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_both_dq_kernels_scale_kbars_p_as_the_spec_says(name):
+    """The matched dq kernels (Triton and Gluon) quantize kbar's P times
+    ``2**recipe.delta.deferred_dq.p_offset_log2``, read from the spec."""
+    spec = RECIPES[name]
+    runs = _launches(spec)
+    deferred = spec.recipe.delta.deferred_dq
+    for kernel in ("dq", "dq_ws"):
+        assert runs[kernel].constexprs["MATCHED"] == (deferred is not None)
+        if deferred is not None:
+            assert runs[kernel].constexprs["KBAR_P_SCALE"] == 2.0 ** deferred.p_offset_log2
+
+
+def test_the_gluon_forward_reads_chain_key_tile_stages_and_schedule_from_the_spec():
+    from dmref.kernels import fwd_ws
+
+    spec = RECIPES["kernels_folded_naive_fp8"]
+    for d in (64, 128):
+        assert spec.fwd_tiles(d) == default_fwd_tiles(spec.recipe, d)
+        c = fwd_ws.launch(spec, head_dim=d, causal=False).constexprs
+        assert (c["BLOCK_N"], c["CHAIN"], c["STAGES"], c["OVERLAP"]) == (spec.recipe.tiles.block_k, False, 2, 1)
+    other = spec.with_tiles(fwd=FwdTiles(num_stages=3, overlap=0))
+    chained = fwd_ws.variant(other, chain=True)
+    assert chained.recipe.pv_chain and chained.name != spec.name
+    for d in (64, 128):
+        c = fwd_ws.launch(chained, head_dim=d, causal=True).constexprs
+        assert (c["CHAIN"], c["STAGES"], c["OVERLAP"], c["CAUSAL"]) == (True, 3, 0, True)
+
+
+def test_the_gluon_backward_reads_its_schedule_from_the_spec():
+    """The Gluon dq and dkdv take their ring depth and schedule from the spec's ``ws_bwd_tiles``:
+    the defaults of ``default_ws_bwd_tiles`` for the shipped specs, another one where the spec says
+    so, or where a launch names one (the spec with it)."""
+    from dmref.kernels import bwd_ws
+
+    def schedule(spec, d):
+        runs = _launches(spec, d)
+        dkdv, dq = runs["dkdv_ws"].constexprs, runs["dq_ws"].constexprs
+        return WsBwdTiles(dkdv["STAGES"], dkdv["SPLIT"], dkdv["OVERLAP"], dq["STAGES"], dq["OVERLAP"])
+
+    for name, spec in RECIPES.items():
+        for d in (64, 128):
+            assert schedule(spec, d) == spec.ws_bwd_tiles(d) == default_ws_bwd_tiles(spec.recipe, d), (name, d)
+    other = WsBwdTiles(dkdv_stages=3, dkdv_split=False, dkdv_overlap=2, dq_stages=3, dq_overlap=3)
+    spec = RECIPES["kernels_delta_matching"].with_tiles(ws_bwd=other)
+    assert schedule(spec, 64) == schedule(spec, 128) == other
+    given = bwd_ws.launch("kernels_delta_matching", head_dim=128, causal=False, kernel="dkdv", overlap=1, stages=3)
+    assert (given.constexprs["OVERLAP"], given.constexprs["STAGES"]) == (1, 3)
+    with pytest.raises(ValueError, match="split"):
+        WsBwdTiles(dkdv_split=True, dkdv_overlap=2)
+
+
+_NOT_HONOURED = [FwdTiles(block_m=128), FwdTiles(num_warps=8), FwdTiles(maxnreg=168), FwdTiles(tma=False),
+                 FwdTiles(overlap=2), FwdTiles(num_stages=0)]
+
+
+@pytest.mark.parametrize("tiles", _NOT_HONOURED, ids=["block_m", "num_warps", "maxnreg", "tma", "overlap", "num_stages"])
+def test_a_forward_tiling_the_gluon_forward_cannot_honour_is_refused(tiles):
+    """A folded spec with a forward tiling the warp-specialized kernel does not run is refused, in
+    one line naming the field, when the spec is made (not ignored at the launch)."""
+    field = next(f.name for f in dataclasses.fields(FwdTiles) if getattr(tiles, f.name) != getattr(FwdTiles(), f.name))
+    with pytest.raises(ValueError, match=field) as info:
+        RECIPES["kernels_folded_delta_matching"].with_tiles(fwd=tiles)
+    assert "\n" not in str(info.value)
+
+
+def test_the_triton_forward_refuses_a_schedule_it_does_not_have():
+    with pytest.raises(ValueError, match="overlap"):
+        RECIPES["kernels_delta_matching"].with_tiles(fwd=FwdTiles(overlap=1))
+    # and the Gluon forward refuses a spec of the Triton forward's family
+    from dmref.kernels import fwd_ws
+
+    with pytest.raises(ValueError, match="folded"):
+        fwd_ws.launch("kernels_delta_matching", head_dim=128, causal=False)
+
+
+def test_compile_check_describes_the_kernels_of_the_spec():
+    """``compile_check.recipe_variants`` (what ``check`` compiles) gives the launchers' own
+    descriptions: the Gluon forward's for a folded spec and the Triton forward's otherwise, both
+    Triton backward kernels and both Gluon ones."""
+    from dmref.kernels import compile_check, fwd, fwd_ws
+
+    for name, module in (("kernels_folded_naive_fp8", fwd_ws), ("kernels_naive_fp8", fwd)):
+        spec = with_p_scale(RECIPES[name], P_SCALE_LOG2)
+        runs = dict(compile_check.recipe_variants(spec, 128, False))
+        want = module.launch(spec, head_dim=128, causal=False)
+        assert runs["fwd"] == want and runs["fwd"].constexprs["P_SCALE"] == 2.0 ** P_SCALE_LOG2
+        launches = _launches(spec, 128, causal=False)
+        assert {k: runs[k] for k in ("dq", "dkdv", "dq_ws", "dkdv_ws")} == {
+            k: launches[k] for k in ("dq", "dkdv", "dq_ws", "dkdv_ws")}
+
+
+def test_one_format_table():
+    from dmref.kernels._runtime import triton_type
+
+    assert [triton_type(f) for f in ("float8_e4m3fn", "float8_e5m2", "bfloat16", "float32")] == \
+        ["fp8e4nv", "fp8e5", "bf16", "fp32"]
+    with pytest.raises(ValueError, match="float16"):
+        triton_type("float16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_forward_and_backward_run_the_p_scale_of_the_spec(causal):
+    """On the GPU, a folded spec with P scaled by 2**6: the Gluon forward's P codes are the
+    reference's for 2**6 (on at least ``P_CODE_AGREEMENT`` of the keys) and not those for 2**8, and
+    the Gluon backward's gradients are the Triton backward's bit for bit on that spec (whose P
+    codes follow the spec: ``test_kernels_intermediates``, the ``p2^6`` cases)."""
+    device = require_backend("gpu")
+    from dmref import tiled
+    from dmref.kernels import api, fwd_ws
+
+    from test_fwd_ws import P_CODE_AGREEMENT
+
+    shape = ProblemShape(1, 4, 2, 777, 128)
+    q, k, v, do = outlier_inputs(shape, device)
+    scale = 1.0 / math.sqrt(shape.head_dim)
+    spec = with_p_scale(RECIPES["kernels_folded_delta_matching"], P_SCALE_LOG2)
+    _, _, _, codes = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, recipe=spec, debug=True)
+    n = shape.n
+    got = codes.view(shape.batch, shape.heads, n, -1)[..., :n].cpu()
+    seen = torch.ones(n, n, dtype=torch.bool).tril() if causal else torch.ones(n, n, dtype=torch.bool)
+    agree = {}
+    for e in (P_SCALE_LOG2, 8):
+        recipe = with_p_scale(spec, e).recipe
+        ref = tiled.forward(q.float(), k.float(), v.float(), recipe=recipe, causal=causal, scale=scale, p_codes=True)
+        agree[e] = (got == ref.p_codes.cpu())[..., seen].float().mean().item()
+    assert agree[P_SCALE_LOG2] >= P_CODE_AGREEMENT and agree[8] < P_CODE_AGREEMENT, agree
+    o, _, saved, _ = api.attention_forward(q, k, v, causal=causal, scale=scale, recipe=spec)
+    shp = api.Shape.of(q, k, v)
+    gluon = api.attention_backward(saved, o, do, shape=shp, causal=causal, scale=scale, recipe=spec, gluon=True)
+    triton_ = api.attention_backward(saved, o, do, shape=shp, causal=causal, scale=scale, recipe=spec, gluon=False)
+    for name, a, b in zip(("dq", "dk", "dv"), gluon[:3], triton_[:3]):
+        assert torch.equal(a, b), name

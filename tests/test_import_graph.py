@@ -33,7 +33,7 @@ EMULATION = "dmref.emulation"
 KNOWN_CIRCLES: set[frozenset[str]] = {
     # dmref.recipes imports dmref.kernels.config (issue 38, item 1), and with it dmref.kernels
     frozenset({"dmref.kernels", "dmref.kernels.api", "dmref.kernels.bwd", "dmref.kernels.bwd_ws",
-               "dmref.kernels.config", "dmref.kernels.fwd", "dmref.kernels.fwd_ws", "dmref.kernels.quantize",
+               "dmref.kernels.compile_check", "dmref.kernels.config", "dmref.kernels.fwd", "dmref.kernels.fwd_ws", "dmref.kernels.quantize",
                "dmref.recipes"}),
 }
 

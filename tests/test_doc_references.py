@@ -225,6 +225,10 @@ def broken_references() -> set[tuple[str, str]]:
 
 
 def test_every_cited_path_and_dotted_name_exists():
+    # every module of the package is imported, dmref.kernels' and the transformers integration too
+    pytest.importorskip("triton", reason="imports dmref.kernels: needs the extra: pip install 'dmref[test-kernels]'")
+    pytest.importorskip("transformers", reason="imports dmref.integrations.transformers: needs the extra: "
+                                               "pip install 'dmref[transformers]'")
     known = set().union(*KNOWN_BROKEN.values())
     broken = broken_references()
     new = sorted(broken - known)
@@ -265,3 +269,31 @@ def test_resolver_accepts_what_exists_and_refuses_a_planted_bad_reference(tmp_pa
     assert [p for p in paths if not path_resolves(p, "docs/planted.md")] == ["docs/no_such_page.md"]
     assert [n for n in names if not name_resolves(n)] == ["dmref.emulation.no_such_name"]
 
+
+
+# ----------------------------------------------------------------------------------------------
+# CI runs the README's commands as a new user types them
+# ----------------------------------------------------------------------------------------------
+
+CI_SCRIPT = ".ci/run"
+
+
+def readme_commands() -> list[str]:
+    """The commands of the README's ``bash`` blocks that install dmref (``python -m pip install
+    ...``, with what runs after it on the same line)."""
+    blocks = re.findall(r"^```bash\n(.*?)^```", (ROOT / "README.md").read_text(), re.DOTALL | re.MULTILINE)
+    return [line.strip() for block in blocks for line in block.splitlines()
+            if line.startswith("python -m pip install")]
+
+
+def test_ci_runs_the_readmes_commands_verbatim_before_the_extras():
+    commands = readme_commands()
+    assert [c for c in commands if c.endswith("dmref demo")], "the README's command that installs and runs the demo"
+    assert [c for c in commands if "python -m pytest" in c], "the README's command that installs and runs the tests"
+    ci = (ROOT / CI_SCRIPT).read_text().splitlines()
+    extras = next(i for i, line in enumerate(ci) if line.startswith("python -m pip install") and "[test-kernels" in line)
+    for command in commands:
+        # the command as the line's start, followed at most by what CI does when it fails
+        at = [i for i, line in enumerate(ci) if line == command or line.startswith(command + " || ")]
+        assert at, f"{CI_SCRIPT} does not run the README's command as written: {command}"
+        assert at[0] < extras, f"{CI_SCRIPT} runs the README's command only after installing the extras: {command}"

@@ -297,3 +297,24 @@ def test_ci_runs_the_readmes_commands_verbatim_before_the_extras():
         at = [i for i, line in enumerate(ci) if line == command or line.startswith(command + " || ")]
         assert at, f"{CI_SCRIPT} does not run the README's command as written: {command}"
         assert at[0] < extras, f"{CI_SCRIPT} runs the README's command only after installing the extras: {command}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Counts the docs state, against the code
+# ----------------------------------------------------------------------------------------------
+
+def test_the_docs_count_the_standard_cases_as_the_oracle_makes_them():
+    from dmref.oracle import make_cases
+
+    n = len(make_cases("standard", probe=False))
+    for doc in ("README.md", "docs/oracle.md"):
+        stated = re.findall(r"`standard`, (\d+) cases", (ROOT / doc).read_text())
+        assert stated, f"{doc} states the number of standard cases as '`standard`, N cases'"
+        assert {int(x) for x in stated} == {n}, f"{doc}: the standard set has {n} cases, not {stated}"
+
+
+def test_readme_and_pyproject_give_the_slow_set_the_same_minutes():
+    minutes = {doc: re.findall(r"about (\d+) minutes on 2 cores", (ROOT / doc).read_text())
+               for doc in ("README.md", "pyproject.toml")}
+    assert all(len(m) == 1 for m in minutes.values()), minutes
+    assert minutes["README.md"] == minutes["pyproject.toml"], minutes

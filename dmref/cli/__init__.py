@@ -119,7 +119,8 @@ def version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="dmref",
-        description="Bit-exact FP8 emulation, reference attention and Delta-Matching checks.",
+        description="The correctness oracle for FP8 attention training (dmref check), and the bit-exact "
+                    "FP8 emulation and reference attention it rests on.",
         epilog=f"Exit status 2: bad input; 1: a failed check or an internal error "
                f"({TRACEBACK_ENV}=1 shows its traceback).",
     )

@@ -18,6 +18,11 @@ package (dmref/, its subpackages included) and of tests/.
 
 ``KNOWN_BROKEN`` lists the references that their owners have still to fix, each with who; a
 reference listed there that resolves, or one missing from it that does not, fails the test.
+
+Also what the docs say of the project itself: ``.ci/run`` runs the README's two commands as the
+README writes them, before it installs the extras; the number of the oracle's standard cases that
+README.md and docs/oracle.md state is ``make_cases``'; the slow set's minutes in README.md and
+pyproject.toml agree.
 """
 
 from __future__ import annotations
@@ -234,6 +239,10 @@ def broken_references() -> set[tuple[str, str]]:
 
 
 def test_every_cited_path_and_dotted_name_exists():
+    # every module of the package is imported, dmref.kernels' and the transformers integration too
+    pytest.importorskip("triton", reason="imports dmref.kernels: needs the extra: pip install 'dmref[test-kernels]'")
+    pytest.importorskip("transformers", reason="imports dmref.integrations.transformers: needs the extra: "
+                                               "pip install 'dmref[transformers]'")
     known = set().union(*KNOWN_BROKEN.values())
     broken = broken_references()
     new = sorted(broken - known)
@@ -274,3 +283,53 @@ def test_resolver_accepts_what_exists_and_refuses_a_planted_bad_reference(tmp_pa
     assert [p for p in paths if not path_resolves(p, "docs/planted.md")] == ["docs/no_such_page.md"]
     assert [n for n in names if not name_resolves(n)] == ["dmref.emulation.no_such_name"]
 
+
+
+# ----------------------------------------------------------------------------------------------
+# CI runs the README's commands as a new user types them
+# ----------------------------------------------------------------------------------------------
+
+CI_SCRIPT = ".ci/run"
+
+
+def readme_commands() -> list[str]:
+    """The commands of the README's ``bash`` blocks that install dmref (``python -m pip install
+    ...``, with what runs after it on the same line)."""
+    blocks = re.findall(r"^```bash\n(.*?)^```", (ROOT / "README.md").read_text(), re.DOTALL | re.MULTILINE)
+    return [line.strip() for block in blocks for line in block.splitlines()
+            if line.startswith("python -m pip install")]
+
+
+def test_ci_runs_the_readmes_commands_verbatim_before_the_extras():
+    commands = readme_commands()
+    assert [c for c in commands if c.endswith("dmref demo")], "the README's command that installs and runs the demo"
+    assert [c for c in commands if "python -m pytest" in c], "the README's command that installs and runs the tests"
+    ci = (ROOT / CI_SCRIPT).read_text().splitlines()
+    extras = [i for i, line in enumerate(ci) if line.startswith("python -m pip install") and "[test-kernels" in line]
+    assert extras, f"{CI_SCRIPT} installs the extras (Triton, transformers) after the README's commands"
+    for command in commands:
+        # the command as the line's start, followed at most by what CI does when it fails
+        at = [i for i, line in enumerate(ci) if line == command or line.startswith(command + " || ")]
+        assert at, f"{CI_SCRIPT} does not run the README's command as written: {command}"
+        assert at[0] < extras[0], f"{CI_SCRIPT} runs the README's command only after installing the extras: {command}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Counts the docs state, against the code
+# ----------------------------------------------------------------------------------------------
+
+def test_the_docs_count_the_standard_cases_as_the_oracle_makes_them():
+    from dmref.oracle import make_cases
+
+    n = len(make_cases("standard", probe=False))
+    for doc in ("README.md", "docs/oracle.md"):
+        stated = re.findall(r"`standard`, (\d+) cases", (ROOT / doc).read_text())
+        assert stated, f"{doc} states the number of standard cases as '`standard`, N cases'"
+        assert {int(x) for x in stated} == {n}, f"{doc}: the standard set has {n} cases, not {stated}"
+
+
+def test_readme_and_pyproject_give_the_slow_set_the_same_minutes():
+    minutes = {doc: re.findall(r"about (\d+) minutes on 2 cores", (ROOT / doc).read_text())
+               for doc in ("README.md", "pyproject.toml")}
+    assert all(len(m) == 1 for m in minutes.values()), minutes
+    assert minutes["README.md"] == minutes["pyproject.toml"], minutes

@@ -25,12 +25,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import importlib.metadata
 import json
 import math
 import os
 import sys
 
-__all__ = ["UsageError", "build_parser", "dumps_json", "input_errors", "int_at_least", "main"]
+__all__ = ["UsageError", "build_parser", "dumps_json", "input_errors", "int_at_least", "main", "version"]
 
 #: Modules that contribute sub-commands, in the order they appear in ``dmref --help``.
 COMMAND_MODULES = (
@@ -105,13 +106,26 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def version() -> str:
+    """``dmref <version>``: the installed distribution's version (importlib.metadata), which
+    pyproject.toml sets; ``dmref (version unknown: not installed)`` when dmref is imported from a
+    source tree that pip never installed."""
+    try:
+        return f"dmref {importlib.metadata.version('dmref')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "dmref (version unknown: not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="dmref",
-        description="Bit-exact FP8 emulation, reference attention and Delta-Matching checks.",
+        description="The correctness oracle for FP8 attention training (dmref check), and the bit-exact "
+                    "FP8 emulation and reference attention it rests on.",
         epilog=f"Exit status 2: bad input; 1: a failed check or an internal error "
                f"({TRACEBACK_ENV}=1 shows its traceback).",
     )
+    parser.add_argument("--version", action="version", version=version(),
+                        help="print the installed version of dmref and exit")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")  # subparsers are _Parser too
     subparsers.required = True
     for name in COMMAND_MODULES:

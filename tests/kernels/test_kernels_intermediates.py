@@ -121,9 +121,9 @@ def run_case(backend: str, case: Case) -> dict:
     key = (backend, case)
     if key in _RUNS:
         return _RUNS[key]
+    device = require_backend(backend)  # before importing the kernels: it skips without triton
     from dmref.kernels import api
 
-    device = require_backend(backend)
     q, k, v, do = outlier_inputs(case, device)
     spec = case.spec()
     rr = spec.reference_recipe("hopper" if backend == "gpu" else "fp32")
@@ -194,11 +194,11 @@ def _kernel_ds_dk(case: Case, kern: dict) -> torch.Tensor:
 def test_quantize_kernel_codes_and_scales_equal_the_emulation(backend, fmt, n, head_dim):
     """The fused quantization kernel's copies are ``dmref.emulation.quantize_blocked``'s: the row
     copy one POW2_DOWN scale per token (a row), the transposed copy one per channel and 128 tokens."""
+    device = require_backend(backend)  # before importing the kernels: it skips without triton
     from dmref.emulation import Block, ScaleRule, quantize_blocked
     from dmref.kernels.config import QUANT_BLOCK
     from dmref.kernels.quantize import quantize
 
-    device = require_backend(backend)
     case = Case(1, 2, 2, n, head_dim)
     x, _, _, o = outlier_inputs(case, device)
     got, delta = quantize(x, fmt, rows=True, cols=True, delta_with=o)

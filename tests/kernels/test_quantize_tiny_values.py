@@ -45,10 +45,10 @@ def _subnormal_fraction(x: torch.Tensor) -> float:
 @pytest.mark.parametrize("backend", ["interpreter", pytest.param("gpu", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("amax", [1.2 * DOMAIN_AMAX, 4 * DOMAIN_AMAX, 1e-30])
 def test_folded_kv_codes_of_tiny_blocks_equal_the_emulation(backend, amax):
+    device = require_backend(backend)  # before importing the kernels: it skips without triton
     from dmref.emulation import Block, quantize_blocked
     from dmref.kernels.quantize import quantize_kv_folded
 
-    device = require_backend(backend)
     k = _block(amax, (1, 2, 192, 64), seed=1)
     v = _block(amax, (1, 2, 192, 64), seed=2)
     if amax < 1e-30:
@@ -66,10 +66,10 @@ def test_folded_kv_codes_of_tiny_blocks_equal_the_emulation(backend, amax):
 
 @pytest.mark.parametrize("backend", ["interpreter", pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_row_and_column_copies_of_tiny_values_equal_the_emulation(backend):
+    device = require_backend(backend)  # before importing the kernels: it skips without triton
     from dmref.emulation import Block, quantize_blocked
     from dmref.kernels.quantize import quantize
 
-    device = require_backend(backend)
     # one head per magnitude: at the domain's edge, and well inside it
     x = torch.cat([_block(1.2 * DOMAIN_AMAX, (1, 1, 192, 64), seed=3), _block(1e-33, (1, 1, 192, 64), seed=4)], 1)
     got, _ = quantize(x.to(device), "float8_e4m3fn", rows=True, cols=True)
@@ -88,10 +88,10 @@ def test_row_and_column_copies_of_tiny_values_equal_the_emulation(backend):
 def test_below_the_domain_the_kernels_scale_stops_at_two_to_the_minus_126(backend):
     """The known departure: a block amax below fmax * 2**-127 gets the kernels' scale 2**-126,
     the emulation's 2**-127."""
+    device = require_backend(backend)  # before importing the kernels: it skips without triton
     from dmref.emulation import Block, quantize_blocked
     from dmref.kernels.quantize import quantize_kv_folded
 
-    device = require_backend(backend)
     k = _block(0.5 * DOMAIN_AMAX, (1, 1, 64, 64))
     got = quantize_kv_folded(k.to(device), k.to(device))
     _, ks = quantize_blocked(k.float().reshape(1, 64, 64), "float8_e4m3fn", block=Block.matrix(), scale_rule="pow2_down")

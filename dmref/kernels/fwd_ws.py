@@ -364,7 +364,7 @@ def _fwd_ws_kernel_dev(Q, stride_qb, stride_qh, stride_qn, K8, K_SCALE, VT8, V_S
                        CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, CHAIN: gl.constexpr, OVERLAP: gl.constexpr,
                        DEBUG: gl.constexpr):
     """The kernel on device-side TMA descriptors: every CTA writes its two 128-byte tensor maps
-    (``forward(..., host_descriptors=False)``)."""
+    (``forward(..., host_descriptors=False)``; not the default)."""
     k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float8e4nv)
     v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], gl.float8e4nv)
     k_desc = tma.make_tensor_descriptor(K8, [ROWS_KV, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM], k_layout)
@@ -386,7 +386,7 @@ def _descriptors(k8, vt8, block_n: int):
             TensorDescriptor.from_tensor(vt8.reshape(-1, vt8.shape[-1]), [d, block_n], v_layout))
 
 
-def launch(spec, *, head_dim: int, causal: bool, debug: bool = False, host_descriptors: bool = False) -> Launch:
+def launch(spec, *, head_dim: int, causal: bool, debug: bool = False, host_descriptors: bool = True) -> Launch:
     """The kernel's launch for ``spec`` (a ``config.KernelSpec`` of a folded recipe, or its name)
     at ``head_dim``: everything it computes read from the spec, P's fixed scale
     ``2**recipe.p_fwd.offset_log2``, PV promoted per key tile or chained (``recipe.pv_chain``), key
@@ -441,7 +441,7 @@ def variant(recipe="kernels_folded_naive_fp8", *, chain: bool | None = None, ove
 
 def compile_sm90(head_dim: int = 128, causal: bool = False, recipe="kernels_folded_delta_matching", *,
                  chain: bool | None = None, overlap: bool | int | None = None, stages: int | None = None,
-                 debug: bool = False, host_descriptors: bool = False):
+                 debug: bool = False, host_descriptors: bool = True):
     """Compile the kernel for sm_90a without a GPU (ptxas included), as :func:`launch` describes it
     for ``recipe`` (or its :func:`variant` with ``chain``, ``overlap``, ``stages``); returns the
     compiled kernel."""
@@ -473,7 +473,7 @@ def signature(run: Launch, n_multiple_of_16: bool = True, do_format: str = "floa
 
 
 def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale: float,
-            recipe="kernels_folded_naive_fp8", debug: bool = False, host_descriptors: bool = False):
+            recipe="kernels_folded_naive_fp8", debug: bool = False, host_descriptors: bool = True):
     """Run the warp-specialized forward of ``recipe`` (a folded ``config.KernelSpec`` or its name;
     :func:`launch`): ``q (B, H, N, D)`` BF16 (quantized inside, per token; its last dim
     contiguous), ``k8 (B*HKV, N, D)`` with ``k_scale (B*HKV,)``, ``vt8 (B*HKV, D, NPAD)`` with
@@ -483,7 +483,8 @@ def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale:
     where masked; columns past N unused): the kernel stores the float32 values its cast receives
     and :func:`dmref.kernels.fwd.fp8_codes` casts them (stored as bytes, the codes were wrong on
     the H200 in half the rows when N % 16 != 0: docs/kernels.md). ``host_descriptors``: K's and
-    V's TMA descriptors built on the host once a launch, else (the default) in every CTA."""
+    V's TMA descriptors built on the host once a launch (the default: 1.03-1.21x the kernel's speed
+    with them built in every CTA, benchmarks/results/h100_bench_attention.json), else in every CTA."""
     import torch
 
     from ..emulation.constants import LOG2E
@@ -509,7 +510,7 @@ def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale:
 
 
 def attention_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
-                      recipe="kernels_folded_naive_fp8", debug: bool = False, host_descriptors: bool = False,
+                      recipe="kernels_folded_naive_fp8", debug: bool = False, host_descriptors: bool = True,
                       chain: bool | None = None, overlap: bool | int | None = None, stages: int | None = None):
     """Quantize k (per head) and v (per head and channel), then :func:`forward` (which quantizes q)
     of ``recipe``, or of its :func:`variant` with ``chain``, ``overlap``, ``stages``. Returns (O,

@@ -705,7 +705,8 @@ def print_table(result: DemoResult, console) -> None:
                          _number(bias_estimate(acc, name)) if ratio > band else "—")
     console.print()
     console.print(averaged)
-    console.print(f"Figure panel A, a smaller problem: {averaged_problem_words(cfg)}. Errors relative to "
+    console.print(f"The averaged problem (figure panel A, a smaller problem: {averaged_problem_words(cfg)}). "
+                  "Errors relative to "
                   f"||dQ*||_F of the averaged dQ*; noise only: the error "
                   f"at T={t} if every draw's error were independent noise (falls like 1/sqrt(T)); ratio: "
                   f"T={t} / noise only; band: how far pure noise may lift the ratio ({BAND_SIGMAS:g} standard "

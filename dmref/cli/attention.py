@@ -4,7 +4,7 @@ scales under :mod:`dmref.attention_replay` (the ``cudnn_fp8`` preset, Hopper acc
 report, per case and tensor (O, dQ, dK, dV), the fraction of FP8 codes identical to cuDNN's and
 the largest difference in code steps (ordinal distance). The table fits 80 columns (per case
 and tensor the share of identical codes; the largest step distance per case); ``--wide`` adds
-each tensor's step distance and the stats' difference, one row per case, in about 125 columns.
+each tensor's step distance and the stats' difference, one row per case, in about 100 columns.
 While the replay runs, a progress bar is drawn on stderr when stderr is a terminal (never with
 ``--json``).
 
@@ -31,7 +31,7 @@ def register(subparsers) -> None:
     p.add_argument("file", help="an .npz in the format of tests/data/h200_cudnn_fp8_sdpa.npz")
     p.add_argument("--json", action="store_true", help="print strict JSON instead of a table")
     p.add_argument("--wide", action="store_true",
-                   help="also each tensor's step distance and the stats' difference (about 125 columns)")
+                   help="also each tensor's step distance and the stats' difference (about 100 columns)")
     p.set_defaults(func=_verify)
 
 

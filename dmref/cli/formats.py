@@ -20,7 +20,6 @@ from fractions import Fraction
 
 import numpy as np
 from rich.console import Console
-from rich.table import Table
 
 from dmref.cli import UsageError, _tables, dumps_json, input_errors
 from dmref.emulation import FORMATS, Rounding, decode, encode, get_format
@@ -179,9 +178,9 @@ def _cast(args) -> int:
         print(dumps_json({"format": fmt.name, "rounding": args.rounding, "saturate": args.saturate,
                           "results": rows}, indent=2))
         return 0
-    table = Table(title=f"{fmt.name}, {args.rounding}, saturate={args.saturate}")
+    table = _tables.table(f"{fmt.name}, {args.rounding}, saturate={args.saturate}")
     for key in rows[0]:
-        table.add_column(key, justify="right")
+        _tables.number_column(table, key)  # folds a long value onto a second line, never cuts it
     for row in rows:
         table.add_row(*(repr(v) if isinstance(v, float) else str(v) for v in row.values()))
     Console().print(table)

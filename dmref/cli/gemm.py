@@ -28,7 +28,7 @@ def register(subparsers) -> None:
     p.add_argument("--device", default="cpu", help="torch device for the model (default cpu)")
     p.add_argument("--wide", action="store_true",
                    help="one row per group (engine, settings, formats, distribution) instead of per "
-                        "engine and settings; needs about 120 columns")
+                        "engine and settings (about 135 columns)")
     p.set_defaults(func=_verify)
 
 

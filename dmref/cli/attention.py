@@ -45,10 +45,10 @@ def _progress(show: bool):
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    with Progress(TextColumn("replaying cases"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=Console(stderr=True), transient=True) as progress:
-        task = progress.add_task("replay", total=None)
-        yield lambda done, total: progress.update(task, completed=done, total=total)
+        task = progress.add_task("reading the capture", total=None)
+        yield lambda done, total: progress.update(task, description="replaying cases", completed=done, total=total)
 
 
 def _verify(args) -> int:

@@ -11,12 +11,12 @@ from __future__ import annotations
 from rich import box
 from rich.table import Table
 
-__all__ = ["number_column", "table", "text_column"]
+__all__ = ["number_column", "print_wide", "table", "text_column"]
 
 
 def table(title: str | None = None, **kwargs) -> Table:
-    """A table with a rule under the header and no outer frame: two columns fewer of borders
-    than rich's default, and nothing to misalign when a terminal wraps."""
+    """A table with a rule under the header, no frame and no column lines (columns apart by
+    spaces): the fewest columns spent on drawing, the title on the left above it."""
     kwargs.setdefault("box", box.SIMPLE_HEAD)
     kwargs.setdefault("show_edge", False)
     kwargs.setdefault("pad_edge", False)

@@ -130,8 +130,8 @@ def _print_table(path, results, summ, ok, seconds, *, wide: bool = False) -> Non
                       "(--wide: per tensor and case)", highlight=False)
     for t in TENSORS:
         s = summ[t]
-        console.print(f"{t.upper():3s} least identical {_percent(s['min_fraction_checked'], 3)}% (goal {100 * GOALS[t]:.0f}%), "
-                      f"largest step distance {s['max_steps_checked']} (goal {MAX_STEPS})", highlight=False)
+        console.print(f"{t.upper():3s} least identical {_percent(s['min_fraction_checked'], 3)}% "
+                      f"(goal {100 * GOALS[t]:.0f}%), largest step distance {s['max_steps_checked']} (goal {MAX_STEPS})", highlight=False)
     tail = summ["dq"]["cudnn_dq_tail_zeros"]
     if tail:
         console.print(

@@ -14,6 +14,7 @@ import sys
 import time
 
 from rich.console import Console
+from rich.markup import escape
 
 from dmref.cli import _tables
 
@@ -103,8 +104,8 @@ def _print_summary(console, path: str, groups) -> None:
         engine, settings, fmt, dist = g.group.split(" | ")
         merged.setdefault((engine, settings), []).append(g)
         formats[fmt] = dists[dist] = None
-    table = _tables.table(f"{path}: float32 bit patterns reproduced by the hopper model")
-    _tables.text_column(table, "engine, settings", ratio=1)
+    table = _tables.table(f"{escape(path)}: float32 bit patterns reproduced by the hopper model")
+    _tables.text_column(table, "engine, settings")
     for header in ("groups", "outputs", "reproduced", "max ulps"):
         _tables.number_column(table, header)
     for (engine, settings), gs in merged.items():
@@ -116,14 +117,14 @@ def _print_summary(console, path: str, groups) -> None:
                   f"input distributions {', '.join(dists)} (--wide: one row per group).")
     for g in groups:
         if g.matched < g.outputs:
-            console.print(f"[bold red]missed[/]: {g.group}: {g.matched}/{g.outputs} reproduced "
+            console.print(f"[bold red]missed[/]: {escape(g.group)}: {g.matched}/{g.outputs} reproduced "
                           f"({_fraction(g.matched, g.outputs)}), max {g.max_ulps} ulps, cases {', '.join(g.cases)}",
                           highlight=False)
 
 
 def _print_groups(console, path: str, groups) -> None:
     """One row per group."""
-    table = _tables.table(f"{path}: float32 bit patterns reproduced by the hopper model")
+    table = _tables.table(f"{escape(path)}: float32 bit patterns reproduced by the hopper model")
     for name in ("engine", "settings", "formats", "dist"):
         _tables.text_column(table, name)
     for name in ("cases", "outputs", "reproduced", "max ulps"):

@@ -33,6 +33,7 @@ like the inputs, one per batch element, so the reference sees exactly the mask f
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, field
 
@@ -549,7 +550,10 @@ def make_cases(size: str = "standard", *, dtype: torch.dtype = torch.bfloat16, s
         by_name = {s.name: s for s in specs}
         unknown = [n for n in names if n not in by_name]
         if unknown:
-            raise ValueError(f"unknown case names {unknown}; known: {', '.join(by_name)}")
+            close = {n: difflib.get_close_matches(n, by_name, n=1) for n in unknown}
+            hint = " ".join(f"did you mean {c[0]!r}" + (f" for {n!r}?" if len(unknown) > 1 else "?")
+                             for n, c in close.items() if c)
+            raise ValueError(f"unknown case names {unknown}; {hint + ' ' if hint else ''}known: {', '.join(by_name)}")
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             raise ValueError(f"case {', '.join(map(repr, twice))} named more than once: each case runs once "

@@ -473,12 +473,16 @@ def _match(tensor: str, ours: np.ndarray, theirs: np.ndarray, fmt) -> TensorMatc
 
 
 def verify_capture(path: str, recipe: Recipe | str = "cudnn_fp8", model: str = "hopper",
-                   options: ReplayOptions | None = None) -> list[dict]:
+                   options: ReplayOptions | None = None, on_case=None) -> list[dict]:
     """Replay every case of a capture; per case a JSON-ready dict with the case's description,
     ``stats_max_abs`` (largest |emulated - cuDNN| of the stats, finite rows) and per tensor the
-    :class:`TensorMatch` as a dict. Raises :class:`CaptureError` for a bad file."""
+    :class:`TensorMatch` as a dict. ``on_case(done, total)``, if given, is called before the first
+    case and after each. Raises :class:`CaptureError` for a bad file."""
     results = []
-    for case in load_capture(path):
+    cases = load_capture(path)
+    if on_case is not None:
+        on_case(0, len(cases))
+    for case in cases:
         got = replay_case(case, recipe, model, options)
         gf = _GRAD_FORMATS[case["grad_format"]]
         fmts = {"o": _E4M3, "dq": gf, "dk": gf, "dv": gf}
@@ -493,6 +497,8 @@ def verify_capture(path: str, recipe: Recipe | str = "cudnn_fp8", model: str = "
             "stats_max_abs": float(diff.max(initial=0.0)),
             "tensors": {m.tensor: m.as_dict() for m in matches},
         })
+        if on_case is not None:
+            on_case(len(results), len(cases))
     return results
 
 

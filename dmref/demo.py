@@ -161,10 +161,18 @@ class AccumulationSeries:
     sq_norms: dict = field(default_factory=dict)
 
     def as_dict(self, recipe: str) -> dict:
+        """The series of ``recipe`` and what panel A reads from it at T_max: ``ratio`` (err /
+        noise_only), ``noise_band`` (:func:`noise_ratio_band` at :data:`BAND_SIGMAS`),
+        ``bias_resolved`` (ratio above the band), ``bias`` (:func:`bias_estimate`, null unless
+        resolved) and ``verdict`` (:func:`verdict`, the legend's words)."""
+        ratio = self.err[recipe][-1] / self.noise_only[recipe][-1]
+        band = noise_ratio_band(self.sq_norms[recipe], BAND_SIGMAS)
         return dict(shape=list(self.shape), draws=list(self.draws), err=self.err[recipe],
                     err_along_kbar=self.err_along_kbar[recipe], noise_only=self.noise_only[recipe],
                     noise_only_along_kbar=self.noise_only_along_kbar[recipe],
-                    single_draw_sq_err=self.sq_norms[recipe])
+                    single_draw_sq_err=self.sq_norms[recipe], ratio=ratio, noise_band=band,
+                    band_sigmas=BAND_SIGMAS, bias_resolved=ratio > band,
+                    bias=bias_estimate(self, recipe) if ratio > band else None, verdict=verdict(self, recipe))
 
 
 @dataclass
@@ -639,40 +647,68 @@ def write_plot(result: DemoResult, path: str) -> None:
         plt.close(fig)
 
 
+def _number(x: float) -> str:
+    """A table entry: three significant digits and the exponent, so that 1.08e-14 and 1.08e+00
+    never read alike."""
+    return f"{x:.2e}"
+
+
 def print_table(result: DemoResult, console) -> None:
-    from rich.table import Table
+    """The demo's results as three tables that each fit 80 columns: the row sums of dS, the
+    errors against the float64 reference (both on the main problem, figure panels B-D), and dQ's
+    error averaged over roundings (panel A); each with its notes."""
+    from dmref.cli import _tables
 
     cfg = result.config
-    table = Table(title=f"dmref demo: {main_problem_words(cfg)}, outlier channels, a sink key "
-                        "(figure panels B-D)")
-    cols = [("recipe", "recipe"), ("rowsum max", "rowsum_residual_max"),
-            ("rowsum mean", "rowsum_residual_mean"), ("max / FP32 bound", "rowsum_over_bound_max"),
-            ("after dS->FP8 max", "rowsum_residual_after_quant_max"), ("out err", "out_rel_err"),
-            ("dQ err", "dq_rel_err"), ("dK err", "dk_rel_err"), ("dV err", "dv_rel_err"),
-            ("dQ bias frac", "dq_bias_fraction")]
-    for title, _ in cols:
-        table.add_column(title, justify="left" if title == "recipe" else "right")
+    console.print(f"dmref demo: {main_problem_words(cfg)}, outlier channels, a sink key (figure panels B-D)",
+                  highlight=False)
+    console.print()
+    rowsum = _tables.table("Row sums of dS, |sum_j dS_ij| / sum_j |P_ij dP_ij|, over the query rows")
+    _tables.text_column(rowsum, "recipe", no_wrap=True)
+    for header in ("max", "mean", "max / FP32 bound", "max after dS->FP8"):
+        _tables.number_column(rowsum, header)
+    errors = _tables.table("Relative errors against the float64 reference, ||X - X*||_F / ||X*||_F")
+    _tables.text_column(errors, "recipe", no_wrap=True)
+    for header in ("O", "dQ", "dK", "dV", "dQ bias frac"):
+        _tables.number_column(errors, header)
     for r in result.reports:
         d = r.as_dict()
+        rowsum.add_row(d["recipe"], *(_number(d[k]) for k in ("rowsum_residual_max", "rowsum_residual_mean",
+                                                              "rowsum_over_bound_max",
+                                                              "rowsum_residual_after_quant_max")))
         frac = result.bias_fraction(r)
-        table.add_row(d["recipe"], *[f"{d[key]:.2e}" for _, key in cols[1:-1]],
-                      "—" if frac is None else f"{frac:.2f}")
-    console.print(table)
-    console.print("rowsum: |sum_j dS_ij| / sum_j |P_ij dP_ij| of the FP32 dS before its quantization "
-                  "('after dS->FP8': of dS as the dQ matmul sees it); "
-                  "'max / FP32 bound' <= 1 means every row is within Delta-Matching's FP32 bound "
-                  "(dmref.diagnostics.matched_rowsum_bound); errors are relative Frobenius norms "
-                  "against the float64 reference; dQ bias frac: share of dQ's squared error along "
-                  f"{KBAR_WORDS}; '—': dQ's error is at most twice the float64 reference's "
-                  f"own rounding level ({result.dq_rounding_level:.1e}, dmref.demo.dq_rounding_level), "
-                  "so its direction means nothing.")
+        errors.add_row(d["recipe"], *(_number(d[k]) for k in ("out_rel_err", "dq_rel_err", "dk_rel_err",
+                                                              "dv_rel_err")),
+                       "—" if frac is None else f"{frac:.2f}")
+    console.print(rowsum)
+    console.print("Of the FP32 dS before its quantization; 'after dS->FP8': of dS as the dQ matmul sees it. "
+                  "'max / FP32 bound' <= 1: every row within Delta-Matching's FP32 bound "
+                  "(dmref.diagnostics.matched_rowsum_bound).", highlight=False)
+    console.print()
+    console.print(errors)
+    console.print(f"dQ bias frac: share of dQ's squared error along {KBAR_WORDS}; '—': dQ's error is at most "
+                  f"twice the float64 reference's own rounding level ({result.dq_rounding_level:.1e}, "
+                  "dmref.demo.dq_rounding_level), so its direction means nothing.", highlight=False)
     acc = result.accumulation
-    if acc is not None and acc.draws:
-        t = acc.draws[-1]
-        parts = [f"{n} {acc.err[n][0]:.2e} -> {acc.err[n][-1]:.2e} (noise only {acc.noise_only[n][-1]:.2e})"
-                 for n in acc.err]
-        console.print(f"dQ error averaged over T roundings (figure panel A, a smaller problem: "
-                      f"{averaged_problem_words(cfg)}), T=1 -> T={t}: " + "; ".join(parts) +
-                      ". Above its noise-only value by more than its noise band (panel A) = a bias that averaging "
-                      "does not remove.")
-
+    if acc is None or not acc.draws:
+        return
+    t = acc.draws[-1]
+    averaged = _tables.table("dQ's error averaged over T roundings (figure panel A)")
+    _tables.text_column(averaged, "recipe", no_wrap=True)
+    for header in ("T=1", f"T={t}", "noise only", "ratio", "band", "bias"):
+        _tables.number_column(averaged, header)
+    for name in acc.err:
+        ratio = acc.err[name][-1] / acc.noise_only[name][-1]
+        band = noise_ratio_band(acc.sq_norms[name], BAND_SIGMAS)
+        averaged.add_row(name, _number(acc.err[name][0]), _number(acc.err[name][-1]),
+                         _number(acc.noise_only[name][-1]), f"{ratio:.2f}", f"{band:.2f}",
+                         _number(bias_estimate(acc, name)) if ratio > band else "—")
+    console.print()
+    console.print(averaged)
+    console.print(f"The averaged problem (figure panel A, a smaller problem: {averaged_problem_words(cfg)}). "
+                  "Errors relative to "
+                  f"||dQ*||_F of the averaged dQ*; noise only: the error "
+                  f"at T={t} if every draw's error were independent noise (falls like 1/sqrt(T)); ratio: "
+                  f"T={t} / noise only; band: how far pure noise may lift the ratio ({BAND_SIGMAS:g} standard "
+                  "deviations of the single draws' errors). A ratio above its band is a bias that averaging does "
+                  "not remove, its size in 'bias'; '—': none resolved.", highlight=False)

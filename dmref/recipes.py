@@ -29,6 +29,7 @@ recipe (the constructors below, :func:`get_recipe`) and turned into those types 
 
 from __future__ import annotations
 
+import difflib
 import enum
 from dataclasses import dataclass, field, replace
 
@@ -566,7 +567,9 @@ def get_recipe(recipe: Recipe | str) -> Recipe:
         kernels = kernel_recipes()
         named = kernels.get(base)
         if named is None:
-            raise ValueError(f"unknown recipe {recipe!r}; presets: {', '.join(PRESETS)}; the kernels' "
+            close = difflib.get_close_matches(base, [*PRESETS, *kernels], n=1)
+            hint = f"did you mean {close[0] + at + model!r}? " if close else ""
+            raise ValueError(f"unknown recipe {recipe!r}; {hint}presets: {', '.join(PRESETS)}; the kernels' "
                              f"recipes: {', '.join(kernels)} (NAME@MODEL for another accumulation model)")
     if not at:
         return named

@@ -20,9 +20,8 @@ from fractions import Fraction
 
 import numpy as np
 from rich.console import Console
-from rich.table import Table
 
-from dmref.cli import UsageError, dumps_json, input_errors
+from dmref.cli import UsageError, _tables, dumps_json, input_errors
 from dmref.emulation import FORMATS, Rounding, decode, encode, get_format
 
 #: What ``dmref cast`` accepts as a value, for messages.
@@ -85,19 +84,36 @@ def _format_row(f) -> dict:
     }
 
 
+#: The two tables of ``dmref formats``: the encoding, then the range (keys of :func:`_format_row`
+#: with their headers); each fits 80 columns.
+_ENCODING_COLUMNS = {"bits": "bits", "exponent_bits": "e", "mantissa_bits": "m", "bias": "bias", "inf": "inf",
+                     "negative_zero": "-0", "nan_codes": "NaNs", "nan_code": "NaN code", "max_code": "max code"}
+_RANGE_COLUMNS = {"max": "max", "min_normal": "min normal", "min_subnormal": "min subnormal", "eps": "eps"}
+#: Significant digits of the range table (--json gives every digit)
+_DIGITS = 6
+
+
 def _formats(args) -> int:
     rows = [_format_row(f) for f in FORMATS.values()]
     if args.json:
         print(dumps_json(rows, indent=2))
         return 0
-    table = Table(title="dmref formats (every property derived from the bit fields)")
-    short = {"exponent_bits": "e", "mantissa_bits": "m", "negative_zero": "-0", "nan_codes": "#NaN"}
-    for key in rows[0]:
-        table.add_column(short.get(key, key), justify="left" if key == "name" else "right", no_wrap=True)
-    for row in rows:
-        table.add_row(*(f"{v:.6g}" if isinstance(v, float) else str(v) for v in row.values()))
     console = Console()
-    Console(width=max(console.width, 150)).print(table)
+    for title, columns in (("Number formats: encoding", _ENCODING_COLUMNS),
+                           (f"Number formats: range ({_DIGITS} significant digits; --json: every digit)",
+                            _RANGE_COLUMNS)):
+        table = _tables.table(title)
+        _tables.text_column(table, "name", no_wrap=True)
+        for header in columns.values():
+            _tables.number_column(table, header)
+        for row in rows:
+            table.add_row(row["name"], *(f"{row[k]:.{_DIGITS}g}" if isinstance(row[k], float) else
+                                         ("yes" if row[k] else "no") if isinstance(row[k], bool) else str(row[k])
+                                         for k in columns))
+        console.print(table)
+        console.print()
+    console.print("Every property is derived from the bit fields (e exponent bits, m mantissa bits); "
+                  "NaNs: how many codes are NaN.")
     return 0
 
 
@@ -162,9 +178,9 @@ def _cast(args) -> int:
         print(dumps_json({"format": fmt.name, "rounding": args.rounding, "saturate": args.saturate,
                           "results": rows}, indent=2))
         return 0
-    table = Table(title=f"{fmt.name}, {args.rounding}, saturate={args.saturate}")
+    table = _tables.table(f"{fmt.name}, {args.rounding}, saturate={args.saturate}")
     for key in rows[0]:
-        table.add_column(key, justify="right")
+        _tables.number_column(table, key)  # folds a long value onto a second line, never cuts it
     for row in rows:
         table.add_row(*(repr(v) if isinstance(v, float) else str(v) for v in row.values()))
     Console().print(table)

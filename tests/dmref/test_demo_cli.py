@@ -31,6 +31,11 @@ def test_demo_json_lists_every_preset_with_the_required_keys():
     assert by["delta_matching"]["rowsum_over_bound_max"] <= 1
     for stale in ("naive_fp8", "cudnn_fp8", "mxfp8_stale"):
         assert by[stale]["rowsum_residual_max"] > 100 * by["delta_matching"]["rowsum_bound_max"]
+    # figure panel A's reading for each averaged recipe
+    for name in ("cudnn_fp8", "mxfp8_stale", "delta_matching"):
+        acc = by[name]["accumulation"]
+        assert acc["draws"] == [1, 2] and acc["bias_resolved"] == (acc["ratio"] > acc["noise_band"])
+        assert acc["verdict"].startswith(name)
 
 
 def test_demo_prints_a_table_and_writes_a_png(tmp_path):

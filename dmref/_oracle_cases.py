@@ -19,8 +19,8 @@ up to the dtype's limits (every case representable in it: :func:`representable`)
 range and where an extreme sits, causal or not and its alignment, boolean and additive masks with
 fully masked rows, sliding windows and documents, the softmax scale, and the memory layout
 (non-contiguous views, a storage offset, a non-contiguous dO), and long sums of terms of one sign
-in O and in dV, dK, dQ (an accumulation without promotion, a running sum in a narrow type). The model shapes come from
-:data:`MODEL_SHAPES`. ``Case.feature`` names the optional feature a case exercises (``"gqa"``,
+in O and in dV, dK, dQ (an accumulation without promotion, a running sum in a narrow type). The
+model shapes come from :data:`MODEL_SHAPES`. ``Case.feature`` names the optional feature a case exercises (``"gqa"``,
 ``"mask"``, ``"window"``, ``"documents"``), None for the core cases.
 
 GQA: k and v (and so dK, dV) have ``kv_heads`` heads, q and dO ``groups * kv_heads``; query

@@ -49,7 +49,7 @@ def test_correct_implementations_pass_the_accumulation_cases_at_every_seed(targe
     oracle.check(fn, cases=ACCUMULATION_CASES, seed=seed, dtype=dtype).raise_for_failures()
 
 
-@pytest.mark.slow  # 30 runs of the standard set: about 4 minutes on 2 cores
+@pytest.mark.slow  # 30 runs of the standard set: about 4 minutes of CPU time (10 on a loaded 2-core machine)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_the_standard_cases_catch_every_running_sum_and_pass_correct_implementations_at_every_seed(seed):
     for gradient, (fn, case, check) in planted.RUNNING_SUM_BUGS.items():

@@ -19,8 +19,8 @@ up to the dtype's limits (every case representable in it: :func:`representable`)
 range and where an extreme sits, causal or not and its alignment, boolean and additive masks with
 fully masked rows, sliding windows and documents, the softmax scale, and the memory layout
 (non-contiguous views, a storage offset, a non-contiguous dO), and long sums of terms of one sign
-(an accumulation without promotion). The model shapes come from
-:data:`MODEL_SHAPES`. ``Case.feature`` names the optional feature a case exercises (``"gqa"``,
+in O and in dV, dK, dQ (an accumulation without promotion, a running sum in a narrow type). The
+model shapes come from :data:`MODEL_SHAPES`. ``Case.feature`` names the optional feature a case exercises (``"gqa"``,
 ``"mask"``, ``"window"``, ``"documents"``), None for the core cases.
 
 GQA: k and v (and so dK, dV) have ``kv_heads`` heads, q and dO ``groups * kv_heads``; query
@@ -253,6 +253,39 @@ def _one_signed(g, b, h, nq, nk, d, dv=None):
             1 + _randn(g, b, h, nq, dv) / 4)
 
 
+def _one_signed_gradients(g, b, h, nq, nk, d, dv=None):
+    """Inputs whose gradients are long sums of terms of one sign. Each key j carries a sign a_j
+    (half the keys +1, half -1, in random order), each query a weight b_i = 1 + randn/4; with 1
+    the all-ones vector and c a vector of +1 on half the channels and -1 on the others
+    (c . 1 = 0)::
+
+        V_j = a_j 1 + randn/4    K_j = a_j 1 + randn/4    dO_i = b_i 1 + randn/4    Q_i = b_i c + randn/4
+
+    so that the logits are the noise's (Q_i . K_j = b_i a_j c . 1 + noise: rows neither flat
+    nor peaked), dP_ij = dO_i . V_j ~ a_j b_i dv, D_i = sum_j P_ij dP_ij ~ 0, dS_ij ~ P_ij a_j b_i dv,
+    and, channel by channel, every term of each gradient's sum has the same sign:
+
+        dV_j = sum_i P_ij dO_i              ~ (sum_i P_ij b_i) 1               (over the queries)
+        dK_j = tau sum_i dS_ij Q_i          ~ tau a_j dv (sum_i P_ij b_i^2) c  (over the queries)
+        dQ_i = tau sum_j dS_ij K_j          ~ tau b_i dv (sum_j P_ij a_j^2) 1  (over the keys)
+
+    A running sum kept in a narrow type (a BF16 dV, dK or dQ added into block by block) then
+    rounds a total that outgrows each block's term, where zero-mean inputs keep it small."""
+    dv = dv or d
+    a = torch.ones(nk, dtype=torch.float64)
+    a[: nk // 2] = -1
+    a = a[torch.randperm(nk, generator=g)]
+    weight = 1 + _randn(g, b, h, nq, 1) / 4
+    c = torch.ones(d, dtype=torch.float64)
+    c[torch.randperm(d, generator=g)[: d // 2]] = -1
+    ones_v = torch.ones(dv, dtype=torch.float64)
+    v = a[:, None] * ones_v + _randn(g, b, h, nk, dv) / 4
+    k = a[:, None] * torch.ones(d, dtype=torch.float64) + _randn(g, b, h, nk, d) / 4
+    dout = weight * ones_v + _randn(g, b, h, nq, dv) / 4
+    q = weight * c + _randn(g, b, h, nq, d) / 4
+    return q, k, v, dout
+
+
 def _gqa(g, b, h, hkv, nq, nk, d, dv=None):
     """Gaussian q (h heads), k, v (hkv heads) with four outlier channels (x3 in Q and K, x8 in V,
     as dmref.demo), the query heads of a group sharing a mean direction (|mu| about half a
@@ -438,6 +471,15 @@ def _specs(size: str) -> list[_Spec]:
               "close to uniform) whose V, like dO, is 1 + randn/4: long sums of terms of (nearly) one sign",
               1, 1, 64, context, d, False, "one_signed", scale_factor=2.0**-10, tags=("adversarial", "long",
                                                                                   "accumulation", "cross")),
+        # the gradients' long one-signed sums, over the queries (dV, dK) and over the keys (dQ), in
+        # blocks of 64 that a running sum in a narrow type rounds after each block
+        _Spec("long_sums_over_queries", f"{context:,} queries x 64 keys: dV and dK are long sums of terms of one sign "
+              "over the queries (dO along the all-ones vector; dS's sign set by the key, Q's by the channel)",
+              1, 1, context, 64, d, False, "one_signed_gradients", tags=("adversarial", "long", "accumulation",
+                                                                       "cross")),
+        _Spec("long_sums_over_keys", f"64 queries x {context:,} keys: dQ is a long sum of terms of one sign over the "
+              "keys (dS's sign and K's set by the key)", 1, 1, 64, context, d, False, "one_signed_gradients",
+              tags=("adversarial", "long", "accumulation", "cross")),
     ]
 
 
@@ -573,6 +615,8 @@ def make_cases(size: str = "standard", *, dtype: torch.dtype = torch.bfloat16, s
             q, k, v, dout = _spikes(g, s.batch, s.heads, s.seqlen_q, s.seqlen_k, d, SPIKE_POSITIONS)
         elif s.make == "gqa":
             q, k, v, dout = _gqa(g, s.batch, s.heads, s.kv_heads, s.seqlen_q, s.seqlen_k, d, dv)
+        elif s.make == "one_signed_gradients":
+            q, k, v, dout = _one_signed_gradients(g, s.batch, s.heads, s.seqlen_q, s.seqlen_k, d, dv)
         elif s.make == "one_signed":
             q, k, v, dout = _one_signed(g, s.batch, s.heads, s.seqlen_q, s.seqlen_k, d, dv)
         else:

@@ -21,6 +21,9 @@ added to the scaled scores). Bugs (``flash_<bug>``):
 - ``mask_bwd`` (takes ``mask``): the backward recomputes P without the additive mask;
 - ``mask_scaled`` (takes ``mask``): the additive mask is added before the softmax scale,
   scale (Q Kᵀ + M) instead of scale Q Kᵀ + M, in the forward and the backward;
+- ``dv_bf16_sum``, ``dk_bf16_sum``, ``dq_bf16_sum``: dV, dK (summed over blocks of 64 queries) or
+  dQ (over blocks of 64 keys) kept as a BF16 running sum, rounded after every block, as torch's
+  CPU flash-attention backward keeps dK and dV (``RUNNING_SUM_BUGS``);
 
 and ``naive_fp8_wrong_axis``: dmref's emulated ``naive_fp8`` except that K is quantized for
 Q Kᵀ in 1x128 blocks along the sequence instead of along the head dim.
@@ -88,6 +91,21 @@ def _probabilities(s, lse):
     return torch.exp(s - torch.where(lse == float("-inf"), float("inf"), lse))
 
 
+#: the rows (queries for dV and dK, keys for dQ) of one block of the running-sum bugs
+RUNNING_SUM_BLOCK = 64
+
+
+def _bf16_running_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b (float32) summed over the contraction in blocks of :data:`RUNNING_SUM_BLOCK`: each
+    block's product in float32, added into a BF16 running sum that is rounded after every block
+    (torch's CPU flash-attention backward keeps dK and dV so)."""
+    acc = torch.zeros(*a.shape[:-1], b.shape[-1], dtype=torch.bfloat16)
+    for start in range(0, a.shape[-1], RUNNING_SUM_BLOCK):
+        block = a[..., start:start + RUNNING_SUM_BLOCK] @ b[..., start:start + RUNNING_SUM_BLOCK, :]
+        acc = (acc.float() + block).to(torch.bfloat16)
+    return acc.float()
+
+
 class _Flash(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, causal, scale, bug):
@@ -111,13 +129,18 @@ class _Flash(torch.autograd.Function):
         causal = ctx.causal and bug != "bwd_causal"
         # in the forward P = exp(S - lse), so now
         p = _probabilities(_scores(q32, k32, mask, causal, scale, bug, backward=True), lse)
-        dv = p.transpose(-1, -2) @ do32
+        dv = _bf16_running_matmul(p.transpose(-1, -2), do32) if bug == "dv_bf16_sum" else p.transpose(-1, -2) @ do32
         dp = do32 @ v32.transpose(-1, -2)
         o_delta = _e4m3_rows(o32) if bug == "stale_delta" else o32
         delta = (do32 * o_delta).sum(-1, keepdim=True)
         ds = p * (dp - delta)
-        dq = scale * (ds @ k32)
-        dk = scale * (ds @ q32) if bug == "dk_transpose" else scale * (ds.transpose(-1, -2) @ q32)
+        dq = _bf16_running_matmul(scale * ds, k32) if bug == "dq_bf16_sum" else scale * (ds @ k32)
+        if bug == "dk_transpose":
+            dk = scale * (ds @ q32)
+        elif bug == "dk_bf16_sum":
+            dk = _bf16_running_matmul(scale * ds.transpose(-1, -2), q32)
+        else:
+            dk = scale * (ds.transpose(-1, -2) @ q32)
         dk, dv = _group_sum(dk, groups, bug), _group_sum(dv, groups, bug)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
@@ -147,6 +170,9 @@ flash_dk_transpose = _make("dk_transpose")
 flash_kv_grouping = _make("kv_grouping")
 flash_mask_bwd = _make("mask_bwd", takes_mask=True)
 flash_mask_scaled = _make("mask_scaled", takes_mask=True)
+flash_dv_bf16_sum = _make("dv_bf16_sum")
+flash_dk_bf16_sum = _make("dk_bf16_sum")
+flash_dq_bf16_sum = _make("dq_bf16_sum")
 
 #: the planted bug -> (implementation, the check that must fail)
 BUGS = {
@@ -162,6 +188,14 @@ CASE_BUGS = {
     "kv_grouping": (flash_kv_grouping, "gqa", {"dk", "dv"}, {"out", "dq", "rowsum"}),
     "mask_bwd": (flash_mask_bwd, "additive_mask", {"dq", "dk", "dv"}, {"out"}),
     "mask_scaled": (flash_mask_scaled, "additive_mask", {"out"}, set()),
+}
+
+#: a gradient kept as a BF16 running sum -> (implementation, the case whose long one-signed
+#: sums show it, the check that must fail there)
+RUNNING_SUM_BUGS = {
+    "dv": (flash_dv_bf16_sum, "long_sums_over_queries", "dv"),
+    "dk": (flash_dk_bf16_sum, "long_sums_over_queries", "dk"),
+    "dq": (flash_dq_bf16_sum, "long_sums_over_keys", "dq"),
 }
 
 _NAIVE_NO_K = replace(recipes.get_recipe("naive_fp8"), name="naive_fp8_k_prequantized", k=recipes.NONE)

@@ -49,6 +49,8 @@ def test_every_case_set_varies_every_axis(size):
     assert len({round(c.scale * c.q.shape[-1] ** 0.5, 12) for c in cases.values()}) > 3  # softmax scale
     # accumulation: a long sum of terms of one sign (V's mean far from zero over thousands of keys)
     assert any(c.k.shape[-2] > 2048 and c.v.double().mean() > 2 * c.v.double().std() for c in cases.values())
+    # and in the gradients: dV summed over thousands of queries whose dO has one sign
+    assert any(c.q.shape[-2] > 2048 and c.dout.double().mean() > 2 * c.dout.double().std() for c in cases.values())
     # each optional feature crossed with the other axes: batch > 1, heads > 1, causal and not, tails
     for feature in oracle.OPTIONAL_FEATURES:
         of = [c for c in cases.values() if c.feature == feature]

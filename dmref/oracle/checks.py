@@ -109,9 +109,11 @@ def check(fn, *, recipe=None, cases=DEFAULT_CASES, dtype: torch.dtype | str = to
         seed: an int in [0, :data:`dmref._oracle_cases.MAX_SEED`].
         causal_alignment: how fn aligns a causal mask when seqlen_q != seqlen_k:
             ``"top_left"`` (SDPA's ``is_causal``: query i sees keys j <= i) or
-            ``"bottom_right"`` (FlashAttention >= 2.1: j <= i + seqlen_k - seqlen_q). None:
-            fn's attribute ``causal_alignment`` if it has one (dmref's ``emulated_<preset>``
-            targets declare ``"bottom_right"``), else ``"top_left"``.
+            ``"bottom_right"`` (FlashAttention >= 2.1: j <= i + seqlen_k - seqlen_q), checked
+            strictly. None: fn's attribute ``causal_alignment`` if it has one (dmref's
+            ``emulated_<preset>`` targets declare ``"bottom_right"``), else inferred: the cases
+            where the two differ are judged under both and fn is checked under the one it
+            follows (:func:`_settle_alignment`; ``report.alignment_source``).
 
     Returns:
         :class:`OracleReport`; ``report.raise_for_failures()`` turns it into an assertion.

@@ -346,7 +346,8 @@ class OracleReport:
         if wide:
             table = self.table(title="")
             width = console.width
-            console.width = max(width, console.measure(table).maximum)  # every cell whole: the terminal wraps
+            natural = console.measure(table, options=console.options.update_width(1 << 16)).maximum
+            console.width = max(width, natural)  # every cell whole (the terminal may wrap the lines)
             try:
                 console.print(table)
             finally:

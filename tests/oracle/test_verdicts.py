@@ -169,7 +169,7 @@ def test_dmref_check_exits_3_on_an_inconclusive_reading():
     res = _dmref("aligned:top_left_dq_rounded_twice", "--cases", "quick", "--case", "realistic")
     assert res.returncode == 3, res.stdout + res.stderr
     assert res.stdout.splitlines()[0].startswith("INCONCLUSIVE: ")
-    assert "realistic:rowsum  INCONCLUSIVE: the probe read" in " ".join(res.stdout.split())
+    assert "realistic:rowsum INCONCLUSIVE: the probe read" in " ".join(res.stdout.split())
 
 
 # ----------------------------------------------------------------------------------------------

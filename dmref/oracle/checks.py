@@ -482,7 +482,7 @@ def _probe_notes(pr) -> str:
         notes.append("dQ was not zero on the null channels (where K is zero)")
     if not pr.consistent:
         notes.append(f"the two null channels' readings differ by up to {pr.disagreement:.3g} times the probe's "
-                     "error bound (dQ rounded more than once to its dtype, or summed in less than float32, on its way out)")
+                     "error bound (e.g. dQ rounded more than once to its dtype, or summed in less than float32)")
     if pr.invariance_detail:
         notes.append("shifting K changed " + pr.invariance_detail)
     return "; ".join(notes)

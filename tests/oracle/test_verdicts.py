@@ -218,3 +218,12 @@ def test_dmref_check_at_80_columns():
     assert "…" not in res.stdout
     assert "causal alignment: bottom-right, inferred" in " ".join(res.stdout.split())
     assert re.search(r"^causal_cross:dv  \S+ > \S+", res.stdout, re.M)
+
+
+def test_dmref_check_passes_a_bottom_right_implementation_undeclared():
+    res = _dmref("aligned:bottom_right", "--cases", "quick", "--case", "causal_cross", "--case",
+                 "causal_more_queries", "--json")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr
+    report = json.loads(res.stdout)
+    assert (report["verdict"], report["causal_alignment"], report["alignment_source"]) == (
+        "PASSED", "bottom_right", "inferred")

@@ -89,6 +89,7 @@ __all__ = [
     "null_channels",
     "prepare",
     "run_probe",
+    "run_shifted",
     "unit_roundoff_of",
 ]
 
@@ -212,6 +213,9 @@ class ProbeResult:
     invariant: bool  #: O, dK and dV bit-identical in both runs (the shift moved no scale)
     invariance_detail: str  #: which output changed, if any (dQ outside the null channels too)
     zero_before: bool  #: dQ was exactly zero on the null channels in the unshifted run
+    #: max over rows of the readings' spread / the sum of their error bounds (above 1: not
+    #: consistent; NaN without ``abs_ds_bound``)
+    disagreement: float = math.nan
 
     @property
     def valid(self) -> bool:
@@ -230,9 +234,19 @@ def _run(fn, q, k, v, dout, kwargs, leaf=_copy):
     return out.detach(), q_.grad, k_.grad, v_.grad
 
 
+def run_shifted(fn, q, k, v, dout, setup: ProbeSetup, *, causal: bool = False, scale: float | None = None,
+                mask=None, leaf=_copy):
+    """The outputs ``(out, dq, dk, dv)`` of fn on (q, k + 1 cᵀ): the run :func:`run_probe`
+    reads (pass them as its ``shifted`` to judge one run against several bounds)."""
+    kwargs = dict(causal=causal, scale=scale)
+    if mask is not None:
+        kwargs["mask"] = mask
+    return _run(fn, q, setup.shifted(k), v, dout, kwargs, leaf)
+
+
 def run_probe(fn, q, k, v, dout, setup: ProbeSetup, *, causal: bool = False, scale: float | None = None,
               mask=None, base=None, abs_ds_bound: torch.Tensor | None = None,
-              u_acc: float = U_FP32, leaf=_copy) -> ProbeResult:
+              u_acc: float = U_FP32, leaf=_copy, shifted=None) -> ProbeResult:
     """Run ``fn`` on (q, k) and on (q, k + 1 cᵀ) and read r_i = sum_j dS_ij off dQ.
 
     ``q``, ``k`` must come from :func:`prepare` (zero on ``setup.channels``). ``base``: the
@@ -243,7 +257,9 @@ def run_probe(fn, q, k, v, dout, setup: ProbeSetup, *, causal: bool = False, sca
     taken through autograd with ``dout``. k and v may have fewer heads than q (GQA); ``mask``
     (boolean or additive) is passed to fn in both runs. ``leaf(t)``: the tensor fn is given for
     each of q, k, v and dout (default a contiguous copy; the oracle passes its case's memory
-    layout, so that both runs see the layout of ``base``).
+    layout, so that both runs see the layout of ``base``). ``shifted``: the outputs of
+    :func:`run_shifted` if the caller has them already (fn is then not called at all when
+    ``base`` is given too).
     """
     kwargs = dict(causal=causal, scale=scale)
     if mask is not None:
@@ -252,7 +268,8 @@ def run_probe(fn, q, k, v, dout, setup: ProbeSetup, *, causal: bool = False, sca
     tau = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     if base is None:
         base = _run(fn, q, k, v, dout, kwargs, leaf)
-    shifted = _run(fn, q, setup.shifted(k), v, dout, kwargs, leaf)
+    if shifted is None:
+        shifted = _run(fn, q, setup.shifted(k), v, dout, kwargs, leaf)
     ch = list(setup.channels)
     others = [d for d in range(head_dim) if d not in setup.channels]
 
@@ -278,9 +295,12 @@ def run_probe(fn, q, k, v, dout, setup: ProbeSetup, *, causal: bool = False, sca
         spread = (readings[..., :, None] - readings[..., None, :]).abs()
         allowed = per[..., :, None] + per[..., None, :]
         consistent = bool((spread <= allowed).all())
+        ratio = torch.where(spread == 0, torch.zeros_like(spread), spread / allowed)
+        disagreement = ratio.max().item() if ratio.numel() else 0.0
     else:
         bound = torch.full_like(residual, math.nan)
         consistent = True
+        disagreement = math.nan
     spread_rows = readings.amax(dim=-1) - readings.amin(dim=-1)
     return ProbeResult(residual, readings, bound, spread_rows, consistent, not changed, "; ".join(changed + notes),
-                       zero_before)
+                       zero_before, disagreement)

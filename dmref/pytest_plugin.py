@@ -1,8 +1,12 @@
 """pytest plugin of dmref (entry point ``pytest11: dmref``; loaded whenever dmref is installed).
 
 Fixture ``dmref_oracle``: a function ``dmref_oracle(fn, **kwargs)`` that runs
-:func:`dmref.oracle.check` on ``fn`` and fails the test with the oracle's list of failed checks
-(the full table is printed to the captured output). It returns the report.
+:func:`dmref.oracle.check` on ``fn`` and fails the test with the oracle's list of failed checks,
+each with its most likely cause (the report is printed to the captured output). It returns the
+report. An INCONCLUSIVE report (no check failed, but the probe could not vouch for a reading)
+does not fail the test: it issues a :class:`DmrefInconclusiveWarning` naming the checks and what
+the probe read, shown in pytest's warnings summary (``-W error::dmref.pytest_plugin.DmrefInconclusiveWarning``
+turns it into a failure).
 
 Marker ``@pytest.mark.dmref_attention(recipe=..., dtype=..., cases=..., device=..., head_dim=...,
 require=..., timeout=...)``: defaults for ``dmref_oracle`` in that test, any keyword argument of
@@ -26,12 +30,19 @@ Importing this module imports neither torch nor dmref.oracle; the fixture does, 
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 MARKER = "dmref_attention"
 #: dmref.oracle.DEFAULT_CASES, spelled out so that loading the plugin imports no torch (a test
 #: holds the two equal)
 DEFAULT_CASES = "standard"
+
+
+class DmrefInconclusiveWarning(UserWarning):
+    """The oracle found no failure, but could not vouch for a measurement (an INCONCLUSIVE
+    report): the message names the checks and what the probe read."""
 
 
 def pytest_addoption(parser):
@@ -67,10 +78,12 @@ def dmref_oracle(request):
             try:
                 from rich.console import Console
 
-                Console(width=200).print(report.table())
+                report.render(Console(width=120))
             except Exception:  # noqa: BLE001 - the table is a courtesy; the assertion below is the result
                 pass
         report.raise_for_failures()
+        if report.verdict == "INCONCLUSIVE":
+            warnings.warn(DmrefInconclusiveWarning("\n".join([report.summary(), *report.reasons()])), stacklevel=2)
         return report
 
     return run

@@ -149,7 +149,8 @@ def assert_within_bound(actual, expected, bound, *, what: str = "value") -> None
 
 def assert_attention_correct(fn, **check_kwargs):
     """Run :func:`dmref.oracle.check` on ``fn`` (keyword arguments passed on) and raise
-    AssertionError listing every failed check when one fails. Returns the report."""
+    AssertionError listing every failed check, each with its most likely cause, when one fails.
+    Returns the report (an INCONCLUSIVE one too: read ``report.verdict``)."""
     from . import oracle
 
     report = oracle.check(fn, **check_kwargs)

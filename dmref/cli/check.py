@@ -4,8 +4,11 @@ Exit status: 0 when every check passed (cases of an optional feature fn cannot d
 UNSUPPORTED and do not count unless ``--require``d), 1 when a check failed or a case timed out
 (``--timeout SECONDS``, per case), 2 when the command cannot run: the target cannot be imported,
 is not callable or has the wrong signature, the device is not available, an option is invalid
-(one line on stderr says which). The table and the progress go to the terminal; with ``--json``
-stdout holds only the report as strict JSON (progress on stderr).
+(one line on stderr says which), 3 when no check failed but one was INCONCLUSIVE (the probe could
+not vouch for its reading of the row sums; the report says what it read). The terminal report
+(the verdict line first, one row per case, fitting 80 columns; ``--wide``: every check's
+statistic) goes to stdout, the progress to stderr; with ``--json`` stdout holds only the report
+as strict JSON.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import importlib
 import os
 import sys
 
-EXIT_PASSED, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_PASSED, EXIT_FAILED, EXIT_USAGE, EXIT_INCONCLUSIVE = 0, 1, 2, 3
+#: the exit status of each verdict (dmref.oracle.OracleReport.verdict)
+EXIT_STATUS = {"PASSED": EXIT_PASSED, "FAILED": EXIT_FAILED, "INCONCLUSIVE": EXIT_INCONCLUSIVE}
 
 _DTYPES = ("bf16", "bfloat16", "fp16", "float16", "fp32", "float32", "fp64", "float64")  # oracle.DTYPE_NAMES
 
@@ -26,7 +31,8 @@ def register(subparsers) -> None:
         description="Run fn(q, k, v, *, causal, scale[, mask]) -> out forward and backward on the oracle's "
                     "cases and compare against the float64 reference (dmref.oracle.check). Exit status 0 "
                     "only when every check passes; 1 when one fails; 2 when fn cannot be imported or "
-                    "called.",
+                    "called; 3 when none failed but one was inconclusive (the probe could not vouch for "
+                    "its reading).",
     )
     p.add_argument("target", help="package.module:function (the module must be importable; the current "
                                   "directory is on the path)")
@@ -50,12 +56,16 @@ def register(subparsers) -> None:
     p.add_argument("--causal-alignment", default=None, choices=("top_left", "bottom_right"),
                    help="how fn aligns a causal mask when seqlen_q != seqlen_k: top_left (SDPA's is_causal: query i "
                         "sees keys j <= i) or bottom_right (FlashAttention >= 2.1: j <= i + seqlen_k - seqlen_q); "
-                        "default: fn's attribute causal_alignment if it has one, else top_left")
+                        "default: fn's attribute causal_alignment if it has one, else inferred from the cases where "
+                        "the two differ (and named in the verdict line)")
     p.add_argument("--device", default="cpu", help="device fn runs on (default cpu); it must hold data that "
                                                   "can be read back (not meta)")
     p.add_argument("--seed", type=int, default=0, help="seed of the cases' inputs, in [0, (2^64 - 1000) / 1000]")
     p.add_argument("--no-probe", action="store_true", help="skip the row-sum probe (one fn call per case)")
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    p.add_argument("--wide", action="store_true",
+                   help="the full table: every check's statistic / bound, one column per check (about 160 "
+                        "columns); default: one row per case, fitting 80")
     p.set_defaults(func=_run)
 
 
@@ -139,8 +149,8 @@ def _run(args) -> int:
     if args.json:
         print(report.to_json(indent=1))
     else:
-        Console(width=max(Console().width, 160)).print(report.table())
-    code = EXIT_PASSED if report.passed else EXIT_FAILED
+        report.render(Console(), wide=args.wide)
+    code = EXIT_STATUS[report.verdict]
     if args.timeout is not None and any(c.detail.startswith("timed out") for c in report.failed):
         err.print(report.summary())
         sys.stdout.flush()

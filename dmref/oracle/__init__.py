@@ -16,8 +16,12 @@ head_dim_v)``, query head h reading key/value head ``h // (heads // kv_heads)``;
 boolean (True = attend) or floating (added to the scaled scores, -inf removes a position);
 ``window=(left, right)`` a sliding window (FlashAttention's ``window_size``); ``documents`` a
 (batch, seqlen) tensor of document ids (packed sequences); rows with no key left give zero
-output and gradients. Causal with seqlen_q != seqlen_k is aligned as declared
-(``causal_alignment``: top-left as SDPA by default, or bottom-right as FlashAttention >= 2.1).
+output and gradients (the convention: such a row's output and its dQ are zero, and it adds
+nothing to dK and dV). Causal with seqlen_q != seqlen_k is aligned as declared
+(``causal_alignment``: top-left as SDPA's ``is_causal``, or bottom-right as FlashAttention >=
+2.1); undeclared, the oracle judges the cases where the two differ under both and checks fn
+under the one it follows (named in the verdict line), failing those cases when it follows
+neither.
 
 What is checked, per case (:func:`dmref._oracle_cases.make_cases`: every axis an attention bug
 can live on, docs/oracle.md), after one forward and one backward of fn on the case's inputs
@@ -33,7 +37,8 @@ can live on, docs/oracle.md), after one forward and one backward of fn on the ca
   (:data:`BASELINE_FACTOR`); where the baseline's excess is 0, two roundings of the element's
   value to the dtype are not counted against fn (:func:`rounding_allowance`).
 - ``rowsum``: the probe's reading of sum_j dS_ij (:mod:`dmref.probe`), rms over rows relative to
-  sum_j |P_ij dP_ij|, is at most the baseline's; an unvouched reading fails.
+  sum_j |P_ij dP_ij|, is at most the baseline's; a reading the probe cannot vouch for is
+  INCONCLUSIVE (neither passed nor failed), reported with what the probe read.
 - ``agree_*`` (a recipe claim only): fn makes the recipe's rounding errors, not others of the
   same size.
 - once per check, on the first plain case: ``defaults`` (arguments left out mean SDPA's
@@ -43,6 +48,12 @@ can live on, docs/oracle.md), after one forward and one backward of fn on the ca
 The baseline runs in the same call on the same inputs: with ``recipe=None`` dmref's model of a
 correct implementation in ``dtype`` (:func:`baseline_recipe`: FlashAttention-2's numerics for
 BF16 and FP16), with ``recipe=R`` the emulated R.
+
+The verdict (``report.verdict``): FAILED when a check failed (or none ran), else INCONCLUSIVE
+when a reading could not be vouched for, else PASSED (``report.passed``). Each failed check
+carries its most likely cause in words (``Check.cause``; ``report.reasons()``: one line per
+failed check); the causal alignment is named as a cause only where the other alignment's
+reference fits.
 
 Guarantees:
 
@@ -76,7 +87,7 @@ from ..emulation.constants import U_FP32  # noqa: F401
 from .bounds import exact_reference, max_value, elementwise_ratio, _run_recipe  # noqa: F401
 from .checks import _error_checks, _Plan  # noqa: F401
 from .checks import OPTIONAL_FEATURES, check
-from .report import CONTRACT_CHECKS, CaseResult, Check, OracleReport
+from .report import CONTRACT_CHECKS, VERDICTS, CaseResult, Check, OracleReport
 from .runner import (DTYPE_NAMES, MAX_TIMEOUT, TargetUnavailable, check_timeout, device_problem, resolve_dtype,
                      validate_signature)
 from .._oracle_cases import check_seed
@@ -98,6 +109,7 @@ __all__ = [
     "Check",
     "OracleReport",
     "TargetUnavailable",
+    "VERDICTS",
     "baseline_recipe",
     "causal_into_mask",
     "check",

@@ -67,9 +67,12 @@ def test_the_causal_alignment_is_declared_and_a_wrong_one_fails_in_one_line(fn, 
     right.raise_for_failures()
     wrong = oracle.check(fn, cases=_cases(names), causal_alignment=declared)
     assert wrong.failed_cases() == {"causal_cross", "causal_more_queries"}, wrong.summary()
-    assert wrong.causal_alignment == declared
-    details = [c.detail for c in wrong.failed if c.name in ("out", "dq", "dk", "dv")]
-    assert details and all("--causal-alignment" in d for d in details)
+    assert wrong.causal_alignment == declared and wrong.alignment_source == "declared"
+    other = "top_left" if declared == "bottom_right" else "bottom_right"
+    causes = [c.cause for c in wrong.failed if c.name in ("out", "dq", "dk", "dv")]
+    # the other alignment's reference fits these cases: the cause says so, naming the option
+    assert causes and all(f"--causal-alignment {other}" in c for c in causes)
+    assert all(f"--causal-alignment {other}" in line for line in wrong.reasons()[:len(wrong.failed)])
 
 
 def test_dmref_attention_declares_bottom_right_and_sdpa_is_top_left():

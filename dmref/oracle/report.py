@@ -349,7 +349,7 @@ class OracleReport:
         failed, what each inconclusive one saw, and the unsupported cases."""
         style = {"PASSED": "bold green", "FAILED": "bold red", "INCONCLUSIVE": "bold yellow"}[self.verdict]
         console.print(self.verdict_line(), style=style, highlight=False)
-        console.print(f"{self.target} ({self.mode}), {len(self.cases)} case{"s" if len(self.cases) != 1 else ""}", highlight=False)
+        console.print(f"{self.target} ({self.mode}), {len(self.cases)} case{'s' if len(self.cases) != 1 else ''}", highlight=False)
         if wide:
             table = self.table(title="")
             width = console.width

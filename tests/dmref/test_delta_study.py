@@ -26,7 +26,7 @@ def adversarial_problems(draw):
     lengths that leave tail tiles (of the 64-key dS blocks and the 128-key tiles), grouped
     heads, and rows the mask hides entirely."""
     kv_heads = draw(st.integers(1, 2))
-    seqlen = draw(st.integers(1, 300))
+    seqlen = draw(st.integers(1, 200))
     return dict(
         shape=dict(batch=1, heads=kv_heads * draw(st.sampled_from([1, 2])), seqlen=seqlen,
                    head_dim=draw(st.sampled_from([32, 64]))),
@@ -55,7 +55,7 @@ def _inputs(case):
     return q, k, v, dout, mask
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(case=adversarial_problems())
 def test_the_chosen_delta_keeps_every_row_sum_within_the_fp32_bound(case):
     """Theorem 1′ with Theorem 3: D_i = sum_j P_ij dP^_ij from the very dP^ the sweep uses (the
@@ -80,7 +80,7 @@ def test_hopper_dp_breaks_consistent_p_and_not_the_chosen_delta():
     D from the pre-pass keeps every row inside. With PV and dP accumulated in float32 instead,
     consistent P's median row is inside again (its own bound, dmref/proofs/delta_study.md, is
     wider than Delta-Matching's by sum_k |dO^_ik| W_ik / A_i)."""
-    q, k, v, dout = make_problem(1, 2, 512, 64, kv_heads=1, seed=5)
+    q, k, v, dout = make_problem(1, 1, 512, 64, seed=5)
     ratios = {}
     for recipe in (CHOSEN, get_recipe("consistent_p_tile@hopper"), DELTA_STUDY["consistent_p_fp32_pv_dp"]):
         _, bwd = tiled.attention(q, k, v, dout, recipe=recipe, causal=True, diagnostics=True)

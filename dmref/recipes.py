@@ -48,12 +48,14 @@ __all__ = [
     "PReference",
     "PScaling",
     "PRESETS",
+    "DELTA_STUDY",
     "QuantPoint",
     "Recipe",
     "ScaleRule",
     "Tiles",
     "get_recipe",
     "kernel_recipes",
+    "with_prepass_delta",
     "MATMULS",
     "NONE",
     "STALE",
@@ -513,6 +515,50 @@ PRESETS: dict[str, Recipe] = {
     for r in (EXACT, FP32, BF16, NAIVE_FP8, CUDNN_FP8, MXFP8_STALE, DELTA_MATCHING, CONSISTENT_P_RECIPE)
 }
 
+# ----------------------------------------------------------------------------------------------
+# The delta study: recipes whose D is known before a single backward pass (docs/delta_study.md)
+# ----------------------------------------------------------------------------------------------
+
+# Consistent P with P scaled per row and 128-key tile (POW2_DOWN, 1x128 along the keys): a
+# dynamic power-of-two block scale commutes with the forward's power-of-two rescaling, Q(2^c y)
+# = 2^c Q(y) for every y, so the backward recomputes the forward's P~ bit for bit at the final
+# reference (condition C1 of dmref/proofs/consistent_p.md holds everywhere, also where a fixed
+# 2^8 offset makes P subnormal at one reference and normal at the other). The block's scale is
+# the tile's row max, which the online softmax has already: the kernel pays nothing for it.
+_E4M3_P_TILE = _fp8(FLOAT8_E4M3FN, Granularity.TILE_1x128, ScaleRule.POW2_DOWN)
+CONSISTENT_P_TILE = replace(CONSISTENT_P_RECIPE, name="consistent_p_tile", p=_E4M3_P_TILE)
+
+# consistent_p_tile with the two contractions behind D = dO^ . O accumulated in float32: PV in
+# the forward and dP = dO^ V^ᵀ in the backward (FP8 values are exact in BF16, so a BF16 tensor
+# core with float32 accumulation runs them at half the FP8 rate); every other matmul on Hopper's
+# FP8 tensor cores. Theorem 9 needs the associativity O_i . dO^_i = sum_j w_ij dP_ij, which
+# Hopper's truncating FP8 accumulation breaks (Theorem 9b).
+CONSISTENT_P_FP32_PV_DP = replace(
+    CONSISTENT_P_TILE, name="consistent_p_fp32_pv_dp",
+    accumulation=MatmulModels(qk="hopper", pv="fp32", qk_bwd="hopper", dp="fp32", dv="hopper", dq="hopper",
+                              dk="hopper"),
+)
+
+# D from the forward's float32 output without consistent P: naive_fp8 with O saved in float32 and
+# D_i = dO^_i . O_i from the dP matmul's dO^ (its E4M3 1x128 point). dS keeps the float32 P of the
+# backward, so O's P~ (the forward's FP8 P) is not dS's P: assumption A1 fails by P's rounding.
+STALE_FP32_O = replace(NAIVE_FP8, name="stale_fp32_o", o=NONE, delta=DeltaStrategy(DeltaKind.STALE, do=_E4M3_1x128))
+
+#: The candidates of the delta study beside the presets, by name (:func:`get_recipe` finds them;
+#: the seven-GEMM recipe is ``delta_matching`` itself: dmref.tiled computes its D in a pre-sweep).
+DELTA_STUDY: dict[str, Recipe] = {r.name: r for r in (CONSISTENT_P_TILE, CONSISTENT_P_FP32_PV_DP, STALE_FP32_O)}
+
+
+def with_prepass_delta(recipe: Recipe, name: str | None = None) -> Recipe:
+    """``recipe`` (a matched one) in the seven-GEMM schedule: D_i = sum_j P_ij dP^_ij from a
+    pre-pass of QKᵀ and dO Vᵀ that runs the main pass's very matmuls (so its dP^ are the main
+    pass's numbers, Theorem 1′ of dmref/proofs/delta_matching.md), then the five GEMMs of the
+    backward with the final D: the MATCHED delta without deferred dQ, named ``name`` (default
+    ``<recipe>_prepass``). dmref.tiled computes every MATCHED delta this way."""
+    if recipe.delta.kind is not DeltaKind.MATCHED:
+        raise ValueError(f"with_prepass_delta: recipe {recipe.name!r} has a {recipe.delta.name} delta, not a matched one")
+    return replace(recipe, name=name or f"{recipe.name}_prepass", delta=MATCHED)
+
 
 #: Accumulation models a preset name may ask for after "@" (:meth:`MatmulModel.get` reads them);
 #: "hopper-p<N>" is hopper with float32 promotion every N products.
@@ -552,7 +598,8 @@ def kernel_recipes() -> dict[str, Recipe]:
 
 
 def get_recipe(recipe: Recipe | str) -> Recipe:
-    """A :class:`Recipe`, or one by name: a preset (``"delta_matching"``) or a recipe the kernels
+    """A :class:`Recipe`, or one by name: a preset (``"delta_matching"``), a candidate of the
+    delta study (:data:`DELTA_STUDY`) or a recipe the kernels
     run (``"kernels_delta_matching"``, :func:`kernel_recipes`); ``"naive_fp8@hopper"`` for one
     with every matmul under another accumulation model, one of :data:`ACCUMULATION_MODELS`.
     Raises TypeError for other types, ValueError for an unknown name or model, and for a hopper
@@ -562,14 +609,15 @@ def get_recipe(recipe: Recipe | str) -> Recipe:
     if not isinstance(recipe, str):
         raise TypeError(f"recipe must be a Recipe or a preset name, got {type(recipe).__name__}")
     base, at, model = recipe.partition("@")
-    named = PRESETS.get(base)
+    named = PRESETS.get(base) or DELTA_STUDY.get(base)
     if named is None:
         kernels = kernel_recipes()
         named = kernels.get(base)
         if named is None:
-            close = difflib.get_close_matches(base, [*PRESETS, *kernels], n=1)
+            close = difflib.get_close_matches(base, [*PRESETS, *DELTA_STUDY, *kernels], n=1)
             hint = f"did you mean {close[0] + at + model!r}? " if close else ""
-            raise ValueError(f"unknown recipe {recipe!r}; {hint}presets: {', '.join(PRESETS)}; the kernels' "
+            raise ValueError(f"unknown recipe {recipe!r}; {hint}presets: {', '.join(PRESETS)}; the delta study's: "
+                             f"{', '.join(DELTA_STUDY)}; the kernels' "
                              f"recipes: {', '.join(kernels)} (NAME@MODEL for another accumulation model)")
     if not at:
         return named

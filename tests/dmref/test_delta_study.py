@@ -1,0 +1,99 @@
+"""The delta chosen for the five-GEMM backward (docs/delta_study.md): Delta-Matching's D from a
+pre-pass of QKᵀ and dO Vᵀ, with the kernels' quantization and Hopper accumulation, keeps every
+row sum of dS within the float32 bound on adversarial inputs; consistent P, whose D is known
+before the backward, does not once dP is accumulated on FP8 tensor cores."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dmref import tiled
+from dmref.demo import make_problem
+from dmref.diagnostics import matched_rowsum_bound
+from dmref.recipes import DELTA_STUDY, get_recipe, with_prepass_delta
+
+#: The choice: today's kernels' recipe with D from a pre-pass instead of the deferred dQ.
+CHOSEN = with_prepass_delta(get_recipe("kernels_delta_matching"), "kernels_delta_prepass")
+
+
+@st.composite
+def adversarial_problems(draw):
+    """Demo problems pushed to the edges: outlier channels up to 30x, per-row scales of dO over
+    2^-30 .. 2^30 (on top of a gradient scale of 1e-6 .. 1), peaked and sink logits up to 25,
+    lengths that leave tail tiles (of the 64-key dS blocks and the 128-key tiles), grouped
+    heads, and rows the mask hides entirely."""
+    kv_heads = draw(st.integers(1, 2))
+    seqlen = draw(st.integers(1, 200))
+    return dict(
+        shape=dict(batch=1, heads=kv_heads * draw(st.sampled_from([1, 2])), seqlen=seqlen,
+                   head_dim=draw(st.sampled_from([32, 64]))),
+        problem=dict(kv_heads=kv_heads, seed=draw(st.integers(0, 2**31 - 1)),
+                     outlier_channels=draw(st.integers(0, 8)),
+                     qk_outlier_scale=draw(st.sampled_from([1.0, 6.0])),
+                     v_outlier_scale=draw(st.sampled_from([1.0, 30.0])),
+                     peaked_fraction=draw(st.sampled_from([0.0, 0.5])),
+                     peak_logit=draw(st.sampled_from([5.0, 25.0])),
+                     sink_logit=draw(st.sampled_from([0.0, 10.0])),
+                     grad_scale=draw(st.sampled_from([1e-6, 1e-3, 1.0]))),
+        row_exponent=draw(st.integers(0, 30)),
+        masked_rows=draw(st.lists(st.integers(0, seqlen - 1), max_size=3, unique=True)),
+        causal=draw(st.booleans()),
+    )
+
+
+def _inputs(case):
+    shape = case["shape"]
+    q, k, v, dout = make_problem(shape["batch"], shape["heads"], shape["seqlen"], shape["head_dim"], **case["problem"])
+    g = torch.Generator().manual_seed(case["problem"]["seed"])
+    e = case["row_exponent"]
+    dout = dout * torch.exp2(torch.randint(-e, e + 1, (*dout.shape[:-1], 1), generator=g).to(dout.dtype))
+    mask = torch.ones(shape["seqlen"], shape["seqlen"], dtype=torch.bool)
+    mask[case["masked_rows"]] = False
+    return q, k, v, dout, mask
+
+
+@settings(max_examples=10, deadline=None)
+@given(case=adversarial_problems())
+def test_the_chosen_delta_keeps_every_row_sum_within_the_fp32_bound(case):
+    """Theorem 1′ with Theorem 3: D_i = sum_j P_ij dP^_ij from the very dP^ the sweep uses (the
+    Hopper wgmma's numbers), so |r_i| <= matched_rowsum_bound_i, whatever the FP8 dP's error;
+    rows the mask hides have no products and a zero row sum."""
+    q, k, v, dout, mask = _inputs(case)
+    _, bwd = tiled.attention(q, k, v, dout, recipe=CHOSEN, causal=case["causal"], mask=mask, diagnostics=True)
+    rs = bwd.rowsum
+    bound = matched_rowsum_bound(rs)
+    excess = rs.residual.abs() - bound
+    assert bool(torch.isfinite(rs.residual).all())
+    assert excess.max().item() <= 0, f"row sum of dS over the float32 bound by {excess.max().item():.3g}"
+    hidden = torch.zeros(rs.residual.shape[-1], dtype=torch.bool)
+    hidden[case["masked_rows"]] = True
+    assert bool((rs.residual[..., hidden] == 0).all()) and bool((rs.abs_pdp[..., hidden] == 0).all())
+
+
+def test_hopper_dp_breaks_consistent_p_and_not_the_chosen_delta():
+    """The study's finding at a size the tests afford (demo problem, 512 keys, causal): with dP
+    on FP8 tensor cores, consistent P (D = dO^ . O, known before the backward) leaves rows of dS
+    outside the float32 bound, most of them by more than the bound itself; the same problem with
+    D from the pre-pass keeps every row inside. With PV and dP accumulated in float32 instead,
+    consistent P's median row is inside again (its own bound, dmref/proofs/delta_study.md, is
+    wider than Delta-Matching's by sum_k |dO^_ik| W_ik / A_i)."""
+    q, k, v, dout = make_problem(1, 1, 512, 64, seed=5)
+    ratios = {}
+    for recipe in (CHOSEN, get_recipe("consistent_p_tile@hopper"), DELTA_STUDY["consistent_p_fp32_pv_dp"]):
+        _, bwd = tiled.attention(q, k, v, dout, recipe=recipe, causal=True, diagnostics=True)
+        rs = bwd.rowsum
+        live = rs.abs_pdp > 0
+        ratios[recipe.name] = (rs.residual.abs() / matched_rowsum_bound(rs))[live]
+    assert ratios[CHOSEN.name].max().item() <= 1
+    assert ratios["consistent_p_tile@hopper"].median().item() > 1
+    assert ratios["consistent_p_fp32_pv_dp"].median().item() <= 1
+
+
+def test_with_prepass_delta_needs_a_matched_recipe():
+    with pytest.raises(ValueError, match="not a matched one"):
+        with_prepass_delta(get_recipe("naive_fp8"))
+    assert with_prepass_delta(get_recipe("delta_matching")).name == "delta_matching_prepass"
+    assert CHOSEN.delta.deferred_dq is None and get_recipe("kernels_delta_matching").delta.deferred_dq is not None

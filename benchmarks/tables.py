@@ -126,17 +126,17 @@ def bench_attention_ranges(device: str) -> str:
 
 
 def accuracy(device: str) -> str:
+    results = _load(device, "accuracy")
     rows = []
-    for case in _load(device, "accuracy"):
-        first = True
+    for i, case in enumerate(results["rows"] if isinstance(results, dict) else results):
+        where = "·".join(map(str, case["shape"])) + (" causal" if case["causal"] else "")
+        # a named problem (``dc``), or the file's problem by number (its draw described in the doc)
+        where += f", `{case['inputs']}`" if " " not in case["inputs"] else f", problem {i + 1}"
         for name, err in case.items():
-            if not isinstance(err, dict):
-                continue
-            where = (f"{'·'.join(map(str, case['shape']))}{' causal' if case['causal'] else ''}, "
-                     f"`{case['inputs']}`") if first else ""
-            first = False
-            rows.append([where, name.removeprefix("ours_"),
-                         " / ".join(_percent(100 * err[k]) for k in ("o", "dq", "dk", "dv"))])
+            if isinstance(err, dict):
+                rows.append([where, name.removeprefix("ours_"),
+                             " / ".join(_percent(100 * err[k]) for k in ("o", "dq", "dk", "dv"))])
+                where = ""
     return _markdown(["shape, inputs", "implementation", "O / dQ / dK / dV (%)"], rows)
 
 

@@ -120,8 +120,9 @@ def bench_attention_ranges(device: str) -> str:
             cells = [_range([c[field][k] for c in by_dim[d] if k in c.get(field, {})]) if any(
                 k in c.get(field, {}) for c in by_dim[d]) else "—" for d in dims]
             rows.append([f"{prefix}: {LABELS.get(k, k)}", *cells])
-    rows.append([GLUON_OVER_TRITON, *(_range([c["ms"]["ours_bwd_matched_triton"] / c["ms"]["ours_bwd_matched"]
-                                              for c in by_dim[d]]) for d in dims)])
+    if all("ours_bwd_matched_triton" in c["ms"] for c in cases):
+        rows.append([GLUON_OVER_TRITON, *(_range([c["ms"]["ours_bwd_matched_triton"] / c["ms"]["ours_bwd_matched"]
+                                                  for c in by_dim[d]]) for d in dims)])
     return _markdown(["ratio (min-max over the shapes)", *(f"D = {d}" for d in dims)], rows)
 
 

@@ -333,3 +333,42 @@ def test_readme_and_pyproject_give_the_slow_set_the_same_minutes():
                for doc in ("README.md", "pyproject.toml")}
     assert all(len(m) == 1 for m in minutes.values()), minutes
     assert minutes["README.md"] == minutes["pyproject.toml"], minutes
+
+
+# ----------------------------------------------------------------------------------------------
+# Each number written once: the docs' results tables are generated from benchmarks/results
+# ----------------------------------------------------------------------------------------------
+
+def _tables_module():
+    """``benchmarks/tables.py``, loaded from its file (``benchmarks/`` is scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("benchmarks_tables", ROOT / "benchmarks" / "tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_docs_generated_tables_are_what_the_results_files_give():
+    tables = _tables_module()
+    stale = [str(doc.relative_to(ROOT)) for doc in tables.doc_files()
+             if tables.regenerate(doc.read_text()) != doc.read_text()]
+    assert not stale, f"generated tables differ from benchmarks/results in {stale}: run python benchmarks/tables.py"
+    assert tables.generated_ratios("h100") and tables.generated_ratios("h200"), "the speed tables of both devices"
+
+
+def test_every_ratio_quoted_in_prose_is_a_cell_of_a_generated_table():
+    tables = _tables_module()
+    prose = tables._PROSE.findall((ROOT / "docs" / "kernels_speed.md").read_text())
+    assert prose and all(tables._RATIO.search(text) for _, text in prose), "the speed page quotes ratios in prose"
+    assert tables.unquoted_ratios() == [], "a ratio in a <!-- prose:DEVICE --> block that no generated table holds"
+
+
+def test_a_planted_stale_table_and_an_unquoted_ratio_are_found():
+    tables = _tables_module()
+    doc = (ROOT / "docs" / "kernels_speed.md").read_text()
+    ranges = tables.bench_attention_ranges("h100")
+    planted = doc.replace(ranges, ranges.replace("x |", "x (edited) |", 1))
+    assert planted != doc and tables.regenerate(planted) == doc
+    assert "9.99x" not in tables.generated_ratios("h100")
+    assert tables._RATIO.findall("a 9.99x and a 1.05-1.31x, not 10%, v1.2 or 0x10") == ["9.99x", "1.05-1.31x"]

@@ -29,7 +29,7 @@ The delta step, per strategy:
   second and reads the matched D, forming ``dS = P (dP - D)`` exactly. The cost over stale is the
   kbar matmul, its accumulator and one row reduction in ``dq``; nothing is swept twice.
 
-Registers (H200, ``python -m dmref.kernels.compile_check``): every FP8 operand of a tile is
+Registers (sm_90a, ``python -m dmref.kernels.compile_check``): every FP8 operand of a tile is
 formed before its first accumulating matmul (P, dP and dS are dead by then); each kernel has one
 loop with masks on every tile, and the dkdv kernel loops over GQA heads only when there are
 several.

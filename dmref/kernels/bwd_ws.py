@@ -32,17 +32,11 @@ float32 add): 192 registers beside S^T or dP^T (32) and the FP8 operands (8 each
 warp group would need twice that, beyond the 255 a thread can hold; so a warp group holds one
 key tile of 64 and ptxas fits it in 232 registers without spills (``compile_sm90``;
 tests/kernels/test_bwd_ws.py). ``BLOCK_M = 64`` is the recipe's dS block (1 x 64) and promotion
-interval, and must stay so. What made it fit, each measured with ptxas at D = 128:
-
-- the transposed copies' per-channel scales (one row of D factors per tile) come through TMA into
-  shared memory with the Q^T and dO^T tiles and are read after the wgmma that needs them: loaded
-  from global memory with a 64-bit address per element, ptxas hoisted all of them above the
-  wgmmas and spilled 0.6-2.2 KB;
-- the per-query vectors (Q's scale, LSE2, dO's scale, D) are loaded one element a thread and
-  moved into S^T's column layout (16 registers a thread each) through shared memory where they
-  are used: loaded in that layout, ptxas hoists them above the wgmma (148-296 B of spills);
-- S^T, the softmax, then dP^T: S^T and dP^T in flight together hold 64 registers beside dK and
-  dV.
+interval, and must stay so. What makes it fit (the spills of the alternatives:
+docs/kernels_speed.md): the transposed copies' per-channel scales come through TMA into shared
+memory with the Q^T and dO^T tiles and are read after the wgmma that needs them; the per-query
+vectors (Q's scale, LSE2, dO's scale, D) are moved into S^T's column layout through shared
+memory where they are used; S^T, the softmax, then dP^T.
 
 Schedules (``OVERLAP``; the same operations on the same values in every one, so the same bits):
 
@@ -52,10 +46,9 @@ Schedules (``OVERLAP``; the same operations on the same values in every one, so 
 - 2 (not with ``SPLIT``): 1, and P^T dO is issued right behind dP^T and runs during dS.
 
 Nothing is in flight across the loop's back edge. At D = 64 all three compile without spills
-and without ptxas serializing the wgmmas (C7514); at D = 128, 1 spills 60 B (non-causal) and 2
-about 0.9 KB (the dP^T or P^T dO accumulator in flight beside dK and dV), so there the serial
-schedule is the one that fits; at D = 64, 1 is 2-3% faster than serial on the H200
-(``config.default_ws_bwd_tiles``).
+and without ptxas serializing the wgmmas (C7514); at D = 128, 1 and 2 spill (the dP^T or P^T dO
+accumulator in flight beside dK and dV), so there the serial schedule is the default; at D = 64,
+1 is the default as the faster one (``config.default_ws_bwd_tiles``; docs/kernels_speed.md).
 
 Barriers, in the order each role uses them:
 
@@ -67,9 +60,8 @@ Barriers, in the order each role uses them:
   been waited on, after ``fence_async_shared``; the producer waits (phase flipped: the first
   round passes) before overwriting. The fence orders the consumer's own reads of the stage
   (the scale rows, loaded by every warp; the per-query vectors' layout conversions) before the
-  producer's next TMA writes into it: without it, at D = 64 causal on the H200 a third of the
-  runs gave dK or dQ values that differ in a few channels over one warp's rows (a later tile's
-  scales read), and with it none of 400 did (docs/kernels_speed.md).
+  producer's next TMA writes into it (without it a later tile's scales were read:
+  docs/kernels_speed.md, "A proxy fence before each ring release").
 
 Tensors are those ``bwd.backward`` passes to the Triton kernel, read through 2-D TMA descriptors
 built on the host once a launch (``_descriptors``; or, ``host_descriptors=False``, in every CTA

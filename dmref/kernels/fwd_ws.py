@@ -22,11 +22,9 @@ The consumer, for its Q tile and then for every key tile of ``BLOCK_N`` keys:
                                                             # chain per tile, promoted
     O  = acc * fl(1 / l) * v_scale_d;  LSE2 = m - e + log2(l)
 
-``OVERLAP = 1`` (the default) issues QK^T of tile j + 1 before the softmax of tile j: on the
-H200 it runs 0.99-1.11x the serial schedule's speed at the shapes of
-``dev/gpu_fwd_ws_probe.py``, with the serial schedule's bits for the same PV accumulation.
-A deeper one, with PV of tile j - 1 also in flight, ran slower on the H200
-(docs/kernels_speed.md). ``CHAIN=True`` runs PV as one chain over all keys,
+``OVERLAP = 1`` (the default) issues QK^T of tile j + 1 before the softmax of tile j, with the
+serial schedule's bits for the same PV accumulation; it is the default because it hides the
+next QK^T behind the softmax at no cost in bits (its speed: docs/kernels_speed.md). ``CHAIN=True`` runs PV as one chain over all keys,
 ``acc = wgmma(Q(P8), V8, C = acc * alpha)`` (a recipe with ``pv_chain=True``: FA3's
 accumulation, which loses the products of a long row once the accumulator outgrows them,
 docs/kernels_speed.md). Promoted and overlapped, the PV tile T takes the registers of the S tile
@@ -483,8 +481,8 @@ def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale:
     where masked; columns past N unused): the kernel stores the float32 values its cast receives
     and :func:`dmref.kernels.fwd.fp8_codes` casts them (stored as bytes, the codes were wrong on
     the H200 in half the rows when N % 16 != 0: docs/kernels.md). ``host_descriptors``: K's and
-    V's TMA descriptors built on the host once a launch (the default: 1.03-1.21x the kernel's speed
-    with them built in every CTA, benchmarks/results/h100_bench_attention.json), else in every CTA."""
+    V's TMA descriptors built on the host once a launch (the default: faster than building them
+    in every CTA, docs/kernels_speed.md, Speed), else in every CTA."""
     import torch
 
     from ..emulation.constants import LOG2E

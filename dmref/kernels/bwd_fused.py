@@ -54,10 +54,11 @@ class FusedBwdTiles:
 
 
 def default_fused_tiles(spec: KernelSpec, head_dim: int) -> FusedBwdTiles:
-    """The fused backward's launch options at ``head_dim``: 64 x 64 tiles on 4 warps (one m64
-    wgmma row block a warp group) at D = 64, 8 warps at D = 128, where K, V, dK and dV of 64 keys
-    take 2 x 64 + 2 x 64 registers a thread on 4 warps already."""
-    return FusedBwdTiles(num_warps=4 if head_dim == 64 else 8)
+    """The fused backward's launch options at ``head_dim``: 8 warps at both head dims (on 4, ptxas
+    spills at D = 64 and 2 KB a thread at D = 128: ``compile_check``); two pipeline stages at
+    D = 64 (229 registers, no spill), one at D = 128 (255 registers, 48 bytes of spill; two stages
+    spill 120 bytes and take 124 KB of shared memory)."""
+    return FusedBwdTiles(num_warps=8, num_stages=2 if head_dim == 64 else 1)
 
 
 @triton.jit

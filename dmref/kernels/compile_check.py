@@ -36,6 +36,8 @@ class Usage:
 def _pointer_type(name: str, do_format: str) -> str:
     if name in ("O", "DQ", "DK", "DV", "X"):
         return "*bf16"
+    if name.startswith("SEM"):
+        return "*i32"  # the fused backward's counters (bwd_fused)
     if name.startswith(("DO8", "DOT8")):
         return "*" + triton_type(do_format)
     if name.endswith("8"):

@@ -299,3 +299,29 @@ def backward(saved, do8, do_t, delta, *, batch: int, heads: int, kv_heads: int, 
             dbg["sem_seen"] = dumps["sem_seen"]
     return dq, dk, dv, dbg
 
+
+
+def compile_usage(spec: "KernelSpec | str" = "kernels_naive_fp8", head_dims=(64, 128), causal=(False, True),
+                  deterministic=(False, True), group: int = 1) -> list:
+    """Registers, spill bytes and shared memory of the fused kernel compiled for sm_90a as
+    :func:`launch` describes it (no GPU: ``compile_check``), one ``compile_check.Usage`` per
+    variant. Must run with ``TRITON_INTERPRET`` unset."""
+    from .compile_check import Usage, compile_launch, resource_usage
+    from .config import get_recipe
+
+    spec = get_recipe(spec)
+    out = []
+    for d in head_dims:
+        for c in causal:
+            for det in deterministic:
+                run = launch(spec, head_dim=d, causal=c, group=group, deterministic=det)
+                regs, spills, shared = resource_usage(compile_launch(run, do_format=spec.recipe.do_dp.fmt.name))
+                out.append(Usage("bwd_fused", regs, spills, shared,
+                                 f"{spec.name} d={d} causal={c} deterministic={det} group={group} "
+                                 f"warps={run.num_warps} stages={run.num_stages}"))
+    return out
+
+
+if __name__ == "__main__":  # pragma: no cover
+    for u in compile_usage() + compile_usage(group=2):
+        print(f"{u.variant}: {u.registers} registers, {u.spill_bytes} bytes spilled, {u.shared_bytes} bytes shared")

@@ -9,6 +9,7 @@ for bit (GPU). In Triton's interpreter at small sizes (tail tiles, causal, GQA, 
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -175,3 +176,40 @@ def test_launch_reads_tiles_and_p_scale_from_the_spec(head_dim):
     assert fit_to_tiles(spec.recipe, t) == spec.recipe
     assert spec.recipe.ds_dq.granularity.value.endswith(str(t.block_n2))
     assert spec.recipe.ds_dk.granularity.value.endswith(str(t.block_m1))
+
+
+_COMPILE_SCRIPT = """
+import json
+from dmref.kernels import bwd_fused
+print(json.dumps([u.__dict__ for u in bwd_fused.compile_usage(causal=(True,)) + bwd_fused.compile_usage(
+    head_dims=(64,), causal=(True,), deterministic=(False,), group=2)]))
+"""
+
+
+@pytest.mark.slow
+def test_fused_kernel_compiles_for_sm90_within_hopper_limits():
+    """Every variant (D = 64 and 128, deterministic or not, GQA) compiles for sm_90a with the
+    shared memory and registers of one Hopper CTA (test_compile_sm90's limits); the D = 64 tiling
+    without GQA or ordering spills nothing (``default_fused_tiles``'s reason for it)."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    from test_compile_sm90 import MAX_SHARED_BYTES
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    usage = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(usage) == 5
+    for u in usage:
+        assert u["shared_bytes"] <= MAX_SHARED_BYTES, u
+        assert u["registers"] <= HOPPER_MAX_REGISTERS, u
+    (plain_d64,) = [u for u in usage if "d=64" in u["variant"] and "deterministic=False group=1" in u["variant"]]
+    assert plain_d64["spill_bytes"] == 0, plain_d64
+
+
+#: Hopper: 255 registers per thread at most
+HOPPER_MAX_REGISTERS = 255

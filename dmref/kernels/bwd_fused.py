@@ -54,11 +54,10 @@ class FusedBwdTiles:
 
 
 def default_fused_tiles(spec: KernelSpec, head_dim: int) -> FusedBwdTiles:
-    """The fused backward's launch options at ``head_dim``: 8 warps at both head dims (on 4, ptxas
-    spills at D = 64 and 2 KB a thread at D = 128: ``compile_check``); two pipeline stages at
-    D = 64 (229 registers, no spill), one at D = 128 (255 registers, 48 bytes of spill; two stages
-    spill 120 bytes and take 124 KB of shared memory)."""
-    return FusedBwdTiles(num_warps=8, num_stages=2 if head_dim == 64 else 1)
+    """The fused backward's launch options at ``head_dim``, the fastest of 4 or 8 warps and 1 or 2
+    pipeline stages on the H100 (docs/kernels.md, "The five-GEMM backward"): 4 warps at D = 64,
+    8 at D = 128 (on 4, ptxas spills 2 KB a thread there: ``compile_usage``), two stages."""
+    return FusedBwdTiles(num_warps=4 if head_dim == 64 else 8, num_stages=2)
 
 
 @triton.jit

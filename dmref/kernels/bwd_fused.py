@@ -4,7 +4,7 @@ dQ's partial products, then a postprocess of dQ.
 One program per ``BLOCK_N`` keys of one key/value head keeps K, V and the dK, dV accumulators on
 chip and loops over the ``BLOCK_M``-query tiles of each query head of its group (GQA). Per tile,
 five FP8 matmuls: S^T = K Q^T, dP^T = V dO^T, dV += Q8(2**8 P^T) dO, dK += Q8(dS^T) Q, and dQ's
-partial Q8(dS) K over this program's keys, added into a float32 ``(B*H, N, D)`` buffer
+partial (Q8(dS) K)^T = K^T Q8(dS)^T over this program's keys, added into a float32 ``(B*H, N, D)`` buffer
 (``tl.atomic_add``). The postprocess rounds ``dQ * scale`` to BF16.
 
 What it computes is the spec's recipe with the backward tiling ``block_m1`` = the query tile and
@@ -37,7 +37,7 @@ import triton.language as tl
 
 from ._common import exp2_int, pow2_down_exponent, to_bf16, to_fp8
 from ._runtime import Launch, interpreting
-from .bwd import _col_tile_t, _dkdv_col_tiles, _dkdv_p_t, _dot_rn, _quantize_ds, _row_tile_t
+from .bwd import _dkdv_col_tiles, _dkdv_p_t, _dot_rn, _quantize_ds, _row_tile_t
 from dmref.recipes import STALE
 
 from .config import QUANT_BLOCK, KernelSpec
@@ -86,7 +86,7 @@ def _fused_debug_store(ds_scaled, ds_inv, dsq_scaled, dsq_inv, offs_m, offs_n, i
 
 @triton.jit
 def _fused_head(
-    dk, dv, k, k_scale, v, v_scale, kt, kt_scale, offs_n, in_seq, bh64, lo, j_block,
+    dk, dv, k, k_scale, v, v_scale, kt_t, kt_scale, offs_n, in_seq, bh64, lo, j_block,
     Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA, DQ_ACC, SEM,
     DSK_X, DSK_INV, DSQ_X, DSQ_INV, SEM_SEEN, qk_scale, N, NPAD, n_qtiles, n_kblocks,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
@@ -132,9 +132,11 @@ def _fused_head(
         # GEMMs 3 and 4, P^T dO and dS^T Q, promoted per query tile
         dv += tl.dot(p8_t, dot) * tl.load(DOT_SCALE + sc)[None, :]
         dk += tl.dot(ds8_t, qt) * tl.load(QT_SCALE + sc)[None, :] * ds_inv[:, None]
-        # GEMM 5, dQ's partial dS K over this key block, promoted: one chain, then a float32 add
-        dq = tl.dot(tl.trans(dsq8_t), kt) * kt_scale[None, :] * dsq_inv[:, None]
-        dq_ptrs = DQ_ACC + head_rows + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+        # GEMM 5, dQ's partial over this key block, transposed: dQ^T = K^T dS^T (K's transposed
+        # copy as it lies, dS^T as it was formed: no transpose of an FP8 tile), promoted: one
+        # chain, then a float32 add
+        dq_t = tl.dot(kt_t, dsq8_t) * kt_scale[:, None] * dsq_inv[None, :]
+        dq_ptrs = DQ_ACC + head_rows + offs_m[None, :] * HEAD_DIM + offs_d[:, None]
         if DETERMINISTIC:
             counter = SEM + bh64 * n_qtiles + start_m // BLOCK_M
             if INTERPRET:
@@ -145,7 +147,7 @@ def _fused_head(
                     seen = tl.atomic_add(counter, 0, sem="acquire")
             if DEBUG:
                 tl.store(SEM_SEEN + (bh64 * n_qtiles + start_m // BLOCK_M) * n_kblocks + j_block, seen)
-        tl.atomic_add(dq_ptrs, dq, mask=q_in[:, None], sem="relaxed")
+        tl.atomic_add(dq_ptrs, dq_t, mask=q_in[None, :], sem="relaxed")
         if DETERMINISTIC:
             # every thread's adds are issued before one thread's release raises the counter
             tl.debug_barrier()
@@ -181,7 +183,8 @@ def _bwd_fused_kernel(
     v = tl.load(V8 + kv_rows + rows, mask=in_seq[:, None], other=0.0)
     k_scale = tl.load(K_SCALE + bkv64 * N + offs_n, mask=in_seq, other=0.0)
     v_scale = tl.load(V_SCALE + bkv64 * N + offs_n, mask=in_seq, other=0.0)
-    kt = _col_tile_t(KT8, bkv64 * HEAD_DIM * NPAD, 0, start_n, offs_n, offs_d, NPAD, BLOCK_N, HEAD_DIM, False)
+    # K's transposed copy as a (D, BLOCK_N) tile, keys contiguous (padded to NPAD: no mask)
+    kt_t = tl.load(KT8 + bkv64 * HEAD_DIM * NPAD + offs_d[:, None] * NPAD + offs_n[None, :])
     kt_scale = tl.load(KT_SCALE + bkv64 * (NPAD // QB) * HEAD_DIM + (start_n // QB) * HEAD_DIM + offs_d)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -192,14 +195,14 @@ def _bwd_fused_kernel(
     bh0 = ((bkv // HKV) * H + (bkv % HKV) * GROUP).to(tl.int64)
     if GROUP == 1:
         dk, dv = _fused_head(
-            dk, dv, k, k_scale, v, v_scale, kt, kt_scale, offs_n, in_seq, bh0, lo, j_block,
+            dk, dv, k, k_scale, v, v_scale, kt_t, kt_scale, offs_n, in_seq, bh0, lo, j_block,
             Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA, DQ_ACC, SEM,
             DSK_X, DSK_INV, DSQ_X, DSQ_INV, SEM_SEEN, qk_scale, N, NPAD, n_qtiles, n_kblocks,
             HEAD_DIM, BLOCK_M, BLOCK_N, QB, CAUSAL, P_SCALE, DETERMINISTIC, DEBUG, INTERPRET)
     else:
         for g in range(0, GROUP):
             dk, dv = _fused_head(
-                dk, dv, k, k_scale, v, v_scale, kt, kt_scale, offs_n, in_seq, bh0 + g, lo, j_block,
+                dk, dv, k, k_scale, v, v_scale, kt_t, kt_scale, offs_n, in_seq, bh0 + g, lo, j_block,
                 Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA, DQ_ACC, SEM,
                 DSK_X, DSK_INV, DSQ_X, DSQ_INV, SEM_SEEN, qk_scale, N, NPAD, n_qtiles, n_kblocks,
                 HEAD_DIM, BLOCK_M, BLOCK_N, QB, CAUSAL, P_SCALE, DETERMINISTIC, DEBUG, INTERPRET)

@@ -131,6 +131,7 @@ def attention_backward(
     saved: SavedForward, o: torch.Tensor, do: torch.Tensor, *, shape: Shape, causal: bool,
     scale: float, recipe: str | KernelSpec | Recipe = "kernels_delta_matching", debug: bool = False,
     gluon: bool | None = None, fused: bool = False, deterministic: bool = False,
+    delta: torch.Tensor | None = None,
 ):
     """Preprocess (dO quantization + stale delta, one kernel), then the dq and dkdv kernels.
 
@@ -148,7 +149,9 @@ def attention_backward(
     ``fused=True`` runs the five-GEMM backward (``bwd_fused``: one kernel per key block, dQ's
     partials added into a float32 buffer, then a postprocess) instead of dq and dkdv, for recipes
     with the stale delta (else a ValueError saying why); ``deterministic`` adds dQ's partials in key
-    order, bit-identical across runs. Its debug dict holds ``"delta"`` and with ``debug``
+    order, bit-identical across runs; ``delta`` (float32 ``(B, H, N)``, fused only): the D that dS =
+    P (dP - D) uses instead of the stale delta, e.g. a matched delta computed ahead, so that the
+    kernel computes the spec's recipe with that delta. Its debug dict holds ``"delta"`` and with ``debug``
     ``"ds_dk"``, ``"ds_dq"`` (dS as each matmul sees it) and, deterministic, ``"sem_seen"``
     (``bwd_fused.backward``).
     """
@@ -163,9 +166,13 @@ def attention_backward(
     if deterministic and not fused:
         raise ValueError("deterministic=True is an option of the fused backward (fused=True); the dq and dkdv "
                          "kernels are deterministic already")
+    if delta is not None and not fused:
+        raise ValueError("delta= is read by the fused backward only (fused=True)")
     if fused:
         from . import bwd_fused
 
+        if delta is not None:
+            delta_stale = bwd_fused.caller_delta(delta, shape.batch, shape.heads, shape.n, do.device)
         why = bwd_fused.refusal(r, shape.head_dim)
         if why:
             raise ValueError(f"the fused backward does not run this call: {why}")

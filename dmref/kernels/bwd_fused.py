@@ -12,8 +12,10 @@ What it computes is the spec's recipe with the backward tiling ``block_m1`` = th
 key over ``block_m1`` queries for dK (``ds_dk``, as ``bwd``'s dkdv kernel) and per query over
 ``block_n2`` keys for dQ (``ds_dq``, as ``bwd``'s dq kernel); dV and dK are promoted to float32 per
 query tile, dQ per key block (one wgmma chain each, then one float32 add). The delta D is read
-from a buffer: the stale delta of the preprocess (``quantize(..., delta_with=O)``), so only specs
-with the stale delta run here.
+from a buffer: the stale delta of the preprocess (``quantize(..., delta_with=O)``), so specs
+with the stale delta run here, or a D the caller passes (``attention_backward(..., delta=)``, e.g.
+a matched delta computed ahead), with which the kernel computes the spec's recipe with that
+delta (``dataclasses.replace(spec.recipe, delta=...)``).
 
 Summation order of dQ: the float32 adds of the key blocks' partials into one element happen in
 whatever order the programs reach them, so dQ may differ between runs in its last bits (within
@@ -231,6 +233,18 @@ def refusal(spec: KernelSpec, head_dim: int) -> str | None:
     if head_dim * max(t.block_m1, t.block_n2) > 128 * 128:
         return f"tiles {t.block_m1}x{t.block_n2} at head dim {head_dim} do not fit the registers of one program"
     return None
+
+
+def caller_delta(delta: torch.Tensor, batch: int, heads: int, n: int, device) -> torch.Tensor:
+    """A caller's D as the kernel reads it, ``(B*H, N)`` float32 contiguous; ValueError if it is
+    not float32 (no silent rounding) of ``(B, H, N)`` or ``(B*H, N)`` on ``device``."""
+    if not isinstance(delta, torch.Tensor) or delta.dtype != torch.float32:
+        raise ValueError(f"delta must be a float32 tensor, got {getattr(delta, 'dtype', type(delta).__name__)}")
+    if tuple(delta.shape) not in ((batch, heads, n), (batch * heads, n)):
+        raise ValueError(f"delta shape {tuple(delta.shape)} must be (B, H, N) = {(batch, heads, n)}")
+    if delta.device != torch.device(device) and not (delta.device.type == torch.device(device).type == "cuda"):
+        raise ValueError(f"delta is on {delta.device}, the gradients on {device}")
+    return delta.reshape(batch * heads, n).contiguous()
 
 
 def launch(spec: KernelSpec, *, head_dim: int, causal: bool, group: int = 1, deterministic: bool = False,

@@ -212,3 +212,66 @@ def test_fused_kernel_compiles_for_sm90_within_hopper_limits():
 
 #: Hopper: 255 registers per thread at most
 HOPPER_MAX_REGISTERS = 255
+
+
+_MATCHED_CASES = {"interpreter": [Case(1, 2, 1, 203, 64, True, "kernels_naive_fp8"),
+                                  Case(1, 1, 1, 130, 128, False, "kernels_naive_fp8")],
+                  "gpu": [Case(2, 4, 2, 1000, 128, True, "kernels_naive_fp8"),
+                          Case(1, 4, 1, 777, 64, False, "kernels_naive_fp8")]}
+
+
+@pytest.mark.parametrize("backend,case", backend_params(_MATCHED_CASES))
+def test_caller_matched_delta_gives_the_matched_recipe(backend, case):
+    """With ``delta=`` the reference's matched D (``DeltaKind.MATCHED``, computed ahead by a
+    pre-sweep), the fused kernel computes the spec's recipe with the matched delta: dS as each
+    matmul sees it and the gradients agree with ``dmref.tiled`` on that recipe as above, and its
+    dS rows sum far closer to zero than the stale delta's (what the matched delta is for)."""
+    import dataclasses
+
+    device = require_backend(backend)
+    from dmref import tiled
+    from dmref.kernels import api
+    from dmref.recipes import MATCHED
+
+    q, k, v, do = outlier_inputs(case, device)
+    spec = case.spec()
+    rr = dataclasses.replace(spec.reference_recipe("hopper" if backend == "gpu" else "fp32"), delta=MATCHED)
+    scale = 1.0 / math.sqrt(case.head_dim)
+    o, _lse, saved, _ = api.attention_forward(q, k, v, causal=case.causal, scale=scale, recipe=spec)
+    qf, kf, vf, dof = (t.float() for t in (q, k, v, do))
+    fwd = tiled.forward(qf, kf, vf, recipe=rr, causal=case.causal, scale=scale)
+    state = tiled.ForwardResult(o.float(), tiled.SoftmaxStats(fwd.stats.ref, fwd.stats.l,
+                                                              saved.lse2.view_as(fwd.stats.lse2)))
+    with tap() as bt:
+        bwd = tiled.backward(qf, kf, vf, state, dof, recipe=rr, causal=case.causal, scale=scale, diagnostics=True)
+    delta = bwd.rowsum.delta.float().to(device)
+    shape = api.Shape.of(q, k, v)
+    dq, dk, dv, dbg = api.attention_backward(saved, o, do, shape=shape, causal=case.causal, scale=scale,
+                                             recipe=spec, fused=True, delta=delta, debug=True)
+    valid = _valid(case, device).expand_as(dbg["ds_dk"])
+    for use in ("ds_dk", "ds_dq"):
+        ref = flat(bt.assemble("backward", use, case.n)).to(device)
+        agree = (dbg[use] == ref)[valid].double().mean().item()
+        assert agree >= CODE_AGREEMENT, f"{use}: {agree:.6f} of the dS values agree with the reference"
+    for name, got, want in (("dq", dq, bwd.dq), ("dk", dk, bwd.dk), ("dv", dv, bwd.dv)):
+        diff = rel_err(got.float(), want)
+        tol = code_flip_rel_bound(_FP8_FROM_FLOAT32[name]) if backend == "gpu" else BF16_REL
+        assert diff <= tol, f"{name}: fused kernel (caller's matched D) vs reference {diff:.3e} > {tol:.3e}"
+    # the row sums of dS as dQ sees it: with the matched D, far below the stale delta's
+    stale = api.attention_backward(saved, o, do, shape=shape, causal=case.causal, scale=scale, recipe=spec,
+                                   fused=True, debug=True)[3]
+    matched_res = dbg["ds_dq"].double().sum(-1).abs().mean().item()
+    stale_res = stale["ds_dq"].double().sum(-1).abs().mean().item()
+    assert matched_res < stale_res, (matched_res, stale_res)
+
+
+def test_caller_delta_is_checked():
+    pytest.importorskip("triton")
+    from dmref.kernels import bwd_fused
+
+    good = torch.zeros(2, 3, 5)
+    assert bwd_fused.caller_delta(good, 2, 3, 5, "cpu").shape == (6, 5)
+    with pytest.raises(ValueError, match="float32"):
+        bwd_fused.caller_delta(good.double(), 2, 3, 5, "cpu")
+    with pytest.raises(ValueError, match="shape"):
+        bwd_fused.caller_delta(torch.zeros(2, 3, 4), 2, 3, 5, "cpu")

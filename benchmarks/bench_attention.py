@@ -17,7 +17,9 @@ Measures, per shape B·H·N·D and causal or not, medians of ``triton.testing.do
   (``kernels_delta_matching``), each incl. the preprocess (dO quantization + stale delta), as
   ``api.attention_backward`` runs it (the Gluon kernels ``bwd_ws`` where they run the recipe:
   ``bwd_kernels``) and with the Triton kernels (``_triton``), and that backward's kernels without
-  the preprocess: both, the dq alone, the dkdv alone (``_kernels``, ``_dq``, ``_dkdv``);
+  the preprocess: both, the dq alone, the dkdv alone (``_kernels``, ``_dq``, ``_dkdv``); the
+  five-GEMM backward (``bwd_fused``, stale delta) incl. the preprocess and dQ's postprocess, with
+  atomic and with deterministic dQ sums (``ours_bwd_fused_stale``, ``_det``);
   end to end (quantization + forward + backward through ``torch.autograd``);
 - the warp-specialized Gluon forward (``dmref.kernels.fwd_ws``, the ``folded`` scales): kernel
   alone and incl. its quantization of K and V (it quantizes Q inside), with host-built TMA
@@ -214,6 +216,8 @@ def _speedups(ms: dict, anchor: str) -> dict:
         "fwd_ws_incl_quant_dev": fwd / ms["ours_fwd_ws_incl_quant_dev"],
         "e2e_matched_folded": e2e / ms["ours_e2e_matched_folded"],
         "bwd_matched_triton": bwd / ms["ours_bwd_matched_triton"],
+        # the five-GEMM backward (bwd_fused, stale delta), atomic and deterministic dQ sums
+        **{k: bwd / ms[f"ours_{k}"] for k in ("bwd_fused_stale", "bwd_fused_stale_det") if f"ours_{k}" in ms},
     }
 
 
@@ -288,6 +292,10 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
         # its kernels without the preprocess: both, the dq alone, the dkdv alone (on the dq's D)
         for part, fn in _bwd_parts(r, gluon, saved, do8, d_stale, kw).items():
             ms[f"ours_bwd_{tag}_{part}"] = bench(fn)
+    # the five-GEMM backward (stale delta), incl. the preprocess and dQ's postprocess
+    for key, det in (("ours_bwd_fused_stale", False), ("ours_bwd_fused_stale_det", True)):
+        ms[key] = bench(lambda det=det: api.attention_backward(
+            saved, o, do, shape=shape, causal=causal, scale=scale, recipe=r_st, fused=True, deterministic=det))
     # --- ours: end to end through autograd
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
     r_fdm = _recipe("kernels_folded_delta_matching", fwd_c, bwd_c)

@@ -130,7 +130,8 @@ def _folded_forward(q, k, v, s: Shape, r: KernelSpec, *, causal: bool, scale: fl
 def attention_backward(
     saved: SavedForward, o: torch.Tensor, do: torch.Tensor, *, shape: Shape, causal: bool,
     scale: float, recipe: str | KernelSpec | Recipe = "kernels_delta_matching", debug: bool = False,
-    gluon: bool | None = None,
+    gluon: bool | None = None, fused: bool = False, deterministic: bool = False,
+    delta: torch.Tensor | None = None,
 ):
     """Preprocess (dO quantization + stale delta, one kernel), then the dq and dkdv kernels.
 
@@ -144,6 +145,15 @@ def attention_backward(
     dK uses, before quantization), ``"dq_ds_rowsum"`` (row sums of the effective dS behind dQ),
     ``"p_codes"`` / ``"ds_codes"`` (``(B*H, N, N)`` uint8 codes of the dkdv kernel's P and dS) and
     ``"ds_scale"`` (the dequantization factor of each dS element, ``(B*H, cdiv(N, block_m1), N)``: per query tile and key).
+
+    ``fused=True`` runs the five-GEMM backward (``bwd_fused``: one kernel per key block, dQ's
+    partials added into a float32 buffer, then a postprocess) instead of dq and dkdv, for recipes
+    with the stale delta (else a ValueError saying why); ``deterministic`` adds dQ's partials in key
+    order, bit-identical across runs; ``delta`` (float32 ``(B, H, N)``, fused only): the D that dS =
+    P (dP - D) uses instead of the stale delta, e.g. a matched delta computed ahead, so that the
+    kernel computes the spec's recipe with that delta. Its debug dict holds ``"delta"`` and with ``debug``
+    ``"ds_dk"``, ``"ds_dq"`` (dS as each matmul sees it) and, deterministic, ``"sem_seen"``
+    (``bwd_fused.backward``).
     """
     from . import bwd
     from .quantize import quantize
@@ -153,6 +163,21 @@ def attention_backward(
         do = do.to(torch.bfloat16)
     # delta step (stale) fused into the quantization of dO: one read of dO and O
     do8, delta_stale = quantize(do, r.recipe.do_dp.fmt.name, rows=True, cols=True, delta_with=o)
+    if deterministic and not fused:
+        raise ValueError("deterministic=True is an option of the fused backward (fused=True); the dq and dkdv "
+                         "kernels are deterministic already")
+    if delta is not None and not fused:
+        raise ValueError("delta= is read by the fused backward only (fused=True)")
+    if fused:
+        from . import bwd_fused
+
+        if delta is not None:
+            delta_stale = bwd_fused.caller_delta(delta, shape.batch, shape.heads, shape.n, do.device)
+        why = bwd_fused.refusal(r, shape.head_dim)
+        if why:
+            raise ValueError(f"the fused backward does not run this call: {why}")
+        return bwd_fused.backward(saved, do8, do8, delta_stale, causal=causal, scale=scale, recipe=r,
+                                  deterministic=deterministic, debug=debug, **_dims(shape))
     why_not = gluon_backward_refusal(r, shape.head_dim, debug, do.device)
     if gluon and why_not:
         raise ValueError(f"the Gluon backward does not run this call: {why_not}")

@@ -36,6 +36,8 @@ class Usage:
 def _pointer_type(name: str, do_format: str) -> str:
     if name in ("O", "DQ", "DK", "DV", "X"):
         return "*bf16"
+    if name.startswith("SEM"):
+        return "*i32"  # the fused backward's counters (bwd_fused)
     if name.startswith(("DO8", "DOT8")):
         return "*" + triton_type(do_format)
     if name.endswith("8"):
@@ -150,11 +152,11 @@ def jitted_kernels() -> dict:
     """The jitted kernels a training step can launch, by name (``quantize``, ``fwd``, ``dq``, ``dkdv``,
     and the Gluon backward's ``dq_ws``, ``dkdv_ws``): what a benchmark reads the compiled variants'
     registers, spills and shared memory from after it ran them."""
-    from . import bwd, bwd_ws, fwd, quantize
+    from . import bwd, bwd_fused, bwd_ws, fwd, quantize
 
     return {"fwd": fwd._fwd_kernel, "dq": bwd._bwd_dq_kernel, "dkdv": bwd._bwd_dkdv_kernel,
             "quantize": quantize._quantize_kernel, "dq_ws": bwd_ws._bwd_dq_ws_kernel,
-            "dkdv_ws": bwd_ws._bwd_dkdv_ws_kernel}
+            "dkdv_ws": bwd_ws._bwd_dkdv_ws_kernel, "bwd_fused": bwd_fused._bwd_fused_kernel}
 
 
 def recipe_variants(spec: KernelSpec, head_dim: int, causal: bool, group: int = 1, gluon: bool = True):

@@ -93,12 +93,12 @@ def _tiles(fwd_c, bwd_c):
 
 def _recipe(name, fwd_c, bwd_c):
     """A kernel recipe with these tilings; ``None`` keeps the recipe's defaults."""
-    from dmref.kernels.config import RECIPES
+    from dmref.kernels.config import SPECS
 
     if fwd_c is None and bwd_c is None:
-        return RECIPES[name]
+        return SPECS[name]
     fwd, bwd = _tiles(fwd_c, bwd_c)
-    spec = RECIPES[name]
+    spec = SPECS[name]
     # the forward candidates are the Triton forward's: a folded spec keeps its Gluon forward's tiling
     return spec.with_tiles(None if spec.folded else fwd, bwd)
 

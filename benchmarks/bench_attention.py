@@ -181,7 +181,7 @@ def _kernel_stats(fn_kernel):
 def cudnn_fp8_timers(q, k, v, do, causal):
     """(forward, backward) closures that re-execute cuDNN's FP8 graphs (``dmref.targets``) on the
     FP8 inputs, scales and output buffers of one calibrated call."""
-    from dmref import targets
+    from dmref.cudnn import target as targets
 
     fwd = targets.cudnn_fp8_forward(q, k, v, causal=causal)
     bwd = targets.cudnn_fp8_backward(fwd, do)
@@ -392,7 +392,7 @@ def accuracy(out_dir):
     attention (head dim 128), SDPA cuDNN and flash in BF16, on the same inputs."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from dmref import targets
+    from dmref.cudnn import target as targets
     from dmref.kernels import attention
 
     res = []

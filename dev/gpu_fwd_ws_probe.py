@@ -129,7 +129,7 @@ def accuracy():
     """O against float64: promoted and chained PV, the Triton forward, cuDNN FP8, on the same
     inputs: outlier channels (``channels``) and long averages of a V whose channels have one sign
     (``dc``)."""
-    from dmref import targets
+    from dmref.cudnn import target as targets
 
     for (b, h, n, d, causal, kind) in [(1, 8, 4096, 128, False, "channels"), (1, 4, 16384, 128, True, "channels"),
                                        (1, 4, 16384, 128, False, "channels"), (1, 4, 4096, 128, False, "dc"),

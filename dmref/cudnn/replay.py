@@ -47,9 +47,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import emulation
-from .emulation import constants, gemm
-from .recipes import Recipe, get_recipe
+from .. import emulation
+from ..emulation import constants, gemm
+from ..recipes import Recipe, get_recipe
 
 __all__ = ["CaptureError", "CODES", "DS_SCALES", "GOALS", "P_EXPONENTS", "ReplayOptions", "SCALARS", "TENSORS",
            "TensorMatch", "backward_p", "code_steps", "fma32", "load_capture", "replay_case", "summary", "to_json",

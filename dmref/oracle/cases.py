@@ -1,7 +1,7 @@
 """The attention problems the oracle runs (:func:`make_cases`).
 
 Every case is generated in float64, rounded once to the input dtype (round to nearest even, the
-cast torch's ``.to`` does), and then made probe-ready by :func:`dmref.probe.prepare` (two null
+cast torch's ``.to`` does), and then made probe-ready by :func:`dmref.oracle.probe.prepare` (two null
 channels in Q and K, K's largest element set to 7 * 2^e). The exact reference is computed from
 the rounded inputs, so rounding the inputs is never counted as the implementation's error.
 
@@ -216,7 +216,7 @@ def _token_scaled_dout(g, b, h, n, dv, grad_scale):
 def _realistic(g, b, h, n, d, *, seed):
     """dmref.demo's problem: outlier channels (x3 in Q, K; x8 in V), a sink key, a shared query
     direction and peaked rows; dO per-token scaled."""
-    from .demo import make_problem
+    from ..problems import make_problem
 
     q, k, v, dout = make_problem(b, h, n, d, seed=seed)
     return tuple(t.to(torch.float64) for t in (q, k, v, dout))
@@ -512,7 +512,7 @@ def representable(case: Case) -> str:
     rounds to it, as FlashAttention rounds dS; dP = dO Vᵀ itself stays in float32
     accumulation) are at most half the dtype's largest finite value (one binade of headroom: a
     rounding error cannot overflow)."""
-    from . import reference
+    from .. import reference
 
     limit = torch.finfo(case.q.dtype).max / 2
     q, k, v, do = (t.to(torch.float64) for t in (case.q, case.k, case.v, case.dout))

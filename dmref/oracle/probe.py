@@ -79,7 +79,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .emulation.constants import U_BF16, U_FP16, U_FP32, U_FP64
+from ..emulation.constants import U_BF16, U_FP16, U_FP32, U_FP64
 
 __all__ = [
     "GROUP",

@@ -5,7 +5,7 @@ Fixture ``dmref_oracle``: a function ``dmref_oracle(fn, **kwargs)`` that runs
 each with its most likely cause (the report is printed to the captured output). It returns the
 report. An INCONCLUSIVE report (no check failed, but the probe could not vouch for a reading)
 does not fail the test: it issues a :class:`DmrefInconclusiveWarning` naming the checks and what
-the probe read, shown in pytest's warnings summary (``-W error::dmref.pytest_plugin.DmrefInconclusiveWarning``
+the probe read, shown in pytest's warnings summary (``-W error::dmref.oracle.pytest_plugin.DmrefInconclusiveWarning``
 turns it into a failure).
 
 Marker ``@pytest.mark.dmref_attention(recipe=..., dtype=..., cases=..., device=..., head_dim=...,
@@ -70,7 +70,7 @@ def dmref_oracle(request):
     defaults.setdefault("cases", request.config.getoption("--dmref-cases"))
 
     def run(fn, **kwargs):
-        from . import oracle
+        from .. import oracle
 
         options = {**defaults, **kwargs}
         report = oracle.check(fn, **options)

@@ -72,7 +72,7 @@ NAIVE_FP8 = Recipe(
 # (docs/cudnn_fp8.md, "The cudnn_fp8 preset"): P is multiplied by scale_s = 448, not 2^8; dS is
 # attn_scale P (dP - D), scaled by 448 / amax of itself whatever its format; dQ's dS operand is
 # rounded to float16 before FP8; dQ sums one wgmma chain per 128 keys in float32; every matmul
-# accumulates as Hopper's FP8 wgmma does (dmref.attention_replay applies all of these).
+# accumulates as Hopper's FP8 wgmma does (dmref.cudnn.replay applies all of these).
 _E4M3_T = _fp8(FLOAT8_E4M3FN, Granularity.TENSOR, ScaleRule.AMAX)
 _E5M2_T = _fp8(FLOAT8_E5M2, Granularity.TENSOR, ScaleRule.AMAX)
 CUDNN_FP8 = Recipe(

@@ -95,12 +95,12 @@ def _tiles(fwd_c, bwd_c):
 
 def _recipe(name, fwd_c, bwd_c):
     """A kernel recipe with these tilings; ``None`` keeps the recipe's defaults."""
-    from dmref.kernels.config import RECIPES
+    from dmref.kernels.config import SPECS
 
     if fwd_c is None and bwd_c is None:
-        return RECIPES[name]
+        return SPECS[name]
     fwd, bwd = _tiles(fwd_c, bwd_c)
-    spec = RECIPES[name]
+    spec = SPECS[name]
     # the forward candidates are the Triton forward's: a folded spec keeps its Gluon forward's tiling
     return spec.with_tiles(None if spec.folded else fwd, bwd)
 
@@ -183,7 +183,7 @@ def _kernel_stats(fn_kernel):
 def cudnn_fp8_timers(q, k, v, do, causal):
     """(forward, backward) closures that re-execute cuDNN's FP8 graphs (``dmref.targets``) on the
     FP8 inputs, scales and output buffers of one calibrated call."""
-    from dmref import targets
+    from dmref.cudnn import target as targets
 
     fwd = targets.cudnn_fp8_forward(q, k, v, causal=causal)
     bwd = targets.cudnn_fp8_backward(fwd, do)
@@ -400,7 +400,7 @@ def accuracy(out_dir):
     attention (head dim 128), SDPA cuDNN and flash in BF16, on the same inputs."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from dmref import targets
+    from dmref.cudnn import target as targets
     from dmref.kernels import attention
 
     res = []

@@ -33,7 +33,7 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=8)
     args = ap.parse_args()
     from dmref import reference, tiled
-    from dmref.kernels.config import RECIPES
+    from dmref.recipes import KERNEL_RECIPES
 
     rows = []
     problems = [((1, 2048, 128), True, "channels"), ((1, 2048, 64), False, "channels"),
@@ -61,8 +61,8 @@ def main() -> int:
         ref = dict(o=out, dq=dq, dk=dk, dv=dv)
         row = dict(shape=[b, h, n, d], causal=causal, inputs=inputs)
         recipes = {name: name for name in ("bf16", "naive_fp8", "cudnn_fp8", "delta_matching")}
-        for name, kr in RECIPES.items():
-            recipes[f"{name} (declared, fp32 accumulation)"] = kr.reference_recipe("fp32")
+        for name, kr in KERNEL_RECIPES.items():
+            recipes[f"{name} (declared, fp32 accumulation)"] = kr.with_accumulation("fp32")
         for label, recipe in recipes.items():
             t0 = time.perf_counter()
             fwd, bwd = tiled.attention(*(t.float() for t in (q, k, v, do)), recipe=recipe, causal=causal)

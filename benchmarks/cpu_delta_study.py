@@ -5,7 +5,7 @@ Delta-Matching float32 bound, and its dQ, dK, dV errors against float64, on the 
     python benchmarks/cpu_delta_study.py --part hopper --out A.json   # one part (parts run in parallel)
     python benchmarks/cpu_delta_study.py --merge A.json B.json --train T.json --out RESULT.json
 
-The problem is the demo's (:func:`dmref.demo.make_problem`: outlier channels, an attention sink,
+The problem is the demo's (:func:`dmref.problems.make_problem`: outlier channels, an attention sink,
 peaked rows, log-normal gradient scales), causal, with grouped-query heads. Every candidate runs
 through :func:`dmref.diagnostics.evaluate` (:mod:`dmref.tiled`) against a float64 reference computed
 here in blocks of query rows (the reference's N x N float64 matrices do not fit in memory at 16k
@@ -33,7 +33,7 @@ import time
 import torch
 
 from dmref import diagnostics
-from dmref.demo import make_problem
+from dmref.problems import make_problem
 from dmref.recipes import get_recipe, with_prepass_delta
 
 #: GEMMs of each candidate's backward in FA3's structure (one CTA per key block), and what it adds
@@ -186,7 +186,7 @@ def main(argv=None):
                   "parts": sorted({p for d in docs for p in d["parts"]})}
     else:
         parts = ("fp32", "hopper") if args.part == "all" else (args.part,)
-        result = {"problem": dict(maker="dmref.demo.make_problem", batch=1, heads=args.heads, kv_heads=args.kv_heads,
+        result = {"problem": dict(maker="dmref.problems.make_problem", batch=1, heads=args.heads, kv_heads=args.kv_heads,
                                   head_dim=args.head_dim, seed=args.seed, causal=True),
                   "candidates": CANDIDATES, "parts": list(parts), "torch": torch.__version__, "rows": []}
         for part in parts:

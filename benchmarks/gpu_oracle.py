@@ -103,14 +103,14 @@ def _cudnn_fp8_targets(cases: str) -> list[Target]:
 def _folded_targets(cases: str) -> list[Target]:
     """The folded recipes' kernels (``kernels_folded_*``) held to the recipes they run."""
     from dmref import oracle
-    from dmref.kernels.config import RECIPES
+    from dmref.kernels.config import SPECS
 
     kcases = oracle.make_cases(cases, dtype=torch.bfloat16, names=KERNEL_CASES)
-    out = [Target(f"{r} claims its recipe", _kernel(r), recipe=RECIPES[r].recipe, cases=kcases, device="cuda",
+    out = [Target(f"{r} claims its recipe", _kernel(r), recipe=SPECS[r].recipe, cases=kcases, device="cuda",
                   note=f"held to the recipe it runs: {r}")
            for r in ("kernels_folded_naive_fp8", "kernels_folded_delta_matching")]
     out.append(Target("kernels_folded_naive_fp8 claims kernels_folded_delta_matching",
-                      _kernel("kernels_folded_naive_fp8"), recipe=RECIPES["kernels_folded_delta_matching"].recipe,
+                      _kernel("kernels_folded_naive_fp8"), recipe=SPECS["kernels_folded_delta_matching"].recipe,
                       cases=kcases, device="cuda", note="the stale kernel held to the matched kernel's recipe"))
     return out
 
@@ -129,17 +129,17 @@ def targets(cases: str, skip_kernels: bool, only_cudnn: bool = False, only_folde
     ]
     if not skip_kernels:
         kcases = oracle.make_cases(cases, dtype=torch.bfloat16, names=KERNEL_CASES)
-        from dmref.kernels.config import RECIPES
+        from dmref.kernels.config import SPECS
 
         for r, preset in (("kernels_naive_fp8", "naive_fp8"), ("kernels_delta_matching", "delta_matching")):
             out.append(Target(r, _kernel(r), cases=kcases, device="cuda",
                               note="exact attention at BF16 bounds (an FP8 kernel is expected to fail these)"))
-            out.append(Target(f"{r} claims its recipe", _kernel(r), recipe=RECIPES[r].recipe,
+            out.append(Target(f"{r} claims its recipe", _kernel(r), recipe=SPECS[r].recipe,
                               cases=kcases, device="cuda", note=f"held to the recipe it runs: {r}"))
             out.append(Target(f"{r} claims preset {preset}", _kernel(r), recipe=preset, cases=kcases, device="cuda",
                               note="held to the dmref preset of its quantization (dS blocks 1x64 vs the preset's 1x128)"))
         out.append(Target("kernels_naive_fp8 claims kernels_delta_matching", _kernel("kernels_naive_fp8"),
-                          recipe=RECIPES["kernels_delta_matching"].recipe, cases=kcases, device="cuda",
+                          recipe=SPECS["kernels_delta_matching"].recipe, cases=kcases, device="cuda",
                           note="the stale kernel held to the matched kernel's recipe"))
     return out + _cudnn_fp8_targets(cases)
 

@@ -3,7 +3,7 @@
     python benchmarks/kernel_digests.py --out DIR [--compare FILE]
 
 For every shape of ``bench_attention.SHAPES`` (plus a GQA shape with a tail tile), causal or not,
-and every recipe in ``dmref.kernels.RECIPES``, it draws seeded BF16 inputs (outlier channels and
+and every recipe in ``dmref.kernels.SPECS``, it draws seeded BF16 inputs (outlier channels and
 a wide exponent range, not plain randn), runs ``dmref.kernels.attention`` forward and backward
 through torch.autograd, and records the SHA-256 of the bytes of O, dQ, dK and dV. Each problem runs
 twice; the two runs must agree (the kernels are deterministic). Two trees whose digests agree
@@ -72,7 +72,7 @@ def _current_name(recipe: str) -> str:
 
 
 def main(argv=None):
-    from dmref.kernels import RECIPES
+    from dmref.kernels import SPECS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -82,7 +82,7 @@ def main(argv=None):
     rows = []
     for shape in PROBLEMS:
         for causal in (False, True):
-            for recipe in sorted(RECIPES):
+            for recipe in sorted(SPECS):
                 row = dict(shape=list(shape), causal=causal, recipe=recipe,
                            digests=run_problem(shape, causal, recipe))
                 rows.append(row)

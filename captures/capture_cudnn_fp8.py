@@ -6,7 +6,7 @@
 Needs nvidia-cudnn-frontend (``pip install 'dmref[cudnn]'``, or the wheel on PYTHONPATH) and a
 GPU of compute capability 9.x. For every problem (BF16 inputs with a wide exponent range,
 outlier channels and peaked rows; fixed seed), causal flag and gradient format it runs
-:func:`dmref.targets.cudnn_fp8_forward` and :func:`dmref.targets.cudnn_fp8_backward` and
+:func:`dmref.cudnn.target.cudnn_fp8_forward` and :func:`dmref.cudnn.target.cudnn_fp8_backward` and
 writes everything cuDNN consumed and produced into ONE file, DIR/NAME (default
 h200_cudnn_fp8_sdpa.npz; its ``about`` entry describes the layout), then prints the rel-L2 errors
 of O, dQ, dK, dV against float64 attention of the dequantized FP8 inputs. A case that fails is
@@ -28,7 +28,7 @@ import time
 import numpy as np
 import torch
 
-import dmref.targets as targets
+import dmref.cudnn.target as targets
 
 DEFAULT_SHAPES = "1,2,2,128,128;1,2,1,200,128;2,2,2,256,128"
 FILE_NAME = "h200_cudnn_fp8_sdpa.npz"
@@ -40,7 +40,7 @@ SCALARS = ("scale_q", "descale_q", "amax_q", "scale_k", "descale_k", "amax_k", "
 CODES = ("q_fp8", "k_fp8", "v_fp8", "o_fp8", "do_fp8", "dq_fp8", "dk_fp8", "dv_fp8")
 
 ABOUT = f"""cuDNN FP8 scaled-dot-product attention (pygraph.sdpa_fp8 + sdpa_fp8_backward), per-tensor
-current scaling as dmref.targets.cudnn_fp8 does it (read that module's docstring for the rules).
+current scaling as dmref.cudnn.target.cudnn_fp8 does it (read that module's docstring for the rules).
 All tensors are in logical (batch, heads, seqlen, head_dim) order, C-contiguous (cuDNN ran on
 BSHD storage of the same values). Keys:
   meta                JSON: versions, device, seed, problems, and per case: problem index, causal,
@@ -148,7 +148,7 @@ def run_case(i, j, inputs, causal, grad_format, arrays) -> dict:
     errors = {"o": rel_l2(got["o"], o_ref), "dq": rel_l2(got["dq"], dq_ref), "dk": rel_l2(got["dk"], dk_ref),
               "dv": rel_l2(got["dv"], dv_ref),
               "stats_max_abs": (rec["stats"][..., 0].double() - lse_ref).abs().max().item()}
-    # 0 when cuDNN's amax outputs are taken before scaling (dmref.targets' assumption) and the
+    # 0 when cuDNN's amax outputs are taken before scaling (dmref.cudnn.target's assumption) and the
     # runs repeat bit for bit
     pairs = [(rec[f"amax_{n}"].item(), rec[f"amax_{n}_calibration"].item()) for n in ("o", "dP", "dQ", "dK", "dV")]
     errors["amax_drift"] = max(abs(a / c - 1) if c else float(a != 0) for a, c in pairs)

@@ -33,6 +33,9 @@ import time
 import torch
 
 from dmref import oracle
+from dmref.emulation.constants import U_FP32
+from dmref.oracle.bounds import run_recipe
+from dmref.oracle.checks import Plan, error_checks
 
 CASES = ("realistic", "realistic_causal")
 
@@ -107,13 +110,13 @@ _REFERENCE: dict = {}  #: id(case) -> (case, exact, baseline outputs); the case 
 
 def model_statistics(case, outs) -> dict:
     """The oracle's error checks (out, dq, dk, dv at BF16 bounds) of ``outs``: name -> (value, bound)."""
-    plan = oracle._Plan(oracle.baseline_recipe(torch.bfloat16), None, None, torch.bfloat16, "cpu", False, False,
-                        oracle.U_FP32, frozenset())
+    plan = Plan(oracle.baseline_recipe(torch.bfloat16), None, None, torch.bfloat16, "cpu", False, False,
+                U_FP32, frozenset())
     if id(case) not in _REFERENCE:  # the float64 reference and the baseline, once per case
-        _REFERENCE[id(case)] = (case, oracle.exact_reference(case), oracle._run_recipe(case, plan.base, torch.bfloat16)[0])
+        _REFERENCE[id(case)] = (case, oracle.exact_reference(case), run_recipe(case, plan.base, torch.bfloat16)[0])
     _, ex, base = _REFERENCE[id(case)]
     cr = oracle.CaseResult(case.name, case.description, case.shape, case.causal, case.scale)
-    checks = oracle._error_checks(case, plan, ex, tuple(t.double() for t in outs), base, cr)
+    checks = error_checks(case, plan, ex, tuple(t.double() for t in outs), base, cr)
     return {c.name: (c.value, c.bound) for c in checks}
 
 

@@ -69,10 +69,10 @@ def smoke(kernel="dkdv"):
     """The Gluon ``kernel`` (dkdv or dq) on two small problems (a tail with GQA at D = 128,
     causal; D = 64): it returns, and equals the Triton kernel."""
     from dmref.kernels import api, bwd, bwd_ws
-    from dmref.kernels.config import RECIPES
+    from dmref.kernels.config import SPECS
     from dmref.kernels.quantize import quantize
 
-    r = RECIPES["kernels_delta_matching"]
+    r = SPECS["kernels_delta_matching"]
     for (b, h, hkv, n, d, causal) in [(1, 2, 1, 203, 128, True), (1, 4, 4, 777, 64, False)]:
         q, k, v, do = inputs(b, h, hkv, n, d)
         o, _, saved, _ = api.attention_forward(q, k, v, causal=causal, recipe=r)
@@ -106,10 +106,10 @@ def run_shape(b, h, hkv, n, d, gluon=True, gluon_dq=True):
     from bench_attention import bench  # the product benchmark's timing
 
     from dmref.kernels import api, bwd, bwd_ws
-    from dmref.kernels.config import RECIPES
+    from dmref.kernels.config import SPECS
     from dmref.kernels.quantize import quantize
 
-    r_m, r_s = RECIPES["kernels_delta_matching"], RECIPES["kernels_naive_fp8"]
+    r_m, r_s = SPECS["kernels_delta_matching"], SPECS["kernels_naive_fp8"]
     scale = 1.0 / math.sqrt(d)
     for causal in (False, True):
         t0 = time.time()

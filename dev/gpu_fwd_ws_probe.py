@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from bench_attention import bench, cudnn_fp8_timers  # the product benchmark's timing and anchors
 
 from dmref.kernels import api, fwd as fwd_mod, fwd_ws
-from dmref.kernels.config import RECIPES
+from dmref.kernels.config import SPECS
 
 OUT = os.environ.get("OUT", ".")
 LOG = open(os.path.join(OUT, "fwd_ws_probe.jsonl"), "a")
@@ -75,7 +75,7 @@ def speed(shapes, variants):
                 o, lse, saved, _ = api.attention_forward(q, k, v, causal=causal, recipe="kernels_delta_matching")
                 dims = dict(batch=b, heads=h, kv_heads=hkv, n=n, head_dim=d)
                 r["triton_fwd_kernel"] = tf(bench(lambda: fwd_mod.forward(saved.q, saved.k, saved.v, causal=causal,
-                                                                         scale=d ** -0.5, recipe=RECIPES["kernels_delta_matching"], **dims)))
+                                                                         scale=d ** -0.5, recipe=SPECS["kernels_delta_matching"], **dims)))
                 r["triton_fwd_incl_quant"] = tf(bench(lambda: api.attention_forward(
                     q, k, v, causal=causal, recipe="kernels_delta_matching", for_backward=False)))
             except Exception as e:
@@ -129,7 +129,7 @@ def accuracy():
     """O against float64: promoted and chained PV, the Triton forward, cuDNN FP8, on the same
     inputs: outlier channels (``channels``) and long averages of a V whose channels have one sign
     (``dc``)."""
-    from dmref import targets
+    from dmref.cudnn import target as targets
 
     for (b, h, n, d, causal, kind) in [(1, 8, 4096, 128, False, "channels"), (1, 4, 16384, 128, True, "channels"),
                                        (1, 4, 16384, 128, False, "channels"), (1, 4, 4096, 128, False, "dc"),

@@ -88,9 +88,9 @@ def main() -> int:
     import triton
 
     from dmref.kernels import compile_check as cc
-    from dmref.kernels.config import get_recipe
+    from dmref.kernels.config import get_spec
 
-    r = get_recipe(args.recipe)
+    r = get_spec(args.recipe)
     lines = [f"# sm_90a PTX wgmma schedule, recipe {args.recipe}, Triton {triton.__version__}, compiled "
              "without a GPU: python dev/ptx_wgmma_schedule.py"]
     for d in (args.head_dim,) if args.head_dim else (128, 64):

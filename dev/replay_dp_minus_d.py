@@ -4,7 +4,7 @@
     python dev/replay_dp_minus_d.py [--capture tests/data/h200_cudnn_fp8_sdpa_heldout.npz]
         [--case 1] [--out dev/results/cpu_replay_dp_minus_d.json]
 
-The replay (dmref.attention_replay, ``dp_fma``) forms dP - D as one fused multiply-add of the
+The replay (dmref.cudnn.replay, ``dp_fma``) forms dP - D as one fused multiply-add of the
 dO V accumulator; the variants round dP first, sum D in other float32 orders (sequential,
 pairwise, butterfly, lanes over strided parts then a butterfly; from the codes then the
 descales, or from dequantized operands), multiply the scalars in other orders, or expand
@@ -25,7 +25,7 @@ import time
 import numpy as np
 import torch
 
-from dmref import attention_replay as ar
+from dmref.cudnn import replay as ar
 from dmref import emulation
 
 F32 = np.float32
@@ -63,7 +63,7 @@ REDUCTIONS = {"sequential": _seq, "pairwise": _pairwise, "butterfly": _butterfly
 
 
 def _inputs(case):
-    """The replay's backward operands up to dS (dmref.attention_replay._backward)."""
+    """The replay's backward operands up to dS (dmref.cudnn.replay._backward)."""
     gf = emulation.get_format(ar._GRAD_FORMATS[case["grad_format"]])
     heads = case["q_fp8"].shape[1]
     p = ar.backward_p(case)

@@ -15,7 +15,7 @@ Assertions::
     assert_within_bound(a, b, bound)         |a - b| <= bound elementwise, worst element named
     assert_attention_correct(fn, **kwargs)   dmref.oracle.check(fn, ...) must pass
 
-The pytest plugin (:mod:`dmref.pytest_plugin`, registered as an entry point) adds the fixture
+The pytest plugin (:mod:`dmref.oracle.pytest_plugin`, registered as an entry point) adds the fixture
 ``dmref_oracle`` and the marker ``dmref_attention``, so a user's test is three lines::
 
     from mypkg import my_attention
@@ -236,7 +236,7 @@ def attention_problems(*, dtype: torch.dtype = torch.bfloat16, max_seqlen: int =
     causal = None if causal is None else check_bool(causal, "causal")
     probe, gqa, masks = (check_bool(f, n) for f, n in ((probe, "probe"), (gqa, "gqa"), (masks, "masks")))
     st = _st()
-    from ._oracle_cases import Case
+    from .oracle.cases import Case
     from . import probe as _probe
 
     @st.composite

@@ -44,15 +44,7 @@ SOURCES = (*PACKAGES, "tests")
 SELF = "tests/test_doc_references.py"  # its docstrings hold examples
 
 #: (citing file, reference) pairs their owners fix; the lead empties it. Key: owner.
-KNOWN_BROKEN: dict[str, set[tuple[str, str]]] = {
-    # the capture scripts moved to captures/ (issue 38, item 4); these files are the oracle's
-    "oracle": {
-        ("dmref/oracle/__init__.py", "benchmarks/gpu_efficient_sdpa.py"),
-        ("docs/oracle.md", "benchmarks/gpu_dump_sdpa.py"),
-        ("docs/oracle.md", "benchmarks/gpu_efficient_sdpa.py"),
-        ("docs/oracle.md", "benchmarks/results/h200_efficient_sdpa.json"),
-    },
-}
+KNOWN_BROKEN: dict[str, set[tuple[str, str]]] = {}
 
 #: Paths in other repositories that the docs cite with the repository named beside them.
 EXTERNAL_PATHS = {

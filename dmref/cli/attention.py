@@ -1,6 +1,6 @@
 """``dmref verify-attention FILE.npz [--json]``: replay every case of a capture of cuDNN's FP8
 attention (the format of tests/data/h200_cudnn_fp8_sdpa.npz) from the same FP8 input codes and
-scales under :mod:`dmref.attention_replay` (the ``cudnn_fp8`` preset, Hopper accumulation) and
+scales under :mod:`dmref.cudnn.replay` (the ``cudnn_fp8`` preset, Hopper accumulation) and
 report, per case and tensor (O, dQ, dK, dV), the fraction of FP8 codes identical to cuDNN's and
 the largest difference in code steps (ordinal distance). The table fits 80 columns (per case
 and tensor the share of identical codes; the largest step distance per case); ``--wide`` adds
@@ -37,7 +37,7 @@ def register(subparsers) -> None:
 
 @contextlib.contextmanager
 def _progress(show: bool):
-    """``on_case(done, total)`` for :func:`dmref.attention_replay.verify_capture`: a transient rich
+    """``on_case(done, total)`` for :func:`dmref.cudnn.replay.verify_capture`: a transient rich
     progress bar on stderr when ``show``, else nothing."""
     if not show:
         yield None
@@ -52,7 +52,7 @@ def _progress(show: bool):
 
 
 def _verify(args) -> int:
-    from dmref import attention_replay as ar
+    from dmref.cudnn import replay as ar
 
     start = time.perf_counter()
     try:
@@ -82,7 +82,7 @@ def _print_table(path, results, summ, ok, seconds, *, wide: bool = False) -> Non
     from rich.console import Console
     from rich.markup import escape
 
-    from dmref.attention_replay import CUDNN_BWD_QUERY_TILE, GOALS, MAX_STEPS, TENSORS
+    from dmref.cudnn.replay import CUDNN_BWD_QUERY_TILE, GOALS, MAX_STEPS, TENSORS
     from dmref.cli import _tables
 
     console = Console()

@@ -13,7 +13,7 @@ Importing this module registers, with ``transformers.AttentionInterface`` (and, 
                                 that recipe, emulated on the tensors' device
 ``"dmref:kernels_<name>"``      a recipe the kernels run (``kernels_delta_matching``,
                                 ``kernels_naive_fp8``, ``kernels_folded_*``: the names of
-                                ``dmref.kernels.RECIPES``): the kernel on a Hopper GPU (compute
+                                ``dmref.recipes.KERNEL_RECIPES``): the kernel on a Hopper GPU (compute
                                 capability 9.0), and elsewhere ``dmref.attention`` on the very
                                 same Recipe (``dmref.get_recipe(name)``: the same scales, dS
                                 blocks, deferred dQ and Hopper accumulation)
@@ -67,10 +67,10 @@ from ..recipes import DELTA_STUDY, PRESETS, Recipe, get_recipe
 __all__ = ["AttentionCall", "NAMES", "attention_forward", "layer_reports", "record", "register"]
 
 def _kernel_recipes() -> tuple[str, ...]:
-    """The recipes the kernels run, by name (``dmref.kernels.RECIPES``; its config imports no triton)."""
-    from ..kernels.config import RECIPES
+    """The recipes the kernels run, by name (:data:`dmref.recipes.KERNEL_RECIPES`)."""
+    from ..recipes import KERNEL_RECIPES
 
-    return tuple(RECIPES)
+    return tuple(KERNEL_RECIPES)
 
 
 _KERNEL_RECIPES = _kernel_recipes()

@@ -7,15 +7,15 @@ raises a clear error.
 - :func:`attention` — ``torch.autograd.Function`` over BF16 ``(B, H, N, D)`` tensors.
 - :mod:`dmref.kernels.config` — what the kernels run, importable without triton: a
   :class:`KernelSpec` (a ``dmref.recipes.Recipe`` and the tilings) per recipe name of
-  :data:`RECIPES` (``kernels_delta_matching``, ``kernels_naive_fp8`` and their
-  ``kernels_folded_`` forms); ``dmref.get_recipe(name)`` is the spec's Recipe.
+  :data:`SPECS` (``kernels_delta_matching``, ``kernels_naive_fp8`` and their
+  ``kernels_folded_`` forms); ``dmref.get_recipe(name)`` is the spec's Recipe (:func:`get_spec` finds a spec; ``RECIPES`` and ``get_recipe`` are deprecated aliases).
 """
 
 from __future__ import annotations
 
-from .config import RECIPES, BwdTiles, FwdTiles, KernelSpec, get_recipe
+from .config import RECIPES, SPECS, BwdTiles, FwdTiles, KernelSpec, get_recipe, get_spec
 
-__all__ = ["attention", "RECIPES", "BwdTiles", "FwdTiles", "KernelSpec", "get_recipe"]
+__all__ = ["attention", "SPECS", "BwdTiles", "FwdTiles", "KernelSpec", "get_spec", "RECIPES", "get_recipe"]
 
 
 def attention(q, k, v, *, causal=False, scale=None, recipe="kernels_delta_matching"):

@@ -503,11 +503,11 @@ def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, de
     built on the host once a launch, else in every CTA. The one description that :func:`dkdv`,
     :func:`dq` and ``compile_check.compile_launch`` read. Raises ValueError, with the reason,
     for what the kernel does not run."""
-    from .config import get_recipe
+    from .config import get_spec
 
     import dataclasses
 
-    r = get_recipe(spec)
+    r = get_spec(spec)
     ws = r.ws_bwd_tiles(head_dim)
     given = {f"{kernel}_{k}": v for k, v in dict(stages=stages, split=split, overlap=overlap).items() if v is not None}
     if given:
@@ -578,9 +578,9 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, reci
     kernel."""
     from .compile_check import compile_launch
 
-    from .config import get_recipe
+    from .config import get_spec
 
-    spec = get_recipe(recipe)
+    spec = get_spec(recipe)
     run = launch(spec, head_dim=head_dim, causal=causal, kernel=kernel, group=group,
                  host_descriptors=host_descriptors, stages=stages, split=split, overlap=overlap)
     return compile_launch(run, n_multiple_of_16=n_multiple_of_16, do_format=spec.recipe.do_dp.fmt.name)
@@ -635,12 +635,12 @@ def backward_ws(saved, do8, do_t, delta_stale, *, batch: int, heads: int, kv_hea
     from dmref.recipes import STALE
 
     from . import bwd
-    from .config import get_recipe
+    from .config import get_spec
 
     unknown = sorted(set(kernels) - {"dq", "dkdv"})
     if unknown:
         raise ValueError(f"bwd_ws: kernels={kernels!r}: {unknown} not among ('dq', 'dkdv')")
-    r = get_recipe(recipe)
+    r = get_spec(recipe)
     if "dq" in kernels:
         _check_dq(r, head_dim, debug)
     if "dkdv" in kernels:

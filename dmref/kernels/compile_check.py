@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import dataclass
 
 from ._runtime import Launch, register_cap, triton_type
-from .config import KernelSpec, get_recipe
+from .config import KernelSpec, get_spec
 
 _INT_ARGS = ("H", "HKV", "GROUP", "N", "NPAD")
 
@@ -179,7 +179,7 @@ def recipe_variants(spec: KernelSpec, head_dim: int, causal: bool, group: int = 
 
 def check(recipe: str | KernelSpec = "kernels_delta_matching", head_dims=(64, 128), causal=(False, True),
           only: tuple[str, ...] | None = None) -> list[Usage]:
-    spec = get_recipe(recipe)
+    spec = get_spec(recipe)
     out = []
     for d in head_dims:
         for c in causal:

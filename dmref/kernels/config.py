@@ -1,6 +1,7 @@
 """What the kernels run, as data: a :class:`KernelSpec` is a ``dmref.recipes.Recipe`` the
 kernels run (the object the reference ``dmref.tiled`` takes) and the kernels' tilings, built once
-(:func:`unsupported` says why a Recipe is not run); :data:`RECIPES` holds the shipped specs under
+(:func:`unsupported` says why a Recipe is not run); :data:`SPECS` holds the shipped specs (built from
+:data:`dmref.recipes.kernels.KERNEL_RECIPES`) under
 their recipes' names. Nothing here imports triton.
 
 Layout conventions used by every kernel (``B`` batch, ``H`` query heads, ``HKV`` key/value heads,
@@ -23,23 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
 
-from dmref.emulation import (BFLOAT16, FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT16, Accumulation, MatmulModel, Rounding, ScaleRule,
-                             get_format)
-from dmref.recipes import (PRESETS, STALE, DeferredDq, DeltaKind, DeltaStrategy, Granularity, MatmulModels,
-                           Normalizer, PReference, QuantPoint, Recipe)
+from dmref.emulation import BFLOAT16, FLOAT8_E4M3FN, FLOAT8_E5M2, Accumulation, Rounding, ScaleRule
+from dmref.recipes import PRESETS, STALE, DeltaKind, Granularity, Normalizer, PReference, QuantPoint, Recipe
+from dmref.recipes import kernels as _recipes
+from dmref.recipes.kernels import KBAR_P_SCALE_LOG2, KERNEL_RECIPES, QUANT_BLOCK, KernelDelta  # noqa: F401 (the kernels read them here)
 
-#: Tokens per scale block of a transposed copy; every kernel tile along tokens divides it.
-QUANT_BLOCK = 128
-
-#: log2 of P's scale at the kbar quantization point (matched dQ's deferred correction). With
-#: P <= 1 against LSE, codes of P <= 2**4 and of K <= 448, a tile's float16 wgmma chain stays
-#: below 2**4 * 448 * (1 + 2**-4) < 65504 (float16's max) for any input.
-KBAR_P_SCALE_LOG2 = 4
-
-#: The two deltas :func:`kernel_recipe` builds a Recipe for.
-KernelDelta = Literal["stale", "matched"]
 
 
 @dataclass(frozen=True)
@@ -215,35 +205,10 @@ def default_ws_bwd_tiles(recipe, head_dim: int) -> WsBwdTiles:
     return WsBwdTiles(dkdv_overlap=0, dq_overlap=0)
 
 
-def _ds_point(extent: int):
-    """dS as the kernels quantize it: E4M3, one POW2_DOWN scale per row and ``extent``
-    contraction elements (the kernel tile's contraction)."""
-    gran = {32: Granularity.MX32, 64: Granularity.TILE_1x64, QUANT_BLOCK: Granularity.TILE_1x128}[extent]
-    return QuantPoint(FLOAT8_E4M3FN, gran, ScaleRule.POW2_DOWN)
-
-
-def _promoted(model, tile: int):
-    """``model`` with the kernels' promotion: a HOPPER chain per kernel tile, promoted to float32
-    between tiles shorter than the reference's 128-wide scale blocks."""
-    if model.accumulation is not Accumulation.HOPPER:
-        return model
-    return MatmulModel(model.accumulation, promote_every=None if tile >= QUANT_BLOCK else tile, rules=model.rules)
-
-
 def fit_to_tiles(recipe, bwd: BwdTiles):
-    """``recipe`` with the parts the backward tiling decides: dS blocks of 1 x ``block_n2``
-    (dQ) and 1 x ``block_m1`` (dK), HOPPER promotion per kernel tile for dV, dQ and dK, and the
-    deferred dQ's kbar tile of ``block_n2`` keys."""
-    acc = recipe.accumulation
-    delta = recipe.delta
-    if delta.deferred_dq is not None:
-        delta = DeltaStrategy(delta.kind, delta.do, delta.o,
-                              dataclasses.replace(delta.deferred_dq, tile=bwd.block_n2))
-    return dataclasses.replace(
-        recipe, ds_dq=_ds_point(bwd.block_n2), ds_dk=_ds_point(bwd.block_m1), delta=delta,
-        accumulation=MatmulModels(qk=acc.qk, pv=acc.pv, qk_bwd=acc.qk_bwd, dp=acc.dp,
-                                  dv=_promoted(acc.dv, bwd.block_m1), dq=_promoted(acc.dq, bwd.block_n2),
-                                  dk=_promoted(acc.dk, bwd.block_m1)))
+    """``recipe`` with the parts the backward tiling decides (:func:`dmref.recipes.kernels.fit_to_tiles`
+    over ``bwd``'s ``block_m1`` queries (dK) and ``block_n2`` keys (dQ))."""
+    return _recipes.fit_to_tiles(recipe, bwd.block_m1, bwd.block_n2)
 
 
 def unsupported(recipe, bwd: BwdTiles | None = None) -> str | None:
@@ -295,7 +260,7 @@ def _differences(recipe, bwd: BwdTiles | None) -> list[str]:
         checks.append(f"the kernels work in float32 with the running max rescaled every {QUANT_BLOCK} keys")
     if recipe.delta not in (STALE,) and not (recipe.delta.kind is DeltaKind.MATCHED
                                             and recipe.delta.deferred_dq is not None
-                                            and recipe.delta.deferred_dq == _deferred(recipe.delta.deferred_dq.tile)):
+                                            and recipe.delta.deferred_dq == _recipes.deferred_dq(recipe.delta.deferred_dq.tile)):
         checks.append(f"delta: the kernels compute the stale delta from BF16 dO and O, or the matched delta "
                       f"with their deferred dQ; the recipe says {recipe.delta.name}")
     if any(m.accumulation is Accumulation.EXACT for m in recipe.accumulation.models()):
@@ -306,49 +271,12 @@ def _differences(recipe, bwd: BwdTiles | None) -> list[str]:
     return [c for c in checks if c]
 
 
-def _deferred(tile: int):
-    """The kernels' deferred dQ (dmref.recipes.DeferredDq): stale predictor, P in E4M3 times
-    2^KBAR_P_SCALE_LOG2, float16 tile sums and accumulator (Triton's float32 -> float16: RNE,
-    overflow to inf)."""
-    fp16 = QuantPoint(FLOAT16, saturate=False)
-    return DeferredDq(predictor=STALE, p=QuantPoint(FLOAT8_E4M3FN), p_offset_log2=KBAR_P_SCALE_LOG2,
-                      tile=tile, tile_result=fp16, accumulator=fp16)
-
-
 def kernel_recipe(delta: KernelDelta, bwd: BwdTiles | None = None, do_format: str = "float8_e4m3fn",
-                  folded: bool = False):
-    """The ``dmref.recipes.Recipe`` the kernels run for ``delta`` (``"stale"`` or
-    ``"matched"``) with the backward tiling ``bwd``: the ``naive_fp8`` preset with Q, K, dO
-    and V (dP) scaled per token over the whole head dim (ROW), dS in 1 x tile blocks, O in
-    BF16, the Hopper accumulation with promotion per kernel tile, and for ``"matched"`` the
-    matched delta with the kernels' deferred dQ.
-
-    ``folded``: the warp-specialized forward's (``fwd_ws``) scales, which fold out of its loop:
-    K with one POW2_DOWN scale per (batch, key/value head) (``Granularity.HEAD``, in QK^T and
-    in the backward's recomputation of it), V in PV with one per (batch, key/value head,
-    channel) over all tokens (``Granularity.ROW`` of V laid out for PV). PV is promoted to float32
-    per 128-key tile, as in the Triton forward: one wgmma chain over all keys
-    (``Recipe.pv_chain``) loses the products of a long row once its accumulator outgrows them
-    (an average over thousands of keys of a V whose channels have one sign: 6.8% of O at 4,096
-    keys, dev/results/cpu_pv_accuracy.json)."""
-
-    if delta not in ("stale", "matched"):
-        raise ValueError(f"delta={delta!r} must be 'stale' or 'matched'")
+                  folded: bool = False) -> Recipe:
+    """The Recipe the kernels run for ``delta`` with the backward tiling ``bwd``
+    (:func:`dmref.recipes.kernels.kernel_recipe` over its tile extents)."""
     bwd = bwd or BwdTiles()
-    base = PRESETS["naive_fp8"]
-    e4m3_row = QuantPoint(base.q.fmt, Granularity.ROW, ScaleRule.POW2_DOWN)
-    do_fmt = get_format(do_format)
-    recipe = dataclasses.replace(
-        base, name=f"kernels_{'delta_matching' if delta == 'matched' else 'naive_fp8'}",
-        q=e4m3_row, k=e4m3_row, v_dp=e4m3_row, do_dp=QuantPoint(do_fmt, Granularity.ROW, ScaleRule.POW2_DOWN),
-        do_dv=dataclasses.replace(base.do_dv, fmt=do_fmt), accumulation=MatmulModels.all("hopper"),
-        delta=(base.delta if delta == "stale" else DeltaStrategy(DeltaKind.MATCHED, deferred_dq=_deferred(bwd.block_n2))),
-    )
-    if folded:
-        recipe = dataclasses.replace(recipe, name=recipe.name.replace("kernels_", "kernels_folded_"),
-                                     k=QuantPoint(base.k.fmt, Granularity.HEAD, ScaleRule.POW2_DOWN),
-                                     v=QuantPoint(base.v.fmt, Granularity.ROW, ScaleRule.POW2_DOWN))
-    return fit_to_tiles(recipe, bwd)
+    return _recipes.kernel_recipe(delta, bwd.block_m1, bwd.block_n2, do_format=do_format, folded=folded)
 
 
 @dataclass(frozen=True)
@@ -400,7 +328,7 @@ class KernelSpec:
 
     @property
     def name(self) -> str:
-        """The recipe's name: one name for one numerics (for the specs of :data:`RECIPES`,
+        """The recipe's name: one name for one numerics (for the specs of :data:`SPECS`,
         ``dmref.get_recipe(name)`` is ``recipe``)."""
         return self.recipe.name
 
@@ -466,22 +394,10 @@ class KernelSpec:
         return self.recipe.with_accumulation(accumulation)
 
 
-def _specs(*recipes: Recipe) -> dict[str, KernelSpec]:
-    return {r.name: KernelSpec(r) for r in recipes}
-
-
-#: The specs the kernels ship, by their recipes' names; ``dmref.get_recipe(name)`` is the
-#: ``recipe`` of each. ``kernels_naive_fp8``: naive_fp8's quantization with the kernels' scales
-#: (Q, K, dO, V of dP per token) and the stale delta; ``kernels_delta_matching``: the same with
-#: the matched delta and the kernels' deferred dQ; ``kernels_folded_*``: the same backward with the
-#: warp-specialized forward's folded K and V scales.
-RECIPES: dict[str, KernelSpec] = _specs(
-    kernel_recipe("matched"),
-    kernel_recipe("stale"),
-    # the warp-specialized Gluon forward (fwd_ws), the same backward kernels
-    kernel_recipe("matched", folded=True),
-    kernel_recipe("stale", folded=True),
-)
+#: The specs the kernels ship, one per Recipe of :data:`dmref.recipes.kernels.KERNEL_RECIPES`, by
+#: its name; ``dmref.get_recipe(name)`` is the ``recipe`` of each.
+SPECS: dict[str, KernelSpec] = {name: KernelSpec(recipe) for name, recipe in KERNEL_RECIPES.items()}
+RECIPES = SPECS  #: deprecated alias of :data:`SPECS`
 
 
 def _suggestion(recipe: Recipe) -> str:
@@ -500,15 +416,15 @@ def _not_run(recipe: Recipe) -> ValueError:
                       f"(dmref.get_recipe({suggest!r}) is its Recipe). First difference{more}: {first}")
 
 
-def get_recipe(recipe: "str | Recipe | KernelSpec") -> KernelSpec:
-    """The spec the kernels run for ``recipe``: a name of :data:`RECIPES`, a ``KernelSpec``, or a
+def get_spec(recipe: "str | Recipe | KernelSpec") -> KernelSpec:
+    """The spec the kernels run for ``recipe``: a name of :data:`SPECS`, a ``KernelSpec``, or a
     ``dmref.recipes.Recipe`` the kernels run (the shipped spec holding it, else a spec with the
     default tilings). Raises ValueError with the reason for a recipe or preset name the kernels
     do not run, naming the kernel recipe to use."""
     if isinstance(recipe, KernelSpec):
         return recipe
     if isinstance(recipe, Recipe):
-        for spec in RECIPES.values():
+        for spec in SPECS.values():
             if spec.recipe == recipe:
                 return spec
         if _differences(recipe, BwdTiles()):
@@ -516,8 +432,11 @@ def get_recipe(recipe: "str | Recipe | KernelSpec") -> KernelSpec:
         return KernelSpec(recipe)
     if not isinstance(recipe, str):
         raise TypeError(f"recipe must be a name, a Recipe or a KernelSpec, got {type(recipe).__name__}")
-    if recipe in RECIPES:
-        return RECIPES[recipe]
+    if recipe in SPECS:
+        return SPECS[recipe]
     if recipe in PRESETS:
-        return get_recipe(PRESETS[recipe])
-    raise ValueError(f"recipe={recipe!r} is not one of the kernels' recipes {sorted(RECIPES)}")
+        return get_spec(PRESETS[recipe])
+    raise ValueError(f"recipe={recipe!r} is not one of the kernels' recipes {sorted(SPECS)}")
+
+
+get_recipe = get_spec  #: deprecated alias of :func:`get_spec`

@@ -393,9 +393,9 @@ def launch(spec, *, head_dim: int, causal: bool, debug: bool = False, host_descr
     TMA descriptors built on the host once a launch (:func:`_fwd_ws_kernel`), else in every CTA
     (:func:`_fwd_ws_kernel_dev`). The one description that :func:`forward` and
     :func:`compile_sm90` read. Raises ValueError, with the reason, for a spec it does not run."""
-    from .config import default_fwd_tiles, fwd_refusal, get_recipe
+    from .config import default_fwd_tiles, fwd_refusal, get_spec
 
-    spec = get_recipe(spec)
+    spec = get_spec(spec)
     if not spec.folded:
         raise ValueError(f"fwd_ws runs the folded recipes (K scaled per head); recipe {spec.name!r} scales K "
                          f"{spec.recipe.k.describe()}: its forward is fwd.launch's")
@@ -422,9 +422,9 @@ def variant(recipe="kernels_folded_naive_fp8", *, chain: bool | None = None, ove
     tiling at every head dim); None keeps the spec's."""
     import dataclasses
 
-    from .config import get_recipe
+    from .config import get_spec
 
-    spec = get_recipe(recipe)
+    spec = get_spec(recipe)
     if chain is not None and bool(chain) != spec.recipe.pv_chain:
         r = spec.recipe
         spec = dataclasses.replace(spec, recipe=dataclasses.replace(

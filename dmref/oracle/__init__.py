@@ -23,7 +23,7 @@ nothing to dK and dV). Causal with seqlen_q != seqlen_k is aligned as declared
 under the one it follows (named in the verdict line), failing those cases when it follows
 neither.
 
-What is checked, per case (:func:`dmref._oracle_cases.make_cases`: every axis an attention bug
+What is checked, per case (:func:`dmref.oracle.cases.make_cases`: every axis an attention bug
 can live on, docs/oracle.md), after one forward and one backward of fn on the case's inputs
 (given in the case's memory layout):
 
@@ -36,7 +36,7 @@ can live on, docs/oracle.md), after one forward and one backward of fn on the ca
   in units of the element's magnitude M, is at most twice the baseline's own statistic
   (:data:`BASELINE_FACTOR`); where the baseline's excess is 0, two roundings of the element's
   value to the dtype are not counted against fn (:func:`rounding_allowance`).
-- ``rowsum``: the probe's reading of sum_j dS_ij (:mod:`dmref.probe`), rms over rows relative to
+- ``rowsum``: the probe's reading of sum_j dS_ij (:mod:`dmref.oracle.probe`), rms over rows relative to
   sum_j |P_ij dP_ij|, is at most the baseline's; a reading the probe cannot vouch for is
   INCONCLUSIVE (neither passed nor failed), reported with what the probe read.
 - ``agree_*`` (a recipe claim only): fn makes the recipe's rounding errors, not others of the
@@ -73,25 +73,19 @@ Guarantees:
 Where things live: :mod:`dmref.oracle.report` (the report and its rendering), :mod:`dmref.oracle.bounds` (magnitudes,
 floors, baselines, the factors), :mod:`dmref.oracle.runner` (options, calling fn, timeouts, exits and device
 faults), :mod:`dmref.oracle.checks` (:func:`dmref.oracle.check` and every check); the ready-made targets are in
-:mod:`dmref.targets` (re-exported here: ``dmref.oracle:sdpa_math``, ``emulated_<preset>``).
+:mod:`dmref.oracle.targets` (re-exported here: ``dmref.oracle:sdpa_math``, ``emulated_<preset>``).
 """
 
 from __future__ import annotations
 
-from .._oracle_cases import CASE_SETS, CAUSAL_ALIGNMENTS, DEFAULT_CASES, Case, make_cases
-from .bounds import (AGREEMENT_FRACTION, BASELINE_FACTOR, ROWSUM_SAMPLING_SIGMAS, baseline_recipe,
-                     floor_unit_roundoff, rounding_allowance)
-# the oracle's tests and benchmarks/gpu_efficient_sdpa.py (which runs the error checks on replayed
-# outputs) read these internals through dmref.oracle
-from ..emulation.constants import U_FP32  # noqa: F401
-from .bounds import exact_reference, max_value, elementwise_ratio, _run_recipe  # noqa: F401
-from .checks import _error_checks, _Plan  # noqa: F401
+from .bounds import (AGREEMENT_FRACTION, BASELINE_FACTOR, ROWSUM_SAMPLING_SIGMAS, baseline_recipe, elementwise_ratio,
+                     exact_reference, floor_unit_roundoff, max_value, rounding_allowance)
+from .cases import CASE_SETS, CAUSAL_ALIGNMENTS, DEFAULT_CASES, Case, check_seed, make_cases
 from .checks import OPTIONAL_FEATURES, check
 from .report import CONTRACT_CHECKS, VERDICTS, CaseResult, Check, OracleReport
 from .runner import (DTYPE_NAMES, MAX_TIMEOUT, TargetUnavailable, check_timeout, device_problem, resolve_dtype,
                      validate_signature)
-from .._oracle_cases import check_seed
-from ..targets import causal_into_mask, emulated, features_into_mask, gqa_kwargs, sdpa, sdpa_math
+from .targets import causal_into_mask, emulated, features_into_mask, gqa_kwargs, sdpa, sdpa_math
 
 __all__ = [
     "AGREEMENT_FRACTION",
@@ -131,7 +125,7 @@ __all__ = [
 
 def __getattr__(name: str):
     if name.startswith("emulated_"):
-        from .. import targets
+        from . import targets
 
         return getattr(targets, name)  # ValueError for an unknown preset
     raise AttributeError(f"module 'dmref.oracle' has no attribute {name!r}")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import diagnostics, reference
-from .._oracle_cases import Case
+from .cases import Case
 from ..emulation.constants import U_FP32, U_FP64, U_WGMMA
 
 __all__ = ["AGREEMENT_FRACTION", "BASELINE_FACTOR", "ROWSUM_SAMPLING_SIGMAS", "baseline_recipe",
@@ -33,7 +33,7 @@ AGREEMENT_FRACTION = 0.5
 ROWSUM_SAMPLING_SIGMAS = 3.0
 
 
-def _cpu64(t: torch.Tensor) -> torch.Tensor:
+def cpu64(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", torch.float64)
 
 
@@ -83,7 +83,7 @@ def exact_reference(case: Case) -> ExactReference:
     dK, dV, each element's magnitude (the sums its error bounds scale with), the float32 floors,
     sum_j |P dP| per row, k-bar and the stale-delta terms; what every check compares fn with."""
     u_floor = floor_unit_roundoff(case.q.dtype)
-    q, k, v, do = (_cpu64(t) for t in (case.q, case.k, case.v, case.dout))
+    q, k, v, do = (cpu64(t) for t in (case.q, case.k, case.v, case.dout))
     mask = case.mask
     out, lse, dq, dk, dv = reference.attention_ref(q, k, v, do, causal=case.causal, scale=case.scale, mask=mask)
     shape = reference.check_attention_inputs(q, k, v, scale=case.scale, mask=mask)
@@ -124,7 +124,7 @@ def elementwise_ratio(err: torch.Tensor, mag: torch.Tensor) -> torch.Tensor:
     return torch.where(mag > 0, r, torch.where(err == 0, torch.zeros_like(err), torch.full_like(err, math.inf)))
 
 
-def _excess(diff: torch.Tensor, floor: torch.Tensor, mag: torch.Tensor) -> torch.Tensor:
+def excess_beyond(diff: torch.Tensor, floor: torch.Tensor, mag: torch.Tensor) -> torch.Tensor:
     """(|diff| - floor)+ / mag elementwise, the error float32 rounding cannot explain, in units
     of each element's magnitude (NaN stays NaN)."""
     over = diff.abs() - floor
@@ -153,13 +153,13 @@ def max_value(t: torch.Tensor) -> float:
     return t.max().item()
 
 
-def _rms(t: torch.Tensor) -> float:
+def root_mean_square(t: torch.Tensor) -> float:
     if t.numel() == 0:
         return 0.0
     return t.pow(2).mean().sqrt().item()
 
 
-def _run_recipe(case: Case, recipe, dtype):
+def run_recipe(case: Case, recipe, dtype):
     """The emulated ``recipe`` on the case: outputs rounded to ``dtype`` (as dmref.attention
     returns them) and the row statistics."""
     from .. import tiled
@@ -167,11 +167,11 @@ def _run_recipe(case: Case, recipe, dtype):
     q, k, v, do = (t.detach().cpu() for t in (case.q, case.k, case.v, case.dout))
     fwd, bwd = tiled.attention(q, k, v, do, recipe=recipe, causal=case.causal, scale=case.scale, mask=case.mask,
                                diagnostics=True)
-    outs = tuple(_cpu64(t.to(dtype)) for t in (fwd.out, bwd.dq, bwd.dk, bwd.dv))
+    outs = tuple(cpu64(t.to(dtype)) for t in (fwd.out, bwd.dq, bwd.dk, bwd.dv))
     return outs, bwd.rowsum
 
 
-def _dq_accumulation_u(claimed) -> float:
+def dq_accumulation_u(claimed) -> float:
     """The probe's accumulation unit roundoff for a claim (see :func:`dmref.oracle.check`)."""
     if claimed is None:
         return U_FP32
@@ -189,10 +189,10 @@ def rounding_allowance(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2
 
 
-def _rowsum_bound(case, plan, rel_base: torch.Tensor, noise: float) -> float:
+def rowsum_bound(case, plan, rel_base: torch.Tensor, noise: float) -> float:
     """The rowsum bound: twice the baseline's rms plus the probe's noise and the float32 floor
     (exact mode), or the claimed recipe's rms up to its sampling error plus the noise."""
-    base_rms = _rms(rel_base)
+    base_rms = root_mean_square(rel_base)
     if plan.claimed is None:
         # the float32 floor every correct float32-accumulating implementation may reach (as the
         # error checks count only the excess over the rigorous float32 bound; float64's for a

@@ -12,14 +12,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .. import diagnostics, probe as _probe
-from ..probe import unit_roundoff_of
-from .._oracle_cases import CAUSAL_ALIGNMENTS, DEFAULT_CASES, Case, check_bool, check_head_dim, check_seed, make_cases
-from .bounds import (AGREEMENT_FRACTION, BASELINE_FACTOR, _cpu64, _dq_accumulation_u, _excess, exact_reference, max_value, elementwise_ratio, _rms,
-                     _rowsum_bound, _run_recipe, baseline_recipe, rounding_allowance)
+from .. import diagnostics
+from . import probe as _probe
+from .probe import unit_roundoff_of
+from .cases import CAUSAL_ALIGNMENTS, DEFAULT_CASES, Case, check_bool, check_head_dim, check_seed, make_cases
+from .bounds import (AGREEMENT_FRACTION, BASELINE_FACTOR, cpu64, dq_accumulation_u, excess_beyond, exact_reference, max_value, elementwise_ratio, root_mean_square,
+                     rowsum_bound, run_recipe, baseline_recipe, rounding_allowance)
 from .report import CaseResult, Check, OracleReport
-from .runner import (_DEVICE_FAULT, TargetUnavailable, _call, _check_accumulation_u, _exit_detail,
-                     _is_device_fault, _name, _same, _takes, check_timeout, device_problem, resolve_dtype, run_case,
+from .runner import (DEVICE_FAULT, TargetUnavailable, call_once, check_accumulation_u, exit_detail,
+                     is_device_fault, target_name, same_bits, optional_arguments, check_timeout, device_problem, resolve_dtype, run_case,
                      validate_signature)
 
 __all__ = ["OPTIONAL_FEATURES", "check"]
@@ -30,7 +31,7 @@ OPTIONAL_FEATURES = ("gqa", "mask", "window", "documents")
 
 
 @dataclass
-class _Plan:
+class Plan:
     """What :func:`check` holds every case to."""
 
     base: object  #: the baseline recipe
@@ -91,7 +92,7 @@ def check(fn, *, recipe=None, cases=DEFAULT_CASES, dtype: torch.dtype | str = to
         device: where fn runs (the reference runs on the CPU in float64); a device that
             cannot hold and return data here (``"meta"``, ``"cuda"`` without a GPU) is
             refused (ValueError).
-        probe: measure the row-sum residual with :mod:`dmref.probe` (one more fn call per
+        probe: measure the row-sum residual with :mod:`dmref.oracle.probe` (one more fn call per
             case); True or False only.
         accumulation_u: unit roundoff of fn's dQ accumulation for the probe's error bound, a
             number in (0, 1) (default: 2^-13, the Hopper FP8 tensor core's 13 kept fractional
@@ -106,7 +107,7 @@ def check(fn, *, recipe=None, cases=DEFAULT_CASES, dtype: torch.dtype | str = to
         timeout: seconds per case (fn's calls and the oracle's work on that case), a finite
             number in (0, :data:`dmref.oracle.runner.MAX_TIMEOUT`]; a case that takes longer fails ``runs`` and the
             remaining cases are not run.
-        seed: an int in [0, :data:`dmref._oracle_cases.MAX_SEED`].
+        seed: an int in [0, :data:`dmref.oracle.cases.MAX_SEED`].
         causal_alignment: how fn aligns a causal mask when seqlen_q != seqlen_k:
             ``"top_left"`` (SDPA's ``is_causal``: query i sees keys j <= i) or
             ``"bottom_right"`` (FlashAttention >= 2.1: j <= i + seqlen_k - seqlen_q), checked
@@ -121,12 +122,12 @@ def check(fn, *, recipe=None, cases=DEFAULT_CASES, dtype: torch.dtype | str = to
     from ..recipes import get_recipe
 
     validate_signature(fn)
-    takes = _takes(fn)
+    takes = optional_arguments(fn)
     claimed = get_recipe(recipe) if recipe is not None else None
     dtype = resolve_dtype(dtype)
     check_bool("probe", probe)
     timeout = check_timeout(timeout)
-    accumulation_u = _check_accumulation_u(accumulation_u)
+    accumulation_u = check_accumulation_u(accumulation_u)
     check_seed(seed)
     check_head_dim(head_dim)
     problem = device_problem(device)
@@ -136,13 +137,13 @@ def check(fn, *, recipe=None, cases=DEFAULT_CASES, dtype: torch.dtype | str = to
     if alignment is not None and alignment not in CAUSAL_ALIGNMENTS:
         raise ValueError(f"causal_alignment={alignment!r}; accepted: {', '.join(CAUSAL_ALIGNMENTS)}")
     case_list = _case_list(cases, dtype, seed, probe, head_dim)
-    plan = _Plan(claimed if claimed is not None else baseline_recipe(dtype), claimed,
+    plan = Plan(claimed if claimed is not None else baseline_recipe(dtype), claimed,
                  claimed.with_accumulation("exact") if claimed is not None else None, dtype, device, takes,
-                 probe, _dq_accumulation_u(claimed) if accumulation_u is None else accumulation_u,
+                 probe, dq_accumulation_u(claimed) if accumulation_u is None else accumulation_u,
                  _check_require(require), alignment, _contract_case(case_list))
     dtype_name = str(dtype).replace("torch.", "")
     mode = f"recipe {claimed.name}" if claimed is not None else f"exact at {dtype_name} bounds"
-    report = OracleReport(target or _name(fn), mode, dtype_name, claimed.name if claimed else None,
+    report = OracleReport(target or target_name(fn), mode, dtype_name, claimed.name if claimed else None,
                           causal_alignment=alignment, alignment_source="declared" if alignment else "untested")
 
     stopped = ""
@@ -164,7 +165,7 @@ def check(fn, *, recipe=None, cases=DEFAULT_CASES, dtype: torch.dtype | str = to
         checks = result if isinstance(result, list) else next(iter(result.values())).checks
         if checks and checks[0].detail.startswith("timed out"):
             stopped = f"case {case.name} timed out and may still be running"
-        elif any(c.detail.startswith(_DEVICE_FAULT) for c in checks):
+        elif any(c.detail.startswith(DEVICE_FAULT) for c in checks):
             stopped = (f"case {case.name} left the device in an error state (a device-side fault), "
                        "so no later case can run in this process")
     _settle_alignment(report, plan, case_list, results)
@@ -278,11 +279,11 @@ def _failed_call(e: BaseException, case, plan, name="runs") -> list[Check]:
     """The failed (or unsupported) check of a call of fn that raised ``e``."""
     detail = f"{type(e).__name__}: {e}"
     if not isinstance(e, Exception):  # SystemExit and the like: fn tried to end the process
-        return [Check(case.name, name, False, detail=_exit_detail(e))]
+        return [Check(case.name, name, False, detail=exit_detail(e))]
     if isinstance(e, TargetUnavailable) and not isinstance(e, NotImplementedError):
         raise e
-    if _is_device_fault(e):  # a crash, never an unsupported feature
-        return [Check(case.name, name, False, detail=_DEVICE_FAULT + detail)]
+    if is_device_fault(e):  # a crash, never an unsupported feature
+        return [Check(case.name, name, False, detail=DEVICE_FAULT + detail)]
     unsupported = _unsupported(case, plan, detail) if name == "runs" else None
     return [unsupported or Check(case.name, name, False, detail=detail)]
 
@@ -297,7 +298,7 @@ def _check_case(fn, case, plan, cr):
         detail = f"fn takes no {needed[0]} argument"
         return [_unsupported(case, plan, detail) or Check(case.name, "runs", False, detail=detail + " (required)")]
     try:
-        got, contract = _call(fn, case, plan.device)
+        got, contract = call_once(fn, case, plan.device)
     except KeyboardInterrupt:
         raise
     except BaseException as e:  # noqa: BLE001 - any failure of the implementation is a finding
@@ -305,7 +306,7 @@ def _check_case(fn, case, plan, cr):
     common = [Check(case.name, "runs", True)]
     for name in ("output", "inputs"):
         common.append(Check(case.name, name, not contract[name], detail=contract[name]))
-    got64 = tuple(_cpu64(t) for t in got)
+    got64 = tuple(cpu64(t) for t in got)
     bad = [n for n, t in zip(("out", "dq", "dk", "dv"), got64) if not bool(torch.isfinite(t).all())]
     common.append(Check(case.name, "finite", not bad, detail="NaN or inf in " + ", ".join(bad) if bad else ""))
     shifted = None
@@ -341,8 +342,8 @@ def _shifted_run(fn, case, plan):
     except KeyboardInterrupt:
         raise
     except BaseException as e:  # noqa: BLE001 - SystemExit included: any exit of fn fails the check
-        detail = _exit_detail(e) if not isinstance(e, Exception) else f"{type(e).__name__}: {e}"
-        prefix = _DEVICE_FAULT if _is_device_fault(e) else ""
+        detail = exit_detail(e) if not isinstance(e, Exception) else f"{type(e).__name__}: {e}"
+        prefix = DEVICE_FAULT if is_device_fault(e) else ""
         return Check(case.name, "rowsum", False, detail=f"{prefix}probe run failed: {detail}")
 
 
@@ -352,11 +353,11 @@ def _judge(fn, case, plan, alignment, got, got64, shifted, cr):
     outputs."""
     ref = case.for_reference(alignment)  # the problem fn claims to solve
     ex = exact_reference(ref)
-    base_outs, base_rows = _run_recipe(ref, plan.base, plan.dtype)
+    base_outs, base_rows = run_recipe(ref, plan.base, plan.dtype)
     beyond: dict = {}
-    checks = _error_checks(case, plan, ex, got64, base_outs, cr, beyond=beyond)
+    checks = error_checks(case, plan, ex, got64, base_outs, cr, beyond=beyond)
     if plan.claimed is not None:
-        spread_outs, _ = _run_recipe(ref, plan.spread_recipe, plan.dtype)
+        spread_outs, _ = run_recipe(ref, plan.spread_recipe, plan.dtype)
         checks += _agreement_checks(case, ex, got64, base_outs, spread_outs)
     if isinstance(shifted, Check):
         checks.append(shifted)
@@ -368,7 +369,7 @@ def _judge(fn, case, plan, alignment, got, got64, shifted, cr):
 
 
 def _once_checks(fn, case, plan, ex, got, base_outs, first) -> list[Check]:
-    """The checks run on one case per check (:attr:`_Plan.contract_case`: the first case that
+    """The checks run on one case per check (:attr:`Plan.contract_case`: the first case that
     is not causal, has no mask and the default scale): ``defaults`` and ``repeat``."""
     checks = []
     # defaults: the arguments fn has defaults for (causal, scale, mask) left out must mean
@@ -378,8 +379,8 @@ def _once_checks(fn, case, plan, ex, got, base_outs, first) -> list[Check]:
         checks.append(Check(case.name, "defaults", None, detail="fn has no default for causal, scale or mask"))
     else:
         try:
-            (out, *_), _ = _call(fn, case, plan.device, **{n: None for n in left_out})
-            (c,) = _error_checks(case, plan, ex, (_cpu64(out),), base_outs[:1], None, names=("out",))
+            (out, *_), _ = call_once(fn, case, plan.device, **{n: None for n in left_out})
+            (c,) = error_checks(case, plan, ex, (cpu64(out),), base_outs[:1], None, names=("out",))
             # failed only where worse than the call with the arguments given (an out error of
             # every call is the out check's finding)
             passed = bool(c.passed or c.value <= max(first[0].value, first[0].bound))
@@ -395,14 +396,14 @@ def _once_checks(fn, case, plan, ex, got, base_outs, first) -> list[Check]:
     # leave the first call's results as they were
     kept = tuple(t.clone() for t in got)
     try:
-        again, _ = _call(fn, case, plan.device)
+        again, _ = call_once(fn, case, plan.device)
     except KeyboardInterrupt:
         raise
     except BaseException as e:  # noqa: BLE001
         return checks + _failed_call(e, case, plan, "repeat")
-    overwritten = [n for n, t, k in zip(("out", "dq", "dk", "dv"), got, kept) if not _same(t, k)]
-    differs = [n for n, t, k in zip(("out", "dq", "dk", "dv"), again, kept) if not _same(t, k)]
-    second = _error_checks(case, plan, ex, tuple(_cpu64(t) for t in again), base_outs, None)
+    overwritten = [n for n, t, k in zip(("out", "dq", "dk", "dv"), got, kept) if not same_bits(t, k)]
+    differs = [n for n, t, k in zip(("out", "dq", "dk", "dv"), again, kept) if not same_bits(t, k)]
+    second = error_checks(case, plan, ex, tuple(cpu64(t) for t in again), base_outs, None)
     # worse than the first call where that one passed, or beyond its statistic where it failed
     # (a bug of every call is the error checks' finding, not repeat's)
     worse = [c for c, c1 in zip(second, first) if not c.passed and not c.value <= max(c1.value, c1.bound)]
@@ -431,7 +432,7 @@ def _defaulted(fn) -> tuple[str, ...]:
                  and params[n].default is not inspect.Parameter.empty)
 
 
-def _error_checks(case, plan, ex, got64, base_outs, cr, names=("out", "dq", "dk", "dv"), beyond=None) -> list[Check]:
+def error_checks(case, plan, ex, got64, base_outs, cr, names=("out", "dq", "dk", "dv"), beyond=None) -> list[Check]:
     """out, dq, dk, dv: the largest excess error against twice the baseline's (beyond the floor,
     and beyond two roundings of the element to the dtype where the baseline's excess is 0:
     :func:`rounding_allowance`). ``beyond``: a dict to receive, per check, the share of elements
@@ -444,12 +445,12 @@ def _error_checks(case, plan, ex, got64, base_outs, cr, names=("out", "dq", "dk"
         mag, floor = ex.mags[name], ex.floors[name]
         if plan.claimed is None and name in ex.stale_per_u:
             floor = floor + u_out * ex.stale_per_u[name]  # D from the output rounded to the dtype
-        base_excess = _excess(b - e, floor, mag)
+        base_excess = excess_beyond(b - e, floor, mag)
         # where the baseline's error lies within the floor (excess exactly 0), the bound 2 x 0
         # would let no rounding through: there fn's rounding of the element to the dtype, up to
         # BASELINE_FACTOR roundings of its value, is not counted
         slack = torch.where(base_excess == 0, BASELINE_FACTOR * u_out * e.abs(), torch.zeros_like(e))
-        excess = _excess(x - e, floor + slack, mag)
+        excess = excess_beyond(x - e, floor + slack, mag)
         err = max_value(excess)
         err_base = max_value(base_excess)
         bound = BASELINE_FACTOR * err_base
@@ -468,9 +469,9 @@ def _agreement_checks(case, ex, got64, base_outs, spread_outs) -> list[Check]:
     exact = (ex.out, ex.dq, ex.dk, ex.dv)
     for name, x, b, s, e in zip(("out", "dq", "dk", "dv"), got64, base_outs, spread_outs, exact):
         mag, floor = ex.mags[name], ex.floors[name]
-        dist = _rms(_excess(x - b, floor, mag))
-        spread = _rms(_excess(s - b, floor, mag))
-        own = _rms(_excess(b - e, floor, mag))
+        dist = root_mean_square(excess_beyond(x - b, floor, mag))
+        spread = root_mean_square(excess_beyond(s - b, floor, mag))
+        own = root_mean_square(excess_beyond(b - e, floor, mag))
         bound = BASELINE_FACTOR * spread + AGREEMENT_FRACTION * own
         checks.append(Check(case.name, f"agree_{name}", bool(dist <= bound), value=dist, bound=bound, baseline=own))
     return checks
@@ -490,7 +491,7 @@ def _probe_notes(pr) -> str:
 
 def _rowsum_check(fn, case, plan, ex, got, shifted, base_rows, cr) -> Check:
     """rowsum: the probe's reading of sum_j dS_ij (from fn's run ``got`` and the shifted run)
-    against :func:`_rowsum_bound`; INCONCLUSIVE (neither passed nor failed) when the probe
+    against :func:`rowsum_bound`; INCONCLUSIVE (neither passed nor failed) when the probe
     cannot vouch for its reading, with what it read."""
     device = plan.device
     pr = _probe.run_probe(
@@ -503,13 +504,13 @@ def _rowsum_check(fn, case, plan, ex, got, shifted, base_rows, cr) -> Check:
     rel_base = base_rows.residual_dq[active] / a
     # the probe's own noise, measured: two null channels read the same sum with different
     # roundings (the worst-case bound pe_i only decides whether the reading is valid)
-    noise = _rms(pr.spread.cpu()[active] / a)
-    cr.rowsum_rms, cr.rowsum_max = _rms(rel), max_value(rel.abs())
+    noise = root_mean_square(pr.spread.cpu()[active] / a)
+    cr.rowsum_rms, cr.rowsum_max = root_mean_square(rel), max_value(rel.abs())
     cr.rowsum_mean_signed = rel.mean().item() if rel.numel() else 0.0
     cr.probe_valid = pr.valid
     cr.probe_note = _probe_notes(pr)
-    bound = _rowsum_bound(case, plan, rel_base, noise)
-    value, base_rms = cr.rowsum_rms, _rms(rel_base)
+    bound = rowsum_bound(case, plan, rel_base, noise)
+    value, base_rms = cr.rowsum_rms, root_mean_square(rel_base)
     if pr.valid:
         return Check(case.name, "rowsum", bool(value <= bound), value=value, bound=bound, baseline=base_rms,
                      detail=cr.probe_note)

@@ -234,7 +234,7 @@ class OracleReport:
                 if c.bound == 0 and c.name in ("out", "dq", "dk", "dv"):
                     # the baseline's error lies within the float32 floor there, and the statistic is
                     # the error beyond that floor and two roundings of each element to the dtype
-                    # (checks._error_checks): a correct implementation has none
+                    # (checks.error_checks): a correct implementation has none
                     lines.append(f"{c.id}  {c.value:.3g} beyond the float32 floor and two roundings to "
                                  f"the dtype, where a correct implementation stays within them: {why}")
                     continue

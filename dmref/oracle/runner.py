@@ -9,8 +9,8 @@ import threading
 
 import torch
 
-from .._oracle_cases import Case
-from ..targets import TargetUnavailable  # defined with the targets, which raise it
+from .cases import Case
+from .targets import TargetUnavailable  # defined with the targets, which raise it
 
 __all__ = ["DTYPE_NAMES", "MAX_TIMEOUT", "TargetUnavailable", "check_timeout", "device_problem", "resolve_dtype",
            "run_case", "validate_signature"]
@@ -52,7 +52,7 @@ def check_timeout(timeout) -> float | None:
     return float(timeout)
 
 
-def _check_accumulation_u(u) -> float | None:
+def check_accumulation_u(u) -> float | None:
     if u is None:
         return None
     if isinstance(u, bool) or not isinstance(u, (int, float)):
@@ -96,14 +96,14 @@ def validate_signature(fn) -> bool:
         sig.bind(None, None, None, causal=False, scale=1.0)
     except TypeError as e:
         raise TypeError(
-            f"{_name(fn)}{sig} cannot be called as fn(q, k, v, *, causal, scale): {e}. The oracle "
+            f"{target_name(fn)}{sig} cannot be called as fn(q, k, v, *, causal, scale): {e}. The oracle "
             "calls fn(q, k, v, causal=bool, scale=float) with (batch, heads, seqlen, head_dim) tensors "
             "and expects the attention output."
         ) from None
     return "mask" in sig.parameters
 
 
-def _takes(fn) -> frozenset:
+def optional_arguments(fn) -> frozenset:
     """The optional arguments among mask, window and documents fn's signature takes (all of
     them when it has no signature or takes ``**kwargs``: the call decides)."""
     try:
@@ -115,13 +115,13 @@ def _takes(fn) -> frozenset:
     return frozenset(n for n in ("mask", "window", "documents") if n in params)
 
 
-def _name(fn) -> str:
+def target_name(fn) -> str:
     module = getattr(fn, "__module__", None) or ""
     qual = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
     return f"{module}:{qual}" if module else qual
 
 
-def _call(fn, case: Case, device, **overrides):
+def call_once(fn, case: Case, device, **overrides):
     """One forward and backward of fn on the case, inputs and dO in the case's memory layout
     (``overrides``: the keyword arguments fn gets instead of the case's; a key mapped to None is
     left out). Returns ``((out, dq, dk, dv) detached on fn's device, contract)`` with
@@ -150,13 +150,13 @@ def _call(fn, case: Case, device, **overrides):
         raise ValueError(f"no gradient reached {', '.join(missing)}: fn is not differentiable in them")
     changed = [n for n, t, orig in (("q", q_, case.q), ("k", k_, case.k), ("v", v_, case.v),
                                     ("dO", dout, case.dout.to(dtype=out.dtype)), ("mask", mask, case.mask))
-               if t is not None and not _same(t, orig)]
+               if t is not None and not same_bits(t, orig)]
     inputs = (f"fn changed {', '.join(changed)} in place (a caller's tensors must come back as they were given)"
               if changed else "")
     return tuple(t.detach() for t in (out, *grads)), {"output": output, "inputs": inputs}
 
 
-def _same(t: torch.Tensor, orig: torch.Tensor) -> bool:
+def same_bits(t: torch.Tensor, orig: torch.Tensor) -> bool:
     """t holds orig's values bit for bit (NaN and -0 included)."""
     a, b = t.detach().cpu(), orig.detach().cpu()
     if a.dtype != b.dtype or a.shape != b.shape:
@@ -194,11 +194,11 @@ def _output_problem(out: torch.Tensor, dtype: torch.dtype, inputs) -> str:
     return ""
 
 
-#: How a failed ``runs`` check that was a device-side fault begins (see :func:`_is_device_fault`).
-_DEVICE_FAULT = "device-side fault: "
+#: How a failed ``runs`` check that was a device-side fault begins (see :func:`is_device_fault`).
+DEVICE_FAULT = "device-side fault: "
 
 
-def _is_device_fault(e: BaseException) -> bool:
+def is_device_fault(e: BaseException) -> bool:
     """A CUDA error raised by the implementation (an illegal or misaligned access, a device-side
     assert): it leaves the process's CUDA context unusable, so every later call fails too."""
     accelerator_error = getattr(torch, "AcceleratorError", ())
@@ -229,6 +229,6 @@ def run_case(work, name: str, timeout: float | None):
     return result["value"]
 
 
-def _exit_detail(e: BaseException) -> str:
+def exit_detail(e: BaseException) -> str:
     return (f"fn raised {type(e).__name__}({', '.join(map(repr, e.args))}): an attention call that tries to end "
             "the process fails its case (the oracle goes on)")

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from dmref import attention_replay, recipes, testing, tiled
+from dmref import recipes, testing, tiled
+from dmref.cudnn import replay as attention_replay
 from dmref.emulation import (MatmulModel, encode, encode_scalar, gemm, quantize, quantize_blocked)
 
 _X = np.array([1.0, 500.0, -3.0])

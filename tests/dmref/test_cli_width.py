@@ -19,7 +19,7 @@ import pytest
 from rich.cells import cell_len
 from rich.console import Console
 
-from dmref import attention_replay as ar
+from dmref.cudnn import replay as ar
 from dmref import cli, demo
 from dmref.cli.attention import _percent
 

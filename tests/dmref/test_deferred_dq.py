@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from dmref import reference, tiled
 from dmref.diagnostics import U_FP32, gamma
-from dmref.kernels.config import RECIPES  # dataclasses only: no triton import
+from dmref.kernels.config import SPECS  # dataclasses only: no triton import
 from dmref.recipes import MATCHED, NONE, PRESETS, STALE_UNROUNDED, DeltaKind, DeltaStrategy, get_recipe
 
 #: the recipe the kernels run, with float32 accumulation
@@ -107,17 +107,17 @@ def test_kernels_run_their_own_recipes_and_say_why_not_for_the_presets():
     """KernelSpec.unsupported: None for the Recipe a KernelSpec holds (at its tiling), a reason
     naming the first differing point for a preset or a changed point; one name, one Recipe."""
     from dmref.emulation import ScaleRule
-    from dmref.kernels.config import KernelSpec, get_recipe as kernel_spec
+    from dmref.kernels.config import KernelSpec, get_spec as kernel_spec
 
-    for name, spec in RECIPES.items():
+    for name, spec in SPECS.items():
         assert KernelSpec.unsupported(spec.recipe, spec.bwd) is None
         assert spec.name == spec.recipe.name == name
         assert get_recipe(name) == spec.recipe
         assert spec.reference_recipe("hopper") is spec.recipe
         assert name not in PRESETS
-    assert KERNEL_RECIPE == RECIPES["kernels_delta_matching"].reference_recipe("fp32")
+    assert KERNEL_RECIPE == SPECS["kernels_delta_matching"].reference_recipe("fp32")
     assert "q:" in KernelSpec.unsupported(PRESETS["naive_fp8"])
-    spec = RECIPES["kernels_naive_fp8"]
+    spec = SPECS["kernels_naive_fp8"]
     amax_k = replace(spec.recipe, k=replace(spec.recipe.k, scale_rule=ScaleRule.AMAX))
     reason = KernelSpec.unsupported(amax_k)
     assert reason.startswith("k:") and "amax" in reason

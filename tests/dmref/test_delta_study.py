@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dmref import tiled
-from dmref.demo import make_problem
+from dmref.problems import make_problem
 from dmref.diagnostics import matched_rowsum_bound
 from dmref.recipes import DELTA_STUDY, get_recipe, with_prepass_delta
 

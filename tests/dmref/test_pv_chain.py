@@ -19,8 +19,7 @@ import torch
 from dmref import tiled
 from dmref.emulation import FLOAT8_E4M3FN, decode, gemm
 from dmref.emulation.gemm import MatmulModel
-from dmref.kernels.config import RECIPES
-from dmref.recipes import MatmulModels
+from dmref.recipes import KERNEL_RECIPES, MatmulModels
 
 
 def _codes(shape, gen) -> torch.Tensor:
@@ -43,7 +42,7 @@ def test_chained_product_equals_the_wgmma_chain_in_the_kernels_units(seed):
     # dmref.tiled: dequantized operands, the accumulator in value units
     p_deq = decode(p_codes, FLOAT8_E4M3FN).float() * p_scale
     v_deq = (decode(v_codes, FLOAT8_E4M3FN).float() * v_scale[:, None]).T
-    recipe = RECIPES["kernels_folded_naive_fp8"].reference_recipe("hopper")
+    recipe = KERNEL_RECIPES["kernels_folded_naive_fp8"]
     points = (recipe.p, recipe.v)
     got = tiled._matmul(p_deq, v_deq, MatmulModel.get("hopper"), torch.float32, points,
                         c=acc_units * (p_scale * v_scale))
@@ -58,7 +57,7 @@ def _problem(seed=0, n=300, d=64):
 
 
 def test_the_option_changes_nothing_under_float32_adds():
-    recipe = replace(RECIPES["kernels_folded_naive_fp8"].reference_recipe("hopper"),
+    recipe = replace(KERNEL_RECIPES["kernels_folded_naive_fp8"],
                      accumulation=MatmulModels.all("fp32"))
     q, k, v = _problem()
     promoted = tiled.forward(q, k, v, recipe=recipe, causal=True).out
@@ -69,7 +68,7 @@ def test_the_option_changes_nothing_under_float32_adds():
 def test_under_hopper_the_chain_changes_o():
     """The option is not a no-op where it matters: the wgmma chain aligns each k-step to the
     accumulator as well as the products, so O differs from the promoted form's."""
-    recipe = RECIPES["kernels_folded_naive_fp8"].reference_recipe("hopper")
+    recipe = KERNEL_RECIPES["kernels_folded_naive_fp8"]
     assert not recipe.pv_chain  # the folded recipes promote PV per key tile, as the Triton forward does
     q, k, v = _problem(seed=1)
     promoted = tiled.forward(q, k, v, recipe=recipe).out
@@ -91,7 +90,7 @@ def test_a_long_chain_loses_what_promotion_keeps():
     q, k = ((torch.randn(1, 1, n, d, generator=g) * 0.1).bfloat16().float() for _ in range(2))
     v = (1 + torch.randn(1, 1, n, d, generator=g) / 4).bfloat16().float()
     exact = tiled.forward(q.double(), k.double(), v.double(), recipe="exact").out
-    recipe = RECIPES["kernels_folded_naive_fp8"].reference_recipe("hopper")
+    recipe = KERNEL_RECIPES["kernels_folded_naive_fp8"]
     err = {c: ((tiled.forward(q, k, v, recipe=replace(recipe, pv_chain=c)).out.double() - exact).norm()
                / exact.norm()).item() for c in (False, True)}
     assert err[True] > 2 * err[False], err

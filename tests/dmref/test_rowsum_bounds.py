@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dmref import reference, tiled
-from dmref.demo import make_problem
+from dmref.problems import make_problem
 from dmref.emulation import dequantize_blocked, quantize_blocked
 from dmref.diagnostics import (
     U_FP32,

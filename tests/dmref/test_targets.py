@@ -1,4 +1,4 @@
-"""dmref.targets on the CPU: the module imports without the frontend or a GPU, and a call that
+"""dmref.cudnn.target (cuDNN's FP8 target) on the CPU: the module imports without the frontend or a GPU, and a call that
 cannot run says in one line what is missing (TargetUnavailable), what the case lacks
 (CaseUnsupported, which the oracle skips) or which argument is wrong (ValueError)."""
 
@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-import dmref.targets as targets
+import dmref.cudnn.target as targets
 from dmref import oracle
 from dmref.emulation import get_format
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dmref import attention_replay as ar
+from dmref.cudnn import replay as ar
 from dmref.cli import main
 
 CAPTURE = Path(__file__).resolve().parents[1] / "data" / "h200_cudnn_fp8_sdpa.npz"

@@ -205,7 +205,7 @@ def test_fp8_recipe_row_sum_residual_per_layer(recipe):
 
 @pytest.mark.parametrize("name", ["kernels_delta_matching", "kernels_naive_fp8"])
 def test_kernels_recipe_name_emulates_the_kernels_recipe_off_hopper(name):
-    from dmref.kernels import RECIPES
+    from dmref.kernels import SPECS
 
     model, batch = build("llama")
     model.set_attn_implementation(f"dmref:{name}")
@@ -217,7 +217,7 @@ def test_kernels_recipe_name_emulates_the_kernels_recipe_off_hopper(name):
                                    attn_implementation=f"dmref:{name}")
     with dmt.record() as calls:
         transformers.LlamaForCausalLM(cfg)(**batch).loss.backward()
-    assert all(c.recipe is RECIPES[name].recipe and not c.kernels for c in calls)
+    assert all(c.recipe is SPECS[name].recipe and not c.kernels for c in calls)
     for layer, r in dmt.layer_reports(calls):
         within = r.rowsum_over_bound_max <= 1
         assert within if name == "kernels_delta_matching" else not within, (layer, r.rowsum_over_bound_max)
@@ -336,7 +336,7 @@ def test_kernel_path_in_a_bfloat16_llama_with_a_stand_in_kernel(monkeypatch):
 
     def stand_in(q, k, v, *, causal, scale, recipe):
         launched.append(causal)
-        reference = dmref.kernels.RECIPES[recipe].reference_recipe(accumulation="fp32")
+        reference = dmref.kernels.SPECS[recipe].reference_recipe(accumulation="fp32")
         return emulated(q, k, v, causal=causal, scale=scale, recipe=reference)
 
     monkeypatch.setattr(dmt, "_hopper", lambda t: True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dmref.kernels.config import RECIPES, BwdTiles, KernelSpec
+from dmref.kernels.config import SPECS, BwdTiles, KernelSpec
 
 
 def outlier_inputs(case, device: str, seed: int = 0):
@@ -60,7 +60,7 @@ class Case(ProblemShape):
     p_scale_log2: int | None = None
 
     def spec(self) -> KernelSpec:
-        r = RECIPES[self.recipe]
+        r = SPECS[self.recipe]
         if self.p_scale_log2 is not None:
             r = with_p_scale(r, self.p_scale_log2)
         return r if self.bwd is None else r.with_tiles(bwd=self.bwd)

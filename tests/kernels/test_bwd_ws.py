@@ -99,9 +99,9 @@ def test_bwd_ws_refuses_what_it_does_not_run(kernel, what):
     unknown step."""
     pytest.importorskip("triton")
     from dmref.kernels import bwd_ws
-    from dmref.kernels.config import RECIPES, BwdTiles
+    from dmref.kernels.config import SPECS, BwdTiles
 
-    r = RECIPES["kernels_delta_matching"]
+    r = SPECS["kernels_delta_matching"]
     kwargs = {}
     if what == "debug":
         kwargs["debug"] = True
@@ -158,10 +158,10 @@ def _id(case):
 def _problem(shape, causal, recipe, device, seed=0):
     """The forward's saved copies and dO's copies, as ``api.attention_backward`` makes them."""
     from dmref.kernels import api
-    from dmref.kernels.config import RECIPES
+    from dmref.kernels.config import SPECS
     from dmref.kernels.quantize import quantize
 
-    r = RECIPES[recipe]
+    r = SPECS[recipe]
     q, k, v, do = _wide_inputs(shape, device, seed)
     scale = 1.0 / math.sqrt(shape.head_dim)
     o, _, saved, _ = api.attention_forward(q, k, v, causal=causal, scale=scale, recipe=r)
@@ -249,13 +249,13 @@ def test_bwd_ws_reads_the_delta_it_is_given():
     and differs from the matched one, while dV (no D in it) does not change."""
     device = require_backend("gpu")
     from dmref.kernels import bwd, bwd_ws
-    from dmref.kernels.config import RECIPES
+    from dmref.kernels.config import SPECS
 
     saved, do8, delta_stale, r, dims = _problem(ProblemShape(1, 4, 2, 777, 128), True, "kernels_delta_matching", device)
     _, dk, dv, dbg = bwd.backward(saved, do8, do8, delta_stale, recipe=r, **dims)
     assert not torch.equal(dbg["delta"], delta_stale)
     dk_st, dv_st = bwd_ws.dkdv(saved, do8, do8, delta_stale, recipe=r, **dims)
-    _, dk_tr, _, _ = bwd.backward(saved, do8, do8, delta_stale, recipe=RECIPES["kernels_naive_fp8"], **dims)
+    _, dk_tr, _, _ = bwd.backward(saved, do8, do8, delta_stale, recipe=SPECS["kernels_naive_fp8"], **dims)
     assert torch.equal(dk_st, dk_tr), f"dK (stale D): {_describe(dk_st, dk_tr)}"
     assert not torch.equal(dk_st, dk)
     assert torch.equal(dv_st, dv)
@@ -326,11 +326,11 @@ def test_bwd_ws_dq_large_k_keeps_kbar_finite():
     import math
 
     from dmref.kernels import api, bwd, bwd_ws
-    from dmref.kernels.config import RECIPES
+    from dmref.kernels.config import SPECS
     from dmref.kernels.quantize import quantize
 
     shape = ProblemShape(1, 2, 1, 333, 128)
-    r = RECIPES["kernels_delta_matching"]
+    r = SPECS["kernels_delta_matching"]
     q, k, v, do = _wide_inputs(shape, device)
     q, k = (q.float() * 2.0**-17).to(torch.bfloat16), (k.float() * 2.0**17).to(torch.bfloat16)
     scale = 1.0 / math.sqrt(shape.head_dim)

@@ -22,8 +22,8 @@ MAX_SHARED_BYTES = 227 * 1024
 _SCRIPT = """
 import dataclasses, json
 from dmref.kernels import compile_check as cc
-from dmref.kernels.config import RECIPES
-r = RECIPES["kernels_delta_matching"]
+from dmref.kernels.config import SPECS
+r = SPECS["kernels_delta_matching"]
 # the other load path too (TMA descriptors or pointers, whichever the defaults do not use)
 other = r.with_tiles(fwd=dataclasses.replace(r.fwd, tma=not r.fwd.tma),
                      bwd=dataclasses.replace(r.bwd, tma=not r.bwd.tma))

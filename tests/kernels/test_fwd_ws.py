@@ -6,7 +6,7 @@
   states, no spills and its overlapped wgmmas not serialized by ptxas (Gluon kernels do not run
   in Triton's interpreter);
 - on the H200 its O and LSE equal the emulated reference ``dmref.tiled`` on its recipe
-  (``config.RECIPES["kernels_folded_naive_fp8"]``), with the Hopper wgmma model, up to the bounds of the other kernels'
+  (``config.SPECS["kernels_folded_naive_fp8"]``), with the Hopper wgmma model, up to the bounds of the other kernels'
   differential tests.
 """
 
@@ -78,12 +78,12 @@ print(json.dumps([dict(d=d, causal=causal, **kw, **warp_specialized_budget(
 @pytest.mark.slow
 def test_fwd_ws_compiles_for_sm90_with_its_register_budget_and_overlap():
     from dmref.kernels import fwd_ws
-    from dmref.kernels.config import RECIPES
+    from dmref.kernels.config import SPECS
 
     # the configurations ``{}`` below compile what the folded specs launch: promoted PV, the
     # overlapped schedule, two stages
     for name in ("kernels_folded_delta_matching", "kernels_folded_naive_fp8"):
-        assert not RECIPES[name].recipe.pv_chain
+        assert not SPECS[name].recipe.pv_chain
         for d in (64, 128):
             consts = fwd_ws.launch(name, head_dim=d, causal=False).constexprs
             assert (consts["CHAIN"], consts["OVERLAP"], consts["STAGES"]) == (False, 1, 2), (name, d, consts)
@@ -107,12 +107,12 @@ def test_fwd_ws_equals_the_reference_on_its_recipe(shape, causal):
     device = require_backend("gpu")
     from dmref import tiled
     from dmref.kernels import fwd_ws
-    from dmref.kernels.config import RECIPES
+    from dmref.kernels.config import SPECS
 
     q, k, v = _wide_inputs(shape, device)
     scale = 1.0 / math.sqrt(shape.head_dim)
     o, lse2, _ = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale)
-    ref = tiled.forward(q.float(), k.float(), v.float(), recipe=RECIPES["kernels_folded_naive_fp8"].recipe, causal=causal, scale=scale)
+    ref = tiled.forward(q.float(), k.float(), v.float(), recipe=SPECS["kernels_folded_naive_fp8"].recipe, causal=causal, scale=scale)
     # O: one FP8 operand (P) that each side quantizes from float32 it computed itself
     diff = rel_err(o.float(), ref.out)
     assert diff <= code_flip_rel_bound(1), f"O: kernel vs reference {diff:.3e}"
@@ -140,11 +140,11 @@ def test_every_schedule_equals_the_reference_of_its_pv_accumulation(shape, causa
     device = require_backend("gpu")
     from dmref import tiled
     from dmref.kernels import fwd_ws
-    from dmref.kernels.config import RECIPES
+    from dmref.kernels.config import SPECS
 
     q, k, v = _wide_inputs(shape, device)
     scale = 1.0 / math.sqrt(shape.head_dim)
-    folded = RECIPES["kernels_folded_naive_fp8"].recipe
+    folded = SPECS["kernels_folded_naive_fp8"].recipe
     refs = {c: tiled.forward(q.float(), k.float(), v.float(), recipe=replace(folded, pv_chain=c), causal=causal,
                              scale=scale) for c in (False, True)}
     o, lse2, _ = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, chain=chain, overlap=overlap)
@@ -197,14 +197,14 @@ def test_p_codes_equal_the_reference(shape, causal, record_property):
     device = require_backend("gpu")
     from dmref import tiled
     from dmref.kernels import fwd_ws
-    from dmref.kernels.config import RECIPES
+    from dmref.kernels.config import SPECS
 
     q, k, v = _wide_inputs(shape, device)
     scale = 1.0 / math.sqrt(shape.head_dim)
     o, lse2, _, codes = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, debug=True)
     o_plain, lse2_plain, _ = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale)
     assert torch.equal(o, o_plain) and torch.equal(lse2, lse2_plain)
-    ref = tiled.forward(q.float(), k.float(), v.float(), recipe=RECIPES["kernels_folded_naive_fp8"].recipe, causal=causal,
+    ref = tiled.forward(q.float(), k.float(), v.float(), recipe=SPECS["kernels_folded_naive_fp8"].recipe, causal=causal,
                         scale=scale, p_codes=True)
     n = shape.n
     got = codes.view(shape.batch, shape.heads, n, -1)[..., :n].cpu()

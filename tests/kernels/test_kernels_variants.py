@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from dmref.kernels.config import RECIPES
+from dmref.kernels.config import SPECS
 
 from kernel_inputs import ProblemShape, outlier_inputs, require_backend
 
@@ -41,7 +41,7 @@ def test_load_and_register_variants_equal_the_pointer_variant_bit_for_bit(backen
     from dmref.kernels import api
 
     q, k, v, do = outlier_inputs(case, device, seed=5)
-    base = RECIPES[recipe]
+    base = SPECS[recipe]
     runs = []
     hd = case.head_dim
     # the recipe's defaults (at D = 64 a capped forward), and every kernel capped at 168 registers

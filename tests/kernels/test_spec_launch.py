@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from dmref.kernels.config import RECIPES, FwdTiles, WsBwdTiles, default_fwd_tiles, default_ws_bwd_tiles
+from dmref.kernels.config import SPECS, FwdTiles, WsBwdTiles, default_fwd_tiles, default_ws_bwd_tiles
 
 from kernel_inputs import ProblemShape, outlier_inputs, require_backend, with_p_scale
 
@@ -35,24 +35,24 @@ def _launches(spec, head_dim: int = 128, causal: bool = True) -> dict:
             "dq_ws": bwd_ws.launch(spec, kernel="dq", **dims), "dkdv_ws": bwd_ws.launch(spec, kernel="dkdv", **dims)}
 
 
-@pytest.mark.parametrize("name", sorted(RECIPES))
+@pytest.mark.parametrize("name", sorted(SPECS))
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_every_kernel_scales_p_as_its_spec_says(name, head_dim):
     """P's fixed scale of every kernel that quantizes P (forward, Triton dkdv, Gluon dkdv) is the
     spec's, 2**8 for the shipped recipes and 2**6 for the same recipe with P scaled by 2**6: no
     kernel reads it from anywhere else."""
-    for spec, e in ((RECIPES[name], 8), (with_p_scale(RECIPES[name], P_SCALE_LOG2), P_SCALE_LOG2)):
+    for spec, e in ((SPECS[name], 8), (with_p_scale(SPECS[name], P_SCALE_LOG2), P_SCALE_LOG2)):
         assert spec.recipe.p_fwd.offset_log2 == spec.recipe.p_bwd.offset_log2 == e
         runs = _launches(spec, head_dim)
         for kernel in ("fwd", "dkdv", "dkdv_ws"):
             assert runs[kernel].constexprs["P_SCALE"] == 2.0 ** e, (spec.name, kernel)
 
 
-@pytest.mark.parametrize("name", sorted(RECIPES))
+@pytest.mark.parametrize("name", sorted(SPECS))
 def test_both_dq_kernels_scale_kbars_p_as_the_spec_says(name):
     """The matched dq kernels (Triton and Gluon) quantize kbar's P times
     ``2**recipe.delta.deferred_dq.p_offset_log2``, read from the spec."""
-    spec = RECIPES[name]
+    spec = SPECS[name]
     runs = _launches(spec)
     deferred = spec.recipe.delta.deferred_dq
     for kernel in ("dq", "dq_ws"):
@@ -64,7 +64,7 @@ def test_both_dq_kernels_scale_kbars_p_as_the_spec_says(name):
 def test_the_gluon_forward_reads_chain_key_tile_stages_and_schedule_from_the_spec():
     from dmref.kernels import fwd_ws
 
-    spec = RECIPES["kernels_folded_naive_fp8"]
+    spec = SPECS["kernels_folded_naive_fp8"]
     for d in (64, 128):
         assert spec.fwd_tiles(d) == default_fwd_tiles(spec.recipe, d)
         c = fwd_ws.launch(spec, head_dim=d, causal=False).constexprs
@@ -88,11 +88,11 @@ def test_the_gluon_backward_reads_its_schedule_from_the_spec():
         dkdv, dq = runs["dkdv_ws"].constexprs, runs["dq_ws"].constexprs
         return WsBwdTiles(dkdv["STAGES"], dkdv["SPLIT"], dkdv["OVERLAP"], dq["STAGES"], dq["OVERLAP"])
 
-    for name, spec in RECIPES.items():
+    for name, spec in SPECS.items():
         for d in (64, 128):
             assert schedule(spec, d) == spec.ws_bwd_tiles(d) == default_ws_bwd_tiles(spec.recipe, d), (name, d)
     other = WsBwdTiles(dkdv_stages=3, dkdv_split=False, dkdv_overlap=2, dq_stages=3, dq_overlap=3)
-    spec = RECIPES["kernels_delta_matching"].with_tiles(ws_bwd=other)
+    spec = SPECS["kernels_delta_matching"].with_tiles(ws_bwd=other)
     assert schedule(spec, 64) == schedule(spec, 128) == other
     given = bwd_ws.launch("kernels_delta_matching", head_dim=128, causal=False, kernel="dkdv", overlap=1, stages=3)
     assert (given.constexprs["OVERLAP"], given.constexprs["STAGES"]) == (1, 3)
@@ -110,13 +110,13 @@ def test_a_forward_tiling_the_gluon_forward_cannot_honour_is_refused(tiles):
     one line naming the field, when the spec is made (not ignored at the launch)."""
     field = next(f.name for f in dataclasses.fields(FwdTiles) if getattr(tiles, f.name) != getattr(FwdTiles(), f.name))
     with pytest.raises(ValueError, match=field) as info:
-        RECIPES["kernels_folded_delta_matching"].with_tiles(fwd=tiles)
+        SPECS["kernels_folded_delta_matching"].with_tiles(fwd=tiles)
     assert "\n" not in str(info.value)
 
 
 def test_the_triton_forward_refuses_a_schedule_it_does_not_have():
     with pytest.raises(ValueError, match="overlap"):
-        RECIPES["kernels_delta_matching"].with_tiles(fwd=FwdTiles(overlap=1))
+        SPECS["kernels_delta_matching"].with_tiles(fwd=FwdTiles(overlap=1))
     # and the Gluon forward refuses a spec of the Triton forward's family
     from dmref.kernels import fwd_ws
 
@@ -131,7 +131,7 @@ def test_compile_check_describes_the_kernels_of_the_spec():
     from dmref.kernels import compile_check, fwd, fwd_ws
 
     for name, module in (("kernels_folded_naive_fp8", fwd_ws), ("kernels_naive_fp8", fwd)):
-        spec = with_p_scale(RECIPES[name], P_SCALE_LOG2)
+        spec = with_p_scale(SPECS[name], P_SCALE_LOG2)
         runs = dict(compile_check.recipe_variants(spec, 128, False))
         want = module.launch(spec, head_dim=128, causal=False)
         assert runs["fwd"] == want and runs["fwd"].constexprs["P_SCALE"] == 2.0 ** P_SCALE_LOG2
@@ -165,7 +165,7 @@ def test_gluon_forward_and_backward_run_the_p_scale_of_the_spec(causal):
     shape = ProblemShape(1, 4, 2, 777, 128)
     q, k, v, do = outlier_inputs(shape, device)
     scale = 1.0 / math.sqrt(shape.head_dim)
-    spec = with_p_scale(RECIPES["kernels_folded_delta_matching"], P_SCALE_LOG2)
+    spec = with_p_scale(SPECS["kernels_folded_delta_matching"], P_SCALE_LOG2)
     _, _, _, codes = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, recipe=spec, debug=True)
     n = shape.n
     got = codes.view(shape.batch, shape.heads, n, -1)[..., :n].cpu()

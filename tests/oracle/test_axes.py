@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dmref import oracle
-from dmref._oracle_cases import LAYOUTS
+from dmref.oracle.cases import LAYOUTS
 
 _AXIS_CASES = sorted({case for _, case, _ in planted.AXIS_BUGS.values()})
 
@@ -63,7 +63,7 @@ def test_every_case_set_varies_every_axis(size):
 
 
 def test_the_extreme_sits_in_the_first_block_the_last_full_block_and_the_tail():
-    from dmref._oracle_cases import SPIKE_POSITIONS
+    from dmref.oracle.cases import SPIKE_POSITIONS
 
     (case,) = oracle.make_cases("quick", names=["extreme_positions"], probe=False)
     s = case.scale * (case.q.double() @ case.k.double().transpose(-1, -2))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dmref import oracle
-from dmref._oracle_cases import representable
+from dmref.oracle.cases import representable
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

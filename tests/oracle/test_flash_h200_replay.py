@@ -13,7 +13,7 @@ import os
 import torch
 
 from dmref import oracle
-from dmref._oracle_cases import Case
+from dmref.oracle.cases import Case
 
 _DATA = os.path.join(os.path.dirname(__file__), "..", "data", "h200_sdpa_flash_peaked_rows.pt")
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dmref import oracle
-from dmref._oracle_cases import MAX_SEED
+from dmref.oracle.cases import MAX_SEED
 from dmref.cli import main
 
 
@@ -73,7 +73,7 @@ def test_the_marker_takes_the_dtype_names_of_the_cli(dmref_oracle):
 def test_one_default_case_set_for_the_oracle_the_cli_and_the_fixture():
     import inspect
 
-    from dmref import pytest_plugin
+    from dmref.oracle import pytest_plugin
     from dmref.cli import check as cli_check
 
     assert inspect.signature(oracle.check).parameters["cases"].default == oracle.DEFAULT_CASES

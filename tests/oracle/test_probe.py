@@ -1,4 +1,4 @@
-"""The black-box row-sum probe (dmref.probe): its input preparation keeps every quantizer's
+"""The black-box row-sum probe (dmref.oracle.probe): its input preparation keeps every quantizer's
 scales, it reads a planted delta back, it reads the emulated recipes' own residual from outside,
 and it refuses a quantizer that moves."""
 

@@ -18,7 +18,7 @@ import pytest
 from rich.console import Console
 
 from dmref import oracle
-from dmref.pytest_plugin import DmrefInconclusiveWarning
+from dmref.oracle.pytest_plugin import DmrefInconclusiveWarning
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 _CROSS = ["causal_cross", "causal_more_queries"]

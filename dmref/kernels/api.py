@@ -16,7 +16,7 @@ import torch
 from dmref.recipes import Recipe
 
 from ._runtime import require_runnable
-from .config import KernelSpec, get_recipe
+from .config import KernelSpec, get_spec
 
 
 @dataclass
@@ -78,7 +78,7 @@ def attention_forward(
     from . import fwd
     from .quantize import quantize
 
-    r = get_recipe(recipe)
+    r = get_spec(recipe)
     require_runnable(q, k, v)
     s = Shape.of(q, k, v)
     scale = 1.0 / math.sqrt(s.head_dim) if scale is None else float(scale)
@@ -158,7 +158,7 @@ def attention_backward(
     from . import bwd
     from .quantize import quantize
 
-    r = get_recipe(recipe)
+    r = get_spec(recipe)
     if do.dtype != torch.bfloat16:
         do = do.to(torch.bfloat16)
     # delta step (stale) fused into the quantization of dO: one read of dO and O
@@ -261,6 +261,6 @@ def attention(
     ValueError naming the kernel recipe to use. Returns O (B, H, N, D) BF16. Fails with a clear
     message where no Hopper GPU is available (unless Triton's interpreter is switched on).
     """
-    spec = get_recipe(recipe)
+    spec = get_spec(recipe)
     require_runnable(q, k, v)
     return _FP8Attention.apply(q, k, v, causal, scale, spec)

@@ -323,9 +323,9 @@ def compile_usage(spec: "KernelSpec | str" = "kernels_naive_fp8", head_dims=(64,
     :func:`launch` describes it (no GPU: ``compile_check``), one ``compile_check.Usage`` per
     variant. Must run with ``TRITON_INTERPRET`` unset."""
     from .compile_check import Usage, compile_launch, resource_usage
-    from .config import get_recipe
+    from .config import get_spec
 
-    spec = get_recipe(spec)
+    spec = get_spec(spec)
     out = []
     for d in head_dims:
         for c in causal:

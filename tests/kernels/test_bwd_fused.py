@@ -151,13 +151,13 @@ def test_deterministic_mode_is_bit_identical_across_runs(case):
 def test_fused_backward_refuses_the_matched_delta_and_a_lone_deterministic():
     pytest.importorskip("triton")
     from dmref.kernels import bwd_fused
-    from dmref.kernels.config import RECIPES
+    from dmref.kernels.config import SPECS
 
-    why = bwd_fused.refusal(RECIPES["kernels_delta_matching"], 128)
+    why = bwd_fused.refusal(SPECS["kernels_delta_matching"], 128)
     assert why is not None and "stale delta" in why
-    assert bwd_fused.refusal(RECIPES["kernels_naive_fp8"], 128) is None
+    assert bwd_fused.refusal(SPECS["kernels_naive_fp8"], 128) is None
     with pytest.raises(ValueError, match="stale delta"):
-        bwd_fused.launch(RECIPES["kernels_delta_matching"], head_dim=64, causal=False)
+        bwd_fused.launch(SPECS["kernels_delta_matching"], head_dim=64, causal=False)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -166,9 +166,9 @@ def test_launch_reads_tiles_and_p_scale_from_the_spec(head_dim):
     its dS blocks and promotion points are the recipe's (``fit_to_tiles`` changes nothing)."""
     pytest.importorskip("triton")
     from dmref.kernels import bwd_fused
-    from dmref.kernels.config import RECIPES, fit_to_tiles
+    from dmref.kernels.config import SPECS, fit_to_tiles
 
-    spec = RECIPES["kernels_naive_fp8"]
+    spec = SPECS["kernels_naive_fp8"]
     run = bwd_fused.launch(spec, head_dim=head_dim, causal=True)
     t = spec.bwd_tiles(head_dim)
     assert (run.constexprs["BLOCK_M"], run.constexprs["BLOCK_N"]) == (t.block_m1, t.block_n2)

@@ -360,7 +360,7 @@ def test_the_api_backward_is_the_gluon_one_and_equals_the_triton_one(case, monke
 
     shape, causal, recipe = case
     q, k, v, do = _wide_inputs(shape, device)
-    r = api.get_recipe(recipe)
+    r = api.get_spec(recipe)
     assert api.gluon_backward_refusal(r, shape.head_dim) is None
     o, _, saved, _ = api.attention_forward(q, k, v, causal=causal, recipe=r)
     kw = dict(shape=api.Shape.of(q, k, v), causal=causal, scale=1.0 / math.sqrt(shape.head_dim), recipe=r)
@@ -395,7 +395,7 @@ def test_the_api_backward_says_when_the_gluon_one_does_not_run():
     from dmref.kernels import api
     from dmref.kernels.config import BwdTiles
 
-    r = api.get_recipe("kernels_delta_matching")
+    r = api.get_spec("kernels_delta_matching")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         assert "interpreter" in api.gluon_backward_refusal(r, 128)
         device = require_backend("interpreter")
@@ -423,7 +423,7 @@ def test_the_gluon_kernels_say_when_the_gpu_is_not_a_hopper(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a Blackwell GPU")
     cuda = torch.device("cuda")
-    why = api.gluon_backward_refusal(api.get_recipe("kernels_delta_matching"), 128, device=cuda)
+    why = api.gluon_backward_refusal(api.get_spec("kernels_delta_matching"), 128, device=cuda)
     assert why == "the Gluon kernels use Hopper's wgmma (compute capability 9.x); a Blackwell GPU has 10.0"
     assert api._not_hopper(cuda) == why
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))

@@ -322,7 +322,7 @@ def compile_usage(spec: "KernelSpec | str" = "kernels_naive_fp8", head_dims=(64,
     """Registers, spill bytes and shared memory of the fused kernel compiled for sm_90a as
     :func:`launch` describes it (no GPU: ``compile_check``), one ``compile_check.Usage`` per
     variant. Must run with ``TRITON_INTERPRET`` unset."""
-    from .compile_check import Usage, compile_launch, resource_usage
+    from ._sm90 import Usage, compile_launch, resource_usage
     from .config import get_spec
 
     spec = get_spec(spec)

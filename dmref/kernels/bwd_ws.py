@@ -576,7 +576,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, reci
     (``group``, ``split`` and ``host_descriptors`` are the dkdv kernel's only; GQA is a run-time
     argument of the dq kernel), specialized as :func:`_signature` says; returns the compiled
     kernel."""
-    from .compile_check import compile_launch
+    from ._sm90 import compile_launch
 
     from .config import get_spec
 

@@ -443,7 +443,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, recipe="kernels_fold
     """Compile the kernel for sm_90a without a GPU (ptxas included), as :func:`launch` describes it
     for ``recipe`` (or its :func:`variant` with ``chain``, ``overlap``, ``stages``); returns the
     compiled kernel."""
-    from .compile_check import compile_launch
+    from ._sm90 import compile_launch
 
     spec = variant(recipe, chain=chain, overlap=overlap, stages=stages)
     return compile_launch(launch(spec, head_dim=head_dim, causal=causal, debug=debug,

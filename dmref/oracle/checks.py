@@ -542,7 +542,10 @@ def _explain(case, checks, cr, plan) -> None:
         if c.name == "out":
             c.cause = ("the forward is wrong, not rounded: the softmax's maximum or rescale, the keys a row sees "
                        "(mask, a dropped tile) or P·V" if wrong else
-                       f"the forward rounds more than a correct {dtype} one: P, the running sum or P·V kept in {dtype}")
+                       f"the forward's error is larger than a correct {dtype} forward's, though within what {dtype} rounding "
+                       "can make: "
+                       f"more rounding (P, the running sum or P·V kept in {dtype}) or a small systematic error "
+                       "(a scale slightly off)")
         elif c.name in (*grads, "rowsum") and "out" in failed:
             c.cause = "may follow from the forward's error (out failed)"
         elif c.name in grads:

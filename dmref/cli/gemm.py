@@ -56,7 +56,7 @@ def _device_problem(name: str) -> str | None:
 
 
 def _verify(args) -> int:
-    from dmref.emulation._gemm_npz import GemmFileError, verify
+    from dmref.emulation.gemm.captures import GemmFileError, verify
 
     problem = _device_problem(args.device)
     if problem:

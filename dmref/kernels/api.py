@@ -158,16 +158,16 @@ def attention_backward(
     from . import bwd
     from .quantize import quantize
 
-    r = get_spec(recipe)
-    if do.dtype != torch.bfloat16:
-        do = do.to(torch.bfloat16)
-    # delta step (stale) fused into the quantization of dO: one read of dO and O
-    do8, delta_stale = quantize(do, r.recipe.do_dp.fmt.name, rows=True, cols=True, delta_with=o)
     if deterministic and not fused:
         raise ValueError("deterministic=True is an option of the fused backward (fused=True); the dq and dkdv "
                          "kernels are deterministic already")
     if delta is not None and not fused:
         raise ValueError("delta= is read by the fused backward only (fused=True)")
+    r = get_spec(recipe)
+    if do.dtype != torch.bfloat16:
+        do = do.to(torch.bfloat16)
+    # delta step (stale) fused into the quantization of dO: one read of dO and O
+    do8, delta_stale = quantize(do, r.recipe.do_dp.fmt.name, rows=True, cols=True, delta_with=o)
     if fused:
         from . import bwd_fused
 
@@ -176,7 +176,7 @@ def attention_backward(
         why = bwd_fused.refusal(r, shape.head_dim)
         if why:
             raise ValueError(f"the fused backward does not run this call: {why}")
-        return bwd_fused.backward(saved, do8, do8, delta_stale, causal=causal, scale=scale, recipe=r,
+        return bwd_fused.backward(saved, do8, delta_stale, causal=causal, scale=scale, recipe=r,
                                   deterministic=deterministic, debug=debug, **_dims(shape))
     why_not = gluon_backward_refusal(r, shape.head_dim, debug, do.device)
     if gluon and why_not:

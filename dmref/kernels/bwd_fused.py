@@ -264,10 +264,10 @@ def launch(spec: KernelSpec, *, head_dim: int, causal: bool, group: int = 1, det
                   f.num_warps, f.num_stages, f.maxnreg, {}, kernel=_bwd_fused_kernel, block_m=t.block_n2)
 
 
-def backward(saved, do8, do_t, delta, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int,
+def backward(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int,
              causal: bool, scale: float, recipe: KernelSpec, deterministic: bool = False, debug: bool = False):
     """Run the fused backward and dQ's postprocess. ``saved``: the forward's ``SavedForward``;
-    ``do8`` / ``do_t``: row and transposed copies of dO; ``delta``: D per query row ``(B*H, N)``
+    ``do8``: dO's row and transposed copies (one ``quantize.Quantized``); ``delta``: D per query row ``(B*H, N)``
     float32 (the preprocess's stale delta). Returns ``(dq, dk, dv, debug dict)``; the debug dict
     holds ``"delta"`` and with ``debug`` ``"ds_dk"`` and ``"ds_dq"`` (``(B*H, N, N)`` float32: dS as
     each matmul sees it, codes times their dequantization factor; 0 where a tile skipped) and,
@@ -294,10 +294,10 @@ def backward(saved, do8, do_t, delta, *, batch: int, heads: int, kv_heads: int, 
     q8, k8, v8 = saved.q, saved.k, saved.v
     run.kernel[run.grid(n, batch * kv_heads)](
         q8.rows, q8.row_scale, q8.cols, q8.col_scale, k8.rows, k8.row_scale, k8.cols, k8.col_scale,
-        v8.rows, v8.row_scale, do8.rows, do8.row_scale, do_t.cols, do_t.col_scale, saved.lse2, delta,
+        v8.rows, v8.row_scale, do8.rows, do8.row_scale, do8.cols, do8.col_scale, saved.lse2, delta,
         dk, dv, dq_acc, sem, dumps.get("dsk_x", dummy32), dumps.get("dsk_inv", dummy32),
         dumps.get("dsq_x", dummy32), dumps.get("dsq_inv", dummy32), dumps.get("sem_seen", dummy_i32),
-        scale * LOG2E, scale, heads, kv_heads, n, do_t.npad, **c, **run.options())
+        scale * LOG2E, scale, heads, kv_heads, n, do8.npad, **c, **run.options())
     dq = torch.empty((batch, heads, n, head_dim), device=dev, dtype=torch.bfloat16)
     total = dq.numel()
     _dq_postprocess_kernel[(triton.cdiv(total, POSTPROCESS_BLOCK),)](

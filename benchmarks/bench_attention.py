@@ -217,7 +217,8 @@ def _speedups(ms: dict, anchor: str) -> dict:
         "e2e_matched_folded": e2e / ms["ours_e2e_matched_folded"],
         "bwd_matched_triton": bwd / ms["ours_bwd_matched_triton"],
         # the five-GEMM backward (bwd_fused, stale delta), atomic and deterministic dQ sums
-        **{k: bwd / ms[f"ours_{k}"] for k in ("bwd_fused_stale", "bwd_fused_stale_det") if f"ours_{k}" in ms},
+        **{k: bwd / ms[f"ours_{k}"] for k in ("bwd_fused_stale", "bwd_fused_stale_det", "bwd_fused_stale_triton")
+           if f"ours_{k}" in ms},
     }
 
 
@@ -292,10 +293,14 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
         # its kernels without the preprocess: both, the dq alone, the dkdv alone (on the dq's D)
         for part, fn in _bwd_parts(r, gluon, saved, do8, d_stale, kw).items():
             ms[f"ours_bwd_{tag}_{part}"] = bench(fn)
-    # the five-GEMM backward (stale delta), incl. the preprocess and dQ's postprocess
-    for key, det in (("ours_bwd_fused_stale", False), ("ours_bwd_fused_stale_det", True)):
-        ms[key] = bench(lambda det=det: api.attention_backward(
-            saved, o, do, shape=shape, causal=causal, scale=scale, recipe=r_st, fused=True, deterministic=det))
+    # the five-GEMM backward (stale delta), incl. the preprocess and dQ's postprocess: what the API
+    # runs (the Gluon kernel where it runs the recipe) and the Triton one
+    res["bwd_kernels"]["fused"] = "gluon" if api.gluon_backward_refusal(r_st, d, fused=True) is None else "triton"
+    for key, det, gl_ in (("ours_bwd_fused_stale", False, None), ("ours_bwd_fused_stale_det", True, None),
+                          ("ours_bwd_fused_stale_triton", False, False)):
+        ms[key] = bench(lambda det=det, gl_=gl_: api.attention_backward(
+            saved, o, do, shape=shape, causal=causal, scale=scale, recipe=r_st, fused=True, deterministic=det,
+            gluon=gl_))
     # --- ours: end to end through autograd
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
     r_fdm = _recipe("kernels_folded_delta_matching", fwd_c, bwd_c)

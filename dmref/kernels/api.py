@@ -146,8 +146,9 @@ def attention_backward(
     ``"p_codes"`` / ``"ds_codes"`` (``(B*H, N, N)`` uint8 codes of the dkdv kernel's P and dS) and
     ``"ds_scale"`` (the dequantization factor of each dS element, ``(B*H, cdiv(N, block_m1), N)``: per query tile and key).
 
-    ``fused=True`` runs the five-GEMM backward (``bwd_fused``: one kernel per key block, dQ's
-    partials added into a float32 buffer, then a postprocess) instead of dq and dkdv, for recipes
+    ``fused=True`` runs the five-GEMM backward (one kernel per key block, dQ's partials added into
+    a float32 buffer, then a postprocess: the Gluon ``bwd_ws.fused`` where it runs, as above, else
+    the Triton ``bwd_fused``; ``gluon`` forces the choice as above) instead of dq and dkdv, for recipes
     with the stale delta (else a ValueError saying why); ``deterministic`` adds dQ's partials in key
     order, bit-identical across runs; ``delta`` (float32 ``(B, H, N)``, fused only): the D that dS =
     P (dP - D) uses instead of the stale delta, e.g. a matched delta computed ahead, so that the
@@ -176,8 +177,16 @@ def attention_backward(
         why = bwd_fused.refusal(r, shape.head_dim)
         if why:
             raise ValueError(f"the fused backward does not run this call: {why}")
-        return bwd_fused.backward(saved, do8, delta_stale, causal=causal, scale=scale, recipe=r,
-                                  deterministic=deterministic, debug=debug, **_dims(shape))
+        why_not = gluon_backward_refusal(r, shape.head_dim, debug, do.device, fused=True)
+        if gluon and why_not:
+            raise ValueError(f"the Gluon fused backward does not run this call: {why_not}")
+        if why_not or gluon is False:
+            return bwd_fused.backward(saved, do8, delta_stale, causal=causal, scale=scale, recipe=r,
+                                      deterministic=deterministic, debug=debug, **_dims(shape))
+        from . import bwd_ws
+
+        return bwd_ws.fused(saved, do8, delta_stale, causal=causal, scale=scale, recipe=r,
+                            deterministic=deterministic, **_dims(shape))
     why_not = gluon_backward_refusal(r, shape.head_dim, debug, do.device)
     if gluon and why_not:
         raise ValueError(f"the Gluon backward does not run this call: {why_not}")
@@ -191,12 +200,13 @@ def attention_backward(
 
 
 def gluon_backward_refusal(recipe: KernelSpec, head_dim: int, debug: bool = False,
-                           device: torch.device | None = None) -> str | None:
-    """Why the warp-specialized Gluon backward (``bwd_ws``: dq and dkdv) does not run ``recipe`` at
-    ``head_dim`` on ``device`` (a CUDA device, or None: not asked), or None where it does: its
-    kernels are written for Hopper's wgmma, Triton's interpreter runs no Gluon kernel, and the
-    kernels' own checks (``bwd_ws._check``, ``bwd_ws._check_dq``: the debug dumps, the 64-query and
-    64-key tiles) say the rest."""
+                           device: torch.device | None = None, fused: bool = False) -> str | None:
+    """Why the warp-specialized Gluon backward (``bwd_ws``: dq and dkdv, or with ``fused`` its
+    five-GEMM kernel) does not run ``recipe`` at ``head_dim`` on ``device`` (a CUDA device, or
+    None: not asked), or None where it does: its kernels are written for Hopper's wgmma, Triton's
+    interpreter runs no Gluon kernel, and the kernels' own checks (``bwd_ws._check``,
+    ``bwd_ws._check_dq``, ``bwd_ws._check_fused``: the debug dumps, the 64-query and 64-key
+    tiles, the delta) say the rest."""
     from ._runtime import interpreting
 
     if device is not None and device.type == "cuda":
@@ -208,8 +218,11 @@ def gluon_backward_refusal(recipe: KernelSpec, head_dim: int, debug: bool = Fals
     from . import bwd_ws
 
     try:
-        bwd_ws._check_dq(recipe, head_dim, debug)
-        bwd_ws._check(recipe, head_dim, debug)
+        if fused:
+            bwd_ws._check_fused(recipe, head_dim, debug)
+        else:
+            bwd_ws._check_dq(recipe, head_dim, debug)
+            bwd_ws._check(recipe, head_dim, debug)
     except ValueError as exc:
         return str(exc)
     return None

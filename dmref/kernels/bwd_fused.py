@@ -224,6 +224,16 @@ def _dq_postprocess_kernel(DQ_ACC, DQ, sm_scale, total, BLOCK: tl.constexpr, INT
 POSTPROCESS_BLOCK = 1024
 
 
+def postprocess_dq(dq_acc: torch.Tensor, batch: int, heads: int, n: int, head_dim: int, scale: float) -> torch.Tensor:
+    """dQ ``(B, H, N, D)`` BF16 from the float32 sum of its partials ``dq_acc``: BF16(dq_acc * scale),
+    round to nearest even (one kernel)."""
+    dq = torch.empty((batch, heads, n, head_dim), device=dq_acc.device, dtype=torch.bfloat16)
+    total = dq.numel()
+    _dq_postprocess_kernel[(triton.cdiv(total, POSTPROCESS_BLOCK),)](
+        dq_acc, dq, scale, total, BLOCK=POSTPROCESS_BLOCK, INTERPRET=interpreting())
+    return dq
+
+
 def refusal(spec: KernelSpec, head_dim: int) -> str | None:
     """None if the fused backward runs ``spec`` at ``head_dim``, else why not, one line."""
     if spec.recipe.delta != STALE:
@@ -298,10 +308,7 @@ def backward(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int
         dk, dv, dq_acc, sem, dumps.get("dsk_x", dummy32), dumps.get("dsk_inv", dummy32),
         dumps.get("dsq_x", dummy32), dumps.get("dsq_inv", dummy32), dumps.get("sem_seen", dummy_i32),
         scale * LOG2E, scale, heads, kv_heads, n, do8.npad, **c, **run.options())
-    dq = torch.empty((batch, heads, n, head_dim), device=dev, dtype=torch.bfloat16)
-    total = dq.numel()
-    _dq_postprocess_kernel[(triton.cdiv(total, POSTPROCESS_BLOCK),)](
-        dq_acc, dq, scale, total, BLOCK=POSTPROCESS_BLOCK, INTERPRET=c["INTERPRET"])
+    dq = postprocess_dq(dq_acc, batch, heads, n, head_dim, scale)
     dbg = {"delta": delta}
     if debug:
         from .fwd import fp8_codes

@@ -140,14 +140,22 @@ BLOCK_N = gl.constexpr(64)
 NUM_WARPS = 4
 
 @gluon.jit
-def _producer(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, k_smem, v_smem, q_bufs,
-              do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs, kv_ready, rows_ready, rows_free, cols_ready,
-              cols_free, kv_row, bh0, lo, n_m, n_iter, N, NPAD,
-              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """TMA loads: K and V row tiles once, then per iteration i (query head ``bh0 + i // n_m``,
-    query tile ``lo + (i % n_m) * BLOCK_M``) the Q and dO row tiles, and the Q^T and dO^T tiles with
-    their scales (the row of ``(NPAD // QUANT_BLOCK, D)`` factors of the tile's token block)."""
-    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+def _producer(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, kt_desc, kts_desc, k_smem,
+              v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs, kv_ready,
+              rows_ready, rows_free, cols_ready, cols_free, kv_row, bkv, start_n, bh0, lo, n_m, n_iter, N, NPAD,
+              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, FUSED: gl.constexpr):
+    """TMA loads: K and V row tiles once (``FUSED``: and K's transposed tile with its scale row),
+    then per iteration i (query head ``bh0 + i // n_m``, query tile ``lo + (i % n_m) * BLOCK_M``)
+    the Q and dO row tiles, and the Q^T and dO^T tiles with their scales (the row of
+    ``(NPAD // QUANT_BLOCK, D)`` factors of the tile's token block)."""
+    if FUSED:
+        mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes + kt_desc.block_type.nbytes
+                        + kts_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(kt_desc, [bkv * HEAD_DIM, start_n], kv_ready, kt_smem)
+        tma.async_copy_global_to_shared(kts_desc, [bkv * (NPAD // QUANT_BLOCK) + start_n // QUANT_BLOCK, 0],
+                                        kv_ready, kts_smem)
+    else:
+        mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [kv_row, 0], kv_ready, k_smem)
     tma.async_copy_global_to_shared(v_desc, [kv_row, 0], kv_ready, v_smem)
     for i in range(n_iter):
@@ -187,17 +195,88 @@ def _promote(acc, a8, b_smem, t_old, scale_smem, row_factor, acc_layout: gl.cons
 
 
 @gluon.jit
-def _consumer(k_smem, v_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs, kv_ready, rows_ready,
-              rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV,
-              qk_scale, sm_scale, bkv, bh0, start_n, lo, n_m, n_iter, N, NPAD,
+def _dq_add(dsq_a, kt_b, kts_row, dsq_inv, DQ_ACC, row0, offs_q, c0, N, HEAD_DIM: gl.constexpr, CH: gl.constexpr,
+            q_layout: gl.constexpr, EVEN_N: gl.constexpr):
+    """dQ's partial over the tile's keys for channels ``c0 .. c0 + CH``: one wgmma chain of dS
+    (``dsq_a``) and K (``kt_b``), times the K^T channel scales and dS's query factors, added into
+    ``DQ_ACC`` (float32 atomics; rows past N are not added)."""
+    t = warpgroup_mma(dsq_a, kt_b, gl.zeros([dsq_a.shape[0], CH], gl.float32, q_layout), use_acc=False,
+                      is_async=True)
+    t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
+    dq = t * gl.expand_dims(kts_row.load(gl.SliceLayout(0, q_layout)), 0) * gl.expand_dims(dsq_inv, 1)
+    offs_d = c0 + gl.arange(0, CH, layout=gl.SliceLayout(0, q_layout))
+    ptrs = DQ_ACC + row0 + gl.expand_dims(offs_q * HEAD_DIM, 1) + gl.expand_dims(offs_d, 0)
+    if EVEN_N:  # no query tile runs past N: no mask (a masked atomic is a branch each)
+        gl.atomic_add(ptrs, dq, sem="relaxed")
+    else:
+        gl.atomic_add(ptrs, dq, mask=gl.expand_dims(offs_q < N, 1), sem="relaxed")
+
+
+#: channels of one dQ wgmma in the fused kernel (two halves at D = 128: _dq_partial)
+DQ_CH = gl.constexpr(64)
+
+
+@gluon.jit
+def _quantize_ds_for_dq(ds_t):
+    """Q-point dS for dQ from dS^T ``(keys, queries)``: E4M3, one POW2_DOWN scale per query (a
+    column) over the tile's keys (the recipe's ``ds_dq``, 1 x ``BLOCK_N``, as
+    ``bwd_fused._quantize_ds_cols``). Returns dS ``(queries, keys)`` as the A operand of
+    :func:`_dq_partial`'s wgmma, and each query's dequantization factor. Done where dS^T is formed,
+    so that only the FP8 codes, not the float32 tile, live across the dK and dV wgmmas."""
+    q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, DQ_CH, 32])
+    k_dq = _pow2_down_exponent(gl.max(gl.abs(ds_t), axis=0), False)
+    dsq = _to_fp8(ds_t * gl.expand_dims(_exp2_int(k_dq), 0), False, False)
+    dsq_a = gl.convert_layout(gl.permute(dsq, [1, 0]), gl.DotOperandLayout(operand_index=0, parent=q_layout,
+                                                                            k_width=4))
+    return dsq_a, gl.convert_layout(_exp2_int(-k_dq), gl.SliceLayout(1, q_layout))
+
+
+@gluon.jit
+def _dq_partial(dsq_a, dsq_inv, kt_smem, kts_smem, DQ_ACC, SEM, bh, start_m, start_n, N,
+                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr):
+    """The fifth GEMM of the fused backward: dQ's partial over this CTA's keys, added into the
+    float32 ``DQ_ACC`` ``(B*H, N, D)``: dS (``dsq_a``, :func:`_quantize_ds_for_dq`) times K (keys,
+    D) = K's transposed copy permuted, one wgmma chain per output element, then the K^T channel
+    scale and dS's query factor (``bwd_fused``'s order). At D = 128 the channels go in two halves
+    of ``DQ_CH`` (the same chains: an output element depends on its row of A, its column of B and
+    the k order only). ``DETERMINISTIC``: the adds into a (query head, query tile) follow key
+    order (``bwd_fused``'s counters: key block j waits until the counter reads j, adds, raises it
+    to j + 1)."""
+    CH: gl.constexpr = DQ_CH
+    q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, CH, 32])
+    row_q: gl.constexpr = gl.SliceLayout(1, q_layout)
+    offs_q = start_m + gl.arange(0, BLOCK_M, layout=row_q)
+    row0 = bh * N * HEAD_DIM
+    kts = kts_smem.reshape([HEAD_DIM])
+    if DETERMINISTIC:
+        counter = SEM + bh * gl.cdiv(N, BLOCK_M) + start_m // BLOCK_M
+        seen = gl.atomic_add(counter, 0, sem="acquire")
+        while seen < start_n // BLOCK_M:
+            seen = gl.atomic_add(counter, 0, sem="acquire")
+    for h in gl.static_range(HEAD_DIM // CH):
+        _dq_add(dsq_a, kt_smem.slice(h * CH, CH, dim=0).permute((1, 0)), kts.slice(h * CH, CH), dsq_inv, DQ_ACC,
+                row0, offs_q, h * CH, N, HEAD_DIM, CH, q_layout, EVEN_N)
+    if DETERMINISTIC:
+        gl.thread_barrier()  # every thread's adds are issued before the release
+        gl.atomic_add(counter, 1, sem="release")
+
+
+@gluon.jit
+def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs, kv_ready,
+              rows_ready, rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV,
+              DQ_ACC, SEM, qk_scale, sm_scale, bkv, bh0, start_n, lo, n_m, n_iter, N, NPAD,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              P_SCALE: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr):
+              P_SCALE: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr, FUSED: gl.constexpr,
+              DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr):
     """The consumer warp group: the key tile's scales, every query tile, the stores. With
     ``SPLIT`` dK and dV are held as two halves of the head dim, each accumulated by its own
     wgmma (the same per-element chains: a wgmma's output element depends on its row of A, its
-    column of B and the k order only)."""
+    column of B and the k order only). ``FUSED``: the fifth GEMM, dQ's partial over this key tile
+    added into ``DQ_ACC`` (:func:`_dq_partial`)."""
     CH: gl.constexpr = HEAD_DIM // 2 if SPLIT else HEAD_DIM
     gl.static_assert(OVERLAP < 2 or not SPLIT)
+    gl.static_assert(not FUSED or (not SPLIT and OVERLAP < 2 and BLOCK_M == BLOCK_N))
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 32])
     a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -262,6 +341,9 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots
         p_t = gl.exp2(s2 - gl.expand_dims(lse2, 0))
         if CAUSAL:
             p_t = gl.where(gl.expand_dims(offs_m, 0) >= gl.expand_dims(first_q, 1), p_t, 0.0)
+        elif FUSED:
+            # keys past N reach dQ's partial (a column of dS^T's block scale and its sum over keys)
+            p_t = gl.where(gl.expand_dims(in_seq, 1), p_t, 0.0)
         # Q-point P (dV): float32 -> E4M3, scale 2**8 against LSE
         p8 = gl.convert_layout(_to_fp8(p_t * P_SCALE, False, False), op_layout)
         dot_s = dot_bufs.index(s)
@@ -290,6 +372,12 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots
         k_ds = _pow2_down_exponent(gl.max(gl.abs(ds_t), axis=1), False)
         ds8 = gl.convert_layout(_to_fp8(ds_t * gl.expand_dims(_exp2_int(k_ds), 1), False, False), op_layout)
         ds_inv = gl.convert_layout(_exp2_int(-k_ds), row_a)
+        if FUSED:
+            # dQ's partial first: nothing of it lives across the dK and dV wgmmas and their
+            # promotion, which fill the registers
+            dsq_a, dsq_inv = _quantize_ds_for_dq(ds_t)
+            _dq_partial(dsq_a, dsq_inv, kt_smem, kts_smem, DQ_ACC, SEM, bh, start_m, start_n, N, HEAD_DIM, BLOCK_M,
+                        DETERMINISTIC, EVEN_N)
         # P^T dO and dS^T Q, promoted: one wgmma chain per tile, then one float32 add
         if OVERLAP == 2:
             t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
@@ -341,12 +429,15 @@ def _ring_barriers(STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, Q_SCALE, K_SCALE, V_SCALE,
-          DO_SCALE, LSE2, DELTA, DK, DV, qk_scale, sm_scale, H, HKV, N, NPAD,
+def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, kt_desc, kts_desc, Q_SCALE,
+          K_SCALE, V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, H, HKV, N, NPAD,
           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
-          CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr):
+          CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr,
+          FUSED: gl.constexpr, DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr):
     """The kernel on its TMA descriptors: K, V rows ``(B*HKV*N, D)``, Q, dO rows ``(B*H*N, D)``,
-    Q^T, dO^T ``(B*H*D, NPAD)`` and their scales ``(B*H*NPAD/128, D)``."""
+    Q^T, dO^T ``(B*H*D, NPAD)`` and their scales ``(B*H*NPAD/128, D)``; ``FUSED``: K^T
+    ``(B*HKV*D, NPAD)`` and its scales, dQ's float32 buffer and (``DETERMINISTIC``) its counters
+    (without ``FUSED`` these arguments are placeholders, never read)."""
     gl.static_assert(QUANT_BLOCK % BLOCK_M == 0)
     gl.static_assert(BLOCK_N % BLOCK_M == 0 or BLOCK_M % BLOCK_N == 0)
     start_n = gl.program_id(0) * BLOCK_N
@@ -368,18 +459,25 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
     dot_bufs = gl.allocate_shared_memory(dot_desc.dtype, [STAGES] + dot_desc.block_shape, dot_desc.layout)
     qts_bufs = gl.allocate_shared_memory(qts_desc.dtype, [STAGES] + qts_desc.block_shape, qts_desc.layout)
     dots_bufs = gl.allocate_shared_memory(dots_desc.dtype, [STAGES] + dots_desc.block_shape, dots_desc.layout)
+    if FUSED:
+        kt_smem = gl.allocate_shared_memory(kt_desc.dtype, kt_desc.block_shape, kt_desc.layout)
+        kts_smem = gl.allocate_shared_memory(kts_desc.dtype, kts_desc.block_shape, kts_desc.layout)
+    else:
+        kt_smem = k_smem
+        kts_smem = k_smem
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
     rows_ready, rows_free, cols_ready, cols_free = _ring_barriers(STAGES)
     fence_async_shared()
     gl.warp_specialize([
-        (_consumer, (k_smem, v_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs, kv_ready, rows_ready,
-                     rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV,
-                     qk_scale, sm_scale, bkv, bh0, start_n, lo, n_m, n_iter, N, NPAD, HEAD_DIM, BLOCK_M, STAGES,
-                     CAUSAL, P_SCALE, SPLIT, OVERLAP)),
-        (_producer, (k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, k_smem, v_smem, q_bufs,
-                     do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs, kv_ready, rows_ready, rows_free, cols_ready,
-                     cols_free, bkv * N + start_n, bh0, lo, n_m, n_iter, N, NPAD, HEAD_DIM, BLOCK_M, STAGES)),
+        (_consumer, (k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs,
+                     kv_ready, rows_ready, rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE,
+                     LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, bkv, bh0, start_n, lo, n_m, n_iter, N,
+                     NPAD, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, P_SCALE, SPLIT, OVERLAP, FUSED, DETERMINISTIC, EVEN_N)),
+        (_producer, (k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, kt_desc, kts_desc,
+                     k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs,
+                     kv_ready, rows_ready, rows_free, cols_ready, cols_free, bkv * N + start_n, bkv, start_n, bh0, lo,
+                     n_m, n_iter, N, NPAD, HEAD_DIM, BLOCK_M, STAGES, FUSED)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -390,9 +488,22 @@ def _bwd_dkdv_ws_kernel(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, P_SCALE: gl.constexpr,
                         SPLIT: gl.constexpr, OVERLAP: gl.constexpr):
     """The kernel on host-side TMA descriptors (``_descriptors``): no descriptor is built per CTA."""
-    _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, Q_SCALE, K_SCALE, V_SCALE,
-          DO_SCALE, LSE2, DELTA, DK, DV, qk_scale, sm_scale, H, HKV, N, NPAD, HEAD_DIM, BLOCK_M, GROUP, STAGES,
-          CAUSAL, P_SCALE, SPLIT, OVERLAP)
+    _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, k_desc, qts_desc, Q_SCALE,
+          K_SCALE, V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV, DK, DK, qk_scale, sm_scale, H, HKV, N, NPAD, HEAD_DIM,
+          BLOCK_M, GROUP, STAGES, CAUSAL, P_SCALE, SPLIT, OVERLAP, False, False, False)
+
+
+@gluon.jit
+def _bwd_fused_ws_kernel(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, kt_desc, kts_desc,
+                         Q_SCALE, K_SCALE, V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale,
+                         H, HKV, N, NPAD, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, GROUP: gl.constexpr,
+                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, OVERLAP: gl.constexpr,
+                         DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr):
+    """The five-GEMM backward (``bwd_fused``'s computation) on host-side TMA descriptors: the dkdv
+    kernel with dQ's partial of every query tile added into ``DQ_ACC`` (:func:`fused`)."""
+    _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, kt_desc, kts_desc, Q_SCALE,
+          K_SCALE, V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, H, HKV, N, NPAD, HEAD_DIM,
+          BLOCK_M, GROUP, STAGES, CAUSAL, P_SCALE, False, OVERLAP, True, DETERMINISTIC, EVEN_N)
 
 
 @gluon.jit
@@ -418,9 +529,9 @@ def _bwd_dkdv_ws_kernel_dev(Q8, Q_SCALE, QT8, QT_SCALE, K8, K_SCALE, V8, V_SCALE
     sc_rows = ROWS_Q // N * (NPAD // QUANT_BLOCK)
     qts_desc = tma.make_tensor_descriptor(QT_SCALE, [sc_rows, HEAD_DIM], [HEAD_DIM, 1], [1, HEAD_DIM], sc_layout)
     dots_desc = tma.make_tensor_descriptor(DOT_SCALE, [sc_rows, HEAD_DIM], [HEAD_DIM, 1], [1, HEAD_DIM], sc_layout)
-    _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, Q_SCALE, K_SCALE, V_SCALE,
-          DO_SCALE, LSE2, DELTA, DK, DV, qk_scale, sm_scale, H, HKV, N, NPAD, HEAD_DIM, BLOCK_M, GROUP, STAGES,
-          CAUSAL, P_SCALE, SPLIT, OVERLAP)
+    _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, k_desc, qts_desc, Q_SCALE,
+          K_SCALE, V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV, DK, DK, qk_scale, sm_scale, H, HKV, N, NPAD, HEAD_DIM,
+          BLOCK_M, GROUP, STAGES, CAUSAL, P_SCALE, SPLIT, OVERLAP, False, False, False)
 
 
 def _constexprs(spec, head_dim: int, causal: bool, group: int) -> dict:
@@ -489,10 +600,27 @@ def _gl_dtype(dtype):
     return gl.dtype(triton_type(str(dtype).removeprefix("torch.")))
 
 
+def _check_fused(spec, head_dim: int, debug: bool = False) -> None:
+    """Raise for what the fused kernel does not run: what ``bwd_fused.refusal`` refuses (the
+    recipe's delta must be one the kernel reads from a buffer), and what the dkdv kernel refuses,
+    and a dQ key tile (``block_n2``) other than the CTA's 64 keys."""
+    from .bwd_fused import refusal
+
+    why = refusal(spec, head_dim)
+    if why:
+        raise ValueError(f"bwd_ws: {why}")
+    _check(spec, head_dim, debug)
+    bn = spec.bwd_tiles(head_dim).block_n2
+    if bn != BLOCK_N.value:
+        raise ValueError(f"bwd_ws: the fused kernel's dQ key block (block_n2={bn}) must be its CTA's {BLOCK_N.value} "
+                         "keys")
+
+
 def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, debug: bool = False,
            host_descriptors: bool = True, stages: int | None = None, split: bool | None = None,
-           overlap: int | None = None) -> Launch:
-    """The launch of the Gluon backward kernel ``kernel`` (``"dq"`` or ``"dkdv"``) for ``spec`` (a
+           overlap: int | None = None, deterministic: bool = False, n: int | None = None) -> Launch:
+    """The launch of the Gluon backward kernel ``kernel`` (``"dq"``, ``"dkdv"`` or ``"fused"``, the
+    five-GEMM one: dkdv with dQ's partials, :func:`fused`) for ``spec`` (a
     ``config.KernelSpec`` or its name) at ``head_dim``, ``group`` query heads per key/value head:
     P's scale ``2**recipe.p_bwd.offset_log2`` (dkdv), the matched delta where
     ``recipe.delta.deferred_dq`` is set (dq), the query tile ``block_m1`` (dkdv) and key tile
@@ -501,15 +629,17 @@ def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, de
     (``config.default_ws_bwd_tiles`` by default), or ``stages``, ``split``, ``overlap`` where
     given (the spec with them: ``config.WsBwdTiles``). ``host_descriptors`` (dkdv): TMA descriptors
     built on the host once a launch, else in every CTA. The one description that :func:`dkdv`,
-    :func:`dq` and ``compile_check.compile_launch`` read. Raises ValueError, with the reason,
-    for what the kernel does not run."""
+    :func:`dq`, :func:`fused` and ``compile_check.compile_launch`` read. ``deterministic`` (fused):
+    dQ's partials added in key order; ``n`` (fused): the sequence length, whose multiples of 64
+    need no mask on dQ's adds (None: masked). Raises ValueError, with the reason, for what the
+    kernel does not run."""
     from .config import get_spec
 
     import dataclasses
 
     r = get_spec(spec)
     ws = r.ws_bwd_tiles(head_dim)
-    given = {f"{kernel}_{k}": v for k, v in dict(stages=stages, split=split, overlap=overlap).items() if v is not None}
+    given = {f"{'dkdv' if kernel == 'fused' else kernel}_{k}": v for k, v in dict(stages=stages, split=split, overlap=overlap).items() if v is not None}
     if given:
         r = r.with_tiles(ws_bwd=dataclasses.replace(ws, **given))
     if kernel == "dq":
@@ -519,8 +649,22 @@ def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, de
         consts = _dq_constexprs(r, head_dim, causal)
         return Launch(consts, num_warps=NUM_WARPS, num_stages=None, maxnreg=LAUNCH_REGS, kernel=_bwd_dq_ws_kernel,
                       block_m=DQ_BLOCK_M.value, signature=_signature)
+    if kernel == "fused":
+        if split:
+            raise ValueError("bwd_ws: the fused kernel holds dK and dV whole (split=False)")
+        if not host_descriptors:
+            raise ValueError("bwd_ws: the fused kernel reads host-side TMA descriptors only")
+        _check_fused(r, head_dim, debug)
+        consts = _constexprs(r, head_dim, causal, group)
+        del consts["SPLIT"]
+        consts["DETERMINISTIC"] = bool(deterministic)
+        consts["EVEN_N"] = n is not None and n % BLOCK_N.value == 0
+        return Launch(consts, num_warps=NUM_WARPS, num_stages=None, maxnreg=LAUNCH_REGS, kernel=_bwd_fused_ws_kernel,
+                      block_m=BLOCK_N.value, signature=_signature)
+    if deterministic:
+        raise ValueError("bwd_ws: deterministic is the fused kernel's (the dq and dkdv kernels are deterministic)")
     if kernel != "dkdv":
-        raise ValueError(f"bwd_ws: kernel={kernel!r} is not one of ('dq', 'dkdv')")
+        raise ValueError(f"bwd_ws: kernel={kernel!r} is not one of ('dq', 'dkdv', 'fused')")
     _check(r, head_dim, debug)
     consts = _constexprs(r, head_dim, causal, group)
     return Launch(consts, num_warps=NUM_WARPS, num_stages=None, maxnreg=LAUNCH_REGS,
@@ -555,9 +699,13 @@ def _signature(run: Launch, n_multiple_of_16: bool = True, do_format: str = "flo
         scalars = {"qk_scale": fp32, "sm_scale": fp32, "H": "i32", "HKV": "i32", "N": "i32", "NPAD": "i32"}
         vectors = {name: "*" + fp32 for name in ("Q_SCALE", "K_SCALE", "V_SCALE", "DO_SCALE", "LSE2", "DELTA")}
         vectors.update(DK="*" + bf16, DV="*" + bf16)
-        if run.kernel is _bwd_dkdv_ws_kernel:
+        if run.kernel in (_bwd_dkdv_ws_kernel, _bwd_fused_ws_kernel):
             descs = _descriptors(rows, cols, sc, rows, rows, rows.to(do_dt), cols.to(do_dt), sc, run.constexprs["BLOCK_M"])
             names = ("k_desc", "v_desc", "q_desc", "do_desc", "qt_desc", "dot_desc", "qts_desc", "dots_desc")
+            if run.kernel is _bwd_fused_ws_kernel:
+                descs += (_col_desc(cols, d, BLOCK_N.value), _scale_desc(sc, d))
+                names += ("kt_desc", "kts_desc")
+                vectors.update(DQ_ACC="*" + fp32, SEM="*i32")
             sig = {**{k: mangle_type(x) for k, x in zip(names, descs)}, **vectors, **scalars}
         else:
             vectors.update(QT_SCALE="*" + fp32, DOT_SCALE="*" + fp32)
@@ -571,7 +719,8 @@ def _signature(run: Launch, n_multiple_of_16: bool = True, do_format: str = "flo
 
 def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, recipe="kernels_delta_matching",
                  stages: int | None = None, split: bool | None = None, overlap: int | None = None,
-                 host_descriptors: bool = True, n_multiple_of_16: bool = True, kernel: str = "dkdv"):
+                 host_descriptors: bool = True, n_multiple_of_16: bool = True, kernel: str = "dkdv",
+                 deterministic: bool = False, n: int | None = None):
     """Compile ``kernel`` for sm_90a without a GPU (ptxas included) as :func:`launch` describes it
     (``group``, ``split`` and ``host_descriptors`` are the dkdv kernel's only; GQA is a run-time
     argument of the dq kernel), specialized as :func:`_signature` says; returns the compiled
@@ -582,8 +731,40 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, reci
 
     spec = get_spec(recipe)
     run = launch(spec, head_dim=head_dim, causal=causal, kernel=kernel, group=group,
-                 host_descriptors=host_descriptors, stages=stages, split=split, overlap=overlap)
+                 host_descriptors=host_descriptors, stages=stages, split=split, overlap=overlap,
+                 deterministic=deterministic, n=n)
     return compile_launch(run, n_multiple_of_16=n_multiple_of_16, do_format=spec.recipe.do_dp.fmt.name)
+
+
+def fused(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int, causal: bool,
+          scale: float, recipe, deterministic: bool = False, stages: int | None = None, overlap: int | None = None):
+    """The five-GEMM backward in Gluon: ``bwd_fused.backward``'s computation (the same operands,
+    the same D from ``delta``, the same recipe) on the dkdv kernel's warp-specialized CTAs, each
+    adding dQ's partial of its 64 keys into a float32 buffer, then ``bwd_fused``'s postprocess.
+    dK and dV are ``bwd_fused``'s bit for bit; dQ too with ``deterministic`` (both add the
+    partials in key order), else up to the order of float32 adds. Returns ``(dq, dk, dv,
+    {"delta": delta})``."""
+    import torch
+
+    from .bwd_fused import postprocess_dq
+    from .fwd import LOG2E
+
+    run = launch(recipe, head_dim=head_dim, causal=causal, kernel="fused", group=heads // kv_heads,
+                 stages=stages, overlap=overlap, deterministic=deterministic, n=n)
+    q8, k8, v8 = saved.q, saved.k, saved.v
+    dev = do8.rows.device
+    dk = torch.empty((batch, kv_heads, n, head_dim), device=dev, dtype=torch.bfloat16)
+    dv = torch.empty_like(dk)
+    dq_acc = torch.zeros((batch * heads, n, head_dim), device=dev, dtype=torch.float32)
+    n_qtiles = -(-n // run.constexprs["BLOCK_M"])
+    sem = torch.zeros((batch * heads, n_qtiles) if deterministic else (1,), device=dev, dtype=torch.int32)
+    descs = _descriptors(q8.rows, q8.cols, q8.col_scale, k8.rows, v8.rows, do8.rows, do8.cols, do8.col_scale,
+                         run.constexprs["BLOCK_M"])
+    descs += (_col_desc(k8.cols, head_dim, BLOCK_N.value), _scale_desc(k8.col_scale, head_dim))
+    run.kernel[run.grid(n, batch * kv_heads)](
+        *descs, q8.row_scale, k8.row_scale, v8.row_scale, do8.row_scale, saved.lse2, delta, dk, dv, dq_acc, sem,
+        scale * LOG2E, scale, heads, kv_heads, n, do8.npad, **run.constexprs, **run.options())
+    return postprocess_dq(dq_acc, batch, heads, n, head_dim, scale), dk, dv, {"delta": delta}
 
 
 def dkdv(saved, do8, do_t, delta, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int,

@@ -15,9 +15,10 @@ import pytest
 MAX_SHARED_TWO_CTAS = 228 * 1024 // 2
 
 
-def compile_and_check_budget(script: str, configurations: int) -> list[dict]:
+def compile_and_check_budget(script: str, configurations: int, spills_ok=lambda u: False) -> list[dict]:
     """Run ``script`` without Triton's interpreter (Gluon kernels are compiled, not
-    interpreted) and check every configuration it reports: no spills, the launch register count,
+    interpreted) and check every configuration it reports: no spills (unless ``spills_ok(u)``
+    says a configuration may spill), the launch register count,
     256 threads (the consumer warp group and the producer's, padded), setmaxnreg to the producer's
     24 and the consumer's 232, shared memory for two CTAs an SM, no serialized wgmma."""
     pytest.importorskip("triton")
@@ -29,7 +30,7 @@ def compile_and_check_budget(script: str, configurations: int) -> list[dict]:
     usage = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(usage) == configurations
     for u in usage:
-        assert u["spills"] == 0, u
+        assert u["spills"] == 0 or spills_ok(u), u
         assert u["regs"] == LAUNCH_REGS, u
         assert u["threads"] == 256, u
         assert PRODUCER_REGS.value in u["setmaxnreg"] and 2 * LAUNCH_REGS - PRODUCER_REGS.value in u["setmaxnreg"], u

@@ -1,0 +1,151 @@
+"""The five-GEMM backward in Gluon (``bwd_ws.fused``: the dkdv kernel's warp-specialized CTAs with
+dQ's partial of every query tile added into a float32 buffer) against the Triton five-GEMM
+backward ``bwd_fused``, which tests/kernels/test_bwd_fused.py holds to the emulated reference.
+
+- It compiles for sm_90a without a GPU at both head dims, causal and not, deterministic and not,
+  within the warp-specialized register budget (producer 24, consumer 232); at D = 64 without
+  spills. At D = 128 ptxas spills loop-invariant addresses before the loop (about 0.5 KB a thread,
+  reloaded a few words an iteration: docs/kernels_speed.md).
+- It refuses what it does not run, one line each.
+- On a Hopper GPU its dK and dV equal ``bwd_fused``'s (``torch.equal``): the same operations on
+  the same FP8 operands in the same order (S^T, dP^T, P^T's and dS^T's casts and the promoted
+  chains per 64-query tile are the dkdv kernel's, which equal the Triton dkdv kernel's,
+  test_bwd_ws.py, and bwd_fused's dkdv half is that kernel's loop). dQ: in deterministic mode both
+  add the key blocks' partials in key order, each partial the same wgmma chain over the same 64
+  keys times the same two factors, so dQ is equal too; otherwise the float32 adds come in the
+  order the CTAs reach them, and the two BF16 results are roundings of float32 sums of the same
+  partials, so they differ by at most one BF16 unit in the last place where they differ.
+- Its deterministic mode is bit-identical run after run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernel_inputs import ProblemShape, require_backend
+from test_bwd_ws import _describe, _id, _problem
+from warp_specialized_budget import compile_and_check_budget
+
+_SCRIPT = """
+import json
+from dmref.kernels import bwd_ws
+from dmref.kernels.compile_check import warp_specialized_budget
+out = []
+for d in (64, 128):
+    for causal in (False, True):
+        for det in (False, True):
+            for n in (None, 4096):
+                k = bwd_ws.compile_sm90(kernel="fused", head_dim=d, causal=causal, recipe="kernels_naive_fp8",
+                                        deterministic=det, n=n)
+                out.append(dict(d=d, causal=causal, det=det, n=n, **warp_specialized_budget(k)))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_bwd_ws_fused_compiles_for_sm90_with_its_register_budget():
+    usage = compile_and_check_budget(_SCRIPT, 16, spills_ok=lambda u: u["d"] == 128)
+    assert all(u["spills"] == 0 for u in usage if u["d"] == 64)
+
+
+def test_bwd_ws_fused_refuses_what_it_does_not_run():
+    pytest.importorskip("triton")
+    from dmref.kernels import bwd_ws
+    from dmref.kernels.config import SPECS, BwdTiles
+
+    stale = SPECS["kernels_naive_fp8"]
+    for spec, kwargs, match in [
+        (SPECS["kernels_delta_matching"], {}, "delta"),
+        (stale, dict(split=True), "whole"),
+        (stale, dict(host_descriptors=False), "host-side"),
+        (stale.with_tiles(bwd=BwdTiles(block_m2=128, block_n2=128)), {}, "block_n2"),
+        (stale, dict(debug=True), "debug"),
+    ]:
+        with pytest.raises(ValueError, match=match) as exc:
+            bwd_ws.launch(spec, head_dim=128, causal=False, kernel="fused", **kwargs)
+        assert "\n" not in str(exc.value)
+    with pytest.raises(ValueError, match="deterministic"):
+        bwd_ws.launch(stale, head_dim=128, causal=False, kernel="dkdv", deterministic=True)
+
+
+_CASES = [
+    (ProblemShape(2, 4, 2, 1000, 128), False, "kernels_naive_fp8"),
+    (ProblemShape(2, 4, 2, 1000, 128), True, "kernels_naive_fp8"),
+    (ProblemShape(1, 4, 4, 777, 64), True, "kernels_naive_fp8"),
+    (ProblemShape(1, 4, 1, 777, 64), False, "kernels_naive_fp8"),
+    (ProblemShape(1, 2, 1, 203, 128), True, "kernels_naive_fp8"),
+    (ProblemShape(2, 4, 2, 1024, 128), True, "kernels_naive_fp8"),  # N a multiple of 64: no mask on dQ's adds
+    (ProblemShape(1, 4, 4, 1024, 64), False, "kernels_naive_fp8"),
+    (ProblemShape(1, 4, 2, 515, 128), True, "kernels_folded_naive_fp8"),
+]
+
+
+def _ulp_bf16(x: torch.Tensor) -> torch.Tensor:
+    """One BF16 unit in the last place at |x| (normal numbers; the subnormal spacing below)."""
+    e = torch.floor(torch.log2(x.abs().float().clamp_min(2.0 ** -126)))
+    return torch.exp2(e - 7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _CASES, ids=[_id(c) for c in _CASES])
+def test_bwd_ws_fused_equals_the_triton_fused(case):
+    device = require_backend("gpu")
+    from dmref.kernels import bwd_fused, bwd_ws
+
+    shape, causal, recipe = case
+    saved, do8, delta, r, dims = _problem(shape, causal, recipe, device)
+    dq_t, dk_t, dv_t, _ = bwd_fused.backward(saved, do8, delta, recipe=r, deterministic=True, **dims)
+    dq_d, dk_d, dv_d, _ = bwd_ws.fused(saved, do8, delta, recipe=r, deterministic=True, **dims)
+    dq_g, dk_g, dv_g, _ = bwd_ws.fused(saved, do8, delta, recipe=r, **dims)
+    torch.cuda.synchronize()
+    assert torch.isfinite(dq_t).all() and torch.isfinite(dk_t).all() and torch.isfinite(dv_t).all()
+    for name, got, want in (("dK", dk_d, dk_t), ("dV", dv_d, dv_t), ("dQ (deterministic)", dq_d, dq_t),
+                            ("dK", dk_g, dk_t), ("dV", dv_g, dv_t)):
+        assert torch.equal(got, want), f"{name}: {_describe(got, want)}"
+    diff = (dq_g.float() - dq_t.float()).abs()
+    ulp = torch.maximum(_ulp_bf16(dq_g), _ulp_bf16(dq_t))
+    assert (diff <= ulp).all(), f"dQ: {_describe(dq_g, dq_t)}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bwd_ws_fused_deterministic_is_bit_identical_run_after_run(head_dim):
+    device = require_backend("gpu")
+    from dmref.kernels import bwd_ws
+
+    saved, do8, delta, r, dims = _problem(ProblemShape(2, 8, 2, 2048, head_dim), True, "kernels_naive_fp8", device)
+    first = bwd_ws.fused(saved, do8, delta, recipe=r, deterministic=True, **dims)[:3]
+    for run in range(4):
+        again = bwd_ws.fused(saved, do8, delta, recipe=r, deterministic=True, **dims)[:3]
+        for name, a, b in zip(("dQ", "dK", "dV"), again, first):
+            assert torch.equal(a, b), f"run {run}: {name}: {_describe(a, b)}"
+
+
+@pytest.mark.gpu
+def test_the_api_fused_backward_is_the_gluon_one():
+    """``attention_backward(fused=True)`` runs the Gluon kernel on a Hopper GPU (dK equal to
+    ``bwd_ws.fused``'s), ``gluon=False`` the Triton one, and a caller's matched delta reaches the
+    Gluon kernel (another D gives another dK)."""
+    device = require_backend("gpu")
+    from dmref.kernels import api, bwd_ws
+    from dmref.kernels.quantize import quantize
+
+    shape = ProblemShape(1, 4, 2, 777, 128)
+    saved, do8, delta, r, dims = _problem(shape, True, "kernels_naive_fp8", device)
+    from test_bwd_ws import _wide_inputs
+
+    q, k, v, do = _wide_inputs(shape, device)
+    scale = 1.0 / math.sqrt(shape.head_dim)
+    o, _, saved, _ = api.attention_forward(q, k, v, causal=True, scale=scale, recipe=r)
+    do8, delta = quantize(do, r.recipe.do_dp.fmt.name, rows=True, cols=True, delta_with=o)
+    kw = dict(shape=api.Shape.of(q, k, v), causal=True, scale=scale, recipe=r, fused=True, deterministic=True)
+    _, dk_api, _, _ = api.attention_backward(saved, o, do, **kw)
+    _, dk_ws, _, _ = bwd_ws.fused(saved, do8, delta, recipe=r, deterministic=True, **dims)
+    _, dk_tr, _, _ = api.attention_backward(saved, o, do, gluon=False, **kw)
+    assert torch.equal(dk_api, dk_ws) and torch.equal(dk_api, dk_tr)
+    other = (delta * 1.5).reshape(shape.batch, shape.heads, shape.n)
+    _, dk_other, _, _ = api.attention_backward(saved, o, do, delta=other, **kw)
+    assert not torch.equal(dk_other, dk_api)

@@ -649,6 +649,16 @@ def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, de
         consts = _dq_constexprs(r, head_dim, causal)
         return Launch(consts, num_warps=NUM_WARPS, num_stages=None, maxnreg=LAUNCH_REGS, kernel=_bwd_dq_ws_kernel,
                       block_m=DQ_BLOCK_M.value, signature=_signature)
+    if kernel == "prepass":
+        if split is not None:
+            raise ValueError("bwd_ws: split is the dkdv kernel's")
+        _check_dq(r, head_dim, debug)
+        consts = _dq_constexprs(r, head_dim, causal)
+        # S and dP, then the row sums: dP issued behind S runs during the softmax (the dq kernel's
+        # other schedules overlap its dS K and kbar, which the pre-pass does not run)
+        consts.update(MATCHED=True, PREPASS=True, OVERLAP=1)
+        return Launch(consts, num_warps=NUM_WARPS, num_stages=None, maxnreg=LAUNCH_REGS, kernel=_bwd_dq_ws_kernel,
+                      block_m=DQ_BLOCK_M.value, signature=_signature)
     if kernel == "fused":
         if split:
             raise ValueError("bwd_ws: the fused kernel holds dK and dV whole (split=False)")
@@ -734,6 +744,29 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, reci
                  host_descriptors=host_descriptors, stages=stages, split=split, overlap=overlap,
                  deterministic=deterministic, n=n)
     return compile_launch(run, n_multiple_of_16=n_multiple_of_16, do_format=spec.recipe.do_dp.fmt.name)
+
+
+def prepass(saved, do8, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int, causal: bool,
+            scale: float, recipe) -> "torch.Tensor":
+    """The seven-GEMM recipe's pre-pass in Gluon: D_i = sum_j P_ij dP_ij ``(B*H, N)`` float32 from
+    the dq kernel's very S, P and dP (its ``PREPASS`` form, which stops after the row sums), so
+    the matched D its dq kernel makes, bit for bit; ``saved``: the forward's ``SavedForward``,
+    ``do8``: dO's row copy."""
+    import torch
+
+    from .fwd import LOG2E
+
+    run = launch(recipe, head_dim=head_dim, causal=causal, kernel="prepass")
+    consts = run.constexprs
+    q8, k8, v8 = saved.q, saved.k, saved.v
+    dev = do8.rows.device
+    delta = torch.empty((batch * heads, n), device=dev, dtype=torch.float32)
+    descs = _dq_descriptors(q8.rows, do8.rows, k8.rows, v8.rows, k8.cols, k8.col_scale, consts["BLOCK_N"])
+    npad = triton.cdiv(n, QUANT_BLOCK.value) * QUANT_BLOCK.value
+    run.kernel[run.grid(n, batch * heads)](
+        *descs, q8.row_scale, k8.row_scale, v8.row_scale, delta, do8.row_scale, saved.lse2, delta, delta, delta,
+        scale * LOG2E, scale, heads, heads // kv_heads, n, npad, **consts, **run.options())
+    return delta
 
 
 def fused(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int, causal: bool,
@@ -854,7 +887,8 @@ DQ_BLOCK_M = gl.constexpr(64)
 @gluon.jit
 def _dq_producer(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, q_smem, do_smem, k_bufs, v_bufs, kt_bufs,
                  kts_bufs, q_ready, rows_ready, rows_free, cols_ready, cols_free, q_row, kv, n_iter, N, NPAD,
-                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NEXT_S: gl.constexpr):
+                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NEXT_S: gl.constexpr,
+                 COLS: gl.constexpr = True):
     """TMA loads: the Q and dO row tiles once, then per key tile i (keys ``i * BLOCK_N``) the K and
     V row tiles, and the K^T tile with its scales (the row of ``(NPAD // QUANT_BLOCK, D)`` factors
     of the tile's token block)."""
@@ -869,11 +903,12 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, q_smem, do_
         mbarrier.expect(rows_ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [kv * N + start_n, 0], rows_ready.index(s), k_bufs.index(s))
         tma.async_copy_global_to_shared(v_desc, [kv * N + start_n, 0], rows_ready.index(s), v_bufs.index(s))
-        mbarrier.wait(cols_free.index(s), ph)
-        mbarrier.expect(cols_ready.index(s), kt_desc.block_type.nbytes + kts_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(kt_desc, [kv * HEAD_DIM, start_n], cols_ready.index(s), kt_bufs.index(s))
-        sc_row = kv * (NPAD // QUANT_BLOCK) + start_n // QUANT_BLOCK
-        tma.async_copy_global_to_shared(kts_desc, [sc_row, 0], cols_ready.index(s), kts_bufs.index(s))
+        if COLS:  # the K^T tiles (not for the pre-pass, which runs no dS K)
+            mbarrier.wait(cols_free.index(s), ph)
+            mbarrier.expect(cols_ready.index(s), kt_desc.block_type.nbytes + kts_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(kt_desc, [kv * HEAD_DIM, start_n], cols_ready.index(s), kt_bufs.index(s))
+            sc_row = kv * (NPAD // QUANT_BLOCK) + start_n // QUANT_BLOCK
+            tma.async_copy_global_to_shared(kts_desc, [sc_row, 0], cols_ready.index(s), kts_bufs.index(s))
     if NEXT_S:
         # the consumer issues S of tile i + 1 behind dS K of tile i, the last one too: one more K
         # row tile (past the last key tile: the next head's keys or TMA's zeros), never used
@@ -897,9 +932,12 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
                  cols_free, Q_SCALE, K_SCALE, V_SCALE, K_UNIT, DO_SCALE, LSE2, DELTA_STALE, DELTA_MATCHED, DQ,
                  qk_scale, sm_scale, bh, kv, start_m, n_iter, N,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 CAUSAL: gl.constexpr, MATCHED: gl.constexpr, KBAR_P_SCALE: gl.constexpr, OVERLAP: gl.constexpr):
+                 CAUSAL: gl.constexpr, MATCHED: gl.constexpr, KBAR_P_SCALE: gl.constexpr, OVERLAP: gl.constexpr,
+                 PREPASS: gl.constexpr = False):
     """The consumer warp group of the dq kernel: its queries' scales, every key tile, the matched
-    delta's correction, the stores. ``OVERLAP`` 1: dP is issued right behind S and runs during
+    delta's correction, the stores. ``PREPASS`` (with ``MATCHED``; ``OVERLAP`` 0 or 1): the
+    seven-GEMM recipe's pre-pass, S and dP and D = sum_j P dP alone, stored to ``DELTA_MATCHED``
+    (no dS, no dQ). ``OVERLAP`` 1: dP is issued right behind S and runs during
     the softmax; 2 (matched): also kbar's wgmma right behind dS K, running during dQ's promotion;
     3: S of tile i + 1 is issued right behind dS K of tile i (running during dQ's promotion and
     kbar) and waited on before the loop's back edge, and dP of tile i + 1 runs during its softmax."""
@@ -990,53 +1028,57 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
         if MATCHED:
             # the matched delta: sum_j P dP from the very float32 P and dP that dS uses
             pdp += gl.sum(p * dp, axis=1)
-        # dS against the stale D (the matched D is not known yet: deferred correction below);
-        # Q-point dS: one POW2_DOWN scale per query row of the tile (its 64 keys)
-        ds = p * (dp - gl.expand_dims(d_stale, 1))
-        k_ds = _pow2_down_exponent(gl.max(gl.abs(ds), axis=1), False)
-        ds8 = gl.convert_layout(_to_fp8(ds * gl.expand_dims(_exp2_int(k_ds), 1), False, False), op_layout)
-        ds_inv = gl.convert_layout(_exp2_int(-k_ds), row_a)
-        if MATCHED:
-            # Q-point P (kbar): E4M3, scale KBAR_P_SCALE against LSE
-            p8 = gl.convert_layout(_to_fp8(p * KBAR_P_SCALE, False, False), op_layout)
-        # dS K, promoted: one wgmma chain per tile, then one float32 multiply-add (the channel
-        # scales from shared memory after the wait, not held across the wgmma)
-        mbarrier.wait(cols_ready.index(s), ph)
-        kt_s = kt_bufs.index(s).permute((1, 0))
-        kts_s = kts_bufs.index(s).reshape([HEAD_DIM])
-        t = warpgroup_mma(ds8, kt_s, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, a_layout), use_acc=False,
-                          is_async=True)
-        if OVERLAP == 3 and not MATCHED:
-            # S of tile i + 1 behind it, running during dQ's promotion
-            s_next = _dq_next_s(q_smem, k_bufs, rows_ready, i + 1, s_layout, BLOCK_M, BLOCK_N, STAGES)
-            t = warpgroup_mma_wait(num_outstanding=1, deps=(t, ))
-        elif MATCHED and OVERLAP == 2:
-            kb = warpgroup_mma(p8, kt_s, gl.zeros([BLOCK_M, HEAD_DIM], gl.float16, a_layout), use_acc=False,
-                               is_async=True)
-            t = warpgroup_mma_wait(num_outstanding=1, deps=(t, ))
-        else:
-            t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
-        dq += t * gl.expand_dims(kts_s.load(col_a), 0) * gl.expand_dims(ds_inv, 1)
-        if MATCHED:
-            # kbar: a float16 wgmma chain per tile, scaled to units u in float32, added and
-            # rounded to float16
-            if OVERLAP != 2:
+        if not PREPASS:  # the pre-pass stops at the row sums
+            # dS against the stale D (the matched D is not known yet: deferred correction below);
+            # Q-point dS: one POW2_DOWN scale per query row of the tile (its 64 keys)
+            ds = p * (dp - gl.expand_dims(d_stale, 1))
+            k_ds = _pow2_down_exponent(gl.max(gl.abs(ds), axis=1), False)
+            ds8 = gl.convert_layout(_to_fp8(ds * gl.expand_dims(_exp2_int(k_ds), 1), False, False), op_layout)
+            ds_inv = gl.convert_layout(_exp2_int(-k_ds), row_a)
+            if MATCHED:
+                # Q-point P (kbar): E4M3, scale KBAR_P_SCALE against LSE
+                p8 = gl.convert_layout(_to_fp8(p * KBAR_P_SCALE, False, False), op_layout)
+            # dS K, promoted: one wgmma chain per tile, then one float32 multiply-add (the channel
+            # scales from shared memory after the wait, not held across the wgmma)
+            mbarrier.wait(cols_ready.index(s), ph)
+            kt_s = kt_bufs.index(s).permute((1, 0))
+            kts_s = kts_bufs.index(s).reshape([HEAD_DIM])
+            t = warpgroup_mma(ds8, kt_s, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, a_layout), use_acc=False,
+                              is_async=True)
+            if OVERLAP == 3 and not MATCHED:
+                # S of tile i + 1 behind it, running during dQ's promotion
+                s_next = _dq_next_s(q_smem, k_bufs, rows_ready, i + 1, s_layout, BLOCK_M, BLOCK_N, STAGES)
+                t = warpgroup_mma_wait(num_outstanding=1, deps=(t, ))
+            elif MATCHED and OVERLAP == 2:
                 kb = warpgroup_mma(p8, kt_s, gl.zeros([BLOCK_M, HEAD_DIM], gl.float16, a_layout), use_acc=False,
                                    is_async=True)
-            if OVERLAP == 3:
-                # S of tile i + 1 behind it, running during kbar's promotion (dQ's chain result is
-                # dead by then: fewer registers than behind dS K)
-                s_next = _dq_next_s(q_smem, k_bufs, rows_ready, i + 1, s_layout, BLOCK_M, BLOCK_N, STAGES)
-                kb = warpgroup_mma_wait(num_outstanding=1, deps=(kb, ))
+                t = warpgroup_mma_wait(num_outstanding=1, deps=(t, ))
             else:
-                kb = warpgroup_mma_wait(num_outstanding=0, deps=(kb, ))
-            kbar = (kbar.to(gl.float32) + kb.to(gl.float32) * gl.expand_dims(kts_s.load(col_a) * kb_c, 0)
-                    ).to(gl.float16)
-        if OVERLAP == 3:
-            # nothing in flight across the loop's back edge
-            s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, ))
-        fence_async_shared()  # the reads of this stage before the next TMA writes into it
-        mbarrier.arrive(cols_free.index(s), count=1)
+                t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
+            dq += t * gl.expand_dims(kts_s.load(col_a), 0) * gl.expand_dims(ds_inv, 1)
+            if MATCHED:
+                # kbar: a float16 wgmma chain per tile, scaled to units u in float32, added and
+                # rounded to float16
+                if OVERLAP != 2:
+                    kb = warpgroup_mma(p8, kt_s, gl.zeros([BLOCK_M, HEAD_DIM], gl.float16, a_layout), use_acc=False,
+                                       is_async=True)
+                if OVERLAP == 3:
+                    # S of tile i + 1 behind it, running during kbar's promotion (dQ's chain result is
+                    # dead by then: fewer registers than behind dS K)
+                    s_next = _dq_next_s(q_smem, k_bufs, rows_ready, i + 1, s_layout, BLOCK_M, BLOCK_N, STAGES)
+                    kb = warpgroup_mma_wait(num_outstanding=1, deps=(kb, ))
+                else:
+                    kb = warpgroup_mma_wait(num_outstanding=0, deps=(kb, ))
+                kbar = (kbar.to(gl.float32) + kb.to(gl.float32) * gl.expand_dims(kts_s.load(col_a) * kb_c, 0)
+                        ).to(gl.float16)
+            if OVERLAP == 3:
+                # nothing in flight across the loop's back edge
+                s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, ))
+            fence_async_shared()  # the reads of this stage before the next TMA writes into it
+            mbarrier.arrive(cols_free.index(s), count=1)
+    if PREPASS:
+        gl.store(DELTA_MATCHED + head + offs_m, pdp, mask=in_seq)
+        return
     offs_ma = start_m + gl.arange(0, BLOCK_M, layout=row_a)
     if MATCHED:
         # the matched delta, after the last key tile: D = sum_j P dP, and dQ's deferred correction
@@ -1054,9 +1096,12 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
 def _bwd_dq_ws_kernel(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, Q_SCALE, K_SCALE, V_SCALE, K_UNIT,
                       DO_SCALE, LSE2, DELTA_STALE, DELTA_MATCHED, DQ, qk_scale, sm_scale, H, GROUP, N, NPAD,
                       HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                      MATCHED: gl.constexpr, KBAR_P_SCALE: gl.constexpr, OVERLAP: gl.constexpr):
+                      MATCHED: gl.constexpr, KBAR_P_SCALE: gl.constexpr, OVERLAP: gl.constexpr,
+                      PREPASS: gl.constexpr = False):
     """The dq kernel on host-side TMA descriptors: Q, dO rows ``(B*H*N, D)``, K, V rows
-    ``(B*HKV*N, D)``, K^T ``(B*HKV*D, NPAD)`` and its scales ``(B*HKV*NPAD/128, D)``."""
+    ``(B*HKV*N, D)``, K^T ``(B*HKV*D, NPAD)`` and its scales ``(B*HKV*NPAD/128, D)``.
+    ``PREPASS``: the pre-pass alone (:func:`prepass`; the K^T tiles are not loaded)."""
+    gl.static_assert(not PREPASS or (MATCHED and OVERLAP < 2))
     BLOCK_M: gl.constexpr = DQ_BLOCK_M
     gl.static_assert(QUANT_BLOCK % BLOCK_N == 0)
     pid = gl.program_id(0)
@@ -1085,10 +1130,10 @@ def _bwd_dq_ws_kernel(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, Q_SCAL
         (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, rows_ready, rows_free,
                         cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, K_UNIT, DO_SCALE, LSE2, DELTA_STALE,
                         DELTA_MATCHED, DQ, qk_scale, sm_scale, bh, kv, start_m, n_iter, N, HEAD_DIM, BLOCK_M,
-                        BLOCK_N, STAGES, CAUSAL, MATCHED, KBAR_P_SCALE, OVERLAP)),
+                        BLOCK_N, STAGES, CAUSAL, MATCHED, KBAR_P_SCALE, OVERLAP, PREPASS)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, q_smem, do_smem, k_bufs, v_bufs,
                         kt_bufs, kts_bufs, q_ready, rows_ready, rows_free, cols_ready, cols_free, bh * N + start_m,
-                        kv, n_iter, N, NPAD, HEAD_DIM, BLOCK_N, STAGES, OVERLAP == 3)),
+                        kv, n_iter, N, NPAD, HEAD_DIM, BLOCK_N, STAGES, OVERLAP == 3, not PREPASS)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -1101,7 +1146,7 @@ def _dq_constexprs(spec, head_dim: int, causal: bool) -> dict:
     from .bwd import kbar_p_scale
 
     return dict(HEAD_DIM=head_dim, BLOCK_N=t.block_n2, STAGES=ws.dq_stages, CAUSAL=bool(causal),
-                MATCHED=spec.matched, KBAR_P_SCALE=kbar_p_scale(spec), OVERLAP=int(ws.dq_overlap))
+                MATCHED=spec.matched, KBAR_P_SCALE=kbar_p_scale(spec), OVERLAP=int(ws.dq_overlap), PREPASS=False)
 
 
 def _check_dq(recipe, head_dim: int, debug: bool = False) -> None:

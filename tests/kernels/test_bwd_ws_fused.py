@@ -149,3 +149,27 @@ def test_the_api_fused_backward_is_the_gluon_one():
     other = (delta * 1.5).reshape(shape.batch, shape.heads, shape.n)
     _, dk_other, _, _ = api.attention_backward(saved, o, do, delta=other, **kw)
     assert not torch.equal(dk_other, dk_api)
+
+
+_PREPASS_CASES = [
+    (ProblemShape(2, 4, 2, 1000, 128), True, "kernels_delta_matching"),
+    (ProblemShape(1, 4, 1, 777, 64), False, "kernels_delta_matching"),
+    (ProblemShape(1, 2, 2, 1024, 128), False, "kernels_folded_delta_matching"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _PREPASS_CASES, ids=[_id(c) for c in _PREPASS_CASES])
+def test_bwd_ws_prepass_is_the_dq_kernels_matched_delta(case):
+    """The pre-pass (the dq kernel stopped at its row sums) gives the matched D of the dq kernels,
+    Gluon and Triton, bit for bit: the same S, P, dP and row sums in the same order."""
+    device = require_backend("gpu")
+    from dmref.kernels import bwd, bwd_ws
+
+    shape, causal, recipe = case
+    saved, do8, delta_stale, r, dims = _problem(shape, causal, recipe, device)
+    d_pre = bwd_ws.prepass(saved, do8, recipe=r, **dims)
+    _, d_gluon = bwd_ws.dq(saved, do8, delta_stale, recipe=r, **dims)
+    _, _, _, dbg = bwd.backward(saved, do8, do8, delta_stale, recipe=r, kernels=("dq",), **dims)
+    assert torch.equal(d_pre, d_gluon), _describe(d_pre, d_gluon)
+    assert torch.equal(d_pre, dbg["delta"]), _describe(d_pre, dbg["delta"])

@@ -23,7 +23,9 @@ Measures, per shape B·H·N·D and causal or not, medians of ``triton.testing.do
   end to end (quantization + forward + backward through ``torch.autograd``);
 - the warp-specialized Gluon forward (``dmref.kernels.fwd_ws``, the ``folded`` scales): kernel
   alone and incl. its quantization of K and V (it quantizes Q inside), with host-built TMA
-  descriptors (its default) and device-side ones (``_dev``);
+  descriptors (its default) and device-side ones (``_dev``), and with two consumer warp groups a
+  CTA sharing one K/V ring (``FwdTiles(consumers=2)``, not the default: ``_2cons``; an error is
+  recorded as ``fwd_ws_2cons_error``);
 - what ``dmref.kernels.attention`` runs by default (recipe ``kernels_delta_matching``, the Triton
   forward): ``default_fwd_incl_quant`` among the speed-ups;
 - SDPA cuDNN and flash backends, BF16: forward, backward, end to end;
@@ -214,6 +216,8 @@ def _speedups(ms: dict, anchor: str) -> dict:
         "fwd_ws_incl_quant": fwd / ms["ours_fwd_ws_incl_quant"],
         "fwd_ws_kernel_dev": fwd / ms["ours_fwd_ws_kernel_dev"],
         "fwd_ws_incl_quant_dev": fwd / ms["ours_fwd_ws_incl_quant_dev"],
+        # two consumer warp groups a CTA sharing one K/V ring (fwd_ws's consumers=2)
+        **{k: fwd / ms[f"ours_{k}"] for k in ("fwd_ws_2cons_kernel", "fwd_ws_2cons_incl_quant") if f"ours_{k}" in ms},
         "e2e_matched_folded": e2e / ms["ours_e2e_matched_folded"],
         "bwd_matched_triton": bwd / ms["ours_bwd_matched_triton"],
         # the five-GEMM backward (bwd_fused, stale delta), atomic and deterministic dQ sums
@@ -276,6 +280,15 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
         q, kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=h, causal=causal, scale=scale, host_descriptors=False))
     ms["ours_fwd_ws_incl_quant_dev"] = bench(lambda: fwd_ws.attention_forward(
         q, k, v, causal=causal, scale=scale, host_descriptors=False))
+    # two consumer warp groups a CTA sharing one K/V ring (FwdTiles(consumers=2), 128 queries a CTA)
+    try:
+        two = fwd_ws.variant("kernels_folded_naive_fp8", consumers=2)
+        ms["ours_fwd_ws_2cons_kernel"] = bench(lambda: fwd_ws.forward(
+            q, kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=h, causal=causal, scale=scale, recipe=two))
+        ms["ours_fwd_ws_2cons_incl_quant"] = bench(lambda: fwd_ws.attention_forward(
+            q, k, v, causal=causal, scale=scale, consumers=2))
+    except Exception as exc:
+        res["fwd_ws_2cons_error"] = f"{type(exc).__name__}: {exc}"[:300]
     del kv
     # --- ours: backward
     do8, d_stale = quantize(do, "float8_e4m3fn", rows=True, cols=True, delta_with=o)

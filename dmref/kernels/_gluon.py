@@ -18,6 +18,15 @@ PRODUCER_REGS = gl.constexpr(24)
 #: producer warp, padded to a warp group) share an SM's 65,536. The producer gives up 128 - 24,
 #: which lifts the consumer to 128 + 104 = 232 (what Gluon's setmaxnreg asks for)
 LAUNCH_REGS = 128
+#: registers per thread at launch with two consumer warp groups a CTA (``fwd_ws``'s
+#: ``FwdTiles(consumers=2)``): one CTA of 384 threads (two consumer warp groups and the producer
+#: warp, padded to a warp group) an SM, 65,536 // 384 = 170, rounded down to setmaxnreg's multiple
+#: of 8
+TWO_CONSUMER_LAUNCH_REGS = 65536 // 384 // 8 * 8
+#: registers per thread of each of the two consumer warp groups: what the producer gives up,
+#: 168 - 24 = 144, shared between them, 168 + 72 = 240 (the worker partition's setmaxnreg; Gluon
+#: gives the default partition what is left, 3 * 168 - 24 - 240 = 240)
+TWO_CONSUMER_REGS = gl.constexpr((3 * TWO_CONSUMER_LAUNCH_REGS - PRODUCER_REGS.value) // 2 // 8 * 8)
 
 # The kernels' power-of-two scale rule, FP8 cast and separately rounded multiply
 pow2_down_exponent = gluon.jit(_common.pow2_down_exponent.fn)

@@ -37,8 +37,9 @@ class FwdTiles:
     """Forward tiling: one program per ``block_m`` queries, looping over key tiles of the
     recipe's ``Tiles.block_k`` (128) keys, the running-max granularity P is quantized against
     and the PV contraction per promotion (``acc += dot(P~, V^)`` once per tile). The Triton
-    forward honours every field but ``overlap``; the warp-specialized Gluon forward (``fwd_ws``,
-    the folded recipes') honours ``num_stages`` and ``overlap`` and refuses any other
+    forward honours every field but ``overlap`` and ``consumers``; the warp-specialized Gluon
+    forward (``fwd_ws``, the folded recipes') honours ``num_stages``, ``overlap`` and
+    ``consumers`` (with ``block_m`` its 64 queries a consumer warp group) and refuses any other
     ``block_m``, ``num_warps``, ``tma`` or ``maxnreg`` than its own (:func:`fwd_refusal`).
     :func:`default_fwd_tiles` says which tiling each runs by default, and why."""
 
@@ -56,15 +57,22 @@ class FwdTiles:
     #: ``fwd_ws``'s schedule (``OVERLAP``): 0 serial, 1 QK^T of the next key tile issued before
     #: the softmax of this one; None for the Triton forward, which has one schedule
     overlap: int | None = None
+    #: ``fwd_ws``'s consumer warp groups a CTA, sharing one K/V ring, each on 64 queries
+    #: (``block_m = 64 * consumers``): 1, two CTAs an SM; 2, FlashAttention-3's structure, one CTA
+    #: of 128 queries an SM (each K/V tile loaded once for both). The Triton forward runs 1
+    consumers: int = 1
 
     def __post_init__(self) -> None:
         _check_tile("block_m", self.block_m)
 
 
-#: What the warp-specialized forward (``fwd_ws``) fixes: one m64 wgmma row block of one
-#: consumer warp group a CTA, K and V through TMA, registers set by ``setmaxnreg`` (128 at
-#: launch, 232 for the consumer), so no cap of its own.
+#: What the warp-specialized forward (``fwd_ws``) fixes: one m64 wgmma row block a consumer warp
+#: group (``block_m`` = 64 times ``consumers``), the launch's ``num_warps`` the first consumer's
+#: warp group, K and V through TMA, registers set by ``setmaxnreg`` (one consumer: 128 at launch,
+#: 232 for the consumer; two: 168 at launch, 240 for each), so no cap of its own.
 WS_FWD_BLOCK_M, WS_FWD_NUM_WARPS = 64, 4
+#: the consumer warp groups a CTA that ``fwd_ws`` runs
+WS_FWD_CONSUMERS = (1, 2)
 
 
 def fwd_refusal(recipe, tiles: FwdTiles) -> str | None:
@@ -75,13 +83,20 @@ def fwd_refusal(recipe, tiles: FwdTiles) -> str | None:
         if tiles.overlap is not None:
             return (f"overlap={tiles.overlap}: the Triton forward has one schedule (overlap is the warp-specialized "
                     "forward's, the folded recipes')")
+        if tiles.consumers != 1:
+            return (f"consumers={tiles.consumers!r}: the Triton forward runs one program of block_m queries "
+                    "(consumer warp groups are the warp-specialized forward's, the folded recipes')")
         return None
-    fixed = dict(block_m=WS_FWD_BLOCK_M, num_warps=WS_FWD_NUM_WARPS, tma=True, maxnreg=None)
+    if tiles.consumers not in WS_FWD_CONSUMERS:
+        return (f"consumers={tiles.consumers!r}: the warp-specialized forward runs "
+                f"{' or '.join(map(str, WS_FWD_CONSUMERS))} consumer warp groups a CTA")
+    block_m = WS_FWD_BLOCK_M * tiles.consumers
+    fixed = dict(block_m=block_m, num_warps=WS_FWD_NUM_WARPS, tma=True, maxnreg=None)
     wrong = [f"{k}={getattr(tiles, k)!r}" for k, v in fixed.items() if getattr(tiles, k) != v]
     if wrong:
-        return (f"{', '.join(wrong)}: the warp-specialized forward runs block_m={WS_FWD_BLOCK_M} on "
-                f"num_warps={WS_FWD_NUM_WARPS} (one m64 wgmma warp group), TMA loads and setmaxnreg's registers "
-                "(maxnreg=None)")
+        return (f"{', '.join(wrong)}: the warp-specialized forward runs block_m={block_m} with "
+                f"consumers={tiles.consumers} (one m64 wgmma warp group of num_warps={WS_FWD_NUM_WARPS} each), "
+                "TMA loads and setmaxnreg's registers (maxnreg=None)")
     if tiles.overlap not in (None, 0, 1):
         return f"overlap={tiles.overlap!r}: the warp-specialized forward's schedules are 0 (serial) and 1"
     if tiles.num_stages < 1:
@@ -172,7 +187,8 @@ def default_fwd_tiles(recipe, head_dim: int) -> FwdTiles:
     if recipe.k.granularity is Granularity.HEAD:  # folded K and V: the warp-specialized Gluon forward
         # 64 queries on 4 warps, TMA, setmaxnreg: fixed by the kernel (fwd_refusal); two ring stages:
         # 72 KB of shared memory at D = 128, so two CTAs share an SM; overlap 1, QK^T of the next tile
-        # during the softmax: 0.99-1.11x the serial speed (dev/gpu_fwd_ws_probe.py)
+        # during the softmax: 0.99-1.11x the serial speed (dev/gpu_fwd_ws_probe.py); one consumer warp group
+        # a CTA (two sharing the ring, consumers=2: their speed is bench_attention.py's ours_fwd_ws_2cons_*)
         return FwdTiles(block_m=WS_FWD_BLOCK_M, num_warps=WS_FWD_NUM_WARPS, num_stages=2, overlap=1)
     if head_dim == 64:
         # a register cap of 168 so that three CTAs share an SM: 3% faster (h200_sweep_d64.json)

@@ -7,8 +7,30 @@ partition whose registers ``setmaxnreg`` lowers to 24) streams K and V tiles int
 launch; the consumer rises to 232), so one CTA's softmax overlaps the other's wgmmas. What it
 computes comes from its ``config.KernelSpec`` through :func:`launch`: P's scale
 ``2**e = 2**recipe.p_fwd.offset_log2``, PV promoted or chained (``recipe.pv_chain``), key tiles of
-``recipe.tiles.block_k``, the ring's depth and the schedule (the forward tiling's ``num_stages``
-and ``overlap``; its defaults: ``config.default_fwd_tiles``).
+``recipe.tiles.block_k``, the ring's depth, the schedule and the consumers (the forward tiling's
+``num_stages``, ``overlap`` and ``consumers``; its defaults: ``config.default_fwd_tiles``).
+
+With ``consumers=2`` (``FwdTiles(block_m=128, consumers=2)``, not the default) a CTA takes 128
+queries on two consumer warp groups that share one ring, FlashAttention-3's structure: the default
+partition takes rows 0..63 and a four-warp worker partition rows 64..127, each with its own Q tile
+in shared memory, so each K/V tile crosses into shared memory once for 128 queries instead of once
+for 64. One CTA of 384 threads fills an SM (168 registers at launch; the producer drops to 24, each
+consumer rises to 240); the two consumers meet only at the ring's barriers, each on a named barrier
+of its own warp group inside its loop (no barrier orders one's softmax against the other's wgmmas,
+as FlashAttention-3's ping-pong does). One default partition of eight warps (an M = 128 wgmma split
+between its two warp groups) compiles within the same budget too, but its loop holds barriers of
+all 256 consumer threads (``bar.sync 0, 256``, one before every release of a stage, which one
+thread arrives on for the partition), which would hold the two warp groups in lock-step. Every
+consumer runs the one-consumer code on its 64 rows with the key tiles of a one-consumer CTA of
+those rows (the key tile of 128 is a multiple of the CTA's 128 queries, so the causal bounds and
+the masked tile are the same), so O and LSE are to be the one-consumer kernel's bits
+(``tests/kernels/test_fwd_ws.py``, ``test_two_consumers_give_the_one_consumer_bits``, GPU). In the
+last CTA of a head the second consumer may have no row below N: it runs every key tile all the
+same, storing nothing, so that it releases every stage the producer waits on. Compiled for sm_90a
+(``compile_sm90(consumers=2)``), at head dim 64 and 128, causal or not, serial or overlapped,
+promoted or chained: 168 registers at launch, no spills, no serialized wgmma; 41,544 B of shared
+memory at D = 64 and 82,504 B at D = 128 with two stages (the one-consumer kernel: 37,188 and
+74,052 B a CTA, two CTAs an SM).
 
 The consumer, for its Q tile and then for every key tile of ``BLOCK_N`` keys:
 
@@ -40,9 +62,10 @@ per-column factor of O and the loop loads no scales. Barriers, in the order each
 
 - ``k_ready[s]`` / ``v_ready[s]``: the producer arms them (``expect``) and TMA completes them;
   the consumer waits on them with phase ``(i // STAGES) & 1`` for tile i.
-- ``k_free[s]`` / ``v_free[s]``: the consumer arrives once the wgmma that read the buffer has
-  been waited on; the producer waits on them before it overwrites the buffer (phase flipped, so
-  the first round passes).
+- ``k_free[s]`` / ``v_free[s]``: every consumer arrives once the wgmma that read the buffer has
+  been waited on (one thread of its warp group; the barrier counts ``CONSUMERS`` arrivals); the
+  producer waits on them before it overwrites the buffer (phase flipped, so the first round
+  passes).
 """
 
 from __future__ import annotations
@@ -55,14 +78,15 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from ._gluon import LAUNCH_REGS, PRODUCER_REGS, allocator
+from ._gluon import LAUNCH_REGS, PRODUCER_REGS, TWO_CONSUMER_LAUNCH_REGS, TWO_CONSUMER_REGS, allocator
 from ._runtime import Launch, triton_type
 from .config import WS_FWD_BLOCK_M
 from ._gluon import exp2_int as _exp2_int
 from ._gluon import pow2_down_exponent as _pow2_down_exponent
 from ._gluon import to_fp8 as _to_fp8
 
-#: queries per CTA: one m64 wgmma row block for the consumer warp group (``config.WS_FWD_BLOCK_M``)
+#: queries per consumer warp group: one m64 wgmma row block (``config.WS_FWD_BLOCK_M``); a CTA
+#: takes ``CONSUMERS * BLOCK_M``
 BLOCK_M = gl.constexpr(WS_FWD_BLOCK_M)
 
 
@@ -303,18 +327,26 @@ def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_
 @gluon.jit
 def _body(k_desc, v_desc, Q, stride_qb, stride_qh, stride_qn, K_SCALE, V_SCALE, O, LSE2, PD, qk_scale, H, GROUP,
           N, NPAD, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-          P_SCALE: gl.constexpr, CHAIN: gl.constexpr, OVERLAP: gl.constexpr, DEBUG: gl.constexpr):
+          P_SCALE: gl.constexpr, CHAIN: gl.constexpr, OVERLAP: gl.constexpr, CONSUMERS: gl.constexpr,
+          DEBUG: gl.constexpr):
     """The kernel on its TMA descriptors: K rows ``(B*HKV*N, D)`` and V^T ``(B*HKV*D, NPAD)``. A
     key tile past this head's N reads the next head's rows, masked in the softmax; V^T's padding
-    columns hold code 0."""
-    n_m = gl.cdiv(N, BLOCK_M)
+    columns hold code 0. ``CONSUMERS`` consumer warp groups of ``BLOCK_M`` queries each (1 or 2)
+    share the ring."""
+    CTA_M: gl.constexpr = CONSUMERS * BLOCK_M
+    # every consumer's key tiles, the masked one included, are those of a CTA of its 64 rows alone
+    # (the bounds below with CTA_M for BLOCK_M are equal where BLOCK_N is a multiple of CTA_M)
+    gl.static_assert(BLOCK_N % CTA_M == 0)
+    n_m = gl.cdiv(N, CTA_M)
     # causal: the longest rows first (the grid's tail is then the short work)
     pid_m = (n_m - 1 - gl.program_id(0)) if CAUSAL else gl.program_id(0)
-    start_m = pid_m * BLOCK_M
+    start_m = pid_m * CTA_M
     bh = gl.program_id(1)
     kv = (bh // H) * (H // GROUP) + (bh % H) // GROUP
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float8e4nv)
     q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, HEAD_DIM], q_layout)
+    if CONSUMERS == 2:
+        q_smem1 = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, HEAD_DIM], q_layout)
     k_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_N], v_desc.layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -324,24 +356,41 @@ def _body(k_desc, v_desc, Q, stride_qb, stride_qh, stride_qn, K_SCALE, V_SCALE, 
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_free.index(i), count=1)
-        mbarrier.init(v_free.index(i), count=1)
+        # a stage is free once every consumer has released it
+        mbarrier.init(k_free.index(i), count=CONSUMERS)
+        mbarrier.init(v_free.index(i), count=CONSUMERS)
     fence_async_shared()
     if CAUSAL:
-        n_tiles = gl.cdiv(gl.minimum(start_m + BLOCK_M, N), BLOCK_N)
+        n_tiles = gl.cdiv(gl.minimum(start_m + CTA_M, N), BLOCK_N)
         n_plain = start_m // BLOCK_N  # key tiles wholly at or below the diagonal
     else:
         n_tiles = gl.cdiv(N, BLOCK_N)
         n_plain = N // BLOCK_N  # full key tiles
     cs_head = gl.load(K_SCALE + kv) * qk_scale
     q_ptr = Q + (bh // H).to(gl.int64) * stride_qb + (bh % H).to(gl.int64) * stride_qh
-    gl.warp_specialize([
-        (_consumer, (q_ptr, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, V_SCALE, O,
-                     LSE2, cs_head, bh, kv, start_m, n_plain, n_tiles, N, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, P_SCALE,
-                     CHAIN, OVERLAP, PD + bh.to(gl.int64) * N * NPAD, NPAD, DEBUG)),
-        (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, kv * N, kv * HEAD_DIM,
-                     n_tiles, BLOCK_N, STAGES)),
-    ], [1], [PRODUCER_REGS])
+    pd = PD + bh.to(gl.int64) * N * NPAD
+    if CONSUMERS == 1:
+        gl.warp_specialize([
+            (_consumer, (q_ptr, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, V_SCALE, O,
+                         LSE2, cs_head, bh, kv, start_m, n_plain, n_tiles, N, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                         P_SCALE, CHAIN, OVERLAP, pd, NPAD, DEBUG)),
+            (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, kv * N, kv * HEAD_DIM,
+                         n_tiles, BLOCK_N, STAGES)),
+        ], [1], [PRODUCER_REGS])
+    else:
+        # the second consumer (a worker partition of one warp group) takes the CTA's rows 64..127 and
+        # runs every key tile of the CTA even where all its rows lie past N (stored nowhere), so it
+        # releases every stage the producer waits on
+        gl.warp_specialize([
+            (_consumer, (q_ptr, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, V_SCALE, O,
+                         LSE2, cs_head, bh, kv, start_m, n_plain, n_tiles, N, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                         P_SCALE, CHAIN, OVERLAP, pd, NPAD, DEBUG)),
+            (_consumer, (q_ptr, stride_qn, q_smem1, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, V_SCALE, O,
+                         LSE2, cs_head, bh, kv, start_m + BLOCK_M, n_plain, n_tiles, N, BLOCK_N, HEAD_DIM, STAGES,
+                         CAUSAL, P_SCALE, CHAIN, OVERLAP, pd, NPAD, DEBUG)),
+            (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, kv * N, kv * HEAD_DIM,
+                         n_tiles, BLOCK_N, STAGES)),
+        ], [4, 1], [TWO_CONSUMER_REGS, PRODUCER_REGS])
 
 
 @gluon.jit
@@ -349,10 +398,10 @@ def _fwd_ws_kernel(k_desc, v_desc, Q, stride_qb, stride_qh, stride_qn, K_SCALE, 
                    qk_scale, H, GROUP, N, NPAD,
                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, CHAIN: gl.constexpr, OVERLAP: gl.constexpr,
-                   DEBUG: gl.constexpr):
+                   CONSUMERS: gl.constexpr, DEBUG: gl.constexpr):
     """The kernel on host-side TMA descriptors (:func:`_descriptors`, built once a launch)."""
     _body(k_desc, v_desc, Q, stride_qb, stride_qh, stride_qn, K_SCALE, V_SCALE, O, LSE2, PD, qk_scale, H, GROUP, N,
-          NPAD, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, P_SCALE, CHAIN, OVERLAP, DEBUG)
+          NPAD, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, P_SCALE, CHAIN, OVERLAP, CONSUMERS, DEBUG)
 
 
 @gluon.jit
@@ -360,7 +409,7 @@ def _fwd_ws_kernel_dev(Q, stride_qb, stride_qh, stride_qn, K8, K_SCALE, VT8, V_S
                        qk_scale, H, GROUP, N, NPAD, ROWS_KV,
                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                        CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, CHAIN: gl.constexpr, OVERLAP: gl.constexpr,
-                       DEBUG: gl.constexpr):
+                       CONSUMERS: gl.constexpr, DEBUG: gl.constexpr):
     """The kernel on device-side TMA descriptors: every CTA writes its two 128-byte tensor maps
     (``forward(..., host_descriptors=False)``; not the default)."""
     k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float8e4nv)
@@ -369,7 +418,7 @@ def _fwd_ws_kernel_dev(Q, stride_qb, stride_qh, stride_qn, K8, K_SCALE, VT8, V_S
     v_desc = tma.make_tensor_descriptor(VT8, [ROWS_KV // N * HEAD_DIM, NPAD], [NPAD, 1], [HEAD_DIM, BLOCK_N],
                                         v_layout)
     _body(k_desc, v_desc, Q, stride_qb, stride_qh, stride_qn, K_SCALE, V_SCALE, O, LSE2, PD, qk_scale, H, GROUP, N,
-          NPAD, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, P_SCALE, CHAIN, OVERLAP, DEBUG)
+          NPAD, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, P_SCALE, CHAIN, OVERLAP, CONSUMERS, DEBUG)
 
 
 def _descriptors(k8, vt8, block_n: int):
@@ -388,8 +437,10 @@ def launch(spec, *, head_dim: int, causal: bool, debug: bool = False, host_descr
     """The kernel's launch for ``spec`` (a ``config.KernelSpec`` of a folded recipe, or its name)
     at ``head_dim``: everything it computes read from the spec, P's fixed scale
     ``2**recipe.p_fwd.offset_log2``, PV promoted per key tile or chained (``recipe.pv_chain``), key
-    tiles of ``recipe.tiles.block_k``, the ring's depth and the schedule of the tiling
-    (``spec.fwd_tiles(head_dim)``: ``num_stages``, ``overlap``). ``host_descriptors``: K's and V's
+    tiles of ``recipe.tiles.block_k``, the ring's depth, the schedule and the consumer warp groups
+    of the tiling (``spec.fwd_tiles(head_dim)``: ``num_stages``, ``overlap``, ``consumers``; with
+    two, 128 queries a CTA, one CTA an SM at ``_gluon.TWO_CONSUMER_LAUNCH_REGS`` registers).
+    ``host_descriptors``: K's and V's
     TMA descriptors built on the host once a launch (:func:`_fwd_ws_kernel`), else in every CTA
     (:func:`_fwd_ws_kernel_dev`). The one description that :func:`forward` and
     :func:`compile_sm90` read. Raises ValueError, with the reason, for a spec it does not run."""
@@ -408,18 +459,21 @@ def launch(spec, *, head_dim: int, causal: bool, debug: bool = False, host_descr
     overlap = default_fwd_tiles(spec.recipe, head_dim).overlap if tiles.overlap is None else tiles.overlap
     consts = dict(HEAD_DIM=head_dim, BLOCK_N=spec.recipe.tiles.block_k, STAGES=tiles.num_stages,
                   CAUSAL=bool(causal), P_SCALE=float(2 ** spec.recipe.p_fwd.offset_log2),
-                  CHAIN=bool(spec.recipe.pv_chain), OVERLAP=int(overlap), DEBUG=bool(debug))
+                  CHAIN=bool(spec.recipe.pv_chain), OVERLAP=int(overlap), CONSUMERS=tiles.consumers,
+                  DEBUG=bool(debug))
     kernel = _fwd_ws_kernel if host_descriptors else _fwd_ws_kernel_dev
-    return Launch(consts, num_warps=tiles.num_warps, num_stages=None, maxnreg=LAUNCH_REGS, kernel=kernel,
-                  block_m=BLOCK_M.value, signature=signature)
+    regs = LAUNCH_REGS if tiles.consumers == 1 else TWO_CONSUMER_LAUNCH_REGS
+    return Launch(consts, num_warps=tiles.num_warps, num_stages=None, maxnreg=regs, kernel=kernel,
+                  block_m=tiles.block_m, signature=signature)
 
 
 def variant(recipe="kernels_folded_naive_fp8", *, chain: bool | None = None, overlap: bool | int | None = None,
-            stages: int | None = None):
+            stages: int | None = None, consumers: int | None = None):
     """The folded spec ``recipe`` with PV chained over all keys or promoted per tile (``chain``:
     a recipe of its own, ``<name>_pv_chain`` or ``<name>_pv_promoted``, which ``dmref.tiled``
-    takes as it is) and another schedule or ring depth (``overlap``, ``stages``: its forward
-    tiling at every head dim); None keeps the spec's."""
+    takes as it is) and another schedule, ring depth or number of consumer warp groups
+    (``overlap``, ``stages``, ``consumers``: its forward tiling at every head dim, ``consumers``
+    with its ``block_m`` of ``consumers * 64`` queries); None keeps the spec's."""
     import dataclasses
 
     from .config import get_spec
@@ -429,23 +483,26 @@ def variant(recipe="kernels_folded_naive_fp8", *, chain: bool | None = None, ove
         r = spec.recipe
         spec = dataclasses.replace(spec, recipe=dataclasses.replace(
             r, pv_chain=bool(chain), name=f"{r.name}_pv_{'chain' if chain else 'promoted'}"))
-    if overlap is None and stages is None:
+    if overlap is None and stages is None and consumers is None:
         return spec
     tiles = {d: spec.fwd_tiles(d) for d in (64, 128)}
     fwd = {d: dataclasses.replace(t, overlap=t.overlap if overlap is None else int(overlap),
                                   num_stages=t.num_stages if stages is None else stages) for d, t in tiles.items()}
+    if consumers is not None:
+        fwd = {d: dataclasses.replace(t, consumers=consumers, block_m=consumers * WS_FWD_BLOCK_M)
+               for d, t in fwd.items()}
     return dataclasses.replace(spec, fwd=fwd[128], fwd_d64=fwd[64])
 
 
 def compile_sm90(head_dim: int = 128, causal: bool = False, recipe="kernels_folded_delta_matching", *,
                  chain: bool | None = None, overlap: bool | int | None = None, stages: int | None = None,
-                 debug: bool = False, host_descriptors: bool = True):
+                 consumers: int | None = None, debug: bool = False, host_descriptors: bool = True):
     """Compile the kernel for sm_90a without a GPU (ptxas included), as :func:`launch` describes it
-    for ``recipe`` (or its :func:`variant` with ``chain``, ``overlap``, ``stages``); returns the
-    compiled kernel."""
+    for ``recipe`` (or its :func:`variant` with ``chain``, ``overlap``, ``stages``, ``consumers``);
+    returns the compiled kernel."""
     from ._sm90 import compile_launch
 
-    spec = variant(recipe, chain=chain, overlap=overlap, stages=stages)
+    spec = variant(recipe, chain=chain, overlap=overlap, stages=stages, consumers=consumers)
     return compile_launch(launch(spec, head_dim=head_dim, causal=causal, debug=debug,
                                  host_descriptors=host_descriptors))
 
@@ -509,15 +566,16 @@ def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale:
 
 def attention_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
                       recipe="kernels_folded_naive_fp8", debug: bool = False, host_descriptors: bool = True,
-                      chain: bool | None = None, overlap: bool | int | None = None, stages: int | None = None):
+                      chain: bool | None = None, overlap: bool | int | None = None, stages: int | None = None,
+                      consumers: int | None = None):
     """Quantize k (per head) and v (per head and channel), then :func:`forward` (which quantizes q)
-    of ``recipe``, or of its :func:`variant` with ``chain``, ``overlap``, ``stages``. Returns (O,
-    LSE2, the FP8 operands of K and V as a ``FoldedKV``), and with ``debug`` the P codes of
-    :func:`forward` last."""
+    of ``recipe``, or of its :func:`variant` with ``chain``, ``overlap``, ``stages``,
+    ``consumers``. Returns (O, LSE2, the FP8 operands of K and V as a ``FoldedKV``), and with
+    ``debug`` the P codes of :func:`forward` last."""
     from .quantize import quantize_kv_folded
 
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    spec = variant(recipe, chain=chain, overlap=overlap, stages=stages)
+    spec = variant(recipe, chain=chain, overlap=overlap, stages=stages, consumers=consumers)
     kv = quantize_kv_folded(k, v)
     o, lse2, *p_codes = forward(q, kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=k.shape[1], causal=causal,
                                 scale=scale, recipe=spec, debug=debug, host_descriptors=host_descriptors)

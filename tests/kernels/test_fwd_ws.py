@@ -7,7 +7,10 @@
   in Triton's interpreter);
 - on the H200 its O and LSE equal the emulated reference ``dmref.tiled`` on its recipe
   (``config.SPECS["kernels_folded_naive_fp8"]``), with the Hopper wgmma model, up to the bounds of the other kernels'
-  differential tests.
+  differential tests;
+- its two-consumer form (``consumers=2``: two consumer warp groups a CTA sharing the K/V ring)
+  compiles within one CTA an SM's register budget without spills, and on a GPU gives the
+  one-consumer kernel's O and LSE bit for bit.
 """
 
 from __future__ import annotations
@@ -88,6 +91,27 @@ def test_fwd_ws_compiles_for_sm90_with_its_register_budget_and_overlap():
             consts = fwd_ws.launch(name, head_dim=d, causal=False).constexprs
             assert (consts["CHAIN"], consts["OVERLAP"], consts["STAGES"]) == (False, 1, 2), (name, d, consts)
     compile_and_check_budget(_SCRIPT, 7)
+
+
+#: The two-consumer kernel (``FwdTiles(consumers=2)``, 128 queries a CTA on two consumer warp groups
+#: sharing the ring) in every schedule at both head dims, causal and not, and chained: the budget of
+#: one CTA an SM (168 registers at launch, 240 for each consumer, 24 for the producer), no spills,
+#: no serialized wgmma.
+_SCRIPT_TWO_CONSUMERS = """
+import json
+from dmref.kernels import fwd_ws
+from dmref.kernels.compile_check import warp_specialized_budget
+configs = [(d, causal, dict(overlap=overlap)) for d in (64, 128) for causal in (False, True) for overlap in (0, 1)]
+configs += [(128, True, dict(chain=True))]
+print(json.dumps([dict(d=d, causal=causal, **kw, **warp_specialized_budget(
+                      fwd_ws.compile_sm90(head_dim=d, causal=causal, consumers=2, **kw)))
+                  for d, causal, kw in configs]))
+"""
+
+
+@pytest.mark.slow
+def test_two_consumer_fwd_ws_compiles_for_sm90_with_its_register_budget():
+    compile_and_check_budget(_SCRIPT_TWO_CONSUMERS, 9, consumers=2)
 
 
 _GPU_CASES = [
@@ -179,6 +203,42 @@ def test_overlap_and_host_descriptors_give_the_serial_schedule_bits(shape, causa
                       dict(overlap=True, host_descriptors=False), dict(overlap=True, stages=3)):
             o2, lse2, _ = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, chain=chain, **tiles)
             assert torch.equal(o2, o1) and torch.equal(lse2, lse1), (chain, tiles)
+
+
+#: The cases of the bit-for-bit test of two consumers: the last 128-query CTA has rows for both
+#: consumers (1000: 104 rows, 203: 75, 65: 64 and 1), or for the first alone (777: 9, 64: 64, 129: 1);
+#: GQA among them, both head dims, causal and not.
+_TWO_CONSUMER_CASES = _GPU_CASES + [
+    (ProblemShape(1, 2, 1, 65, 128), True),
+    (ProblemShape(1, 2, 1, 65, 64), False),
+    (ProblemShape(1, 2, 2, 129, 64), True),
+    (ProblemShape(2, 4, 2, 1000, 64), True),
+]
+_TWO_CONSUMER_IDS = [f"{s.batch}x{s.heads}x{s.kv_heads}x{s.n}x{s.head_dim}{'-causal' if c else ''}"
+                     for s, c in _TWO_CONSUMER_CASES]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,causal", _TWO_CONSUMER_CASES, ids=_TWO_CONSUMER_IDS)
+def test_two_consumers_give_the_one_consumer_bits(shape, causal):
+    """Two consumer warp groups a CTA sharing the ring (``consumers=2``: 128 queries a CTA) run,
+    for every query row, the operations of the one-consumer kernel on the same row of Q and the
+    same key tiles (a row's result depends on nothing else), so O and LSE are its bits in every
+    schedule, chained and promoted, with device-side descriptors and a ring of three stages, and
+    the debug build's P codes are its codes. Where the second consumer's rows all lie past N (777,
+    64, 129) it still releases every stage, or the launch would not return."""
+    device = require_backend("gpu")
+    from dmref.kernels import fwd_ws
+
+    q, k, v = _wide_inputs(shape, device)
+    scale = 1.0 / math.sqrt(shape.head_dim)
+    runs = [dict(chain=chain, overlap=overlap) for chain, overlap in _SCHEDULES]
+    runs += [dict(host_descriptors=False), dict(stages=3), dict(debug=True)]
+    for kw in runs:
+        o1, lse1, _, *codes1 = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, **kw)
+        o2, lse2, _, *codes2 = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, consumers=2, **kw)
+        assert torch.equal(o2, o1) and torch.equal(lse2, lse1), kw
+        assert all(torch.equal(a, b) for a, b in zip(codes2, codes1)), kw
 
 
 #: The share of P codes the kernel must agree on with the reference (issue: at least 99.9%): both

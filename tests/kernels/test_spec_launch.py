@@ -114,9 +114,67 @@ def test_a_forward_tiling_the_gluon_forward_cannot_honour_is_refused(tiles):
     assert "\n" not in str(info.value)
 
 
+_NOT_HONOURED_CONSUMERS = [("block_m", FwdTiles(consumers=2)), ("consumers", FwdTiles(block_m=128, consumers=3)),
+                           ("consumers", FwdTiles(consumers=0)),
+                           ("num_warps", FwdTiles(block_m=128, consumers=2, num_warps=8)),
+                           ("maxnreg", FwdTiles(block_m=128, consumers=2, maxnreg=168))]
+
+
+@pytest.mark.parametrize("field,tiles", _NOT_HONOURED_CONSUMERS,
+                         ids=["block_m", "consumers3", "consumers0", "num_warps", "maxnreg"])
+def test_consumers_the_gluon_forward_cannot_honour_are_refused(field, tiles):
+    """Consumer warp groups: one or two, each on 64 queries (``block_m = 64 * consumers``) of 4
+    warps with setmaxnreg's registers; anything else is refused in one line naming the field."""
+    from dmref.kernels.config import fwd_refusal
+
+    spec = SPECS["kernels_folded_delta_matching"]
+    why = fwd_refusal(spec.recipe, tiles)
+    assert why is not None and field in why and "\n" not in why, why
+    with pytest.raises(ValueError, match=field):
+        spec.with_tiles(fwd=tiles)
+
+
+def test_the_gluon_forward_reads_its_consumers_from_the_spec():
+    """``FwdTiles(block_m=128, consumers=2)`` is honoured (not the default at either head dim):
+    ``fwd_ws.launch`` gives ``CONSUMERS=2``, 128 queries a CTA (its grid), one CTA an SM's
+    registers at launch; ``variant(consumers=2)`` sets both fields, and ``compile_check`` reads the
+    same launch."""
+    from dmref.kernels import compile_check, fwd_ws
+    from dmref.kernels._gluon import LAUNCH_REGS, TWO_CONSUMER_LAUNCH_REGS
+    from dmref.kernels.config import fwd_refusal
+
+    spec = SPECS["kernels_folded_naive_fp8"]
+    for d in (64, 128):
+        assert spec.fwd_tiles(d).consumers == 1
+        one = fwd_ws.launch(spec, head_dim=d, causal=True)
+        assert (one.constexprs["CONSUMERS"], one.block_m, one.maxnreg) == (1, 64, LAUNCH_REGS)
+    tiles = FwdTiles(block_m=128, consumers=2, num_stages=2, overlap=1)
+    assert fwd_refusal(spec.recipe, tiles) is None
+    two = spec.with_tiles(fwd=tiles)
+    varied = fwd_ws.variant(spec, consumers=2)
+    assert [varied.fwd_tiles(d) for d in (64, 128)] == [two.fwd_tiles(d) for d in (64, 128)] == [tiles, tiles]
+    for d in (64, 128):
+        for causal in (False, True):
+            run = fwd_ws.launch(two, head_dim=d, causal=causal)
+            assert (run.constexprs["CONSUMERS"], run.block_m, run.maxnreg, run.num_warps) == \
+                (2, 128, TWO_CONSUMER_LAUNCH_REGS, 4)
+            assert {k: v for k, v in run.constexprs.items() if k != "CONSUMERS"} == \
+                {k: v for k, v in fwd_ws.launch(spec, head_dim=d, causal=causal).constexprs.items() if k != "CONSUMERS"}
+            assert dict(compile_check.recipe_variants(two, d, causal))["fwd"] == run
+    # the grid: one CTA per 128 queries, the tail CTA included (its second consumer may have no row)
+    run = fwd_ws.launch(two, head_dim=128, causal=False)
+    assert [run.grid(n, 6) for n in (64, 65, 128, 129, 777, 1000)] == \
+        [(1, 6), (1, 6), (1, 6), (2, 6), (7, 6), (8, 6)]
+    chained = fwd_ws.variant(spec, chain=True, overlap=0, stages=3, consumers=2)
+    c = fwd_ws.launch(chained, head_dim=64, causal=True).constexprs
+    assert (c["CHAIN"], c["OVERLAP"], c["STAGES"], c["CONSUMERS"]) == (True, 0, 3, 2)
+
+
 def test_the_triton_forward_refuses_a_schedule_it_does_not_have():
     with pytest.raises(ValueError, match="overlap"):
         SPECS["kernels_delta_matching"].with_tiles(fwd=FwdTiles(overlap=1))
+    with pytest.raises(ValueError, match="consumers"):
+        SPECS["kernels_delta_matching"].with_tiles(fwd=FwdTiles(block_m=128, consumers=2))
     # and the Gluon forward refuses a spec of the Triton forward's family
     from dmref.kernels import fwd_ws
 

@@ -113,7 +113,30 @@ V rows, or TMA's zeros, where the Triton kernel reads zeros) are masked by the c
 non-causal, by one compare of their own, and the K^T copy is zero there: the extra zeros the
 Triton kernel's causal tiles add beyond a row's diagonal and these differ from it at most in
 the sign of a zero term, which no sum it adds to can show (dQ, kbar and the row sums start at
-+0). Not supported (``dq`` raises): the debug row sums. Not yet run on a GPU.
++0). Not supported (``dq`` raises): the debug row sums.
+
+The five-GEMM kernel (``_bwd_fused_ws_kernel``, launched by :func:`fused`, ``launch(...,
+kernel="fused")``): the dkdv kernel with a fifth GEMM per query tile, ``bwd_fused``'s
+computation on the dkdv kernel's CTAs. K's transposed tile and its channel scales come with K
+and V (``kv_ready``) and stay in shared memory. Per query tile, right after dS^T is formed:
+
+    Q-point dS (dQ): E4M3, one POW2_DOWN scale per query (a column of dS^T) over the 64 keys
+    dQ_acc[queries] += wgmma(Q8(dS), K^T copy^T) * K^T scale_c * dS scale_i   # float32 atomics
+
+dS, a (queries, keys) A operand, is moved from dS^T's layout by a register layout conversion;
+at D = 128 the wgmma runs on two 64-channel halves (the same chains). It runs before the dV and
+dK wgmmas so that nothing of it lives across their promotion, which fills the registers. Keys
+past N are masked in P^T (they would reach dQ's sums and its per-query scale). Rows past N are
+not added (no mask where N is a multiple of 64, ``EVEN_N``). ``DETERMINISTIC``: the counters of
+``bwd_fused`` (key block j adds after the blocks before it). The D it subtracts is read from a
+buffer, as ``bwd_fused``'s: the stale one, or a matched one computed ahead by the pre-pass.
+ptxas spills loop-invariant values before the loop at D = 128 (about 0.5 KB a thread,
+tests/kernels/test_bwd_ws_fused.py); none at D = 64.
+
+The pre-pass (``launch(..., kernel="prepass")``, :func:`prepass`): the dq kernel stopped at its row
+sums (``PREPASS``), S, P, dP and D = sum_j P dP, the matched D of the dq kernels bit for bit,
+for the seven-GEMM recipe (pre-pass, then the five-GEMM kernel with that D); the K^T tiles are
+not loaded.
 """
 
 from __future__ import annotations

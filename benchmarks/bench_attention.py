@@ -218,6 +218,9 @@ def _speedups(ms: dict, anchor: str) -> dict:
         "fwd_ws_incl_quant_dev": fwd / ms["ours_fwd_ws_incl_quant_dev"],
         # two consumer warp groups a CTA sharing one K/V ring (fwd_ws's consumers=2)
         **{k: fwd / ms[f"ours_{k}"] for k in ("fwd_ws_2cons_kernel", "fwd_ws_2cons_incl_quant") if f"ours_{k}" in ms},
+        # the seven-GEMM matched recipe in Gluon (pre-pass + five-GEMM kernel), and end to end
+        **{k: bwd / ms[f"ours_{k}"] for k in ("bwd_prepass_gluon",) if f"ours_{k}" in ms},
+        **{k: e2e / ms[f"ours_{k}"] for k in ("e2e_prepass_gluon", "e2e_prepass_gluon_folded") if f"ours_{k}" in ms},
         "e2e_matched_folded": e2e / ms["ours_e2e_matched_folded"],
         "bwd_matched_triton": bwd / ms["ours_bwd_matched_triton"],
         # the five-GEMM backward (bwd_fused, stale delta), atomic and deterministic dQ sums
@@ -314,6 +317,27 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
         ms[key] = bench(lambda det=det, gl_=gl_: api.attention_backward(
             saved, o, do, shape=shape, causal=causal, scale=scale, recipe=r_st, fused=True, deterministic=det,
             gluon=gl_))
+    # the seven-GEMM matched recipe in Gluon (kernels_delta_prepass's schedule): dO's quantization,
+    # the pre-pass's D, the five-GEMM kernel on that D; its parts; and end to end with the Triton
+    # forward (its recipe's) and with the warp-specialized one (folded), without autograd
+    from dmref.kernels import bwd_ws
+
+    def seven(saved=saved, o=o):
+        do8_, _ = quantize(do, "float8_e4m3fn", rows=True, cols=True, delta_with=o)
+        return bwd_ws.fused(saved, do8_, bwd_ws.prepass(saved, do8_, recipe=r_dm, **kw), recipe=r_st, **kw)
+
+    try:
+        ms["ours_bwd_prepass_gluon"] = bench(seven)
+        ms["ours_bwd_prepass_gluon_prepass"] = bench(lambda: bwd_ws.prepass(saved, do8, recipe=r_dm, **kw))
+        ms["ours_bwd_prepass_gluon_fused"] = bench(lambda: bwd_ws.fused(saved, do8, d_stale, recipe=r_st, **kw))
+        r_ffdm = _recipe("kernels_folded_delta_matching", fwd_c, bwd_c)
+        for tag, r in (("prepass_gluon", r_dm), ("prepass_gluon_folded", r_ffdm)):
+            def e2e(r=r):
+                o_, _, saved_, _ = api.attention_forward(q, k, v, causal=causal, scale=scale, recipe=r)
+                return seven(saved_, o_)
+            ms[f"ours_e2e_{tag}"] = bench(e2e)
+    except Exception as exc:
+        res["prepass_gluon_error"] = f"{type(exc).__name__}: {exc}"[:300]
     # --- ours: end to end through autograd
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
     r_fdm = _recipe("kernels_folded_delta_matching", fwd_c, bwd_c)

@@ -7,8 +7,8 @@ raises a clear error.
 - :func:`attention` — ``torch.autograd.Function`` over BF16 ``(B, H, N, D)`` tensors.
 - :mod:`dmref.kernels.config` — what the kernels run, importable without triton: a
   :class:`KernelSpec` (a ``dmref.recipes.Recipe`` and the tilings) per recipe name of
-  :data:`SPECS` (``kernels_delta_matching``, ``kernels_naive_fp8`` and their
-  ``kernels_folded_`` forms); ``dmref.get_recipe(name)`` is the spec's Recipe (:func:`get_spec` finds a spec; ``RECIPES`` and ``get_recipe`` are deprecated aliases).
+  :data:`SPECS` (``kernels_delta_matching``, ``kernels_naive_fp8``, ``kernels_delta_prepass`` and
+  their ``kernels_folded_`` forms); ``dmref.get_recipe(name)`` is the spec's Recipe (:func:`get_spec` finds a spec; ``RECIPES`` and ``get_recipe`` are deprecated aliases).
 """
 
 from __future__ import annotations

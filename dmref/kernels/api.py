@@ -112,7 +112,7 @@ def _folded_forward(q, k, v, s: Shape, r: KernelSpec, *, causal: bool, scale: fl
         raise RuntimeError(f"the folded recipes' forward does not run here: {why}")
     if debug:
         raise ValueError("debug dumps exist for the Triton forward only (recipes kernels_delta_matching, "
-                         "kernels_naive_fp8)")
+                         "kernels_naive_fp8, kernels_delta_prepass)")
     kv = quantize_kv_folded(k, v)
     o, lse2 = fwd_ws.forward(q.contiguous(), kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=s.kv_heads,
                              causal=causal, scale=scale, recipe=r)
@@ -130,10 +130,12 @@ def _folded_forward(q, k, v, s: Shape, r: KernelSpec, *, causal: bool, scale: fl
 def attention_backward(
     saved: SavedForward, o: torch.Tensor, do: torch.Tensor, *, shape: Shape, causal: bool,
     scale: float, recipe: str | KernelSpec | Recipe = "kernels_delta_matching", debug: bool = False,
-    gluon: bool | None = None, fused: bool = False, deterministic: bool = False,
+    gluon: bool | None = None, fused: bool | None = None, deterministic: bool = False,
     delta: torch.Tensor | None = None,
 ):
-    """Preprocess (dO quantization + stale delta, one kernel), then the dq and dkdv kernels.
+    """Preprocess (dO quantization + stale delta, one kernel), then the dq and dkdv kernels; for a
+    spec with D from a pre-pass (``kernels_delta_prepass``, ``KernelSpec.prepass``), dO's
+    quantization, the pre-pass and the five-GEMM backward.
 
     The dq and dkdv kernels are the warp-specialized Gluon ones (``bwd_ws``) where they run the
     recipe (:func:`gluon_backward_refusal`), the Triton ones (``bwd``) otherwise; both give the same
@@ -155,18 +157,44 @@ def attention_backward(
     kernel computes the spec's recipe with that delta. Its debug dict holds ``"delta"`` and with ``debug``
     ``"ds_dk"``, ``"ds_dq"`` (dS as each matmul sees it) and, deterministic, ``"sem_seen"``
     (``bwd_fused.backward``).
+
+    ``fused`` None (the default) is False for the other specs. A pre-pass spec always runs the
+    five-GEMM backward (``fused`` None or True; ``fused=False`` is a ValueError, and so are
+    ``delta=``, its D being the pre-pass's, and ``gluon=True``): ``bwd_prepass.delta`` makes the
+    matched D from dO's row copy, and ``bwd_fused.backward`` runs with it (``deterministic`` as
+    above); the debug dict's ``"delta"`` is the pre-pass's D.
     """
     from . import bwd
     from .quantize import quantize
 
+    r = get_spec(recipe)
+    if r.prepass:
+        if fused is False:
+            raise ValueError(f"recipe {r.name!r} takes D from a pre-pass, which runs with the five-GEMM backward "
+                             "only (fused=True or None); the dq and dkdv kernels compute the matched D with their "
+                             "deferred dQ (recipe 'kernels_delta_matching')")
+        if delta is not None:
+            raise ValueError(f"delta= replaces the stale delta; recipe {r.name!r} computes its D in the pre-pass")
+        if gluon:
+            raise ValueError(f"the Gluon backward does not run this call: {gluon_backward_refusal(r, shape.head_dim)}")
+        fused = True
     if deterministic and not fused:
         raise ValueError("deterministic=True is an option of the fused backward (fused=True); the dq and dkdv "
                          "kernels are deterministic already")
     if delta is not None and not fused:
         raise ValueError("delta= is read by the fused backward only (fused=True)")
-    r = get_spec(recipe)
     if do.dtype != torch.bfloat16:
         do = do.to(torch.bfloat16)
+    if r.prepass:
+        from . import bwd_fused, bwd_prepass
+
+        why = bwd_fused.refusal(r, shape.head_dim)
+        if why:
+            raise ValueError(f"the fused backward does not run this call: {why}")
+        do8, _ = quantize(do, r.recipe.do_dp.fmt.name, rows=True, cols=True)
+        d = bwd_prepass.delta(saved, do8, causal=causal, scale=scale, recipe=r, **_dims(shape))
+        return bwd_fused.backward(saved, do8, d, causal=causal, scale=scale, recipe=r, deterministic=deterministic,
+                                  debug=debug, **_dims(shape))
     # delta step (stale) fused into the quantization of dO: one read of dO and O
     do8, delta_stale = quantize(do, r.recipe.do_dp.fmt.name, rows=True, cols=True, delta_with=o)
     if fused:
@@ -208,7 +236,11 @@ def gluon_backward_refusal(recipe: KernelSpec, head_dim: int, debug: bool = Fals
     ``bwd_ws._check_dq``, ``bwd_ws._check_fused``: the debug dumps, the 64-query and 64-key
     tiles, the delta) say the rest."""
     from ._runtime import interpreting
+    from .bwd import prepass_refusal
 
+    why = prepass_refusal(recipe)
+    if why:
+        return why
     if device is not None and device.type == "cuda":
         why = _not_hopper(device)
         if why:
@@ -266,9 +298,10 @@ def attention(
     """FP8 attention with Delta-Matching (or stale delta), forward and backward.
 
     q: (B, H, N, D), k and v: (B, HKV, N, D), all BF16 on a Hopper GPU; D in {64, 128};
-    ``scale`` defaults to 1/sqrt(D); ``recipe`` is a name of ``config.RECIPES``
-    (``"kernels_delta_matching"``, ``"kernels_naive_fp8"`` with the stale delta, and their
-    ``kernels_folded_`` forms, whose forward is the warp-specialized Gluon kernel), a
+    ``scale`` defaults to 1/sqrt(D); ``recipe`` is a name of ``config.SPECS``
+    (``"kernels_delta_matching"``, ``"kernels_naive_fp8"`` with the stale delta,
+    ``"kernels_delta_prepass"`` with the matched D from a pre-pass and the five-GEMM backward, and
+    their ``kernels_folded_`` forms, whose forward is the warp-specialized Gluon kernel), a
     ``config.KernelSpec``, or a ``dmref.recipes.Recipe`` the kernels run; ``dmref.get_recipe(name)``
     is the Recipe a name runs. Another recipe (a dmref preset such as ``"delta_matching"``) is a
     ValueError naming the kernel recipe to use. Returns O (B, H, N, D) BF16. Fails with a clear

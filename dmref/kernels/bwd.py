@@ -118,6 +118,13 @@ def _dq_p(s, lse2, offs_m, offs_n, in_seq, k_in, CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def _pdp_step(pdp, p, dp):
+    """The matched delta's sum over one key tile, added to the running float32 ``pdp``:
+    ``pdp + sum_j P dP`` (the dq kernel's and the pre-pass's (``bwd_prepass``) one order)."""
+    return pdp + tl.sum(p * dp, axis=1)
+
+
+@triton.jit
 def _dq_kbar_step(kbar, p8, kt, KT_SCALE, sc, kb_c):
     """kbar (matched delta's deferred correction): a float16 wgmma chain per tile, scaled to
     units u in float32, added and rounded to float16 (its 32 registers instead of 64 keep the
@@ -127,17 +134,65 @@ def _dq_kbar_step(kbar, p8, kt, KT_SCALE, sc, kb_c):
 
 
 @triton.jit
-def _dq_load_queries(Q8, Q_SCALE, DO8, DO_SCALE, LSE2, DELTA_STALE, bh64, rows, offs_m, in_seq, qk_scale, N,
-                     HEAD_DIM: tl.constexpr):
+def _dq_kv_head(bh, H, GROUP):
+    """The key/value head (int64, of B*HKV) query head ``bh`` (of B*H) reads: head ``h`` of a
+    batch reads ``h // GROUP``, GROUP = H // HKV."""
+    return ((bh // H) * (H // GROUP) + (bh % H) // GROUP).to(tl.int64)
+
+
+@triton.jit
+def _dq_keys_end(start_m, N, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """One past the last key the program of queries ``start_m ..`` sees (causal: its last query)."""
+    if CAUSAL:
+        hi = tl.minimum(start_m + BLOCK_M, N)
+    else:
+        hi = N
+    return hi
+
+
+@triton.jit
+def _dq_load_rows(Q8, Q_SCALE, DO8, DO_SCALE, LSE2, bh64, rows, offs_m, in_seq, qk_scale, N,
+                  HEAD_DIM: tl.constexpr):
     """Load: this program's Q and dO row copies (``(BLOCK_M, D)``, kept on chip for the whole
-    loop), Q's scales times tau * log2(e), dO's scales, LSE2 and the stale D of its rows."""
+    loop), Q's scales times tau * log2(e), dO's scales and LSE2 of its rows."""
     q = tl.load(Q8 + bh64 * N * HEAD_DIM + rows, mask=in_seq[:, None], other=0.0)
     do = tl.load(DO8 + bh64 * N * HEAD_DIM + rows, mask=in_seq[:, None], other=0.0)
     q_scale = tl.load(Q_SCALE + bh64 * N + offs_m, mask=in_seq, other=0.0) * qk_scale
     do_scale = tl.load(DO_SCALE + bh64 * N + offs_m, mask=in_seq, other=0.0)
     lse2 = tl.load(LSE2 + bh64 * N + offs_m, mask=in_seq, other=0.0)
+    return q, do, q_scale, do_scale, lse2
+
+
+@triton.jit
+def _dq_load_queries(Q8, Q_SCALE, DO8, DO_SCALE, LSE2, DELTA_STALE, bh64, rows, offs_m, in_seq, qk_scale, N,
+                     HEAD_DIM: tl.constexpr):
+    """Load: :func:`_dq_load_rows` and the stale D of this program's rows."""
+    q, do, q_scale, do_scale, lse2 = _dq_load_rows(Q8, Q_SCALE, DO8, DO_SCALE, LSE2, bh64, rows, offs_m, in_seq,
+                                                   qk_scale, N, HEAD_DIM)
     d_stale = tl.load(DELTA_STALE + bh64 * N + offs_m, mask=in_seq, other=0.0)
     return q, do, q_scale, do_scale, lse2, d_stale
+
+
+@triton.jit
+def _dq_p_dp(q, do, q_scale, do_scale, lse2, K8, V8, K_SCALE, V_SCALE, kv32, start_n, offs_m, offs_d, in_seq, N,
+             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
+             INTERPRET: tl.constexpr):
+    """One key tile of the dq loop up to dP: load K and V row copies as ``(D, BLOCK_N)`` tiles
+    (``K8``, ``V8``, ``K_SCALE``, ``V_SCALE`` at this key/value head, or descriptors with TMA),
+    QK^T + softmax (the forward's S2 recomputed, P against LSE) and dP. Returns (the tile's key
+    offsets, P, dP), float32 ``(BLOCK_M, BLOCK_N)``."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k_in = offs_n < N
+    # load: K and V row copies as (D, BLOCK_N) tiles
+    k = _row_tile_t(K8, 0, kv32, start_n, offs_n, offs_d, k_in, BLOCK_N, HEAD_DIM, TMA)
+    v = _row_tile_t(V8, 0, kv32, start_n, offs_n, offs_d, k_in, BLOCK_N, HEAD_DIM, TMA)
+    k_scale = tl.load(K_SCALE + offs_n, mask=k_in, other=0.0)
+    v_scale = tl.load(V_SCALE + offs_n, mask=k_in, other=0.0)
+    # QK^T + softmax: the forward's S2 recomputed, P against LSE
+    p = _dq_p(_dot_rn(q, k, q_scale, k_scale, INTERPRET), lse2, offs_m, offs_n, in_seq, k_in, CAUSAL)
+    # dP
+    dp = _dot_rn(do, v, do_scale, v_scale, INTERPRET)
+    return offs_n, p, dp
 
 
 @triton.jit
@@ -168,7 +223,7 @@ def _bwd_dq_kernel(
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     bh64 = bh.to(tl.int64)
-    kv = ((bh // H) * (H // GROUP) + (bh % H) // GROUP).to(tl.int64)
+    kv = _dq_kv_head(bh, H, GROUP)
     # per-head base pointers (64-bit scalars); the tiles use int32 offsets from them
     # with TMA, K8, V8 and KT8 are descriptors of the (B*Hkv, N, D) and (B*Hkv, D, NPAD) copies
     kv32 = kv.to(tl.int32)
@@ -195,10 +250,7 @@ def _bwd_dq_kernel(
     pdp = tl.zeros([BLOCK_M], tl.float32)
     psum = tl.zeros([BLOCK_M], tl.float32)
     rowsum = tl.zeros([BLOCK_M], tl.float32)
-    if CAUSAL:
-        hi = tl.minimum(start_m + BLOCK_M, N)
-    else:
-        hi = N
+    hi = _dq_keys_end(start_m, N, BLOCK_M, CAUSAL)
     # One loop with masks on every tile (two compares and a select per element): separate
     # masked and unmasked loops each kept their own pipelined state live and spilled.
     # Invariant at the top of each iteration, over the key tiles done so far: dq = sum of
@@ -206,20 +258,12 @@ def _bwd_dq_kernel(
     # Q8(2**4 P) K / (2**4 u); pdp (MATCHED) = sum_j P dP; psum, rowsum (DEBUG) = sum_j P, sum_j dS.
     for start_n in range(0, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k_in = offs_n < N
-        # load: K and V row copies as (D, BLOCK_N) tiles
-        k = _row_tile_t(K8, 0, kv32, start_n, offs_n, offs_d, k_in, BLOCK_N, HEAD_DIM, TMA)
-        v = _row_tile_t(V8, 0, kv32, start_n, offs_n, offs_d, k_in, BLOCK_N, HEAD_DIM, TMA)
-        k_scale = tl.load(K_SCALE + offs_n, mask=k_in, other=0.0)
-        v_scale = tl.load(V_SCALE + offs_n, mask=k_in, other=0.0)
-        # QK^T + softmax: the forward's S2 recomputed, P against LSE
-        p = _dq_p(_dot_rn(q, k, q_scale, k_scale, INTERPRET), lse2, offs_m, offs_n, in_seq, k_in, CAUSAL)
-        # dP
-        dp = _dot_rn(do, v, do_scale, v_scale, INTERPRET)
+        # load K and V, QK^T + softmax, dP
+        offs_n, p, dp = _dq_p_dp(q, do, q_scale, do_scale, lse2, K8, V8, K_SCALE, V_SCALE, kv32, start_n, offs_m,
+                                 offs_d, in_seq, N, BLOCK_N, HEAD_DIM, CAUSAL, TMA, INTERPRET)
         if MATCHED:
             # the matched delta: sum_j P dP from the very float32 P and dP that dS uses
-            pdp += tl.sum(p * dp, axis=1)
+            pdp = _pdp_step(pdp, p, dp)
         # dS, against the stale D (the matched D is not known yet: deferred correction below)
         ds = p * (dp - d_stale[:, None])
         if DEBUG:
@@ -425,7 +469,11 @@ def launch(spec: KernelSpec, *, head_dim: int, causal: bool, kernel: str, group:
     ``2**recipe.p_bwd.offset_log2``, dq's deferred dQ runs where ``recipe.delta.deferred_dq`` is
     set (P scaled by :func:`kbar_p_scale` at kbar's point), and dS is quantized per row of the tile (the recipe's 1 x tile ``ds_dq``/``ds_dk``,
     which the tiling decides: ``config.fit_to_tiles``). The one description that
-    :func:`backward` and ``compile_check`` read."""
+    :func:`backward` and ``compile_check`` read. A spec whose D comes from a pre-pass
+    (``KernelSpec.prepass``) is a ValueError: :func:`prepass_refusal`."""
+    why = prepass_refusal(spec)
+    if why:
+        raise ValueError(why)
     t = spec.bwd_tiles(head_dim)
     d = head_dim
     common = dict(HEAD_DIM=d, QB=QUANT_BLOCK, CAUSAL=causal, P_SCALE=float(2 ** spec.recipe.p_bwd.offset_log2),
@@ -444,6 +492,16 @@ def launch(spec: KernelSpec, *, head_dim: int, causal: bool, kernel: str, group:
                       {"Q8": [1, bm, d], "DO8": [1, bm, d], "QT8": [1, d, bm], "DOT8": [1, d, bm]} if t.tma else {},
                       kernel=_bwd_dkdv_kernel, block_m=t.block_n1)
     raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}")
+
+
+def prepass_refusal(spec: KernelSpec) -> str | None:
+    """Why the dq and dkdv kernels (these and ``bwd_ws``'s) do not run ``spec``, one line, or
+    None: they compute the matched delta only with their deferred dQ, so a spec with D from a
+    pre-pass (``KernelSpec.prepass``) runs ``bwd_prepass`` and the five-GEMM ``bwd_fused``."""
+    if spec.prepass:
+        return (f"the dq and dkdv kernels compute the matched delta only with their deferred dQ; recipe "
+                f"{spec.name!r} takes D from a pre-pass (bwd_prepass, then the five-GEMM bwd_fused)")
+    return None
 
 
 def kbar_p_scale(spec: KernelSpec) -> float:
@@ -542,13 +600,16 @@ def _operands(q8, k8, v8, do8, do_t, dq_run: Launch, dkdv_run: Launch):
     Returns (dq's K, V, K^T; dkdv's Q, Q^T, dO, dO^T)."""
     dq_ops = (k8.rows, v8.rows, k8.cols)
     dkdv_ops = (q8.rows, q8.cols, do8.rows, do_t.cols)
-    if not (dq_run.descriptors or dkdv_run.descriptors):
-        return dq_ops, dkdv_ops
-    from triton.tools.tensor_descriptor import TensorDescriptor as TD
-
-    def described(run, names, tensors):
-        return tuple(TD.from_tensor(x, run.descriptors[name]) if name in run.descriptors else x
-                     for name, x in zip(names, tensors))
-
     return (described(dq_run, ("K8", "V8", "KT8"), dq_ops),
             described(dkdv_run, ("Q8", "QT8", "DO8", "DOT8"), dkdv_ops))
+
+
+def described(run: Launch, names, tensors) -> tuple:
+    """``tensors`` (the arguments ``names`` of ``run.kernel``) as the kernel takes them: a TMA
+    tensor descriptor of the launch's block shape where it takes one, else the tensor itself."""
+    if not run.descriptors:
+        return tuple(tensors)
+    from triton.tools.tensor_descriptor import TensorDescriptor as TD
+
+    return tuple(TD.from_tensor(x, run.descriptors[name]) if name in run.descriptors else x
+                 for name, x in zip(names, tensors))

@@ -13,9 +13,10 @@ key over ``block_m1`` queries for dK (``ds_dk``, as ``bwd``'s dkdv kernel) and p
 ``block_n2`` keys for dQ (``ds_dq``, as ``bwd``'s dq kernel); dV and dK are promoted to float32 per
 query tile, dQ per key block (one wgmma chain each, then one float32 add). The delta D is read
 from a buffer: the stale delta of the preprocess (``quantize(..., delta_with=O)``), so specs
-with the stale delta run here, or a D the caller passes (``attention_backward(..., delta=)``, e.g.
-a matched delta computed ahead), with which the kernel computes the spec's recipe with that
-delta (``dataclasses.replace(spec.recipe, delta=...)``).
+with the stale delta run here; the matched D of the pre-pass (``bwd_prepass``), so the specs with
+D from a pre-pass (``kernels_delta_prepass``, ``KernelSpec.prepass``) run here; or a D the caller
+passes (``attention_backward(..., delta=)``, e.g. a matched delta computed ahead), with which the
+kernel computes the spec's recipe with that delta (``dataclasses.replace(spec.recipe, delta=...)``).
 
 Summation order of dQ: the float32 adds of the key blocks' partials into one element happen in
 whatever order the programs reach them, so dQ may differ between runs in its last bits (within
@@ -235,10 +236,12 @@ def postprocess_dq(dq_acc: torch.Tensor, batch: int, heads: int, n: int, head_di
 
 
 def refusal(spec: KernelSpec, head_dim: int) -> str | None:
-    """None if the fused backward runs ``spec`` at ``head_dim``, else why not, one line."""
-    if spec.recipe.delta != STALE:
-        return (f"the fused backward reads the stale delta of the preprocess; recipe {spec.name!r} has the "
-                f"{spec.recipe.delta.name} delta")
+    """None if the fused backward runs ``spec`` at ``head_dim``, else why not, one line: it runs
+    the stale delta and the matched one from a pre-pass (``KernelSpec.prepass``), not the dq
+    kernel's deferred dQ."""
+    if spec.recipe.delta != STALE and not spec.prepass:
+        return (f"the fused backward reads the stale delta of the preprocess or the matched D of the pre-pass "
+                f"(bwd_prepass); recipe {spec.name!r} has the {spec.recipe.delta.name} delta")
     t = spec.bwd_tiles(head_dim)
     if head_dim * max(t.block_m1, t.block_n2) > 128 * 128:
         return f"tiles {t.block_m1}x{t.block_n2} at head dim {head_dim} do not fit the registers of one program"
@@ -278,10 +281,12 @@ def backward(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int
              causal: bool, scale: float, recipe: KernelSpec, deterministic: bool = False, debug: bool = False):
     """Run the fused backward and dQ's postprocess. ``saved``: the forward's ``SavedForward``;
     ``do8``: dO's row and transposed copies (one ``quantize.Quantized``); ``delta``: D per query row ``(B*H, N)``
-    float32 (the preprocess's stale delta). Returns ``(dq, dk, dv, debug dict)``; the debug dict
-    holds ``"delta"`` and with ``debug`` ``"ds_dk"`` and ``"ds_dq"`` (``(B*H, N, N)`` float32: dS as
-    each matmul sees it, codes times their dequantization factor; 0 where a tile skipped) and,
-    deterministic, ``"sem_seen"`` (``(B*H, n_qtiles, n_kblocks)`` int32: the counter each key block
+    float32 (the preprocess's stale delta, or the pre-pass's matched D). Returns ``(dq, dk, dv,
+    debug dict)``; the debug dict holds ``"delta"`` and with ``debug`` ``"ds_dk"`` and ``"ds_dq"``
+    (``(B*H, N, N)`` float32: dS as each matmul sees it, codes times their dequantization factor; 0
+    where a tile skipped), ``"ds"`` (the float32 dS = P (dP - D) the casts received, before
+    quantization: the dK cast's input times its power-of-two factor, exact unless the scaled value
+    was subnormal) and, deterministic, ``"sem_seen"`` (``(B*H, n_qtiles, n_kblocks)`` int32: the counter each key block
     read before adding, -1 where it did not see the tile)."""
     from .fwd import LOG2E
 
@@ -318,6 +323,7 @@ def backward(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int
 
         dbg["ds_dk"] = seen(dumps["dsk_x"], dumps["dsk_inv"])
         dbg["ds_dq"] = seen(dumps["dsq_x"], dumps["dsq_inv"])
+        dbg["ds"] = dumps["dsk_x"] * dumps["dsk_inv"]
         if deterministic:
             dbg["sem_seen"] = dumps["sem_seen"]
     return dq, dk, dv, dbg

@@ -567,8 +567,19 @@ def _constexprs(spec, head_dim: int, causal: bool, group: int) -> dict:
                 OVERLAP=int(ws.dkdv_overlap))
 
 
+def _check_delta(recipe) -> None:
+    """Raise for a spec whose D comes from a pre-pass (``bwd.prepass_refusal``), as the Triton dq
+    and dkdv kernels do."""
+    from .bwd import prepass_refusal
+
+    why = prepass_refusal(recipe)
+    if why:
+        raise ValueError(f"bwd_ws: {why}")
+
+
 def _check(recipe, head_dim: int, debug: bool = False) -> None:
     """Raise for what the kernel does not run."""
+    _check_delta(recipe)
     if debug:
         raise ValueError("bwd_ws: the debug dumps exist for the Triton dkdv kernel only (bwd.backward)")
     if head_dim not in (64, 128):
@@ -1174,6 +1185,7 @@ def _dq_constexprs(spec, head_dim: int, causal: bool) -> dict:
 
 def _check_dq(recipe, head_dim: int, debug: bool = False) -> None:
     """Raise for what the dq kernel does not run."""
+    _check_delta(recipe)
     if debug:
         raise ValueError("bwd_ws: the debug row sums exist for the Triton dq kernel only (bwd.backward)")
     if head_dim not in (64, 128):

@@ -5,6 +5,7 @@ what the interpreter cannot (Triton language rules, layouts, wgmma lowering) and
 read registers, spills and shared memory of a tiling before spending GPU time on it.
 
     python -m dmref.kernels.compile_check            # kernels_delta_matching, both head dims
+    python -m dmref.kernels.bwd_prepass              # the pre-pass of kernels_delta_prepass
 
 Must run with ``TRITON_INTERPRET`` unset (under the interpreter kernels are not compiled).
 """
@@ -21,24 +22,32 @@ __all__ = ["Usage", "added_wgmma_waits", "check", "compile_launch", "compile_sm9
 
 def jitted_kernels() -> dict:
     """The jitted kernels a training step can launch, by name (``quantize``, ``fwd``, ``dq``, ``dkdv``,
-    and the Gluon backward's ``dq_ws``, ``dkdv_ws``): what a benchmark reads the compiled variants'
-    registers, spills and shared memory from after it ran them."""
-    from . import bwd, bwd_fused, bwd_ws, fwd, quantize
+    the Gluon backward's ``dq_ws``, ``dkdv_ws``, and the five-GEMM backward's ``bwd_fused`` and
+    ``prepass``): what a benchmark reads the compiled variants' registers, spills and shared memory
+    from after it ran them."""
+    from . import bwd, bwd_fused, bwd_prepass, bwd_ws, fwd, quantize
 
     return {"fwd": fwd._fwd_kernel, "dq": bwd._bwd_dq_kernel, "dkdv": bwd._bwd_dkdv_kernel,
             "quantize": quantize._quantize_kernel, "dq_ws": bwd_ws._bwd_dq_ws_kernel,
-            "dkdv_ws": bwd_ws._bwd_dkdv_ws_kernel, "bwd_fused": bwd_fused._bwd_fused_kernel}
+            "dkdv_ws": bwd_ws._bwd_dkdv_ws_kernel, "bwd_fused": bwd_fused._bwd_fused_kernel,
+            "prepass": bwd_prepass._bwd_prepass_kernel}
 
 
 def recipe_variants(spec: KernelSpec, head_dim: int, causal: bool, group: int = 1, gluon: bool = True):
     """(name, launch) of the kernels a training step of ``spec`` runs, from the launchers' own
     descriptions (``quantize.launch``, ``fwd.launch`` or ``fwd_ws.launch`` for a folded spec,
     ``bwd.launch``, and with ``gluon`` ``bwd_ws.launch`` as ``dq_ws`` and ``dkdv_ws`` where the Gluon
-    backward runs the spec)."""
-    from . import bwd, bwd_ws, fwd, fwd_ws, quantize
+    backward runs the spec; for a spec with D from a pre-pass, ``bwd_prepass.launch`` as ``prepass``
+    and ``bwd_fused.launch`` as ``bwd_fused`` instead of the dq and dkdv kernels)."""
+    from . import bwd, bwd_fused, bwd_prepass, bwd_ws, fwd, fwd_ws, quantize
 
-    yield "quantize", quantize.launch(head_dim, spec.recipe.do_dp.fmt.name, rows=True, cols=True, with_delta=True)
+    yield "quantize", quantize.launch(head_dim, spec.recipe.do_dp.fmt.name, rows=True, cols=True,
+                                      with_delta=not spec.prepass)
     yield "fwd", (fwd_ws if spec.folded else fwd).launch(spec, head_dim=head_dim, causal=causal)
+    if spec.prepass:
+        yield "prepass", bwd_prepass.launch(spec, head_dim=head_dim, causal=causal)
+        yield "bwd_fused", bwd_fused.launch(spec, head_dim=head_dim, causal=causal, group=group)
+        return
     yield "dq", bwd.launch(spec, head_dim=head_dim, causal=causal, kernel="dq")
     yield "dkdv", bwd.launch(spec, head_dim=head_dim, causal=causal, kernel="dkdv", group=group)
     for kernel in ("dq", "dkdv") if gluon else ():

@@ -26,7 +26,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from dmref.emulation import BFLOAT16, FLOAT8_E4M3FN, FLOAT8_E5M2, Accumulation, Rounding, ScaleRule
-from dmref.recipes import PRESETS, STALE, DeltaKind, Granularity, Normalizer, PReference, QuantPoint, Recipe
+from dmref.recipes import MATCHED, PRESETS, STALE, DeltaKind, Granularity, Normalizer, PReference, QuantPoint, Recipe
 from dmref.recipes import kernels as _recipes
 from dmref.recipes.kernels import KBAR_P_SCALE_LOG2, KERNEL_RECIPES, QUANT_BLOCK, KernelDelta  # noqa: F401 (the kernels read them here)
 
@@ -274,11 +274,12 @@ def _differences(recipe, bwd: BwdTiles | None) -> list[str]:
         checks.append("normalizer: the kernels divide by the float32 sum of P")
     if recipe.precision != "float32" or recipe.tiles.block_k != QUANT_BLOCK:
         checks.append(f"the kernels work in float32 with the running max rescaled every {QUANT_BLOCK} keys")
-    if recipe.delta not in (STALE,) and not (recipe.delta.kind is DeltaKind.MATCHED
-                                            and recipe.delta.deferred_dq is not None
-                                            and recipe.delta.deferred_dq == _recipes.deferred_dq(recipe.delta.deferred_dq.tile)):
-        checks.append(f"delta: the kernels compute the stale delta from BF16 dO and O, or the matched delta "
-                      f"with their deferred dQ; the recipe says {recipe.delta.name}")
+    deferred = recipe.delta.deferred_dq
+    if recipe.delta not in (STALE, MATCHED) and not (recipe.delta.kind is DeltaKind.MATCHED and deferred is not None
+                                                     and deferred == _recipes.deferred_dq(deferred.tile)):
+        checks.append(f"delta: the kernels compute the stale delta from BF16 dO and O, the matched delta "
+                      f"with their deferred dQ, or the matched delta from a pre-pass (no deferred dQ); "
+                      f"the recipe says {recipe.delta.name}")
     if any(m.accumulation is Accumulation.EXACT for m in recipe.accumulation.models()):
         checks.append("accumulation: the kernels accumulate on tensor cores (hopper) or in float32")
     if bwd is not None and not any(checks) and fit_to_tiles(recipe, bwd) != recipe:
@@ -307,8 +308,8 @@ class KernelSpec:
     (:func:`fit_to_tiles`), so every tiling of a spec agrees with its recipe; the forward's key
     tile is the recipe's ``Tiles.block_k``. A forward tiling its forward kernel does not honour is
     refused (:func:`fwd_refusal`). The launchers read the spec through one launch description per
-    kernel (``fwd.launch``, ``fwd_ws.launch``, ``bwd.launch``, ``bwd_ws.launch``), which
-    ``compile_check`` reads too.
+    kernel (``fwd.launch``, ``fwd_ws.launch``, ``bwd.launch``, ``bwd_ws.launch``, ``bwd_fused.launch``,
+    ``bwd_prepass.launch``), which ``compile_check`` reads too.
     """
 
     recipe: Recipe
@@ -356,9 +357,17 @@ class KernelSpec:
     # ---- derived from the recipe ---------------------------------------------------------------
     @property
     def matched(self) -> bool:
-        """Whether the delta is matched (the dq kernel's deferred dQ, ``recipe.delta.deferred_dq``)
-        rather than stale."""
+        """Whether the delta is matched with the dq kernel's deferred dQ (``recipe.delta.deferred_dq``
+        is set): what the dq kernels (``bwd``, ``bwd_ws``) read; False for the stale delta and for
+        :attr:`prepass`."""
         return self.recipe.delta.deferred_dq is not None
+
+    @property
+    def prepass(self) -> bool:
+        """Whether the delta is matched with D from a pre-pass (``recipe.delta`` is ``MATCHED``, no
+        deferred dQ; the ``kernels_*delta_prepass`` recipes): the backward is ``bwd_prepass`` then the
+        five-GEMM ``bwd_fused``; the dq and dkdv kernels refuse it."""
+        return self.recipe.delta == MATCHED
 
     @property
     def folded(self) -> bool:

@@ -61,7 +61,7 @@ def _check_model(preset: Recipe, model: str, name: str) -> None:
 
 def kernel_recipes() -> dict[str, Recipe]:
     """The Recipes ``dmref.kernels`` runs, by name (``kernels_delta_matching``,
-    ``kernels_naive_fp8``, ``kernels_folded_delta_matching``, ``kernels_folded_naive_fp8``):
+    ``kernels_naive_fp8``, ``kernels_delta_prepass`` and their ``kernels_folded_`` forms):
     :data:`dmref.recipes.kernels.KERNEL_RECIPES`, each the ``recipe`` of the kernels' spec of
     that name."""
     return dict(KERNEL_RECIPES)

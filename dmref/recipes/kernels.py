@@ -1,6 +1,7 @@
-"""The recipes the kernels run, as data: :data:`KERNEL_RECIPES` holds the four named Recipes
-(``kernels_delta_matching``, ``kernels_naive_fp8`` and their ``kernels_folded_*`` forms), built
-from the ``naive_fp8`` preset by :func:`kernel_recipe`; :func:`fit_to_tiles` writes into a recipe
+"""The recipes the kernels run, as data: :data:`KERNEL_RECIPES` holds the six named Recipes
+(``kernels_delta_matching``, ``kernels_naive_fp8``, ``kernels_delta_prepass`` and their
+``kernels_folded_*`` forms), built from the ``naive_fp8`` preset by :func:`kernel_recipe` (the
+pre-pass ones by ``with_prepass_delta`` of the matched ones); :func:`fit_to_tiles` writes into a recipe
 what the kernels' backward tile extents decide (dS blocks, promotion, kbar's tile).
 ``dmref.kernels.config`` builds its ``KernelSpec`` objects from these; nothing here imports the
 kernels or triton."""
@@ -13,7 +14,7 @@ from typing import Literal
 from ..emulation.blocked import ScaleRule
 from ..emulation.formats import FLOAT8_E4M3FN, FLOAT16, get_format
 from ..emulation.gemm import Accumulation, MatmulModel
-from .presets import PRESETS
+from .presets import PRESETS, with_prepass_delta
 from .recipe import DeferredDq, DeltaKind, DeltaStrategy, Granularity, MatmulModels, QuantPoint, Recipe, STALE
 
 __all__ = ["KERNEL_RECIPES", "QUANT_BLOCK", "KBAR_P_SCALE_LOG2", "KernelDelta", "DEFAULT_DS_TILE", "ds_point",
@@ -112,10 +113,15 @@ def kernel_recipe(delta: KernelDelta, dk_tile: int = DEFAULT_DS_TILE, dq_tile: i
 #: The Recipes the kernels ship, by name. ``kernels_naive_fp8``: naive_fp8's quantization with the
 #: kernels' scales (Q, K, dO, V of dP per token) and the stale delta; ``kernels_delta_matching``:
 #: the same with the matched delta and the kernels' deferred dQ; ``kernels_folded_*``: the same
-#: backward with the warp-specialized forward's folded K and V scales.
+#: backward with the warp-specialized forward's folded K and V scales; ``kernels_delta_prepass``
+#: (and its folded form): the matched recipe in the seven-GEMM schedule (``with_prepass_delta``):
+#: D = sum_j P dP from a pre-pass of QK^T and dO V^T, then the five-GEMM backward with that D and
+#: no deferred dQ.
 KERNEL_RECIPES: dict[str, Recipe] = {r.name: r for r in (
     kernel_recipe("matched"),
     kernel_recipe("stale"),
     kernel_recipe("matched", folded=True),
     kernel_recipe("stale", folded=True),
+    with_prepass_delta(kernel_recipe("matched"), "kernels_delta_prepass"),
+    with_prepass_delta(kernel_recipe("matched", folded=True), "kernels_folded_delta_prepass"),
 )}

@@ -1,5 +1,6 @@
 """Every kernel reads what it computes from its ``KernelSpec``, through one launch description per
-kernel (``fwd.launch``, ``fwd_ws.launch``, ``bwd.launch``, ``bwd_ws.launch``), which the launchers
+kernel (``fwd.launch``, ``fwd_ws.launch``, ``bwd.launch``, ``bwd_ws.launch``, and for the specs with
+D from a pre-pass ``bwd_prepass.launch`` and ``bwd_fused.launch``), which the launchers
 and ``compile_check`` read alike; a forward tiling a kernel cannot honour is refused with the
 reason. On the CPU, from the launch descriptions (Gluon kernels do not run in Triton's
 interpreter); the runs of a spec with another P scale against the reference are in
@@ -26,32 +27,40 @@ P_SCALE_LOG2 = 6
 
 def _launches(spec, head_dim: int = 128, causal: bool = True) -> dict:
     """Every kernel's launch for ``spec``: the forward of its family, both Triton backward kernels,
-    and both Gluon ones."""
-    from dmref.kernels import bwd, bwd_ws, fwd, fwd_ws
+    and both Gluon ones; for a spec with D from a pre-pass, the pre-pass and the fused backward
+    instead of the four."""
+    from dmref.kernels import bwd, bwd_fused, bwd_prepass, bwd_ws, fwd, fwd_ws
 
     dims = dict(head_dim=head_dim, causal=causal)
-    return {"fwd": (fwd_ws if spec.folded else fwd).launch(spec, **dims),
-            "dq": bwd.launch(spec, kernel="dq", **dims), "dkdv": bwd.launch(spec, kernel="dkdv", **dims),
+    fwd_run = {"fwd": (fwd_ws if spec.folded else fwd).launch(spec, **dims)}
+    if spec.prepass:
+        return {**fwd_run, "prepass": bwd_prepass.launch(spec, **dims), "bwd_fused": bwd_fused.launch(spec, **dims)}
+    return {**fwd_run, "dq": bwd.launch(spec, kernel="dq", **dims), "dkdv": bwd.launch(spec, kernel="dkdv", **dims),
             "dq_ws": bwd_ws.launch(spec, kernel="dq", **dims), "dkdv_ws": bwd_ws.launch(spec, kernel="dkdv", **dims)}
+
+
+#: The kernels that quantize P, by whether the spec's D comes from a pre-pass
+_P_KERNELS = {False: ("fwd", "dkdv", "dkdv_ws"), True: ("fwd", "bwd_fused")}
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_every_kernel_scales_p_as_its_spec_says(name, head_dim):
-    """P's fixed scale of every kernel that quantizes P (forward, Triton dkdv, Gluon dkdv) is the
-    spec's, 2**8 for the shipped recipes and 2**6 for the same recipe with P scaled by 2**6: no
-    kernel reads it from anywhere else."""
+    """P's fixed scale of every kernel that quantizes P (forward, Triton dkdv, Gluon dkdv; for a
+    pre-pass spec the fused backward) is the spec's, 2**8 for the shipped recipes and 2**6 for the
+    same recipe with P scaled by 2**6: no kernel reads it from anywhere else."""
     for spec, e in ((SPECS[name], 8), (with_p_scale(SPECS[name], P_SCALE_LOG2), P_SCALE_LOG2)):
         assert spec.recipe.p_fwd.offset_log2 == spec.recipe.p_bwd.offset_log2 == e
         runs = _launches(spec, head_dim)
-        for kernel in ("fwd", "dkdv", "dkdv_ws"):
+        for kernel in _P_KERNELS[spec.prepass]:
             assert runs[kernel].constexprs["P_SCALE"] == 2.0 ** e, (spec.name, kernel)
 
 
-@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("name", sorted(n for n, s in SPECS.items() if not s.prepass))
 def test_both_dq_kernels_scale_kbars_p_as_the_spec_says(name):
     """The matched dq kernels (Triton and Gluon) quantize kbar's P times
-    ``2**recipe.delta.deferred_dq.p_offset_log2``, read from the spec."""
+    ``2**recipe.delta.deferred_dq.p_offset_log2``, read from the spec (the pre-pass specs run
+    no dq kernel: test_bwd_prepass)."""
     spec = SPECS[name]
     runs = _launches(spec)
     deferred = spec.recipe.delta.deferred_dq
@@ -89,6 +98,8 @@ def test_the_gluon_backward_reads_its_schedule_from_the_spec():
         return WsBwdTiles(dkdv["STAGES"], dkdv["SPLIT"], dkdv["OVERLAP"], dq["STAGES"], dq["OVERLAP"])
 
     for name, spec in SPECS.items():
+        if spec.prepass:  # no Gluon backward (test_bwd_prepass)
+            continue
         for d in (64, 128):
             assert schedule(spec, d) == spec.ws_bwd_tiles(d) == default_ws_bwd_tiles(spec.recipe, d), (name, d)
     other = WsBwdTiles(dkdv_stages=3, dkdv_split=False, dkdv_overlap=2, dq_stages=3, dq_overlap=3)
@@ -185,17 +196,20 @@ def test_the_triton_forward_refuses_a_schedule_it_does_not_have():
 def test_compile_check_describes_the_kernels_of_the_spec():
     """``compile_check.recipe_variants`` (what ``check`` compiles) gives the launchers' own
     descriptions: the Gluon forward's for a folded spec and the Triton forward's otherwise, both
-    Triton backward kernels and both Gluon ones."""
+    Triton backward kernels and both Gluon ones, or for a pre-pass spec the pre-pass and the fused
+    backward (and the quantization of dO without the stale delta)."""
     from dmref.kernels import compile_check, fwd, fwd_ws
 
-    for name, module in (("kernels_folded_naive_fp8", fwd_ws), ("kernels_naive_fp8", fwd)):
+    for name, module in (("kernels_folded_naive_fp8", fwd_ws), ("kernels_naive_fp8", fwd),
+                         ("kernels_folded_delta_prepass", fwd_ws), ("kernels_delta_prepass", fwd)):
         spec = with_p_scale(SPECS[name], P_SCALE_LOG2)
         runs = dict(compile_check.recipe_variants(spec, 128, False))
         want = module.launch(spec, head_dim=128, causal=False)
         assert runs["fwd"] == want and runs["fwd"].constexprs["P_SCALE"] == 2.0 ** P_SCALE_LOG2
         launches = _launches(spec, 128, causal=False)
-        assert {k: runs[k] for k in ("dq", "dkdv", "dq_ws", "dkdv_ws")} == {
-            k: launches[k] for k in ("dq", "dkdv", "dq_ws", "dkdv_ws")}
+        assert set(runs) == {"quantize", *launches}, (name, sorted(runs))
+        assert {k: runs[k] for k in launches} == launches
+        assert runs["quantize"].constexprs["WITH_DELTA"] == (not spec.prepass)
 
 
 def test_one_format_table():

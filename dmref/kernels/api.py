@@ -159,10 +159,11 @@ def attention_backward(
     (``bwd_fused.backward``).
 
     ``fused`` None (the default) is False for the other specs. A pre-pass spec always runs the
-    five-GEMM backward (``fused`` None or True; ``fused=False`` is a ValueError, and so are
-    ``delta=``, its D being the pre-pass's, and ``gluon=True``): ``bwd_prepass.delta`` makes the
-    matched D from dO's row copy, and ``bwd_fused.backward`` runs with it (``deterministic`` as
-    above); the debug dict's ``"delta"`` is the pre-pass's D.
+    five-GEMM backward (``fused`` None or True; ``fused=False`` is a ValueError, and so is
+    ``delta=``, its D being the pre-pass's): the pre-pass makes the matched D from dO's row copy
+    and the five-GEMM kernel runs with it, both Gluon (``bwd_ws.prepass``, ``bwd_ws.fused``) where
+    they run, else Triton (``bwd_prepass.delta``, ``bwd_fused.backward``); ``gluon`` and
+    ``deterministic`` as above; the debug dict's ``"delta"`` is the pre-pass's D.
     """
     from . import bwd
     from .quantize import quantize
@@ -175,8 +176,6 @@ def attention_backward(
                              "deferred dQ (recipe 'kernels_delta_matching')")
         if delta is not None:
             raise ValueError(f"delta= replaces the stale delta; recipe {r.name!r} computes its D in the pre-pass")
-        if gluon:
-            raise ValueError(f"the Gluon backward does not run this call: {gluon_backward_refusal(r, shape.head_dim)}")
         fused = True
     if deterministic and not fused:
         raise ValueError("deterministic=True is an option of the fused backward (fused=True); the dq and dkdv "
@@ -191,10 +190,19 @@ def attention_backward(
         why = bwd_fused.refusal(r, shape.head_dim)
         if why:
             raise ValueError(f"the fused backward does not run this call: {why}")
+        why_not = gluon_backward_refusal(r, shape.head_dim, debug, do.device, fused=True)
+        if gluon and why_not:
+            raise ValueError(f"the Gluon fused backward does not run this call: {why_not}")
         do8, _ = quantize(do, r.recipe.do_dp.fmt.name, rows=True, cols=True)
-        d = bwd_prepass.delta(saved, do8, causal=causal, scale=scale, recipe=r, **_dims(shape))
-        return bwd_fused.backward(saved, do8, d, causal=causal, scale=scale, recipe=r, deterministic=deterministic,
-                                  debug=debug, **_dims(shape))
+        if why_not or gluon is False:
+            d = bwd_prepass.delta(saved, do8, causal=causal, scale=scale, recipe=r, **_dims(shape))
+            return bwd_fused.backward(saved, do8, d, causal=causal, scale=scale, recipe=r,
+                                      deterministic=deterministic, debug=debug, **_dims(shape))
+        from . import bwd_ws
+
+        d = bwd_ws.prepass(saved, do8, causal=causal, scale=scale, recipe=r, **_dims(shape))
+        return bwd_ws.fused(saved, do8, d, causal=causal, scale=scale, recipe=r, deterministic=deterministic,
+                            **_dims(shape))
     # delta step (stale) fused into the quantization of dO: one read of dO and O
     do8, delta_stale = quantize(do, r.recipe.do_dp.fmt.name, rows=True, cols=True, delta_with=o)
     if fused:
@@ -238,7 +246,7 @@ def gluon_backward_refusal(recipe: KernelSpec, head_dim: int, debug: bool = Fals
     from ._runtime import interpreting
     from .bwd import prepass_refusal
 
-    why = prepass_refusal(recipe)
+    why = None if fused else prepass_refusal(recipe)
     if why:
         return why
     if device is not None and device.type == "cuda":

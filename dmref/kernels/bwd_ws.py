@@ -577,9 +577,11 @@ def _check_delta(recipe) -> None:
         raise ValueError(f"bwd_ws: {why}")
 
 
-def _check(recipe, head_dim: int, debug: bool = False) -> None:
-    """Raise for what the kernel does not run."""
-    _check_delta(recipe)
+def _check(recipe, head_dim: int, debug: bool = False, prepass: bool = False) -> None:
+    """Raise for what the kernel does not run (``prepass``: the five-GEMM kernel, which runs the
+    specs whose D comes from a pre-pass too)."""
+    if not prepass:
+        _check_delta(recipe)
     if debug:
         raise ValueError("bwd_ws: the debug dumps exist for the Triton dkdv kernel only (bwd.backward)")
     if head_dim not in (64, 128):
@@ -643,7 +645,7 @@ def _check_fused(spec, head_dim: int, debug: bool = False) -> None:
     why = refusal(spec, head_dim)
     if why:
         raise ValueError(f"bwd_ws: {why}")
-    _check(spec, head_dim, debug)
+    _check(spec, head_dim, debug, prepass=True)
     bn = spec.bwd_tiles(head_dim).block_n2
     if bn != BLOCK_N.value:
         raise ValueError(f"bwd_ws: the fused kernel's dQ key block (block_n2={bn}) must be its CTA's {BLOCK_N.value} "
@@ -686,7 +688,7 @@ def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, de
     if kernel == "prepass":
         if split is not None:
             raise ValueError("bwd_ws: split is the dkdv kernel's")
-        _check_dq(r, head_dim, debug)
+        _check_dq(r, head_dim, debug, prepass=True)
         consts = _dq_constexprs(r, head_dim, causal)
         # S and dP, then the row sums: dP issued behind S runs during the softmax (the dq kernel's
         # other schedules overlap its dS K and kbar, which the pre-pass does not run)
@@ -1183,9 +1185,11 @@ def _dq_constexprs(spec, head_dim: int, causal: bool) -> dict:
                 MATCHED=spec.matched, KBAR_P_SCALE=kbar_p_scale(spec), OVERLAP=int(ws.dq_overlap), PREPASS=False)
 
 
-def _check_dq(recipe, head_dim: int, debug: bool = False) -> None:
-    """Raise for what the dq kernel does not run."""
-    _check_delta(recipe)
+def _check_dq(recipe, head_dim: int, debug: bool = False, prepass: bool = False) -> None:
+    """Raise for what the dq kernel does not run (``prepass``: its pre-pass form, which runs the
+    specs whose D comes from a pre-pass too)."""
+    if not prepass:
+        _check_delta(recipe)
     if debug:
         raise ValueError("bwd_ws: the debug row sums exist for the Triton dq kernel only (bwd.backward)")
     if head_dim not in (64, 128):

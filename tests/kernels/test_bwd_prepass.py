@@ -227,8 +227,8 @@ def _one_line(exc_or_str) -> str:
 def test_the_prepass_recipes_are_kernel_recipes_and_every_other_path_refuses_them():
     """The two pre-pass recipes are kernel recipes (``with_prepass_delta`` of the matched ones, a
     spec each); the dq and dkdv kernels (Triton and Gluon) refuse them, and ``attention_backward``
-    refuses ``fused=False``, ``delta=`` and ``gluon=True`` for them, each in one line; the fused
-    backward still refuses the deferred dQ."""
+    refuses ``fused=False`` and ``delta=`` for them, each in one line, while the Gluon pre-pass
+    and five-GEMM kernels take them; the fused backward still refuses the deferred dQ."""
     pytest.importorskip("triton")
     import dataclasses
 
@@ -252,9 +252,12 @@ def test_the_prepass_recipes_are_kernel_recipes_and_every_other_path_refuses_the
                 bwd_ws.launch(spec, head_dim=128, causal=False, kernel=kernel)
             _one_line(info.value)
         assert "pre-pass" in _one_line(api.gluon_backward_refusal(spec, 128))
+        # the Gluon pre-pass and five-GEMM kernels run them (on a Hopper GPU)
+        for kernel in ("prepass", "fused"):
+            assert bwd_ws.launch(spec, head_dim=128, causal=False, kernel=kernel).constexprs["HEAD_DIM"] == 128
+        assert "pre-pass" not in (api.gluon_backward_refusal(spec, 128, fused=True) or "")
         shape = api.Shape(1, 1, 1, 64, 64)
-        for kw, match in ((dict(fused=False), "five-GEMM"), (dict(delta=torch.zeros(1, 1, 64)), "pre-pass"),
-                          (dict(gluon=True), "Gluon")):
+        for kw, match in ((dict(fused=False), "five-GEMM"), (dict(delta=torch.zeros(1, 1, 64)), "pre-pass")):
             with pytest.raises(ValueError, match=match) as info:
                 api.attention_backward(None, None, None, shape=shape, causal=False, scale=0.125, recipe=spec, **kw)
             _one_line(info.value)

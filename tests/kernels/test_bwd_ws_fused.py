@@ -173,3 +173,32 @@ def test_bwd_ws_prepass_is_the_dq_kernels_matched_delta(case):
     _, _, _, dbg = bwd.backward(saved, do8, do8, delta_stale, recipe=r, kernels=("dq",), **dims)
     assert torch.equal(d_pre, d_gluon), _describe(d_pre, d_gluon)
     assert torch.equal(d_pre, dbg["delta"]), _describe(d_pre, dbg["delta"])
+
+
+_SEVEN_CASES = [
+    (ProblemShape(2, 4, 2, 1000, 128), True, "kernels_delta_prepass"),
+    (ProblemShape(1, 4, 1, 777, 64), False, "kernels_delta_prepass"),
+    (ProblemShape(1, 4, 2, 1024, 128), True, "kernels_folded_delta_prepass"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _SEVEN_CASES, ids=[_id(c) for c in _SEVEN_CASES])
+def test_the_seven_gemm_backward_in_gluon_equals_the_triton_one(case):
+    """``attention_backward`` on a pre-pass spec runs the Gluon pre-pass and five-GEMM kernel on a
+    Hopper GPU; deterministic, its D, dQ, dK and dV equal the Triton pre-pass and ``bwd_fused``'s
+    bit for bit (the pre-pass: the dq kernels' matched D, above; the five-GEMM kernel: above)."""
+    device = require_backend("gpu")
+    from dmref.kernels import api
+    from test_bwd_ws import _wide_inputs
+
+    shape, causal, recipe = case
+    q, k, v, do = _wide_inputs(shape, device)
+    scale = 1.0 / math.sqrt(shape.head_dim)
+    o, _, saved, _ = api.attention_forward(q, k, v, causal=causal, scale=scale, recipe=recipe)
+    kw = dict(shape=api.Shape.of(q, k, v), causal=causal, scale=scale, recipe=recipe, deterministic=True)
+    got = api.attention_backward(saved, o, do, **kw)
+    want = api.attention_backward(saved, o, do, gluon=False, **kw)
+    assert torch.equal(got[3]["delta"], want[3]["delta"]), _describe(got[3]["delta"], want[3]["delta"])
+    for name, a, b in zip(("dQ", "dK", "dV"), got[:3], want[:3]):
+        assert torch.equal(a, b), f"{name}: {_describe(a, b)}"

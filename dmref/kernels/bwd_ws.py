@@ -130,8 +130,8 @@ past N are masked in P^T (they would reach dQ's sums and its per-query scale). R
 not added (no mask where N is a multiple of 64, ``EVEN_N``). ``DETERMINISTIC``: the counters of
 ``bwd_fused`` (key block j adds after the blocks before it). The D it subtracts is read from a
 buffer, as ``bwd_fused``'s: the stale one, or a matched one computed ahead by the pre-pass.
-ptxas spills loop-invariant values before the loop at D = 128 (about 0.5 KB a thread,
-tests/kernels/test_bwd_ws_fused.py); none at D = 64.
+ptxas spills 108-180 B a thread at D = 128 (tests/kernels/test_bwd_ws_fused.py); none at
+D = 64.
 
 The pre-pass (``launch(..., kernel="prepass")``, :func:`prepass`): the dq kernel stopped at its row
 sums (``PREPASS``), S, P, dP and D = sum_j P dP, the matched D of the dq kernels bit for bit,
@@ -218,7 +218,7 @@ def _promote(acc, a8, b_smem, t_old, scale_smem, row_factor, acc_layout: gl.cons
 
 
 @gluon.jit
-def _dq_add(dsq_a, kt_b, kts_row, dsq_inv, DQ_ACC, row0, offs_q, c0, N, HEAD_DIM: gl.constexpr, CH: gl.constexpr,
+def _dq_add(dsq_a, kt_b, kts_row, dsq_inv, DQ_ACC, row0, start_q, c0, N, HEAD_DIM: gl.constexpr, CH: gl.constexpr,
             q_layout: gl.constexpr, EVEN_N: gl.constexpr):
     """dQ's partial over the tile's keys for channels ``c0 .. c0 + CH``: one wgmma chain of dS
     (``dsq_a``) and K (``kt_b``), times the K^T channel scales and dS's query factors, added into
@@ -227,12 +227,15 @@ def _dq_add(dsq_a, kt_b, kts_row, dsq_inv, DQ_ACC, row0, offs_q, c0, N, HEAD_DIM
                       is_async=True)
     t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
     dq = t * gl.expand_dims(kts_row.load(gl.SliceLayout(0, q_layout)), 0) * gl.expand_dims(dsq_inv, 1)
-    offs_d = c0 + gl.arange(0, CH, layout=gl.SliceLayout(0, q_layout))
-    ptrs = DQ_ACC + row0 + gl.expand_dims(offs_q * HEAD_DIM, 1) + gl.expand_dims(offs_d, 0)
+    rows_q = gl.arange(0, dsq_a.shape[0], layout=gl.SliceLayout(1, q_layout))
+    cols = gl.arange(0, CH, layout=gl.SliceLayout(0, q_layout))
+    # one scalar base a tile and int32 offsets within it (per-element 64-bit pointers, which the
+    # compiler forms before the loop, spilled 0.5 KB a thread at D = 128)
+    ptrs = (DQ_ACC + (row0 + start_q * HEAD_DIM + c0)) + (gl.expand_dims(rows_q * HEAD_DIM, 1) + gl.expand_dims(cols, 0))
     if EVEN_N:  # no query tile runs past N: no mask (a masked atomic is a branch each)
         gl.atomic_add(ptrs, dq, sem="relaxed")
     else:
-        gl.atomic_add(ptrs, dq, mask=gl.expand_dims(offs_q < N, 1), sem="relaxed")
+        gl.atomic_add(ptrs, dq, mask=gl.expand_dims(start_q + rows_q < N, 1), sem="relaxed")
 
 
 #: channels of one dQ wgmma in the fused kernel (two halves at D = 128: _dq_partial)
@@ -268,8 +271,6 @@ def _dq_partial(dsq_a, dsq_inv, kt_smem, kts_smem, DQ_ACC, SEM, bh, start_m, sta
     to j + 1)."""
     CH: gl.constexpr = DQ_CH
     q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, CH, 32])
-    row_q: gl.constexpr = gl.SliceLayout(1, q_layout)
-    offs_q = start_m + gl.arange(0, BLOCK_M, layout=row_q)
     row0 = bh * N * HEAD_DIM
     kts = kts_smem.reshape([HEAD_DIM])
     if DETERMINISTIC:
@@ -279,7 +280,7 @@ def _dq_partial(dsq_a, dsq_inv, kt_smem, kts_smem, DQ_ACC, SEM, bh, start_m, sta
             seen = gl.atomic_add(counter, 0, sem="acquire")
     for h in gl.static_range(HEAD_DIM // CH):
         _dq_add(dsq_a, kt_smem.slice(h * CH, CH, dim=0).permute((1, 0)), kts.slice(h * CH, CH), dsq_inv, DQ_ACC,
-                row0, offs_q, h * CH, N, HEAD_DIM, CH, q_layout, EVEN_N)
+                row0, start_m, h * CH, N, HEAD_DIM, CH, q_layout, EVEN_N)
     if DETERMINISTIC:
         gl.thread_barrier()  # every thread's adds are issued before the release
         gl.atomic_add(counter, 1, sem="release")

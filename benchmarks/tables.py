@@ -49,6 +49,12 @@ LABELS = {
     "e2e_matched": "e2e matched",
     "e2e_matched_folded": "e2e matched, WS fwd",
     "default_e2e": "default e2e",
+    "bwd_fused_stale": "5-GEMM bwd stale",
+    "bwd_fused_stale_det": "5-GEMM bwd stale, deterministic",
+    "bwd_fused_stale_triton": "5-GEMM bwd stale, Triton",
+    "bwd_prepass_gluon": "7-GEMM bwd matched (pre-pass)",
+    "e2e_prepass_gluon": "e2e 7-GEMM matched",
+    "e2e_prepass_gluon_folded": "e2e 7-GEMM matched, WS fwd",
 }
 GLUON_OVER_TRITON = "Gluon bwd over Triton bwd (matched)"
 

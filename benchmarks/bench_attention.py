@@ -19,7 +19,10 @@ Measures, per shape B·H·N·D and causal or not, medians of ``triton.testing.do
   ``bwd_kernels``) and with the Triton kernels (``_triton``), and that backward's kernels without
   the preprocess: both, the dq alone, the dkdv alone (``_kernels``, ``_dq``, ``_dkdv``); the
   five-GEMM backward (``bwd_fused``, stale delta) incl. the preprocess and dQ's postprocess, with
-  atomic and with deterministic dQ sums (``ours_bwd_fused_stale``, ``_det``);
+  atomic and with deterministic dQ sums (``ours_bwd_fused_stale``, ``_det``); the Gluon five-GEMM
+  kernel alone on the stale D incl. dQ's postprocess (``ours_bwd_prepass_gluon_fused``), and with
+  two consumer warp groups a CTA sharing its ring of query tiles (``WsBwdTiles.fused_consumers=2``,
+  not the default: ``ours_bwd_fused_2cons``; an error is recorded as ``bwd_fused_2cons_error``);
   end to end (quantization + forward + backward through ``torch.autograd``);
 - the warp-specialized Gluon forward (``dmref.kernels.fwd_ws``, the ``folded`` scales): kernel
   alone and incl. its quantization of K and V (it quantizes Q inside), with host-built TMA
@@ -220,6 +223,8 @@ def _speedups(ms: dict, anchor: str) -> dict:
         **{k: fwd / ms[f"ours_{k}"] for k in ("fwd_ws_2cons_kernel", "fwd_ws_2cons_incl_quant") if f"ours_{k}" in ms},
         # the seven-GEMM matched recipe in Gluon (pre-pass + five-GEMM kernel), and end to end
         **{k: bwd / ms[f"ours_{k}"] for k in ("bwd_prepass_gluon",) if f"ours_{k}" in ms},
+        # the Gluon five-GEMM kernel alone (stale D), one and two consumer warp groups a CTA
+        **{k: bwd / ms[f"ours_{k}"] for k in ("bwd_prepass_gluon_fused", "bwd_fused_2cons") if f"ours_{k}" in ms},
         **{k: e2e / ms[f"ours_{k}"] for k in ("e2e_prepass_gluon", "e2e_prepass_gluon_folded") if f"ours_{k}" in ms},
         "e2e_matched_folded": e2e / ms["ours_e2e_matched_folded"],
         "bwd_matched_triton": bwd / ms["ours_bwd_matched_triton"],
@@ -340,6 +345,13 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
         ms["ours_bwd_prepass_gluon"] = bench(seven)
         ms["ours_bwd_prepass_gluon_prepass"] = bench(lambda: bwd_ws.prepass(saved, do8, recipe=r_dm, **kw))
         ms["ours_bwd_prepass_gluon_fused"] = bench(lambda: bwd_ws.fused(saved, do8, d_stale, recipe=r_st, **kw))
+        # the same kernel with two consumer warp groups a CTA sharing the ring of query tiles
+        # (WsBwdTiles.fused_consumers=2, 128 keys a CTA; not the default)
+        try:
+            ms["ours_bwd_fused_2cons"] = bench(lambda: bwd_ws.fused(saved, do8, d_stale, recipe=r_st, consumers=2,
+                                                                     **kw))
+        except Exception as exc:
+            res["bwd_fused_2cons_error"] = f"{type(exc).__name__}: {exc}"[:300]
         r_ffdm = _recipe("kernels_folded_delta_matching", fwd_c, bwd_c)
         for tag, r in (("prepass_gluon", r_dm), ("prepass_gluon_folded", r_ffdm)):
             def e2e(r=r):

@@ -133,6 +133,39 @@ buffer, as ``bwd_fused``'s: the stale one, or a matched one computed ahead by th
 ptxas spills 108-180 B a thread at D = 128 (tests/kernels/test_bwd_ws_fused.py); none at
 D = 64.
 
+With ``consumers=2`` (``WsBwdTiles(fused_consumers=2)``, or ``fused(..., consumers=2)``; not the
+default) a CTA of the five-GEMM kernel takes 128 keys on two consumer warp groups that share one
+ring of query tiles, FlashAttention-3's backward structure: the default partition takes keys
+0..63, a four-warp worker partition keys 64..127, each with its own K, V and K^T tiles in shared
+memory (all four loads on ``kv_ready``; K^T's channel scales are one row for the 128 keys), so
+each query tile's Q, dO, Q^T, dO^T and their scales cross into shared memory once for 128 keys
+instead of once for 64. One CTA of 384 threads an SM (``_gluon.TWO_CONSUMER_LAUNCH_REGS``, 168
+registers at launch; the producer drops to 24, each consumer rises to 240); the free barriers
+count one arrival from each consumer. Each consumer runs the one-consumer CTA of its 64 keys,
+the same query tiles in the same order, so dK and dV are to be the one-consumer kernel's bits,
+and deterministic dQ too (the consumer of key block j = ``start_n // 64`` adds after the counter
+reads j, as before). The ring starts at the CTA's first query tile (causal: the one of the first
+consumer's keys). The second consumer releases, unread, the tiles its one-consumer CTA does not
+run, after their loads have landed (an earlier arrival could complete the stage's previous phase
+before the first consumer has released it): causal, the first tile of each query head, whose
+queries all precede its keys, and every tile where its keys all lie past N (the last CTA of a
+head; it stores nothing and adds nothing to dQ). Computing those tiles instead, with P = 0 from
+the masks, would add signed zeros: the dV and dK chains of zero codes times codes of either sign
+may give -0, and a float32 add of a zero leaves every accumulator bit for bit but a -0 one, which
++0 makes +0 (dQ's atomic adds alike). An accumulator, which starts at +0, turns -0 only where a
+multiply-add's exact result is negative and rounds to zero (a product below the smallest
+subnormal; the adds do not flush to zero, and an exact zero sum is +0), rare but possible, and
+BF16 keeps the sign of a zero: the skip keeps the bits without that proviso.
+
+Compiled for sm_90a (``compile_sm90(kernel="fused", consumers=2)``,
+tests/kernels/test_bwd_ws_fused.py), causal or not, deterministic or not, N a multiple of 64 or
+not: 168 registers at launch, no serialized wgmma. D = 64: no spills, 66,896 B of shared memory
+with two stages (the one-consumer kernel: 50,508 B a CTA, two CTAs an SM). D = 128: 48-160 B of
+spills a thread by ptxas's count, which sums the code of both consumers (by the SASS's local
+loads and stores 12-52 B in the first's and 32-96 B in the second's, where the one-consumer
+kernel's consumer has 108-180 B), 125,520 B of shared memory (the one-consumer kernel: 96,844 B).
+It has not run on a GPU.
+
 The pre-pass (``launch(..., kernel="prepass")``, :func:`prepass`): the dq kernel stopped at its row
 sums (``PREPASS``), S, P, dP and D = sum_j P dP, the matched D of the dq kernels bit for bit,
 for the seven-GEMM recipe (pre-pass, then the five-GEMM kernel with that D); the K^T tiles are
@@ -147,7 +180,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from ._gluon import LAUNCH_REGS, PRODUCER_REGS, allocator
+from ._gluon import LAUNCH_REGS, PRODUCER_REGS, TWO_CONSUMER_LAUNCH_REGS, TWO_CONSUMER_REGS, allocator
 from ._gluon import exp2_int as _exp2_int
 from ._gluon import mul_rn as _mul_rn
 from ._gluon import pow2_down_exponent as _pow2_down_exponent
@@ -166,17 +199,24 @@ NUM_WARPS = 4
 def _producer(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, kt_desc, kts_desc, k_smem,
               v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs, kv_ready,
               rows_ready, rows_free, cols_ready, cols_free, kv_row, bkv, start_n, bh0, lo, n_m, n_iter, N, NPAD,
-              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, FUSED: gl.constexpr):
-    """TMA loads: K and V row tiles once (``FUSED``: and K's transposed tile with its scale row),
-    then per iteration i (query head ``bh0 + i // n_m``, query tile ``lo + (i % n_m) * BLOCK_M``)
-    the Q and dO row tiles, and the Q^T and dO^T tiles with their scales (the row of
-    ``(NPAD // QUANT_BLOCK, D)`` factors of the tile's token block)."""
+              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, FUSED: gl.constexpr,
+              k_smem1=None, v_smem1=None, kt_smem1=None, CONSUMERS: gl.constexpr = 1):
+    """TMA loads: K and V row tiles once (``FUSED``: and K's transposed tile with its scale row;
+    ``CONSUMERS`` 2: those of keys ``start_n + 64 ..`` too, into ``k_smem1``, ``v_smem1``,
+    ``kt_smem1``, the scale row being one for the CTA's 128 keys), then per iteration i (query
+    head ``bh0 + i // n_m``, query tile ``lo + (i % n_m) * BLOCK_M``) the Q and dO row tiles, and
+    the Q^T and dO^T tiles with their scales (the row of ``(NPAD // QUANT_BLOCK, D)`` factors of
+    the tile's token block)."""
     if FUSED:
-        mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes + kt_desc.block_type.nbytes
-                        + kts_desc.block_type.nbytes)
+        mbarrier.expect(kv_ready, CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes
+                                               + kt_desc.block_type.nbytes) + kts_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(kt_desc, [bkv * HEAD_DIM, start_n], kv_ready, kt_smem)
         tma.async_copy_global_to_shared(kts_desc, [bkv * (NPAD // QUANT_BLOCK) + start_n // QUANT_BLOCK, 0],
                                         kv_ready, kts_smem)
+        if CONSUMERS == 2:
+            tma.async_copy_global_to_shared(kt_desc, [bkv * HEAD_DIM, start_n + BLOCK_N], kv_ready, kt_smem1)
+            tma.async_copy_global_to_shared(k_desc, [kv_row + BLOCK_N, 0], kv_ready, k_smem1)
+            tma.async_copy_global_to_shared(v_desc, [kv_row + BLOCK_N, 0], kv_ready, v_smem1)
     else:
         mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [kv_row, 0], kv_ready, k_smem)
@@ -287,17 +327,32 @@ def _dq_partial(dsq_a, dsq_inv, kt_smem, kts_smem, DQ_ACC, SEM, bh, start_m, sta
 
 
 @gluon.jit
+def _release(rows_ready, rows_free, cols_ready, cols_free, i, STAGES: gl.constexpr):
+    """Stage i of the ring released by a consumer that does not read it: once its loads have
+    landed (an arrival before then could complete the stage's previous phase, which the other
+    consumer may not have released yet)."""
+    s = i % STAGES
+    ph = (i // STAGES) & 1
+    mbarrier.wait(rows_ready.index(s), ph)
+    mbarrier.arrive(rows_free.index(s), count=1)
+    mbarrier.wait(cols_ready.index(s), ph)
+    mbarrier.arrive(cols_free.index(s), count=1)
+
+
+@gluon.jit
 def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs, kv_ready,
               rows_ready, rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV,
               DQ_ACC, SEM, qk_scale, sm_scale, bkv, bh0, start_n, lo, n_m, n_iter, N, NPAD,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               P_SCALE: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr, FUSED: gl.constexpr,
-              DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr):
+              DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr, SKIP: gl.constexpr = False):
     """The consumer warp group: the key tile's scales, every query tile, the stores. With
     ``SPLIT`` dK and dV are held as two halves of the head dim, each accumulated by its own
     wgmma (the same per-element chains: a wgmma's output element depends on its row of A, its
     column of B and the k order only). ``FUSED``: the fifth GEMM, dQ's partial over this key tile
-    added into ``DQ_ACC`` (:func:`_dq_partial`)."""
+    added into ``DQ_ACC`` (:func:`_dq_partial`). ``SKIP`` (the second consumer of a two-consumer
+    CTA, whose ring starts at the CTA's first query tile): the query tiles a one-consumer CTA of
+    keys ``start_n ..`` does not run are released without being computed."""
     CH: gl.constexpr = HEAD_DIM // 2 if SPLIT else HEAD_DIM
     gl.static_assert(OVERLAP < 2 or not SPLIT)
     gl.static_assert(not FUSED or (not SPLIT and OVERLAP < 2 and BLOCK_M == BLOCK_N))
@@ -325,10 +380,27 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
         dk1 = gl.zeros([BLOCK_N, CH], gl.float32, a_layout)
         dv1 = gl.zeros([BLOCK_N, CH], gl.float32, a_layout)
     mbarrier.wait(kv_ready, 0)
+    n_run = n_iter
+    if SKIP:
+        # the second consumer of a two-consumer CTA runs the query tiles of a one-consumer CTA of
+        # its keys: none where they all lie past N (it releases every stage), else, causal, all but
+        # the first tile of each query head (the CTA's first, whose queries all precede its keys),
+        # released before the next one is computed
+        past_n = start_n >= N
+        for i in range(gl.where(past_n, n_iter, 0)):
+            _release(rows_ready, rows_free, cols_ready, cols_free, i, STAGES)
+        n_run = gl.where(past_n, 0, n_iter - n_iter // n_m if CAUSAL else n_iter)
     # Invariant at the top of each iteration, over the query tiles (and query heads) done so far:
     # dk = sum of deq(Q8(dS^T)) Q, dv = sum of Q8(2**8 P^T) deq(dO) (float32, one add per tile;
     # dv carries P's 2**8, taken out at the store): the Triton kernel's
-    for i in range(n_iter):
+    for k in range(n_run):
+        if SKIP and CAUSAL:
+            # tile t = 1 .. n_m - 1 of head g = k // (n_m - 1) is iteration i = g * n_m + t
+            i = k + k // (n_m - 1) + 1
+            if i % n_m == 1:
+                _release(rows_ready, rows_free, cols_ready, cols_free, i - 1, STAGES)
+        else:
+            i = k
         s = i % STAGES
         ph = (i // STAGES) & 1
         bh = (bh0 + i // n_m).to(gl.int64)
@@ -436,19 +508,20 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
 
 
 @gluon.jit
-def _ring_barriers(STAGES: gl.constexpr):
+def _ring_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr = 1):
     """The two rings' barriers of both kernels, initialized: ``rows_ready`` / ``rows_free`` (the
     row tiles of a stage) and ``cols_ready`` / ``cols_free`` (its transposed tiles and scales),
-    one arrival each."""
+    one arrival each; the free ones one arrival from each of ``CONSUMERS`` consumers (a stage is
+    free once every consumer has released it)."""
     rows_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     rows_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     cols_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     cols_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(rows_ready.index(i), count=1)
-        mbarrier.init(rows_free.index(i), count=1)
+        mbarrier.init(rows_free.index(i), count=CONSUMERS)
         mbarrier.init(cols_ready.index(i), count=1)
-        mbarrier.init(cols_free.index(i), count=1)
+        mbarrier.init(cols_free.index(i), count=CONSUMERS)
     return rows_ready, rows_free, cols_ready, cols_free
 
 
@@ -457,14 +530,19 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
           K_SCALE, V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, H, HKV, N, NPAD,
           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
           CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr,
-          FUSED: gl.constexpr, DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr):
+          FUSED: gl.constexpr, DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr, CONSUMERS: gl.constexpr = 1):
     """The kernel on its TMA descriptors: K, V rows ``(B*HKV*N, D)``, Q, dO rows ``(B*H*N, D)``,
     Q^T, dO^T ``(B*H*D, NPAD)`` and their scales ``(B*H*NPAD/128, D)``; ``FUSED``: K^T
     ``(B*HKV*D, NPAD)`` and its scales, dQ's float32 buffer and (``DETERMINISTIC``) its counters
-    (without ``FUSED`` these arguments are placeholders, never read)."""
+    (without ``FUSED`` these arguments are placeholders, never read). ``CONSUMERS`` (2: ``FUSED``
+    only) consumer warp groups of ``BLOCK_N`` keys each share the ring of query tiles, which
+    starts at the CTA's first query tile."""
     gl.static_assert(QUANT_BLOCK % BLOCK_M == 0)
     gl.static_assert(BLOCK_N % BLOCK_M == 0 or BLOCK_M % BLOCK_N == 0)
-    start_n = gl.program_id(0) * BLOCK_N
+    gl.static_assert(CONSUMERS == 1 or (FUSED and CONSUMERS == 2))
+    # the CTA's keys lie in one token block of K^T's scales (one scale row for both consumers)
+    gl.static_assert(QUANT_BLOCK % (CONSUMERS * BLOCK_N) == 0)
+    start_n = gl.program_id(0) * (CONSUMERS * BLOCK_N)
     bkv = gl.program_id(1)
     # first query head of this key/value head; its GROUP heads are consecutive
     bh0 = (bkv // HKV) * H + (bkv % HKV) * GROUP
@@ -489,20 +567,48 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
     else:
         kt_smem = k_smem
         kts_smem = k_smem
+    if CONSUMERS == 2:
+        k_smem1 = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_shape, k_desc.layout)
+        v_smem1 = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_shape, v_desc.layout)
+        kt_smem1 = gl.allocate_shared_memory(kt_desc.dtype, kt_desc.block_shape, kt_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
-    rows_ready, rows_free, cols_ready, cols_free = _ring_barriers(STAGES)
+    rows_ready, rows_free, cols_ready, cols_free = _ring_barriers(STAGES, CONSUMERS)
     fence_async_shared()
-    gl.warp_specialize([
-        (_consumer, (k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs,
-                     kv_ready, rows_ready, rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE,
-                     LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, bkv, bh0, start_n, lo, n_m, n_iter, N,
-                     NPAD, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, P_SCALE, SPLIT, OVERLAP, FUSED, DETERMINISTIC, EVEN_N)),
-        (_producer, (k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, kt_desc, kts_desc,
-                     k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs,
-                     kv_ready, rows_ready, rows_free, cols_ready, cols_free, bkv * N + start_n, bkv, start_n, bh0, lo,
-                     n_m, n_iter, N, NPAD, HEAD_DIM, BLOCK_M, STAGES, FUSED)),
-    ], [1], [PRODUCER_REGS])
+    if CONSUMERS == 1:
+        gl.warp_specialize([
+            (_consumer, (k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs,
+                         kv_ready, rows_ready, rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE,
+                         LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, bkv, bh0, start_n, lo, n_m, n_iter, N,
+                         NPAD, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, P_SCALE, SPLIT, OVERLAP, FUSED, DETERMINISTIC,
+                         EVEN_N)),
+            (_producer, (k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, kt_desc, kts_desc,
+                         k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs,
+                         kv_ready, rows_ready, rows_free, cols_ready, cols_free, bkv * N + start_n, bkv, start_n, bh0,
+                         lo, n_m, n_iter, N, NPAD, HEAD_DIM, BLOCK_M, STAGES, FUSED)),
+        ], [1], [PRODUCER_REGS])
+    else:
+        # consumer 0 (the default partition) takes keys start_n .. + 63, consumer 1 (a worker
+        # partition of one warp group) keys start_n + 64 .. + 127; both wait on every stage of the
+        # ring (the query tiles from the CTA's lo, which is consumer 0's) and release it, consumer 1
+        # computing only the tiles a one-consumer CTA of its keys runs (``SKIP``)
+        gl.warp_specialize([
+            (_consumer, (k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs,
+                         kv_ready, rows_ready, rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE,
+                         LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, bkv, bh0, start_n, lo, n_m, n_iter, N,
+                         NPAD, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, P_SCALE, SPLIT, OVERLAP, FUSED, DETERMINISTIC,
+                         EVEN_N, False)),
+            (_consumer, (k_smem1, v_smem1, kt_smem1, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs,
+                         dots_bufs, kv_ready, rows_ready, rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE,
+                         DO_SCALE, LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, bkv, bh0, start_n + BLOCK_N,
+                         lo, n_m, n_iter, N, NPAD, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, P_SCALE, SPLIT, OVERLAP, FUSED,
+                         DETERMINISTIC, EVEN_N, True)),
+            (_producer, (k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, kt_desc, kts_desc,
+                         k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs,
+                         kv_ready, rows_ready, rows_free, cols_ready, cols_free, bkv * N + start_n, bkv, start_n, bh0,
+                         lo, n_m, n_iter, N, NPAD, HEAD_DIM, BLOCK_M, STAGES, FUSED, k_smem1, v_smem1, kt_smem1,
+                         CONSUMERS)),
+        ], [4, 1], [TWO_CONSUMER_REGS, PRODUCER_REGS])
 
 
 @gluon.jit
@@ -522,12 +628,13 @@ def _bwd_fused_ws_kernel(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts
                          Q_SCALE, K_SCALE, V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale,
                          H, HKV, N, NPAD, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, GROUP: gl.constexpr,
                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, OVERLAP: gl.constexpr,
-                         DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr):
+                         DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr, CONSUMERS: gl.constexpr):
     """The five-GEMM backward (``bwd_fused``'s computation) on host-side TMA descriptors: the dkdv
-    kernel with dQ's partial of every query tile added into ``DQ_ACC`` (:func:`fused`)."""
+    kernel with dQ's partial of every query tile added into ``DQ_ACC`` (:func:`fused`), on
+    ``CONSUMERS`` consumer warp groups of 64 keys a CTA."""
     _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, kt_desc, kts_desc, Q_SCALE,
           K_SCALE, V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, H, HKV, N, NPAD, HEAD_DIM,
-          BLOCK_M, GROUP, STAGES, CAUSAL, P_SCALE, False, OVERLAP, True, DETERMINISTIC, EVEN_N)
+          BLOCK_M, GROUP, STAGES, CAUSAL, P_SCALE, False, OVERLAP, True, DETERMINISTIC, EVEN_N, CONSUMERS)
 
 
 @gluon.jit
@@ -655,7 +762,8 @@ def _check_fused(spec, head_dim: int, debug: bool = False) -> None:
 
 def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, debug: bool = False,
            host_descriptors: bool = True, stages: int | None = None, split: bool | None = None,
-           overlap: int | None = None, deterministic: bool = False, n: int | None = None) -> Launch:
+           overlap: int | None = None, deterministic: bool = False, n: int | None = None,
+           consumers: int | None = None) -> Launch:
     """The launch of the Gluon backward kernel ``kernel`` (``"dq"``, ``"dkdv"`` or ``"fused"``, the
     five-GEMM one: dkdv with dQ's partials, :func:`fused`) for ``spec`` (a
     ``config.KernelSpec`` or its name) at ``head_dim``, ``group`` query heads per key/value head:
@@ -668,15 +776,22 @@ def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, de
     built on the host once a launch, else in every CTA. The one description that :func:`dkdv`,
     :func:`dq`, :func:`fused` and ``compile_check.compile_launch`` read. ``deterministic`` (fused):
     dQ's partials added in key order; ``n`` (fused): the sequence length, whose multiples of 64
-    need no mask on dQ's adds (None: masked). Raises ValueError, with the reason, for what the
-    kernel does not run."""
+    need no mask on dQ's adds (None: masked); ``consumers`` (fused): its consumer warp groups a
+    CTA, else the spec's ``fused_consumers`` (2: 128 keys a CTA, one CTA an SM at
+    ``_gluon.TWO_CONSUMER_LAUNCH_REGS`` registers). Raises ValueError, with the reason, for what
+    the kernel does not run."""
     from .config import get_spec
 
     import dataclasses
 
+    if consumers is not None and kernel != "fused":
+        raise ValueError(f"bwd_ws: consumers={consumers!r} is the fused kernel's (the {kernel} kernel runs one "
+                         "consumer warp group a CTA)")
     r = get_spec(spec)
     ws = r.ws_bwd_tiles(head_dim)
     given = {f"{'dkdv' if kernel == 'fused' else kernel}_{k}": v for k, v in dict(stages=stages, split=split, overlap=overlap).items() if v is not None}
+    if consumers is not None:
+        given["fused_consumers"] = consumers
     if given:
         r = r.with_tiles(ws_bwd=dataclasses.replace(ws, **given))
     if kernel == "dq":
@@ -706,8 +821,11 @@ def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, de
         del consts["SPLIT"]
         consts["DETERMINISTIC"] = bool(deterministic)
         consts["EVEN_N"] = n is not None and n % BLOCK_N.value == 0
-        return Launch(consts, num_warps=NUM_WARPS, num_stages=None, maxnreg=LAUNCH_REGS, kernel=_bwd_fused_ws_kernel,
-                      block_m=BLOCK_N.value, signature=_signature)
+        two = r.ws_bwd_tiles(head_dim).fused_consumers == 2
+        consts["CONSUMERS"] = 2 if two else 1
+        return Launch(consts, num_warps=NUM_WARPS, num_stages=None,
+                      maxnreg=TWO_CONSUMER_LAUNCH_REGS if two else LAUNCH_REGS, kernel=_bwd_fused_ws_kernel,
+                      block_m=consts["CONSUMERS"] * BLOCK_N.value, signature=_signature)
     if deterministic:
         raise ValueError("bwd_ws: deterministic is the fused kernel's (the dq and dkdv kernels are deterministic)")
     if kernel != "dkdv":
@@ -767,11 +885,11 @@ def _signature(run: Launch, n_multiple_of_16: bool = True, do_format: str = "flo
 def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, recipe="kernels_delta_matching",
                  stages: int | None = None, split: bool | None = None, overlap: int | None = None,
                  host_descriptors: bool = True, n_multiple_of_16: bool = True, kernel: str = "dkdv",
-                 deterministic: bool = False, n: int | None = None):
+                 deterministic: bool = False, n: int | None = None, consumers: int | None = None):
     """Compile ``kernel`` for sm_90a without a GPU (ptxas included) as :func:`launch` describes it
     (``group``, ``split`` and ``host_descriptors`` are the dkdv kernel's only; GQA is a run-time
-    argument of the dq kernel), specialized as :func:`_signature` says; returns the compiled
-    kernel."""
+    argument of the dq kernel; ``deterministic``, ``n`` and ``consumers`` the fused kernel's),
+    specialized as :func:`_signature` says; returns the compiled kernel."""
     from ._sm90 import compile_launch
 
     from .config import get_spec
@@ -779,7 +897,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, reci
     spec = get_spec(recipe)
     run = launch(spec, head_dim=head_dim, causal=causal, kernel=kernel, group=group,
                  host_descriptors=host_descriptors, stages=stages, split=split, overlap=overlap,
-                 deterministic=deterministic, n=n)
+                 deterministic=deterministic, n=n, consumers=consumers)
     return compile_launch(run, n_multiple_of_16=n_multiple_of_16, do_format=spec.recipe.do_dp.fmt.name)
 
 
@@ -807,20 +925,22 @@ def prepass(saved, do8, *, batch: int, heads: int, kv_heads: int, n: int, head_d
 
 
 def fused(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int, causal: bool,
-          scale: float, recipe, deterministic: bool = False, stages: int | None = None, overlap: int | None = None):
+          scale: float, recipe, deterministic: bool = False, stages: int | None = None, overlap: int | None = None,
+          consumers: int | None = None):
     """The five-GEMM backward in Gluon: ``bwd_fused.backward``'s computation (the same operands,
     the same D from ``delta``, the same recipe) on the dkdv kernel's warp-specialized CTAs, each
     adding dQ's partial of its 64 keys into a float32 buffer, then ``bwd_fused``'s postprocess.
     dK and dV are ``bwd_fused``'s bit for bit; dQ too with ``deterministic`` (both add the
-    partials in key order), else up to the order of float32 adds. Returns ``(dq, dk, dv,
-    {"delta": delta})``."""
+    partials in key order), else up to the order of float32 adds. ``stages``, ``overlap``,
+    ``consumers``: another ring depth, schedule or number of consumer warp groups a CTA than the
+    spec's (:func:`launch`). Returns ``(dq, dk, dv, {"delta": delta})``."""
     import torch
 
     from .bwd_fused import postprocess_dq
     from .fwd import LOG2E
 
     run = launch(recipe, head_dim=head_dim, causal=causal, kernel="fused", group=heads // kv_heads,
-                 stages=stages, overlap=overlap, deterministic=deterministic, n=n)
+                 stages=stages, overlap=overlap, deterministic=deterministic, n=n, consumers=consumers)
     q8, k8, v8 = saved.q, saved.k, saved.v
     dev = do8.rows.device
     dk = torch.empty((batch, kv_heads, n, head_dim), device=dev, dtype=torch.bfloat16)

@@ -73,6 +73,8 @@ class FwdTiles:
 WS_FWD_BLOCK_M, WS_FWD_NUM_WARPS = 64, 4
 #: the consumer warp groups a CTA that ``fwd_ws`` runs
 WS_FWD_CONSUMERS = (1, 2)
+#: the consumer warp groups a CTA that the five-GEMM Gluon backward (``bwd_ws.fused``) runs
+WS_BWD_FUSED_CONSUMERS = (1, 2)
 
 
 def fwd_refusal(recipe, tiles: FwdTiles) -> str | None:
@@ -152,9 +154,10 @@ def _check_tile(name: str, value: int) -> None:
 class WsBwdTiles:
     """The warp-specialized Gluon backward's schedule (``bwd_ws``). Its CTAs are fixed (64 keys
     (dkdv) or 64 queries (dq) on one consumer warp group and a producer warp, 128 registers at
-    launch) and its query tile (dkdv) and key tile (dq) are the backward tiling's ``block_m1`` and
-    ``block_n2``; what is left to choose is each kernel's ring and schedule (``bwd_ws``'s module
-    docstring: the same operations on the same values in every schedule, so the same bits).
+    launch; the five-GEMM kernel also on two consumer warp groups, ``fused_consumers``) and its
+    query tile (dkdv) and key tile (dq) are the backward tiling's ``block_m1`` and ``block_n2``;
+    what is left to choose is each kernel's ring and schedule (``bwd_ws``'s module docstring: the
+    same operations on the same values in every schedule, so the same bits).
     :func:`default_ws_bwd_tiles` says which runs by default, and why."""
 
     dkdv_stages: int = 2  #: shared-memory stages of dkdv's query-tile ring
@@ -166,11 +169,19 @@ class WsBwdTiles:
     #: dq's ``OVERLAP``: 0 serial, 1 dP behind S, 2 (matched) kbar's wgmma behind dS K, 3 the next
     #: key tile's S behind the last wgmma of this one
     dq_overlap: int = 0
+    #: the five-GEMM kernel's (``bwd_ws.fused``) consumer warp groups a CTA, each on 64 keys: 1, two
+    #: CTAs of 64 keys an SM; 2, FlashAttention-3's structure, one CTA of 128 keys an SM, the two
+    #: sharing one ring of query tiles (each streamed once for both). It runs the ring and
+    #: schedule of dkdv (``dkdv_stages``, ``dkdv_overlap``)
+    fused_consumers: int = 1
 
     def __post_init__(self) -> None:
         if self.dkdv_overlap not in (0, 1, 2) or self.dq_overlap not in (0, 1, 2, 3):
             raise ValueError(f"dkdv_overlap={self.dkdv_overlap} must be 0, 1 or 2 and dq_overlap={self.dq_overlap} "
                              "0, 1, 2 or 3")
+        if self.fused_consumers not in WS_BWD_FUSED_CONSUMERS:
+            raise ValueError(f"fused_consumers={self.fused_consumers!r}: the five-GEMM Gluon backward runs "
+                             f"{' or '.join(map(str, WS_BWD_FUSED_CONSUMERS))} consumer warp groups a CTA")
         if self.dkdv_overlap == 2 and self.dkdv_split:
             raise ValueError("dkdv_overlap=2 issues P^T dO behind dP^T, which the split dK and dV do not")
         if min(self.dkdv_stages, self.dq_stages) < 1:

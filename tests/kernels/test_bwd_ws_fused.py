@@ -16,6 +16,11 @@ backward ``bwd_fused``, which tests/kernels/test_bwd_fused.py holds to the emula
   order the CTAs reach them, and the two BF16 results are roundings of float32 sums of the same
   partials, so they differ by at most one BF16 unit in the last place where they differ.
 - Its deterministic mode is bit-identical run after run.
+- Its two-consumer form (``consumers=2``: two consumer warp groups of 64 keys a CTA sharing the
+  ring of query tiles, ``WsBwdTiles.fused_consumers``) compiles within one CTA an SM's budget
+  (168 registers at launch, 240 for each consumer, 24 for the producer), at D = 64 without
+  spills; on a GPU its dK and dV are the one-consumer kernel's bits, and deterministic, its dQ
+  too (each consumer runs the one-consumer CTA's operations on its 64 keys, in its order).
 """
 
 from __future__ import annotations
@@ -51,6 +56,48 @@ def test_bwd_ws_fused_compiles_for_sm90_with_its_register_budget():
     assert all(u["spills"] == 0 for u in usage if u["d"] == 64)
 
 
+#: The two-consumer kernel (``consumers=2``) in the configurations above. ptxas's spill bytes count
+#: the code of both consumer warp groups (one copy each in the kernel), the one-consumer kernel's one.
+_SCRIPT_TWO_CONSUMERS = _SCRIPT.replace("deterministic=det, n=n)", "deterministic=det, n=n, consumers=2)")
+
+
+@pytest.mark.slow
+def test_two_consumer_bwd_ws_fused_compiles_for_sm90_with_its_register_budget():
+    assert "consumers=2" in _SCRIPT_TWO_CONSUMERS
+    usage = compile_and_check_budget(_SCRIPT_TWO_CONSUMERS, 16, consumers=2, spills_ok=lambda u: u["d"] == 128)
+    assert all(u["spills"] == 0 for u in usage if u["d"] == 64)
+
+
+def test_bwd_ws_fused_launches_one_or_two_consumers():
+    """The fused kernel's consumer warp groups come from the spec's ``WsBwdTiles.fused_consumers``
+    (1 by default) or a launch's ``consumers``: with two, 128 keys a CTA (the grid's first axis
+    over 128-key blocks) and one CTA an SM's registers at launch; the dkdv kernel ignores the
+    field."""
+    pytest.importorskip("triton")
+    import dataclasses
+
+    from dmref.kernels import bwd_ws
+    from dmref.kernels._gluon import LAUNCH_REGS, TWO_CONSUMER_LAUNCH_REGS
+    from dmref.kernels.config import SPECS
+
+    stale = SPECS["kernels_naive_fp8"]
+    for d in (64, 128):
+        two_spec = stale.with_tiles(ws_bwd=dataclasses.replace(stale.ws_bwd_tiles(d), fused_consumers=2))
+        one = bwd_ws.launch(stale, head_dim=d, causal=True, kernel="fused")
+        assert stale.ws_bwd_tiles(d).fused_consumers == 1
+        assert (one.constexprs["CONSUMERS"], one.maxnreg, one.grid(1000, 4)) == (1, LAUNCH_REGS, (16, 4))
+        for two in (bwd_ws.launch(stale, head_dim=d, causal=True, kernel="fused", consumers=2),
+                    bwd_ws.launch(two_spec, head_dim=d, causal=True, kernel="fused")):
+            assert (two.constexprs["CONSUMERS"], two.maxnreg, two.grid(1000, 4)) == (2, TWO_CONSUMER_LAUNCH_REGS,
+                                                                                    (8, 4))
+            # the rest as the one-consumer launch's (its ring and schedule)
+            assert {k: v for k, v in two.constexprs.items() if k != "CONSUMERS"} == \
+                {k: v for k, v in one.constexprs.items() if k != "CONSUMERS"}
+        back = bwd_ws.launch(two_spec, head_dim=d, causal=True, kernel="fused", consumers=1)
+        assert back.constexprs == one.constexprs and back.maxnreg == LAUNCH_REGS
+        assert bwd_ws.launch(two_spec, head_dim=d, causal=True, kernel="dkdv").maxnreg == LAUNCH_REGS
+
+
 def test_bwd_ws_fused_refuses_what_it_does_not_run():
     pytest.importorskip("triton")
     from dmref.kernels import bwd_ws
@@ -69,6 +116,15 @@ def test_bwd_ws_fused_refuses_what_it_does_not_run():
         assert "\n" not in str(exc.value)
     with pytest.raises(ValueError, match="deterministic"):
         bwd_ws.launch(stale, head_dim=128, causal=False, kernel="dkdv", deterministic=True)
+    # two consumer warp groups a CTA are the fused kernel's alone, and it runs one or two
+    for kernel in ("dkdv", "dq", "prepass"):
+        with pytest.raises(ValueError, match="fused kernel's") as exc:
+            bwd_ws.launch(stale, head_dim=128, causal=False, kernel=kernel, consumers=2)
+        assert "\n" not in str(exc.value)
+    for consumers in (0, 3):
+        with pytest.raises(ValueError, match="fused_consumers") as exc:
+            bwd_ws.launch(stale, head_dim=128, causal=False, kernel="fused", consumers=consumers)
+        assert "\n" not in str(exc.value)
 
 
 _CASES = [
@@ -110,18 +166,72 @@ def test_bwd_ws_fused_equals_the_triton_fused(case):
     assert (diff <= ulp).all(), f"dQ: {_describe(dq_g, dq_t)}"
 
 
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """The BF16 tensor's bit patterns (``torch.equal`` on them tells -0 from +0)."""
+    return x.contiguous().view(torch.int16)
+
+
+#: The cases of the two-consumer test: those above, where the last 128-key CTA's second consumer
+#: has keys below N (1000: 40, 203: 11) or none (777, 515), and N a multiple of 128 (1024); and
+#: short sequences: N = 64, the second consumer's keys all past N (causal: its one query tile
+#: released unread; not causal: every tile of every head, GQA), N = 65 (one key), N = 129 (the
+#: second CTA's first consumer has one key, its second none).
+_TWO_CONSUMER_CASES = _CASES + [
+    (ProblemShape(1, 2, 1, 64, 64), False, "kernels_naive_fp8"),
+    (ProblemShape(1, 4, 2, 64, 128), True, "kernels_naive_fp8"),
+    (ProblemShape(1, 4, 2, 64, 64), False, "kernels_naive_fp8"),
+    (ProblemShape(1, 2, 1, 65, 128), True, "kernels_naive_fp8"),
+    (ProblemShape(1, 2, 2, 65, 64), False, "kernels_naive_fp8"),
+    (ProblemShape(2, 4, 2, 129, 64), True, "kernels_naive_fp8"),
+    (ProblemShape(1, 4, 1, 129, 128), False, "kernels_naive_fp8"),
+]
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", _TWO_CONSUMER_CASES, ids=[_id(c) for c in _TWO_CONSUMER_CASES])
+def test_two_consumers_give_the_one_consumer_bits(case):
+    """Two consumer warp groups a CTA (``consumers=2``) run, for each 64-key block, the
+    operations of the one-consumer CTA of that block on the same query tiles in the same order
+    (the second consumer skips, unread, the CTA's first query tile of each head where causal, which
+    precedes its keys, and every tile where its keys all lie past N), so dK and dV are the
+    one-consumer kernel's bits, sign of zero included, at both ring depths and both schedules;
+    deterministic, each block's dQ partial is added after the same blocks, so dQ is its bits too.
+    Atomic dQ is within one BF16 unit in the last place of the deterministic one (the same partials
+    in another order). Where a consumer's keys all lie past N it still releases every stage, or the
+    launch would not return."""
+    device = require_backend("gpu")
+    from dmref.kernels import bwd_ws
+
+    shape, causal, recipe = case
+    saved, do8, delta, r, dims = _problem(shape, causal, recipe, device)
+    overlap = r.ws_bwd_tiles(shape.head_dim).dkdv_overlap
+    for kw in (dict(), dict(stages=3), dict(overlap=1 - overlap)):
+        want = bwd_ws.fused(saved, do8, delta, recipe=r, deterministic=True, consumers=1, **kw, **dims)[:3]
+        got = bwd_ws.fused(saved, do8, delta, recipe=r, deterministic=True, consumers=2, **kw, **dims)[:3]
+        atomic = bwd_ws.fused(saved, do8, delta, recipe=r, consumers=2, **kw, **dims)[:3]
+        torch.cuda.synchronize()
+        for name, a, b in zip(("dQ", "dK", "dV"), got, want):
+            assert torch.equal(_bits(a), _bits(b)), f"{kw}: {name}: {_describe(a, b)}"
+        for name, a, b in zip(("dK", "dV"), atomic[1:], want[1:]):
+            assert torch.equal(_bits(a), _bits(b)), f"{kw}: {name} (atomic dQ): {_describe(a, b)}"
+        diff = (atomic[0].float() - want[0].float()).abs()
+        assert (diff <= torch.maximum(_ulp_bf16(atomic[0]), _ulp_bf16(want[0]))).all(), \
+            f"{kw}: dQ (atomic): {_describe(atomic[0], want[0])}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("consumers", [1, 2])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_bwd_ws_fused_deterministic_is_bit_identical_run_after_run(head_dim):
+def test_bwd_ws_fused_deterministic_is_bit_identical_run_after_run(head_dim, consumers):
     device = require_backend("gpu")
     from dmref.kernels import bwd_ws
 
     saved, do8, delta, r, dims = _problem(ProblemShape(2, 8, 2, 2048, head_dim), True, "kernels_naive_fp8", device)
-    first = bwd_ws.fused(saved, do8, delta, recipe=r, deterministic=True, **dims)[:3]
+    first = bwd_ws.fused(saved, do8, delta, recipe=r, deterministic=True, consumers=consumers, **dims)[:3]
     for run in range(4):
-        again = bwd_ws.fused(saved, do8, delta, recipe=r, deterministic=True, **dims)[:3]
+        again = bwd_ws.fused(saved, do8, delta, recipe=r, deterministic=True, consumers=consumers, **dims)[:3]
         for name, a, b in zip(("dQ", "dK", "dV"), again, first):
-            assert torch.equal(a, b), f"run {run}: {name}: {_describe(a, b)}"
+            assert torch.equal(_bits(a), _bits(b)), f"run {run}: {name}: {_describe(a, b)}"
 
 
 @pytest.mark.gpu

@@ -251,7 +251,8 @@ def _bwd_parts(r, gluon: bool, saved, do8, d_stale, kw) -> dict:
 
 
 #: groups of variants not to time (``--skip``): ``two_consumers`` (the two-consumer forward),
-#: ``gluon_fused`` (the Gluon five-GEMM kernel and pre-pass), for a kernel that hangs or faults
+#: ``gluon_fused`` (the Gluon five-GEMM kernel and pre-pass), ``bwd_two_consumers`` (its
+#: two-consumer form), for a kernel that hangs or faults
 SKIP: set = set()
 
 
@@ -348,6 +349,8 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
         # the same kernel with two consumer warp groups a CTA sharing the ring of query tiles
         # (WsBwdTiles.fused_consumers=2, 128 keys a CTA; not the default)
         try:
+            if "bwd_two_consumers" in SKIP:
+                raise RuntimeError("not timed (--skip bwd_two_consumers)")
             ms["ours_bwd_fused_2cons"] = bench(lambda: bwd_ws.fused(saved, do8, d_stale, recipe=r_st, consumers=2,
                                                                      **kw))
         except Exception as exc:
@@ -561,7 +564,8 @@ def main(argv=None):
     ap.add_argument("--no-sweep", action="store_true", help="use the first candidate tilings")
     ap.add_argument("--accuracy", action="store_true", help="also measure errors vs float64")
     ap.add_argument("--workers", type=int, default=8, help="processes compiling ahead")
-    ap.add_argument("--skip", default="", help="comma-separated groups not to time: two_consumers, gluon_fused")
+    ap.add_argument("--skip", default="", help="comma-separated groups not to time: two_consumers, gluon_fused, "
+                    "bwd_two_consumers")
     ap.add_argument("--warm-only", action="store_true", help="compile every variant, then stop")
     ap.add_argument("--profile-one", action="store_true",
                     help="run forward, stale and matched backward once at 1x16x4096xD (for ncu)")
@@ -570,7 +574,7 @@ def main(argv=None):
                     help="only the shapes of this head dim (default: all)")
     args = ap.parse_args(argv)
     SKIP.update(g for g in args.skip.split(",") if g)
-    unknown = SKIP - {"two_consumers", "gluon_fused"}
+    unknown = SKIP - {"two_consumers", "gluon_fused", "bwd_two_consumers"}
     if unknown:
         ap.error(f"--skip: unknown groups {sorted(unknown)}")
     os.makedirs(args.out, exist_ok=True)

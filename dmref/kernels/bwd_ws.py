@@ -280,6 +280,9 @@ def _dq_add(dsq_a, kt_b, kts_row, dsq_inv, DQ_ACC, row0, start_q, c0, N, HEAD_DI
 
 #: channels of one dQ wgmma in the fused kernel (two halves at D = 128: _dq_partial)
 DQ_CH = gl.constexpr(64)
+#: the accumulator layout of that wgmma: dQ's (queries, DQ_CH channels) tile on one warp group
+DQ_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                   instr_shape=[16, DQ_CH.value, 32]))
 
 
 @gluon.jit
@@ -289,8 +292,7 @@ def _quantize_ds_for_dq(ds_t):
     ``bwd_fused._quantize_ds_cols``). Returns dS ``(queries, keys)`` as the A operand of
     :func:`_dq_partial`'s wgmma, and each query's dequantization factor. Done where dS^T is formed,
     so that only the FP8 codes, not the float32 tile, live across the dK and dV wgmmas."""
-    q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, DQ_CH, 32])
+    q_layout: gl.constexpr = DQ_LAYOUT
     k_dq = _pow2_down_exponent(gl.max(gl.abs(ds_t), axis=0), False)
     dsq = _to_fp8(ds_t * gl.expand_dims(_exp2_int(k_dq), 0), False, False)
     dsq_a = gl.convert_layout(gl.permute(dsq, [1, 0]), gl.DotOperandLayout(operand_index=0, parent=q_layout,
@@ -310,7 +312,7 @@ def _dq_partial(dsq_a, dsq_inv, kt_smem, kts_smem, DQ_ACC, SEM, bh, start_m, sta
     order (``bwd_fused``'s counters: key block j waits until the counter reads j, adds, raises it
     to j + 1)."""
     CH: gl.constexpr = DQ_CH
-    q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, CH, 32])
+    q_layout: gl.constexpr = DQ_LAYOUT
     row0 = bh * N * HEAD_DIM
     kts = kts_smem.reshape([HEAD_DIM])
     if DETERMINISTIC:

@@ -241,14 +241,16 @@ def test_the_api_fused_backward_is_the_gluon_one():
     Gluon kernel (another D gives another dK)."""
     device = require_backend("gpu")
     from dmref.kernels import api, bwd_ws
+    from dmref.kernels.config import SPECS
     from dmref.kernels.quantize import quantize
-
-    shape = ProblemShape(1, 4, 2, 777, 128)
-    saved, do8, delta, r, dims = _problem(shape, True, "kernels_naive_fp8", device)
     from test_bwd_ws import _wide_inputs
 
+    shape = ProblemShape(1, 4, 2, 777, 128)
+    r = SPECS["kernels_naive_fp8"]
     q, k, v, do = _wide_inputs(shape, device)
     scale = 1.0 / math.sqrt(shape.head_dim)
+    dims = dict(batch=shape.batch, heads=shape.heads, kv_heads=shape.kv_heads, n=shape.n,
+                head_dim=shape.head_dim, causal=True, scale=scale)
     o, _, saved, _ = api.attention_forward(q, k, v, causal=True, scale=scale, recipe=r)
     do8, delta = quantize(do, r.recipe.do_dp.fmt.name, rows=True, cols=True, delta_with=o)
     kw = dict(shape=api.Shape.of(q, k, v), causal=True, scale=scale, recipe=r, fused=True, deterministic=True)

@@ -9,7 +9,6 @@ tiles, causal, GQA, head dims 64 and 128), and on a Hopper GPU at larger ones.""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -282,19 +281,11 @@ def test_prepass_kernel_compiles_for_sm90_without_spills():
     """The pre-pass compiles for sm_90a at head dims 64 and 128, causal or not, with the dq
     kernel's launch options, within one Hopper CTA's registers and shared memory, and spills
     nothing (``python -m dmref.kernels.bwd_prepass`` prints the numbers)."""
-    pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-
     from test_bwd_fused import HOPPER_MAX_REGISTERS
     from test_compile_sm90 import MAX_SHARED_BYTES
+    from warp_specialized_budget import compiled_usage
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True, env=env,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    usage = json.loads(proc.stdout.strip().splitlines()[-1])
+    usage = compiled_usage(_COMPILE_SCRIPT)
     assert len(usage) == 6
     for u in usage:
         assert u["spill_bytes"] == 0 and u["registers"] <= HOPPER_MAX_REGISTERS, u

@@ -1,6 +1,7 @@
 """The register and shared-memory budget of the warp-specialized Gluon kernels (``fwd_ws``,
 ``bwd_ws``), checked on the CPU from sm_90a compilations: a test passes a script that compiles
-its configurations and prints ``compile_check.warp_specialized_budget`` of each, as JSON."""
+its configurations and prints ``compile_check.warp_specialized_budget`` of each, as JSON
+(:func:`compile_and_check_budget`); :func:`compiled_usage` runs such a script for any kernel."""
 
 from __future__ import annotations
 
@@ -17,6 +18,17 @@ MAX_SHARED_TWO_CTAS = 228 * 1024 // 2
 MAX_SHARED_ONE_CTA = 227 * 1024
 
 
+def compiled_usage(script: str) -> list[dict]:
+    """Run ``script`` without Triton's interpreter (kernels are compiled for sm_90a, not
+    interpreted) and return what it prints on its last line, as JSON: one dict per compiled
+    configuration. Skips where triton is missing; fails with the script's stderr."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def compile_and_check_budget(script: str, configurations: int, consumers: int = 1,
                              spills_ok=lambda u: False) -> list[dict]:
     """Run ``script`` without Triton's interpreter (Gluon kernels are compiled, not
@@ -27,10 +39,7 @@ def compile_and_check_budget(script: str, configurations: int, consumers: int = 
     producer's 24 and the consumer's 232, shared memory for two CTAs an SM. Two (``fwd_ws``'s
     ``consumers=2``, one CTA an SM): 168 at launch, 384 threads, setmaxnreg to 24 and to 240 for
     both consumers, shared memory for one CTA an SM."""
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    usage = compiled_usage(script)
     from dmref.kernels._gluon import LAUNCH_REGS, PRODUCER_REGS, TWO_CONSUMER_LAUNCH_REGS, TWO_CONSUMER_REGS
 
     if consumers == 1:
@@ -41,7 +50,6 @@ def compile_and_check_budget(script: str, configurations: int, consumers: int = 
         # the registers the setmaxnreg values hold at once fit the SM: each warp group at most its
         # share of the launch's budget after the producer's drop
         assert 2 * consumer + PRODUCER_REGS.value <= 3 * launch and launch * threads <= 65536
-    usage = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(usage) == configurations
     for u in usage:
         assert u["spills"] == 0 or spills_ok(u), u

@@ -184,45 +184,37 @@ def attention_backward(
         raise ValueError("delta= is read by the fused backward only (fused=True)")
     if do.dtype != torch.bfloat16:
         do = do.to(torch.bfloat16)
-    if r.prepass:
-        from . import bwd_fused, bwd_prepass
-
-        why = bwd_fused.refusal(r, shape.head_dim)
-        if why:
-            raise ValueError(f"the fused backward does not run this call: {why}")
-        why_not = gluon_backward_refusal(r, shape.head_dim, debug, do.device, fused=True)
-        if gluon and why_not:
-            raise ValueError(f"the Gluon fused backward does not run this call: {why_not}")
-        do8, _ = quantize(do, r.recipe.do_dp.fmt.name, rows=True, cols=True)
-        if why_not or gluon is False:
-            d = bwd_prepass.delta(saved, do8, causal=causal, scale=scale, recipe=r, **_dims(shape))
-            return bwd_fused.backward(saved, do8, d, causal=causal, scale=scale, recipe=r,
-                                      deterministic=deterministic, debug=debug, **_dims(shape))
-        from . import bwd_ws
-
-        d = bwd_ws.prepass(saved, do8, causal=causal, scale=scale, recipe=r, **_dims(shape))
-        return bwd_ws.fused(saved, do8, d, causal=causal, scale=scale, recipe=r, deterministic=deterministic,
-                            **_dims(shape))
-    # delta step (stale) fused into the quantization of dO: one read of dO and O
-    do8, delta_stale = quantize(do, r.recipe.do_dp.fmt.name, rows=True, cols=True, delta_with=o)
     if fused:
         from . import bwd_fused
 
-        if delta is not None:
-            delta_stale = bwd_fused.caller_delta(delta, shape.batch, shape.heads, shape.n, do.device)
+        given = None if delta is None else bwd_fused.caller_delta(delta, shape.batch, shape.heads, shape.n, do.device)
         why = bwd_fused.refusal(r, shape.head_dim)
         if why:
             raise ValueError(f"the fused backward does not run this call: {why}")
         why_not = gluon_backward_refusal(r, shape.head_dim, debug, do.device, fused=True)
         if gluon and why_not:
             raise ValueError(f"the Gluon fused backward does not run this call: {why_not}")
-        if why_not or gluon is False:
-            return bwd_fused.backward(saved, do8, delta_stale, causal=causal, scale=scale, recipe=r,
-                                      deterministic=deterministic, debug=debug, **_dims(shape))
-        from . import bwd_ws
+        use_gluon = not why_not and gluon is not False
+        if use_gluon:
+            from . import bwd_ws
+        if r.prepass:  # D from the pre-pass, on dO's row copy
+            from . import bwd_prepass
 
-        return bwd_ws.fused(saved, do8, delta_stale, causal=causal, scale=scale, recipe=r,
-                            deterministic=deterministic, **_dims(shape))
+            do8, _ = quantize(do, r.recipe.do_dp.fmt.name, rows=True, cols=True)
+            d = (bwd_ws.prepass if use_gluon else bwd_prepass.delta)(saved, do8, causal=causal, scale=scale,
+                                                                       recipe=r, **_dims(shape))
+        else:  # the stale delta fused into dO's quantization, or the caller's D
+            do8, d = quantize(do, r.recipe.do_dp.fmt.name, rows=True, cols=True,
+                              delta_with=o if given is None else None)
+            if given is not None:
+                d = given
+        if use_gluon:
+            return bwd_ws.fused(saved, do8, d, causal=causal, scale=scale, recipe=r, deterministic=deterministic,
+                                **_dims(shape))
+        return bwd_fused.backward(saved, do8, d, causal=causal, scale=scale, recipe=r, deterministic=deterministic,
+                                  debug=debug, **_dims(shape))
+    # delta step (stale) fused into the quantization of dO: one read of dO and O
+    do8, delta_stale = quantize(do, r.recipe.do_dp.fmt.name, rows=True, cols=True, delta_with=o)
     why_not = gluon_backward_refusal(r, shape.head_dim, debug, do.device)
     if gluon and why_not:
         raise ValueError(f"the Gluon backward does not run this call: {why_not}")

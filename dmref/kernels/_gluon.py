@@ -7,8 +7,10 @@ Importing this module imports triton; only the kernel modules do that.
 
 from __future__ import annotations
 
+from triton._C.libtriton import ir as _ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 
 from . import _common
 
@@ -33,6 +35,18 @@ pow2_down_exponent = gluon.jit(_common.pow2_down_exponent.fn)
 exp2_int = gluon.jit(_common.exp2_int.fn)
 to_fp8 = gluon.jit(_common.to_fp8.fn)
 mul_rn = gluon.jit(_common.mul_rn.fn)
+
+
+@builtin
+def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """TMA reduce-add: the shared-memory tile ``src`` added element by element (float32: in L2,
+    round to nearest) into the global tile of ``tensor_desc`` at ``coord``, elements past the
+    tensor's bounds skipped (``cp.reduce.async.bulk.tensor ... .add``, FA3's dQ accumulation). An
+    asynchronous bulk operation like ``tma.async_copy_shared_to_global``: ``tma.store_wait``
+    says when ``src`` may be written again. Triton 3.6's Gluon builder has the operation
+    (``create_async_tma_reduce``); its Python API exposes it on Hopper only through this."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 def allocator(size: int, alignment: int, stream):

@@ -181,6 +181,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from ._gluon import LAUNCH_REGS, PRODUCER_REGS, TWO_CONSUMER_LAUNCH_REGS, TWO_CONSUMER_REGS, allocator
+from ._gluon import tma_reduce_add as _tma_reduce_add
 from ._gluon import exp2_int as _exp2_int
 from ._gluon import mul_rn as _mul_rn
 from ._gluon import pow2_down_exponent as _pow2_down_exponent
@@ -258,24 +259,34 @@ def _promote(acc, a8, b_smem, t_old, scale_smem, row_factor, acc_layout: gl.cons
 
 
 @gluon.jit
-def _dq_add(dsq_a, kt_b, kts_row, dsq_inv, DQ_ACC, row0, start_q, c0, N, HEAD_DIM: gl.constexpr, CH: gl.constexpr,
-            q_layout: gl.constexpr, EVEN_N: gl.constexpr):
+def _dq_add(dsq_a, kt_b, kts_row, dsq_inv, DQ_ACC, dq_smem, bh, row0, start_q, c0, N, HEAD_DIM: gl.constexpr,
+            CH: gl.constexpr, q_layout: gl.constexpr, EVEN_N: gl.constexpr, DQ_TMA: gl.constexpr):
     """dQ's partial over the tile's keys for channels ``c0 .. c0 + CH``: one wgmma chain of dS
     (``dsq_a``) and K (``kt_b``), times the K^T channel scales and dS's query factors, added into
-    ``DQ_ACC`` (float32 atomics; rows past N are not added)."""
+    ``DQ_ACC`` (float32 atomics; rows past N are not added). ``DQ_TMA``: ``DQ_ACC`` is the
+    buffer's TMA descriptor ``(B*H*N, D)`` and the tile goes through ``dq_smem`` by one TMA
+    reduce-add (N a multiple of the tile: no tile crosses a head), once the previous one has read
+    ``dq_smem``."""
     t = warpgroup_mma(dsq_a, kt_b, gl.zeros([dsq_a.shape[0], CH], gl.float32, q_layout), use_acc=False,
                       is_async=True)
     t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
     dq = t * gl.expand_dims(kts_row.load(gl.SliceLayout(0, q_layout)), 0) * gl.expand_dims(dsq_inv, 1)
-    rows_q = gl.arange(0, dsq_a.shape[0], layout=gl.SliceLayout(1, q_layout))
-    cols = gl.arange(0, CH, layout=gl.SliceLayout(0, q_layout))
-    # one scalar base a tile and int32 offsets within it (per-element 64-bit pointers, which the
-    # compiler forms before the loop, spilled 0.5 KB a thread at D = 128)
-    ptrs = (DQ_ACC + (row0 + start_q * HEAD_DIM + c0)) + (gl.expand_dims(rows_q * HEAD_DIM, 1) + gl.expand_dims(cols, 0))
-    if EVEN_N:  # no query tile runs past N: no mask (a masked atomic is a branch each)
-        gl.atomic_add(ptrs, dq, sem="relaxed")
+    if DQ_TMA:
+        tma.store_wait(0)  # the previous tile's reduce has read dq_smem
+        dq_smem.store(dq)
+        fence_async_shared()
+        gl.thread_barrier()  # every thread's part of the tile is in shared memory
+        _tma_reduce_add(DQ_ACC, [(bh * N + start_q).to(gl.int32), c0], dq_smem)
     else:
-        gl.atomic_add(ptrs, dq, mask=gl.expand_dims(start_q + rows_q < N, 1), sem="relaxed")
+        rows_q = gl.arange(0, dsq_a.shape[0], layout=gl.SliceLayout(1, q_layout))
+        cols = gl.arange(0, CH, layout=gl.SliceLayout(0, q_layout))
+        # one scalar base a tile and int32 offsets within it (per-element 64-bit pointers, which the
+        # compiler forms before the loop, spilled 0.5 KB a thread at D = 128)
+        ptrs = (DQ_ACC + (row0 + start_q * HEAD_DIM + c0)) + (gl.expand_dims(rows_q * HEAD_DIM, 1) + gl.expand_dims(cols, 0))
+        if EVEN_N:  # no query tile runs past N: no mask (a masked atomic is a branch each)
+            gl.atomic_add(ptrs, dq, sem="relaxed")
+        else:
+            gl.atomic_add(ptrs, dq, mask=gl.expand_dims(start_q + rows_q < N, 1), sem="relaxed")
 
 
 #: channels of one dQ wgmma in the fused kernel (two halves at D = 128: _dq_partial)
@@ -301,8 +312,9 @@ def _quantize_ds_for_dq(ds_t):
 
 
 @gluon.jit
-def _dq_partial(dsq_a, dsq_inv, kt_smem, kts_smem, DQ_ACC, SEM, bh, start_m, start_n, N,
-                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr):
+def _dq_partial(dsq_a, dsq_inv, kt_smem, kts_smem, DQ_ACC, dq_smem, SEM, bh, start_m, start_n, N,
+                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr,
+                DQ_TMA: gl.constexpr):
     """The fifth GEMM of the fused backward: dQ's partial over this CTA's keys, added into the
     float32 ``DQ_ACC`` ``(B*H, N, D)``: dS (``dsq_a``, :func:`_quantize_ds_for_dq`) times K (keys,
     D) = K's transposed copy permuted, one wgmma chain per output element, then the K^T channel
@@ -313,6 +325,7 @@ def _dq_partial(dsq_a, dsq_inv, kt_smem, kts_smem, DQ_ACC, SEM, bh, start_m, sta
     to j + 1)."""
     CH: gl.constexpr = DQ_CH
     q_layout: gl.constexpr = DQ_LAYOUT
+    gl.static_assert(not (DQ_TMA and (DETERMINISTIC or not EVEN_N)))
     row0 = bh * N * HEAD_DIM
     kts = kts_smem.reshape([HEAD_DIM])
     if DETERMINISTIC:
@@ -322,7 +335,7 @@ def _dq_partial(dsq_a, dsq_inv, kt_smem, kts_smem, DQ_ACC, SEM, bh, start_m, sta
             seen = gl.atomic_add(counter, 0, sem="acquire")
     for h in gl.static_range(HEAD_DIM // CH):
         _dq_add(dsq_a, kt_smem.slice(h * CH, CH, dim=0).permute((1, 0)), kts.slice(h * CH, CH), dsq_inv, DQ_ACC,
-                row0, start_m, h * CH, N, HEAD_DIM, CH, q_layout, EVEN_N)
+                dq_smem, bh, row0, start_m, h * CH, N, HEAD_DIM, CH, q_layout, EVEN_N, DQ_TMA)
     if DETERMINISTIC:
         gl.thread_barrier()  # every thread's adds are issued before the release
         gl.atomic_add(counter, 1, sem="release")
@@ -347,7 +360,8 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
               DQ_ACC, SEM, qk_scale, sm_scale, bkv, bh0, start_n, lo, n_m, n_iter, N, NPAD,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               P_SCALE: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr, FUSED: gl.constexpr,
-              DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr, SKIP: gl.constexpr = False):
+              DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr, SKIP: gl.constexpr = False, dq_smem=None,
+              DQ_TMA: gl.constexpr = False):
     """The consumer warp group: the key tile's scales, every query tile, the stores. With
     ``SPLIT`` dK and dV are held as two halves of the head dim, each accumulated by its own
     wgmma (the same per-element chains: a wgmma's output element depends on its row of A, its
@@ -474,8 +488,8 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
             # dQ's partial first: nothing of it lives across the dK and dV wgmmas and their
             # promotion, which fill the registers
             dsq_a, dsq_inv = _quantize_ds_for_dq(ds_t)
-            _dq_partial(dsq_a, dsq_inv, kt_smem, kts_smem, DQ_ACC, SEM, bh, start_m, start_n, N, HEAD_DIM, BLOCK_M,
-                        DETERMINISTIC, EVEN_N)
+            _dq_partial(dsq_a, dsq_inv, kt_smem, kts_smem, DQ_ACC, dq_smem, SEM, bh, start_m, start_n, N, HEAD_DIM,
+                        BLOCK_M, DETERMINISTIC, EVEN_N, DQ_TMA)
         # P^T dO and dS^T Q, promoted: one wgmma chain per tile, then one float32 add
         if OVERLAP == 2:
             t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
@@ -498,6 +512,8 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
                 dk0, t = _promote(dk0, ds8, qt_s.permute((1, 0)), t, qts_s, ds_inv, a_layout, True)
         fence_async_shared()  # the reads of this stage before the next TMA writes into it
         mbarrier.arrive(cols_free.index(s), count=1)
+    if DQ_TMA:
+        tma.store_wait(0)  # the last reduce has read dq_smem before the CTA's shared memory goes
     # stores
     offs_na = start_n + gl.arange(0, BLOCK_N, layout=row_a)
     rows = kv64 * N * HEAD_DIM + gl.expand_dims(offs_na, 1) * HEAD_DIM + gl.expand_dims(offs_c, 0)
@@ -532,13 +548,15 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
           K_SCALE, V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, H, HKV, N, NPAD,
           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
           CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr,
-          FUSED: gl.constexpr, DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr, CONSUMERS: gl.constexpr = 1):
+          FUSED: gl.constexpr, DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr, CONSUMERS: gl.constexpr = 1,
+          DQ_TMA: gl.constexpr = False):
     """The kernel on its TMA descriptors: K, V rows ``(B*HKV*N, D)``, Q, dO rows ``(B*H*N, D)``,
     Q^T, dO^T ``(B*H*D, NPAD)`` and their scales ``(B*H*NPAD/128, D)``; ``FUSED``: K^T
     ``(B*HKV*D, NPAD)`` and its scales, dQ's float32 buffer and (``DETERMINISTIC``) its counters
     (without ``FUSED`` these arguments are placeholders, never read). ``CONSUMERS`` (2: ``FUSED``
     only) consumer warp groups of ``BLOCK_N`` keys each share the ring of query tiles, which
-    starts at the CTA's first query tile."""
+    starts at the CTA's first query tile. ``DQ_TMA``: ``DQ_ACC`` is dQ's buffer as a TMA
+    descriptor, each consumer's partials reaching it through a shared tile of its own."""
     gl.static_assert(QUANT_BLOCK % BLOCK_M == 0)
     gl.static_assert(BLOCK_N % BLOCK_M == 0 or BLOCK_M % BLOCK_N == 0)
     gl.static_assert(CONSUMERS == 1 or (FUSED and CONSUMERS == 2))
@@ -573,6 +591,15 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
         k_smem1 = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_shape, k_desc.layout)
         v_smem1 = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_shape, v_desc.layout)
         kt_smem1 = gl.allocate_shared_memory(kt_desc.dtype, kt_desc.block_shape, kt_desc.layout)
+    if DQ_TMA:
+        dq_smem = gl.allocate_shared_memory(gl.float32, DQ_ACC.block_shape, DQ_ACC.layout)
+        if CONSUMERS == 2:
+            dq_smem1 = gl.allocate_shared_memory(gl.float32, DQ_ACC.block_shape, DQ_ACC.layout)
+        else:
+            dq_smem1 = dq_smem
+    else:
+        dq_smem = k_smem
+        dq_smem1 = k_smem
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
     rows_ready, rows_free, cols_ready, cols_free = _ring_barriers(STAGES, CONSUMERS)
@@ -583,7 +610,7 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
                          kv_ready, rows_ready, rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE,
                          LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, bkv, bh0, start_n, lo, n_m, n_iter, N,
                          NPAD, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, P_SCALE, SPLIT, OVERLAP, FUSED, DETERMINISTIC,
-                         EVEN_N)),
+                         EVEN_N, False, dq_smem, DQ_TMA)),
             (_producer, (k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, kt_desc, kts_desc,
                          k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs,
                          kv_ready, rows_ready, rows_free, cols_ready, cols_free, bkv * N + start_n, bkv, start_n, bh0,
@@ -599,12 +626,12 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
                          kv_ready, rows_ready, rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE,
                          LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, bkv, bh0, start_n, lo, n_m, n_iter, N,
                          NPAD, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, P_SCALE, SPLIT, OVERLAP, FUSED, DETERMINISTIC,
-                         EVEN_N, False)),
+                         EVEN_N, False, dq_smem, DQ_TMA)),
             (_consumer, (k_smem1, v_smem1, kt_smem1, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs,
                          dots_bufs, kv_ready, rows_ready, rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE,
                          DO_SCALE, LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, bkv, bh0, start_n + BLOCK_N,
                          lo, n_m, n_iter, N, NPAD, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, P_SCALE, SPLIT, OVERLAP, FUSED,
-                         DETERMINISTIC, EVEN_N, True)),
+                         DETERMINISTIC, EVEN_N, True, dq_smem1, DQ_TMA)),
             (_producer, (k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, kt_desc, kts_desc,
                          k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs,
                          kv_ready, rows_ready, rows_free, cols_ready, cols_free, bkv * N + start_n, bkv, start_n, bh0,
@@ -630,13 +657,15 @@ def _bwd_fused_ws_kernel(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts
                          Q_SCALE, K_SCALE, V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale,
                          H, HKV, N, NPAD, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, GROUP: gl.constexpr,
                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, OVERLAP: gl.constexpr,
-                         DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr, CONSUMERS: gl.constexpr):
+                         DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr, CONSUMERS: gl.constexpr,
+                         DQ_TMA: gl.constexpr):
     """The five-GEMM backward (``bwd_fused``'s computation) on host-side TMA descriptors: the dkdv
     kernel with dQ's partial of every query tile added into ``DQ_ACC`` (:func:`fused`), on
-    ``CONSUMERS`` consumer warp groups of 64 keys a CTA."""
+    ``CONSUMERS`` consumer warp groups of 64 keys a CTA; ``DQ_TMA``: by TMA reduce-adds, ``DQ_ACC``
+    a descriptor, else by float32 atomics."""
     _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, kt_desc, kts_desc, Q_SCALE,
           K_SCALE, V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, H, HKV, N, NPAD, HEAD_DIM,
-          BLOCK_M, GROUP, STAGES, CAUSAL, P_SCALE, False, OVERLAP, True, DETERMINISTIC, EVEN_N, CONSUMERS)
+          BLOCK_M, GROUP, STAGES, CAUSAL, P_SCALE, False, OVERLAP, True, DETERMINISTIC, EVEN_N, CONSUMERS, DQ_TMA)
 
 
 @gluon.jit
@@ -721,6 +750,15 @@ def _col_desc(x, head_dim: int, block: int):
     return TensorDescriptor.from_tensor(x.reshape(-1, x.shape[-1]), [head_dim, block], layout)
 
 
+def _dq_desc(dq_acc, block: int):
+    """Host-side TMA descriptor of dQ's float32 buffer ``(..., N, D)`` viewed as ``(rows, D)``,
+    ``(block, DQ_CH)`` tiles: the fused kernel's TMA reduce-adds (``dq_tma``)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout.get_default_for([block, DQ_CH.value], gl.float32)
+    return TensorDescriptor.from_tensor(dq_acc.reshape(-1, dq_acc.shape[-1]), [block, DQ_CH.value], layout)
+
+
 def _scale_desc(x, head_dim: int):
     """Host-side TMA descriptor of a transposed copy's scales ``(..., NPAD / 128, D)`` viewed as
     ``(rows, D)``, one row of D factors a tile."""
@@ -765,7 +803,7 @@ def _check_fused(spec, head_dim: int, debug: bool = False) -> None:
 def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, debug: bool = False,
            host_descriptors: bool = True, stages: int | None = None, split: bool | None = None,
            overlap: int | None = None, deterministic: bool = False, n: int | None = None,
-           consumers: int | None = None) -> Launch:
+           consumers: int | None = None, dq_tma: bool = False) -> Launch:
     """The launch of the Gluon backward kernel ``kernel`` (``"dq"``, ``"dkdv"`` or ``"fused"``, the
     five-GEMM one: dkdv with dQ's partials, :func:`fused`) for ``spec`` (a
     ``config.KernelSpec`` or its name) at ``head_dim``, ``group`` query heads per key/value head:
@@ -780,12 +818,15 @@ def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, de
     dQ's partials added in key order; ``n`` (fused): the sequence length, whose multiples of 64
     need no mask on dQ's adds (None: masked); ``consumers`` (fused): its consumer warp groups a
     CTA, else the spec's ``fused_consumers`` (2: 128 keys a CTA, one CTA an SM at
-    ``_gluon.TWO_CONSUMER_LAUNCH_REGS`` registers). Raises ValueError, with the reason, for what
-    the kernel does not run."""
+    ``_gluon.TWO_CONSUMER_LAUNCH_REGS`` registers); ``dq_tma`` (fused): dQ's partials added by TMA
+    reduce-adds of a shared tile instead of float32 atomics from registers (N a multiple of 64,
+    not deterministic). Raises ValueError, with the reason, for what the kernel does not run."""
     from .config import get_spec
 
     import dataclasses
 
+    if dq_tma and kernel != "fused":
+        raise ValueError(f"bwd_ws: dq_tma is the fused kernel's (the {kernel} kernel adds no dQ partials)")
     if consumers is not None and kernel != "fused":
         raise ValueError(f"bwd_ws: consumers={consumers!r} is the fused kernel's (the {kernel} kernel runs one "
                          "consumer warp group a CTA)")
@@ -825,6 +866,10 @@ def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, de
         consts["EVEN_N"] = n is not None and n % BLOCK_N.value == 0
         two = r.ws_bwd_tiles(head_dim).fused_consumers == 2
         consts["CONSUMERS"] = 2 if two else 1
+        if dq_tma and (deterministic or not consts["EVEN_N"]):
+            raise ValueError(f"bwd_ws: dq_tma needs N a multiple of {BLOCK_N.value} (n={n}: a tile would cross "
+                             f"into the next head's rows) and deterministic=False (deterministic={deterministic})")
+        consts["DQ_TMA"] = bool(dq_tma)
         return Launch(consts, num_warps=NUM_WARPS, num_stages=None,
                       maxnreg=TWO_CONSUMER_LAUNCH_REGS if two else LAUNCH_REGS, kernel=_bwd_fused_ws_kernel,
                       block_m=consts["CONSUMERS"] * BLOCK_N.value, signature=_signature)
@@ -872,7 +917,12 @@ def _signature(run: Launch, n_multiple_of_16: bool = True, do_format: str = "flo
             if run.kernel is _bwd_fused_ws_kernel:
                 descs += (_col_desc(cols, d, BLOCK_N.value), _scale_desc(sc, d))
                 names += ("kt_desc", "kts_desc")
-                vectors.update(DQ_ACC="*" + fp32, SEM="*i32")
+                vectors.update(SEM="*i32")
+                if run.constexprs["DQ_TMA"]:
+                    descs += (_dq_desc(torch.zeros(n, d), run.constexprs["BLOCK_M"]), )
+                    names += ("DQ_ACC", )
+                else:
+                    vectors.update(DQ_ACC="*" + fp32)
             sig = {**{k: mangle_type(x) for k, x in zip(names, descs)}, **vectors, **scalars}
         else:
             vectors.update(QT_SCALE="*" + fp32, DOT_SCALE="*" + fp32)
@@ -887,10 +937,12 @@ def _signature(run: Launch, n_multiple_of_16: bool = True, do_format: str = "flo
 def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, recipe="kernels_delta_matching",
                  stages: int | None = None, split: bool | None = None, overlap: int | None = None,
                  host_descriptors: bool = True, n_multiple_of_16: bool = True, kernel: str = "dkdv",
-                 deterministic: bool = False, n: int | None = None, consumers: int | None = None):
+                 deterministic: bool = False, n: int | None = None, consumers: int | None = None,
+                 dq_tma: bool = False):
     """Compile ``kernel`` for sm_90a without a GPU (ptxas included) as :func:`launch` describes it
     (``group``, ``split`` and ``host_descriptors`` are the dkdv kernel's only; GQA is a run-time
-    argument of the dq kernel; ``deterministic``, ``n`` and ``consumers`` the fused kernel's),
+    argument of the dq kernel; ``deterministic``, ``n``, ``consumers`` and ``dq_tma`` the fused
+    kernel's),
     specialized as :func:`_signature` says; returns the compiled kernel."""
     from ._sm90 import compile_launch
 
@@ -899,7 +951,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, reci
     spec = get_spec(recipe)
     run = launch(spec, head_dim=head_dim, causal=causal, kernel=kernel, group=group,
                  host_descriptors=host_descriptors, stages=stages, split=split, overlap=overlap,
-                 deterministic=deterministic, n=n, consumers=consumers)
+                 deterministic=deterministic, n=n, consumers=consumers, dq_tma=dq_tma)
     return compile_launch(run, n_multiple_of_16=n_multiple_of_16, do_format=spec.recipe.do_dp.fmt.name)
 
 
@@ -928,21 +980,22 @@ def prepass(saved, do8, *, batch: int, heads: int, kv_heads: int, n: int, head_d
 
 def fused(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int, causal: bool,
           scale: float, recipe, deterministic: bool = False, stages: int | None = None, overlap: int | None = None,
-          consumers: int | None = None):
+          consumers: int | None = None, dq_tma: bool = False):
     """The five-GEMM backward in Gluon: ``bwd_fused.backward``'s computation (the same operands,
     the same D from ``delta``, the same recipe) on the dkdv kernel's warp-specialized CTAs, each
     adding dQ's partial of its 64 keys into a float32 buffer, then ``bwd_fused``'s postprocess.
     dK and dV are ``bwd_fused``'s bit for bit; dQ too with ``deterministic`` (both add the
     partials in key order), else up to the order of float32 adds. ``stages``, ``overlap``,
     ``consumers``: another ring depth, schedule or number of consumer warp groups a CTA than the
-    spec's (:func:`launch`). Returns ``(dq, dk, dv, {"delta": delta})``."""
+    spec's; ``dq_tma``: dQ's partials added by TMA reduce-adds (:func:`launch`). Returns ``(dq, dk, dv, {"delta": delta})``."""
     import torch
 
     from .bwd_fused import postprocess_dq
     from .fwd import LOG2E
 
     run = launch(recipe, head_dim=head_dim, causal=causal, kernel="fused", group=heads // kv_heads,
-                 stages=stages, overlap=overlap, deterministic=deterministic, n=n, consumers=consumers)
+                 stages=stages, overlap=overlap, deterministic=deterministic, n=n, consumers=consumers,
+                 dq_tma=dq_tma)
     q8, k8, v8 = saved.q, saved.k, saved.v
     dev = do8.rows.device
     dk = torch.empty((batch, kv_heads, n, head_dim), device=dev, dtype=torch.bfloat16)
@@ -954,7 +1007,8 @@ def fused(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, h
                          run.constexprs["BLOCK_M"])
     descs += (_col_desc(k8.cols, head_dim, BLOCK_N.value), _scale_desc(k8.col_scale, head_dim))
     run.kernel[run.grid(n, batch * kv_heads)](
-        *descs, q8.row_scale, k8.row_scale, v8.row_scale, do8.row_scale, saved.lse2, delta, dk, dv, dq_acc, sem,
+        *descs, q8.row_scale, k8.row_scale, v8.row_scale, do8.row_scale, saved.lse2, delta, dk, dv,
+        _dq_desc(dq_acc, run.constexprs["BLOCK_M"]) if dq_tma else dq_acc, sem,
         scale * LOG2E, scale, heads, kv_heads, n, do8.npad, **run.constexprs, **run.options())
     return postprocess_dq(dq_acc, batch, heads, n, head_dim, scale), dk, dv, {"delta": delta}
 

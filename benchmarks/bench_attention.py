@@ -22,7 +22,8 @@ Measures, per shape B·H·N·D and causal or not, medians of ``triton.testing.do
   atomic and with deterministic dQ sums (``ours_bwd_fused_stale``, ``_det``); the Gluon five-GEMM
   kernel alone on the stale D incl. dQ's postprocess (``ours_bwd_prepass_gluon_fused``), and with
   two consumer warp groups a CTA sharing its ring of query tiles (``WsBwdTiles.fused_consumers=2``,
-  not the default: ``ours_bwd_fused_2cons``; an error is recorded as ``bwd_fused_2cons_error``);
+  not the default: ``ours_bwd_fused_2cons``; an error is recorded as ``bwd_fused_2cons_error``) and
+  adding dQ's partials by TMA reduce-adds (``dq_tma``, N a multiple of 64: ``ours_bwd_fused_tma``);
   end to end (quantization + forward + backward through ``torch.autograd``);
 - the warp-specialized Gluon forward (``dmref.kernels.fwd_ws``, the ``folded`` scales): kernel
   alone and incl. its quantization of K and V (it quantizes Q inside), with host-built TMA
@@ -30,7 +31,8 @@ Measures, per shape B·H·N·D and causal or not, medians of ``triton.testing.do
   CTA sharing one K/V ring (``FwdTiles(consumers=2)``, not the default: ``_2cons``; an error is
   recorded as ``fwd_ws_2cons_error``);
 - what ``dmref.kernels.attention`` runs by default (recipe ``kernels_delta_matching``, the Triton
-  forward): ``default_fwd_incl_quant`` among the speed-ups;
+  forward, the eight-GEMM matched backward): ``default_fwd_incl_quant``, ``default_bwd`` and
+  ``default_e2e`` among the speed-ups;
 - SDPA cuDNN and flash backends, BF16: forward, backward, end to end;
 - cuDNN's FP8 attention (per-tensor scales, stale delta; ``dmref.targets``' frontend graphs,
   built once and re-executed on fixed FP8 inputs, so its quantization is not timed) at head dim
@@ -203,6 +205,12 @@ def cudnn_fp8_timers(q, k, v, do, causal):
     return (lambda: g.run("fwd", f_in)), (lambda: g.run("bwd", b_in))
 
 
+#: the timings of what ``dmref.kernels.attention`` runs by default (its recipe
+#: ``kernels_delta_matching``): the backward incl. its preprocess, and quantization, forward and
+#: backward through autograd
+DEFAULT_BWD, DEFAULT_E2E = "ours_bwd_matched", "ours_e2e_matched"
+
+
 def _speedups(ms: dict, anchor: str) -> dict:
     """The anchor's time over ours for each of our measurements (``<anchor>_fwd``, ``_bwd``,
     ``_e2e`` in ``ms``)."""
@@ -212,6 +220,10 @@ def _speedups(ms: dict, anchor: str) -> dict:
         "fwd_incl_quant": fwd / ms["ours_fwd_incl_quant"],
         # the forward that dmref.kernels.attention's default recipe (kernels_delta_matching) runs
         "default_fwd_incl_quant": fwd / ms["ours_fwd_incl_quant_for_bwd"],
+        # the backward and the end to end that dmref.kernels.attention's default recipe runs (the
+        # eight-GEMM matched backward: DEFAULT_BWD, DEFAULT_E2E)
+        "default_bwd": bwd / ms[DEFAULT_BWD],
+        "default_e2e": e2e / ms[DEFAULT_E2E],
         "bwd_matched": bwd / ms["ours_bwd_matched"],
         "bwd_stale": bwd / ms["ours_bwd_stale"],
         "e2e_matched": e2e / ms["ours_e2e_matched"],
@@ -224,7 +236,8 @@ def _speedups(ms: dict, anchor: str) -> dict:
         # the seven-GEMM matched recipe in Gluon (pre-pass + five-GEMM kernel), and end to end
         **{k: bwd / ms[f"ours_{k}"] for k in ("bwd_prepass_gluon",) if f"ours_{k}" in ms},
         # the Gluon five-GEMM kernel alone (stale D), one and two consumer warp groups a CTA
-        **{k: bwd / ms[f"ours_{k}"] for k in ("bwd_prepass_gluon_fused", "bwd_fused_2cons") if f"ours_{k}" in ms},
+        **{k: bwd / ms[f"ours_{k}"] for k in ("bwd_prepass_gluon_fused", "bwd_fused_2cons", "bwd_fused_tma")
+           if f"ours_{k}" in ms},
         **{k: e2e / ms[f"ours_{k}"] for k in ("e2e_prepass_gluon", "e2e_prepass_gluon_folded") if f"ours_{k}" in ms},
         "e2e_matched_folded": e2e / ms["ours_e2e_matched_folded"],
         "bwd_matched_triton": bwd / ms["ours_bwd_matched_triton"],
@@ -346,6 +359,9 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
         ms["ours_bwd_prepass_gluon"] = bench(seven)
         ms["ours_bwd_prepass_gluon_prepass"] = bench(lambda: bwd_ws.prepass(saved, do8, recipe=r_dm, **kw))
         ms["ours_bwd_prepass_gluon_fused"] = bench(lambda: bwd_ws.fused(saved, do8, d_stale, recipe=r_st, **kw))
+        # the same kernel adding dQ's partials by TMA reduce-adds (dq_tma; N a multiple of 64)
+        if n % 64 == 0:
+            ms["ours_bwd_fused_tma"] = bench(lambda: bwd_ws.fused(saved, do8, d_stale, recipe=r_st, dq_tma=True, **kw))
         # the same kernel with two consumer warp groups a CTA sharing the ring of query tiles
         # (WsBwdTiles.fused_consumers=2, 128 keys a CTA; not the default)
         try:

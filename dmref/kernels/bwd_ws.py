@@ -174,6 +174,8 @@ not loaded.
 
 from __future__ import annotations
 
+import os
+
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -283,7 +285,11 @@ def _dq_add(dsq_a, kt_b, kts_row, dsq_inv, DQ_ACC, dq_smem, bh, row0, start_q, c
         # one scalar base a tile and int32 offsets within it (per-element 64-bit pointers, which the
         # compiler forms before the loop, spilled 0.5 KB a thread at D = 128)
         ptrs = (DQ_ACC + (row0 + start_q * HEAD_DIM + c0)) + (gl.expand_dims(rows_q * HEAD_DIM, 1) + gl.expand_dims(cols, 0))
-        if EVEN_N:  # no query tile runs past N: no mask (a masked atomic is a branch each)
+        if DQ_PROBE == 1:
+            gl.store(ptrs, dq, mask=gl.expand_dims(start_q + rows_q < -1, 1))
+        elif DQ_PROBE == 2:
+            gl.store(ptrs, dq)
+        elif EVEN_N:  # no query tile runs past N: no mask (a masked atomic is a branch each)
             gl.atomic_add(ptrs, dq, sem="relaxed")
         else:
             gl.atomic_add(ptrs, dq, mask=gl.expand_dims(start_q + rows_q < N, 1), sem="relaxed")
@@ -291,6 +297,12 @@ def _dq_add(dsq_a, kt_b, kts_row, dsq_inv, DQ_ACC, dq_smem, bh, row0, start_q, c
 
 #: channels of one dQ wgmma in the fused kernel (two halves at D = 128: _dq_partial)
 DQ_CH = gl.constexpr(64)
+#: a timing probe of the fused kernel's dQ path, read once at import from the environment variable
+#: ``DMREF_FUSED_DQ_PROBE`` (``benchmarks/bench_bwd_fused_parts.py`` sets it in a process of its
+#: own): 0 (unset) the kernel as it is; 1 dQ's partial computed but not added (its stores masked
+#: off); 2 added by plain stores instead of atomics; 3 no fifth GEMM at all (neither dS's
+#: quantization for dQ nor the wgmma). dQ is wrong under 1-3: those runs are timed, never read.
+DQ_PROBE = gl.constexpr(int(os.environ.get("DMREF_FUSED_DQ_PROBE", "0")))
 #: the accumulator layout of that wgmma: dQ's (queries, DQ_CH channels) tile on one warp group
 DQ_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                    instr_shape=[16, DQ_CH.value, 32]))
@@ -484,7 +496,7 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
         k_ds = _pow2_down_exponent(gl.max(gl.abs(ds_t), axis=1), False)
         ds8 = gl.convert_layout(_to_fp8(ds_t * gl.expand_dims(_exp2_int(k_ds), 1), False, False), op_layout)
         ds_inv = gl.convert_layout(_exp2_int(-k_ds), row_a)
-        if FUSED:
+        if FUSED and DQ_PROBE != 3:
             # dQ's partial first: nothing of it lives across the dK and dV wgmmas and their
             # promotion, which fill the registers
             dsq_a, dsq_inv = _quantize_ds_for_dq(ds_t)

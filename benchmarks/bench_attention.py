@@ -30,9 +30,10 @@ Measures, per shape B·H·N·D and causal or not, medians of ``triton.testing.do
   descriptors (its default) and device-side ones (``_dev``), and with two consumer warp groups a
   CTA sharing one K/V ring (``FwdTiles(consumers=2)``, not the default: ``_2cons``; an error is
   recorded as ``fwd_ws_2cons_error``);
-- what ``dmref.kernels.attention`` runs by default (recipe ``kernels_delta_matching``, the Triton
-  forward, the eight-GEMM matched backward): ``default_fwd_incl_quant``, ``default_bwd`` and
-  ``default_e2e`` among the speed-ups;
+- what ``dmref.kernels.attention`` runs by default (``config.DEFAULT_RECIPE``): its forward with
+  its quantization for the backward, its backward incl. the preprocess, end to end through
+  autograd (``ours_default_*``; ``default_fwd_incl_quant``, ``default_bwd`` and ``default_e2e``
+  among the speed-ups);
 - SDPA cuDNN and flash backends, BF16: forward, backward, end to end;
 - cuDNN's FP8 attention (per-tensor scales, stale delta; ``dmref.targets``' frontend graphs,
   built once and re-executed on fixed FP8 inputs, so its quantization is not timed) at head dim
@@ -205,12 +206,6 @@ def cudnn_fp8_timers(q, k, v, do, causal):
     return (lambda: g.run("fwd", f_in)), (lambda: g.run("bwd", b_in))
 
 
-#: the timings of what ``dmref.kernels.attention`` runs by default (its recipe
-#: ``kernels_delta_matching``): the backward incl. its preprocess, and quantization, forward and
-#: backward through autograd
-DEFAULT_BWD, DEFAULT_E2E = "ours_bwd_matched", "ours_e2e_matched"
-
-
 def _speedups(ms: dict, anchor: str) -> dict:
     """The anchor's time over ours for each of our measurements (``<anchor>_fwd``, ``_bwd``,
     ``_e2e`` in ``ms``)."""
@@ -218,12 +213,12 @@ def _speedups(ms: dict, anchor: str) -> dict:
     return {
         "fwd_kernel": fwd / ms["ours_fwd_kernel"],
         "fwd_incl_quant": fwd / ms["ours_fwd_incl_quant"],
-        # the forward that dmref.kernels.attention's default recipe (kernels_delta_matching) runs
-        "default_fwd_incl_quant": fwd / ms["ours_fwd_incl_quant_for_bwd"],
-        # the backward and the end to end that dmref.kernels.attention's default recipe runs (the
-        # eight-GEMM matched backward: DEFAULT_BWD, DEFAULT_E2E)
-        "default_bwd": bwd / ms[DEFAULT_BWD],
-        "default_e2e": e2e / ms[DEFAULT_E2E],
+        # what dmref.kernels.attention runs by default (config.DEFAULT_RECIPE): the forward with its
+        # quantization (the copies for the backward included), the backward incl. its preprocess,
+        # and quantization, forward and backward through autograd
+        "default_fwd_incl_quant": fwd / ms["ours_default_fwd_incl_quant_for_bwd"],
+        "default_bwd": bwd / ms["ours_default_bwd"],
+        "default_e2e": e2e / ms["ours_default_e2e"],
         "bwd_matched": bwd / ms["ours_bwd_matched"],
         "bwd_stale": bwd / ms["ours_bwd_stale"],
         "e2e_matched": e2e / ms["ours_e2e_matched"],
@@ -294,6 +289,20 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
         q, k, v, causal=causal, scale=scale, recipe=r_dm, for_backward=False))
     ms["ours_fwd_incl_quant_for_bwd"] = bench(lambda: api.attention_forward(
         q, k, v, causal=causal, scale=scale, recipe=r_dm, for_backward=True))
+    # --- what dmref.kernels.attention runs by default (config.DEFAULT_RECIPE)
+    from dmref.kernels.config import DEFAULT_RECIPE
+
+    o_def, _, saved_def, _ = api.attention_forward(q, k, v, causal=causal, scale=scale, recipe=DEFAULT_RECIPE)
+    ms["ours_default_fwd_incl_quant_for_bwd"] = bench(lambda: api.attention_forward(
+        q, k, v, causal=causal, scale=scale, recipe=DEFAULT_RECIPE, for_backward=True))
+    ms["ours_default_bwd"] = bench(lambda: api.attention_backward(
+        saved_def, o_def, do, shape=shape, causal=causal, scale=scale, recipe=DEFAULT_RECIPE))
+    qd, kd, vd = (t.detach().clone().requires_grad_() for t in (q, k, v))
+
+    def default_step():
+        api.attention(qd, kd, vd, causal=causal, scale=scale, recipe=DEFAULT_RECIPE).backward(do)
+    ms["ours_default_e2e"] = bench(default_step, grad_to_none=[qd, kd, vd])
+    del o_def, saved_def, qd, kd, vd
     ms["ours_quant_qkv_for_bwd"] = bench(lambda: [quantize(t, "float8_e4m3fn") for t in (q, k, v)])
     # --- ours: the warp-specialized forward (folded scales)
     from dmref.kernels import fwd_ws
@@ -417,9 +426,10 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
     for key, t in ms.items():
         if key in ("ours_quant_qkv_for_bwd", "ours_bwd_preprocess"):
             continue
-        if "_e2e" in key:
+        part = key.removesuffix("_for_bwd")  # a forward's time, the copies for the backward included
+        if "_e2e" in part:
             f = 3.5 * fl  # forward + backward
-        elif "_bwd" in key:
+        elif "_bwd" in part:
             f = 2.5 * fl
         else:
             f = fl

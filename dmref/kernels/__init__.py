@@ -8,17 +8,17 @@ raises a clear error.
 - :mod:`dmref.kernels.config` — what the kernels run, importable without triton: a
   :class:`KernelSpec` (a ``dmref.recipes.Recipe`` and the tilings) per recipe name of
   :data:`SPECS` (``kernels_delta_matching``, ``kernels_naive_fp8``, ``kernels_delta_prepass`` and
-  their ``kernels_folded_`` forms); ``dmref.get_recipe(name)`` is the spec's Recipe (:func:`get_spec` finds a spec; ``RECIPES`` and ``get_recipe`` are deprecated aliases).
+  their ``kernels_folded_`` forms; :data:`DEFAULT_RECIPE` when none is named); ``dmref.get_recipe(name)`` is the spec's Recipe (:func:`get_spec` finds a spec; ``RECIPES`` and ``get_recipe`` are deprecated aliases).
 """
 
 from __future__ import annotations
 
-from .config import RECIPES, SPECS, BwdTiles, FwdTiles, KernelSpec, get_recipe, get_spec
+from .config import DEFAULT_RECIPE, RECIPES, SPECS, BwdTiles, FwdTiles, KernelSpec, get_recipe, get_spec
 
-__all__ = ["attention", "SPECS", "BwdTiles", "FwdTiles", "KernelSpec", "get_spec", "RECIPES", "get_recipe"]
+__all__ = ["attention", "DEFAULT_RECIPE", "SPECS", "BwdTiles", "FwdTiles", "KernelSpec", "get_spec", "RECIPES", "get_recipe"]
 
 
-def attention(q, k, v, *, causal=False, scale=None, recipe="kernels_delta_matching"):
+def attention(q, k, v, *, causal=False, scale=None, recipe=DEFAULT_RECIPE):
     """FP8 attention with Delta-Matching; see :func:`dmref.kernels.api.attention`."""
     from .api import attention as _attention
 

@@ -17,6 +17,33 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def patch_interpreter_scalar_index() -> None:
+    """Work around Triton's interpreter under NumPy >= 2.4: let it use program-id-derived values
+    as ``range`` bounds.
+
+    The interpreter holds a scalar as a 1-element array and converts it with ``int(array)``
+    (``triton/runtime/interpreter.py``, ``_patch_lang_tensor``: ``__index__``), which NumPy 2.4
+    turned from a deprecation warning into ``TypeError: only 0-dimensional arrays can be
+    converted to Python scalars``; every kernel loop whose bounds come from ``program_id`` (all
+    of the backward's) then fails in the interpreter only. Still needed with Triton 3.6.0 and
+    NumPy 2.4 (without it the interpreter tests fail with that TypeError). This wraps the
+    interpreter's per-call patching of ``tl.tensor`` so that ``__index__`` reads the single
+    element. Idempotent.
+    """
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_dmref_index_patched", False):
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+    interpreter._dmref_index_patched = True
+
+
 def require_runnable(*tensors: torch.Tensor) -> None:
     """Raise a clear error when the kernels cannot run on these tensors here."""
     try:
@@ -33,6 +60,7 @@ def require_runnable(*tensors: torch.Tensor) -> None:
     if interpreting():
         if device.type != "cpu":
             raise RuntimeError(f"TRITON_INTERPRET=1 runs kernels on the CPU; tensors are on {device}")
+        patch_interpreter_scalar_index()
         return
     if device.type != "cuda":
         raise RuntimeError(

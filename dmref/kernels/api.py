@@ -16,7 +16,7 @@ import torch
 from dmref.recipes import Recipe
 
 from ._runtime import require_runnable
-from .config import KernelSpec, get_spec
+from .config import DEFAULT_RECIPE, QUANT_BLOCK, KernelSpec, get_spec
 
 
 @dataclass
@@ -65,7 +65,7 @@ def _dims(s: Shape) -> dict:
 
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-    scale: float | None = None, recipe: str | KernelSpec | Recipe = "kernels_delta_matching",
+    scale: float | None = None, recipe: str | KernelSpec | Recipe = DEFAULT_RECIPE,
     for_backward: bool = True, debug: bool = False,
 ):
     """Quantize (fused) and run the forward kernel.
@@ -97,39 +97,47 @@ def attention_forward(
 
 
 def _folded_forward(q, k, v, s: Shape, r: KernelSpec, *, causal: bool, scale: float, for_backward: bool, debug: bool):
-    """The folded recipes' forward: the warp-specialized Gluon kernel (``fwd_ws``, which
-    quantizes Q itself) on K and V with folded scales; for the backward, the copies its kernels
-    read, K's rows with its head's scale for every token (the same codes and scale)."""
-    from . import fwd_ws
+    """The folded recipes' forward: K and V quantized with folded scales (one per head; one per
+    head and channel), then on a Hopper GPU the warp-specialized Gluon kernel (``fwd_ws``, which
+    quantizes Q itself), elsewhere (Triton's interpreter) and with ``debug`` the Triton forward on
+    the same codes with the folded scales given per token and per token block (``fwd.launch``); for
+    the backward, the copies its kernels read, K's rows with its head's scale for every token
+    (the same codes and scale)."""
+    from . import fwd, fwd_ws
     from ._runtime import interpreting
     from .fwd import LN2
     from .quantize import Quantized, quantize, quantize_kv_folded
 
-    if interpreting():
-        raise RuntimeError("the folded recipes' forward is a Gluon kernel, which Triton's interpreter does not run")
-    why = _not_hopper(q.device)
-    if why:
-        raise RuntimeError(f"the folded recipes' forward does not run here: {why}")
-    if debug:
-        raise ValueError("debug dumps exist for the Triton forward only (recipes kernels_delta_matching, "
-                         "kernels_naive_fp8, kernels_delta_prepass)")
     kv = quantize_kv_folded(k, v)
-    o, lse2 = fwd_ws.forward(q.contiguous(), kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=s.kv_heads,
-                             causal=causal, scale=scale, recipe=r)
+    k_rows = Quantized(n=s.n, rows=kv.k8, row_scale=kv.k_scale[:, None].expand(-1, s.n).contiguous())
+    # the debug dumps are the Triton forward's: it runs them, on the same codes and scales
+    gluon = not interpreting() and not debug and _not_hopper(q.device) is None
+    extra = {}
+    q8 = None
+    if gluon:
+        o, lse2 = fwd_ws.forward(q.contiguous(), kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=s.kv_heads,
+                                 causal=causal, scale=scale, recipe=r)
+    else:
+        q8, _ = quantize(q, r.recipe.q.fmt.name, rows=True, cols=for_backward)
+        blocks = kv.vt8.shape[-1] // QUANT_BLOCK
+        vt = Quantized(n=s.n, cols=kv.vt8, col_scale=kv.v_scale[:, None, :].expand(-1, blocks, -1).contiguous())
+        o, lse2, p_codes = fwd.forward(q8, k_rows, vt, causal=causal, scale=scale, recipe=r, debug=debug, **_dims(s))
+        if debug:
+            extra["p_codes"] = p_codes
     saved = None
     if for_backward:
-        q8, _ = quantize(q, r.recipe.q.fmt.name, rows=True, cols=True)
+        if q8 is None:
+            q8, _ = quantize(q, r.recipe.q.fmt.name, rows=True, cols=True)
         k_cols, _ = quantize(k, r.recipe.k_dq.fmt.name, rows=False, cols=True)
-        k8 = Quantized(n=s.n, rows=kv.k8, row_scale=kv.k_scale[:, None].expand(-1, s.n).contiguous(),
-                       cols=k_cols.cols, col_scale=k_cols.col_scale)
+        k_rows.cols, k_rows.col_scale = k_cols.cols, k_cols.col_scale
         v8, _ = quantize(v, r.recipe.v_dp.fmt.name, rows=True, cols=False)
-        saved = SavedForward(q8, k8, v8, lse2)
-    return o, (lse2 * LN2).view(s.batch, s.heads, s.n), saved, {}
+        saved = SavedForward(q8, k_rows, v8, lse2)
+    return o, (lse2 * LN2).view(s.batch, s.heads, s.n), saved, extra
 
 
 def attention_backward(
     saved: SavedForward, o: torch.Tensor, do: torch.Tensor, *, shape: Shape, causal: bool,
-    scale: float, recipe: str | KernelSpec | Recipe = "kernels_delta_matching", debug: bool = False,
+    scale: float, recipe: str | KernelSpec | Recipe = DEFAULT_RECIPE, debug: bool = False,
     gluon: bool | None = None, fused: bool | None = None, deterministic: bool = False,
     delta: torch.Tensor | None = None,
 ):
@@ -293,7 +301,7 @@ class _FP8Attention(torch.autograd.Function):
 
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-    scale: float | None = None, recipe: str | KernelSpec | Recipe = "kernels_delta_matching",
+    scale: float | None = None, recipe: str | KernelSpec | Recipe = DEFAULT_RECIPE,
 ) -> torch.Tensor:
     """FP8 attention with Delta-Matching (or stale delta), forward and backward.
 
@@ -301,7 +309,8 @@ def attention(
     ``scale`` defaults to 1/sqrt(D); ``recipe`` is a name of ``config.SPECS``
     (``"kernels_delta_matching"``, ``"kernels_naive_fp8"`` with the stale delta,
     ``"kernels_delta_prepass"`` with the matched D from a pre-pass and the five-GEMM backward, and
-    their ``kernels_folded_`` forms, whose forward is the warp-specialized Gluon kernel), a
+    their ``kernels_folded_`` forms, whose forward on a Hopper GPU is the warp-specialized Gluon
+    kernel; by default ``config.DEFAULT_RECIPE``, ``"kernels_folded_delta_matching"``), a
     ``config.KernelSpec``, or a ``dmref.recipes.Recipe`` the kernels run; ``dmref.get_recipe(name)``
     is the Recipe a name runs. Another recipe (a dmref preset such as ``"delta_matching"``) is a
     ValueError naming the kernel recipe to use. Returns O (B, H, N, D) BF16. Fails with a clear

@@ -201,6 +201,12 @@ def default_fwd_tiles(recipe, head_dim: int) -> FwdTiles:
         # during the softmax: 0.99-1.11x the serial speed (dev/gpu_fwd_ws_probe.py); one consumer warp group
         # a CTA (two sharing the ring, consumers=2: their speed is bench_attention.py's ours_fwd_ws_2cons_*)
         return FwdTiles(block_m=WS_FWD_BLOCK_M, num_warps=WS_FWD_NUM_WARPS, num_stages=2, overlap=1)
+    return triton_fwd_tiles(head_dim)
+
+
+def triton_fwd_tiles(head_dim: int) -> FwdTiles:
+    """The Triton forward's tiling at ``head_dim``: its recipes' default, and what it runs a folded
+    recipe with where the warp-specialized forward does not run (``fwd.launch``)."""
     if head_dim == 64:
         # a register cap of 168 so that three CTAs share an SM: 3% faster (h200_sweep_d64.json)
         return FwdTiles(maxnreg=168)
@@ -434,6 +440,14 @@ class KernelSpec:
 #: its name; ``dmref.get_recipe(name)`` is the ``recipe`` of each.
 SPECS: dict[str, KernelSpec] = {name: KernelSpec(recipe) for name, recipe in KERNEL_RECIPES.items()}
 RECIPES = SPECS  #: deprecated alias of :data:`SPECS`
+
+#: The recipe ``dmref.kernels.attention`` and ``api``'s functions run when none is named: the
+#: matched delta with folded K and V scales. On a Hopper GPU its forward is the warp-specialized
+#: Gluon kernel, faster with its quantization than the Triton forward of ``kernels_delta_matching``
+#: at every shape of the bench, end to end too (the backward is the same eight-GEMM one), and as
+#: accurate (docs/kernels_speed.md, "Which recipe is the default"); elsewhere (Triton's
+#: interpreter) and for debug dumps the Triton forward runs it on the same folded scales.
+DEFAULT_RECIPE = "kernels_folded_delta_matching"
 
 
 def _suggestion(recipe: Recipe) -> str:

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ._common import mul_rn, to_bf16, to_fp8
 from ._runtime import Launch, interpreting
-from .config import QUANT_BLOCK, FwdTiles, KernelSpec
+from .config import QUANT_BLOCK, FwdTiles, KernelSpec, triton_fwd_tiles
 from ..emulation.constants import LN2, LOG2E  # noqa: F401  (bwd and api take them from here)
 
 # log2(e): the kernels compute exp2(S * log2(e)) = exp(S); tau * log2(e) rides on Q's scale
@@ -187,8 +187,18 @@ def launch(spec: KernelSpec, *, head_dim: int, causal: bool, debug: bool = False
     """The forward kernel's launch for ``spec`` at ``head_dim``: key tiles of the recipe's
     ``Tiles.block_k``, P's fixed scale ``2**recipe.p_fwd.offset_log2``, the tiling's warps,
     stages, register cap and loads. The one description that :func:`forward` and
-    ``compile_check`` read."""
-    tiles: FwdTiles = spec.fwd_tiles(head_dim)
+    ``compile_check`` read. A folded spec (K scaled per head, V per head and channel: special
+    cases of the per-token and per-block scales this kernel reads, given broadcast) runs with
+    ``config.triton_fwd_tiles``, its own tiling being the warp-specialized forward's; one whose
+    PV is one chain over all keys (``Recipe.pv_chain``) is refused, as this kernel promotes PV
+    once per key tile."""
+    if spec.folded:
+        if spec.recipe.pv_chain:
+            raise ValueError(f"{spec.name}: PV as one wgmma chain over all keys (pv_chain) runs on the "
+                             "warp-specialized forward only (a Hopper GPU); the Triton forward promotes it per key tile")
+        tiles = triton_fwd_tiles(head_dim)
+    else:
+        tiles: FwdTiles = spec.fwd_tiles(head_dim)
     block_n = spec.recipe.tiles.block_k
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=tiles.block_m, BLOCK_N=block_n, QB=QUANT_BLOCK, CAUSAL=causal,
                   P_SCALE=float(2 ** spec.recipe.p_fwd.offset_log2), TMA=tiles.tma, DEBUG=bool(debug),

@@ -1,5 +1,6 @@
 """Differential tests: dmref.kernels against the emulated reference ``dmref.tiled`` on the recipe
-the kernels run (``KernelSpec.reference_recipe``).
+the kernels run (``KernelSpec.reference_recipe``); the folded recipes in the interpreter run the
+Triton forward on their folded scales, on a Hopper GPU the warp-specialized one.
 
 The reference reproduces the kernels' forward (P against the running max of 128-key tiles), the
 matched and stale delta, dV, dK and dQ, the matched dQ with its deferred kbar correction
@@ -29,6 +30,9 @@ CASES = {
     "interpreter": [
         Case(1, 2, 1, 203, 64, True, "kernels_naive_fp8"),
         Case(1, 2, 2, 150, 64, False, "kernels_delta_matching"),
+        # the folded recipes off Hopper: the Triton forward on the folded scales (api._folded_forward)
+        Case(1, 2, 1, 203, 64, True, "kernels_folded_delta_matching"),
+        Case(1, 2, 2, 150, 64, False, "kernels_folded_naive_fp8", p_scale_log2=6),
     ],
     "gpu": [
         Case(2, 4, 2, 1000, 128, False, "kernels_naive_fp8"),

@@ -108,11 +108,15 @@ def child(what: str, warm: bool) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=RESULTS, help="directory for the JSON result (default: %(default)s)")
+    ap.add_argument("--runs", default=",".join(f"{w}:{p}" for w, p in RUNS),
+                    help="the processes, WHAT:PROBE comma-separated (default: %(default)s)")
+    ap.add_argument("--warm-timeout", type=float, default=200, help="seconds for the parallel compile")
     ap.add_argument("--child", nargs=2, metavar=("WHAT", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         child(args.child[0], args.child[1] == "warm")
         return
+    runs = [(w, int(p)) for w, p in (r.split(":") for r in args.runs.split(","))]
     t0 = time.time()
 
     def cmd(what, mode):
@@ -122,18 +126,18 @@ def main(argv=None) -> None:
         return dict(os.environ, DMREF_FUSED_DQ_PROBE=str(probe))
 
     warm = [subprocess.Popen(cmd(what, "warm"), env=env(probe), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True) for what, probe in RUNS]
+                             stderr=subprocess.PIPE, text=True) for what, probe in runs]
     errors = {}
-    for (what, probe), p in zip(RUNS, warm):
+    for (what, probe), p in zip(runs, warm):
         try:
-            _, err = p.communicate(timeout=max(1.0, 200 - (time.time() - t0)))
+            _, err = p.communicate(timeout=max(1.0, args.warm_timeout - (time.time() - t0)))
         except subprocess.TimeoutExpired:
             p.kill()
             err = "compile/warm-up timed out"
         if p.returncode:
             errors[f"{what}_{probe}_warm"] = (err or "")[-600:]
     rows = []
-    for what, probe in RUNS:
+    for what, probe in runs:
         try:
             r = subprocess.run(cmd(what, "time"), env=env(probe), capture_output=True, text=True, timeout=90)
             out, err, rc = r.stdout, r.stderr, r.returncode

@@ -367,8 +367,10 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
             raise RuntimeError("not timed (--skip gluon_fused)")
         ms["ours_bwd_prepass_gluon"] = bench(seven)
         ms["ours_bwd_prepass_gluon_prepass"] = bench(lambda: bwd_ws.prepass(saved, do8, recipe=r_dm, **kw))
-        ms["ours_bwd_prepass_gluon_fused"] = bench(lambda: bwd_ws.fused(saved, do8, d_stale, recipe=r_st, **kw))
-        # the same kernel adding dQ's partials by TMA reduce-adds (dq_tma; N a multiple of 64)
+        ms["ours_bwd_prepass_gluon_fused"] = bench(lambda: bwd_ws.fused(saved, do8, d_stale, recipe=r_st,
+                                                                        dq_tma=False, **kw))
+        # the same kernel adding dQ's partials by TMA reduce-adds (dq_tma, its default where N is a
+        # multiple of 64)
         if n % 64 == 0:
             ms["ours_bwd_fused_tma"] = bench(lambda: bwd_ws.fused(saved, do8, d_stale, recipe=r_st, dq_tma=True, **kw))
         # the same kernel with two consumer warp groups a CTA sharing the ring of query tiles
@@ -377,7 +379,7 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
             if "bwd_two_consumers" in SKIP:
                 raise RuntimeError("not timed (--skip bwd_two_consumers)")
             ms["ours_bwd_fused_2cons"] = bench(lambda: bwd_ws.fused(saved, do8, d_stale, recipe=r_st, consumers=2,
-                                                                     **kw))
+                                                                     dq_tma=False, **kw))
         except Exception as exc:
             res["bwd_fused_2cons_error"] = f"{type(exc).__name__}: {exc}"[:300]
         r_ffdm = _recipe("kernels_folded_delta_matching", fwd_c, bwd_c)

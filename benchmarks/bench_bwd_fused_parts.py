@@ -94,7 +94,7 @@ def child(what: str, warm: bool) -> None:
             if what == "tma":
                 variants = dict(fused1_tma=dict(dq_tma=True), fused2_tma=dict(consumers=2, dq_tma=True))
             else:
-                variants = {"fused1": {}, "fused2": dict(consumers=2)}
+                variants = {"fused1": dict(dq_tma=False), "fused2": dict(consumers=2, dq_tma=False)}
             for key, extra in variants.items():
                 ms[key] = timed(lambda extra=extra: bwd_ws.fused(saved, do8, d_stale, recipe=r_st, **extra, **kw))
             if what == "bwd" and probe == 0:

@@ -815,7 +815,7 @@ def _check_fused(spec, head_dim: int, debug: bool = False) -> None:
 def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, debug: bool = False,
            host_descriptors: bool = True, stages: int | None = None, split: bool | None = None,
            overlap: int | None = None, deterministic: bool = False, n: int | None = None,
-           consumers: int | None = None, dq_tma: bool = False) -> Launch:
+           consumers: int | None = None, dq_tma: bool | None = False) -> Launch:
     """The launch of the Gluon backward kernel ``kernel`` (``"dq"``, ``"dkdv"`` or ``"fused"``, the
     five-GEMM one: dkdv with dQ's partials, :func:`fused`) for ``spec`` (a
     ``config.KernelSpec`` or its name) at ``head_dim``, ``group`` query heads per key/value head:
@@ -832,11 +832,13 @@ def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, de
     CTA, else the spec's ``fused_consumers`` (2: 128 keys a CTA, one CTA an SM at
     ``_gluon.TWO_CONSUMER_LAUNCH_REGS`` registers); ``dq_tma`` (fused): dQ's partials added by TMA
     reduce-adds of a shared tile instead of float32 atomics from registers (N a multiple of 64,
-    not deterministic). Raises ValueError, with the reason, for what the kernel does not run."""
+    not deterministic), None: wherever they can be. Raises ValueError, with the reason, for what the kernel does not run."""
     from .config import get_spec
 
     import dataclasses
 
+    if kernel == "fused" and dq_tma is None:
+        dq_tma = n is not None and n % BLOCK_N.value == 0 and not deterministic
     if dq_tma and kernel != "fused":
         raise ValueError(f"bwd_ws: dq_tma is the fused kernel's (the {kernel} kernel adds no dQ partials)")
     if consumers is not None and kernel != "fused":
@@ -992,14 +994,17 @@ def prepass(saved, do8, *, batch: int, heads: int, kv_heads: int, n: int, head_d
 
 def fused(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int, causal: bool,
           scale: float, recipe, deterministic: bool = False, stages: int | None = None, overlap: int | None = None,
-          consumers: int | None = None, dq_tma: bool = False):
+          consumers: int | None = None, dq_tma: bool | None = None):
     """The five-GEMM backward in Gluon: ``bwd_fused.backward``'s computation (the same operands,
     the same D from ``delta``, the same recipe) on the dkdv kernel's warp-specialized CTAs, each
     adding dQ's partial of its 64 keys into a float32 buffer, then ``bwd_fused``'s postprocess.
     dK and dV are ``bwd_fused``'s bit for bit; dQ too with ``deterministic`` (both add the
     partials in key order), else up to the order of float32 adds. ``stages``, ``overlap``,
     ``consumers``: another ring depth, schedule or number of consumer warp groups a CTA than the
-    spec's; ``dq_tma``: dQ's partials added by TMA reduce-adds (:func:`launch`). Returns ``(dq, dk, dv, {"delta": delta})``."""
+    spec's; ``dq_tma``: dQ's partials added by TMA reduce-adds (:func:`launch`), by default
+    wherever they can be (N a multiple of 64, not ``deterministic``: faster than the atomics at
+    every shape of the bench, ``benchmarks/results/h100_bench_attention.json``,
+    ``ours_bwd_fused_tma``), else by float32 atomics. Returns ``(dq, dk, dv, {"delta": delta})``."""
     import torch
 
     from .bwd_fused import postprocess_dq
@@ -1020,7 +1025,7 @@ def fused(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, h
     descs += (_col_desc(k8.cols, head_dim, BLOCK_N.value), _scale_desc(k8.col_scale, head_dim))
     run.kernel[run.grid(n, batch * kv_heads)](
         *descs, q8.row_scale, k8.row_scale, v8.row_scale, do8.row_scale, saved.lse2, delta, dk, dv,
-        _dq_desc(dq_acc, run.constexprs["BLOCK_M"]) if dq_tma else dq_acc, sem,
+        _dq_desc(dq_acc, run.constexprs["BLOCK_M"]) if run.constexprs["DQ_TMA"] else dq_acc, sem,
         scale * LOG2E, scale, heads, kv_heads, n, do8.npad, **run.constexprs, **run.options())
     return postprocess_dq(dq_acc, batch, heads, n, head_dim, scale), dk, dv, {"delta": delta}
 

@@ -128,6 +128,11 @@ def test_bwd_ws_fused_refuses_what_it_does_not_run():
             bwd_ws.launch(stale, head_dim=128, causal=False, kernel="fused", dq_tma=True, **kwargs)
         assert "\n" not in str(exc.value)
     assert bwd_ws.launch(stale, head_dim=64, causal=True, kernel="fused", dq_tma=True, n=1024).constexprs["DQ_TMA"]
+    # dq_tma=None (fused's default): TMA reduce-adds wherever they can be, else atomics
+    for kwargs, want in ((dict(n=1024), True), (dict(n=1000), False), (dict(n=None), False),
+                         (dict(n=1024, deterministic=True), False)):
+        run = bwd_ws.launch(stale, head_dim=128, causal=False, kernel="fused", dq_tma=None, **kwargs)
+        assert run.constexprs["DQ_TMA"] is want, kwargs
     with pytest.raises(ValueError, match="fused kernel's"):
         bwd_ws.launch(stale, head_dim=128, causal=False, kernel="dkdv", dq_tma=True)
     for consumers in (0, 3):
@@ -198,7 +203,7 @@ def test_bwd_ws_fused_equals_the_triton_fused(case):
     saved, do8, delta, r, dims = _problem(shape, causal, recipe, device)
     dq_t, dk_t, dv_t, _ = bwd_fused.backward(saved, do8, delta, recipe=r, deterministic=True, **dims)
     dq_d, dk_d, dv_d, _ = bwd_ws.fused(saved, do8, delta, recipe=r, deterministic=True, **dims)
-    dq_g, dk_g, dv_g, _ = bwd_ws.fused(saved, do8, delta, recipe=r, **dims)
+    dq_g, dk_g, dv_g, _ = bwd_ws.fused(saved, do8, delta, recipe=r, dq_tma=False, **dims)
     torch.cuda.synchronize()
     assert torch.isfinite(dq_t).all() and torch.isfinite(dk_t).all() and torch.isfinite(dv_t).all()
     for name, got, want in (("dK", dk_d, dk_t), ("dV", dv_d, dv_t), ("dQ (deterministic)", dq_d, dq_t),
@@ -258,7 +263,7 @@ def test_two_consumers_give_the_one_consumer_bits(case):
     for kw in (dict(), dict(stages=3), dict(overlap=1 - overlap)):
         want = bwd_ws.fused(saved, do8, delta, recipe=r, deterministic=True, consumers=1, **kw, **dims)[:3]
         got = bwd_ws.fused(saved, do8, delta, recipe=r, deterministic=True, consumers=2, **kw, **dims)[:3]
-        atomic = bwd_ws.fused(saved, do8, delta, recipe=r, consumers=2, **kw, **dims)[:3]
+        atomic = bwd_ws.fused(saved, do8, delta, recipe=r, consumers=2, dq_tma=False, **kw, **dims)[:3]
         torch.cuda.synchronize()
         for name, a, b in zip(("dQ", "dK", "dV"), got, want):
             assert torch.equal(_bits(a), _bits(b)), f"{kw}: {name}: {_describe(a, b)}"

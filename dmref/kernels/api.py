@@ -102,13 +102,14 @@ def _folded_forward(q, k, v, s: Shape, r: KernelSpec, *, causal: bool, scale: fl
     quantizes Q itself), elsewhere (Triton's interpreter) and with ``debug`` the Triton forward on
     the same codes with the folded scales given per token and per token block (``fwd.launch``); for
     the backward, the copies its kernels read, K's rows with its head's scale for every token
-    (the same codes and scale)."""
+    (the same codes and scale), K's transposed copy and V's rows written by the folded
+    quantization's second launch."""
     from . import fwd, fwd_ws
     from ._runtime import interpreting
     from .fwd import LN2
     from .quantize import Quantized, quantize, quantize_kv_folded
 
-    kv = quantize_kv_folded(k, v)
+    kv = quantize_kv_folded(k, v, for_backward=for_backward)
     k_rows = Quantized(n=s.n, rows=kv.k8, row_scale=kv.k_scale[:, None].expand(-1, s.n).contiguous())
     # the debug dumps are the Triton forward's: it runs them, on the same codes and scales
     gluon = not interpreting() and not debug and _not_hopper(q.device) is None
@@ -128,10 +129,10 @@ def _folded_forward(q, k, v, s: Shape, r: KernelSpec, *, causal: bool, scale: fl
     if for_backward:
         if q8 is None:
             q8, _ = quantize(q, r.recipe.q.fmt.name, rows=True, cols=True)
-        k_cols, _ = quantize(k, r.recipe.k_dq.fmt.name, rows=False, cols=True)
-        k_rows.cols, k_rows.col_scale = k_cols.cols, k_cols.col_scale
-        v8, _ = quantize(v, r.recipe.v_dp.fmt.name, rows=True, cols=False)
-        saved = SavedForward(q8, k_rows, v8, lse2)
+        # K's transposed copy and V's rows (E4M3, the recipe's k_dq and v_dp: config.unsupported)
+        # from the folded quantization's own pass over K and V
+        k_rows.cols, k_rows.col_scale = kv.k_cols.cols, kv.k_cols.col_scale
+        saved = SavedForward(q8, k_rows, kv.v_rows, lse2)
     return o, (lse2 * LN2).view(s.batch, s.heads, s.n), saved, extra
 
 

@@ -46,6 +46,29 @@ class Quantized:
 
 
 @triton.jit
+def _store_row_copy(x, offs_t, offs_d, in_seq, XR, XR_SCALE, HEAD_DIM: tl.constexpr, IS_E5M2: tl.constexpr,
+                    INTERPRET: tl.constexpr):
+    """Q-point row copy of the float32 tile ``x`` (tokens ``offs_t``): one POW2_DOWN scale per
+    token over the head dim; codes at ``XR`` ``(N, D)``, factors 2**-k at ``XR_SCALE``."""
+    k_row = pow2_down_exponent(tl.max(tl.abs(x), axis=1), IS_E5M2)
+    codes = to_fp8(x * exp2_int(k_row)[:, None], IS_E5M2, INTERPRET)
+    tl.store(XR + offs_t[:, None] * HEAD_DIM + offs_d[None, :], codes, mask=in_seq[:, None])
+    tl.store(XR_SCALE + offs_t, exp2_int(-k_row), mask=in_seq)
+
+
+@triton.jit
+def _store_col_copy(x, pid_t, offs_t, offs_d, XT, XT_SCALE, NPAD, HEAD_DIM: tl.constexpr, IS_E5M2: tl.constexpr,
+                    INTERPRET: tl.constexpr):
+    """Q-point transposed copy of the float32 tile ``x`` (token block ``pid_t``, padding tokens
+    0): one POW2_DOWN scale per channel over the block's tokens; codes at ``XT`` ``(D, NPAD)``
+    (padding written as 0), factors at ``XT_SCALE`` ``(NPAD // BLOCK_T, D)``."""
+    k_col = pow2_down_exponent(tl.max(tl.abs(x), axis=0), IS_E5M2)
+    codes_t = to_fp8(x * exp2_int(k_col)[None, :], IS_E5M2, INTERPRET)
+    tl.store(XT + offs_d[None, :] * NPAD + offs_t[:, None], codes_t)
+    tl.store(XT_SCALE + pid_t * HEAD_DIM + offs_d, exp2_int(-k_col))
+
+
+@triton.jit
 def _quantize_kernel(
     X, stride_xb, stride_xh, stride_xn, stride_xd,
     XR, XR_SCALE, XT, XT_SCALE,
@@ -74,18 +97,10 @@ def _quantize_kernel(
     # padding tokens read as 0: they get code 0 in the transposed copy and do not move its amax
     x = from_bf16(tl.load(x_ptrs, mask=in_seq[:, None], other=0.0), INTERPRET)
     if EMIT_ROWS:
-        # Q-point row copy: one POW2_DOWN scale per token over the head dim
-        k_row = pow2_down_exponent(tl.max(tl.abs(x), axis=1), IS_E5M2)
-        codes = to_fp8(x * exp2_int(k_row)[:, None], IS_E5M2, INTERPRET)
-        tl.store(XR + offs_t[:, None] * HEAD_DIM + offs_d[None, :], codes, mask=in_seq[:, None])
-        tl.store(XR_SCALE + offs_t, exp2_int(-k_row), mask=in_seq)
+        _store_row_copy(x, offs_t, offs_d, in_seq, XR, XR_SCALE, HEAD_DIM, IS_E5M2, INTERPRET)
     if EMIT_COLS:
-        # Q-point transposed copy: one POW2_DOWN scale per channel over BLOCK_T tokens
-        k_col = pow2_down_exponent(tl.max(tl.abs(x), axis=0), IS_E5M2)
-        codes_t = to_fp8(x * exp2_int(k_col)[None, :], IS_E5M2, INTERPRET)
         # NPAD is a multiple of BLOCK_T: padding is written as 0
-        tl.store(XT + offs_d[None, :] * NPAD + offs_t[:, None], codes_t)
-        tl.store(XT_SCALE + pid_t * HEAD_DIM + offs_d, exp2_int(-k_col))
+        _store_col_copy(x, pid_t, offs_t, offs_d, XT, XT_SCALE, NPAD, HEAD_DIM, IS_E5M2, INTERPRET)
     if WITH_DELTA:
         # stale delta, the backward's preprocess: D_i = sum_d O_id dO_id from BF16 O and dO
         O += b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
@@ -189,11 +204,13 @@ def _kv_amax_kernel(K, V, stride_b, stride_h, stride_n, stride_d, AMAX, H, N,
 
 @triton.jit
 def _kv_quantize_folded_kernel(K, V, stride_b, stride_h, stride_n, stride_d, AMAX, K8, K_SCALE, VT8, V_SCALE,
-                               H, N, NPAD, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
-                               INTERPRET: tl.constexpr):
+                               KT8, KT_SCALE, V8, V8_SCALE, H, N, NPAD, HEAD_DIM: tl.constexpr,
+                               BLOCK_T: tl.constexpr, FOR_BWD: tl.constexpr, INTERPRET: tl.constexpr):
     """Codes under the amaxes of ``_kv_amax_kernel`` (POW2_DOWN, E4M3): K's row copy with one
     scale per head, V's transposed copy with one per head and channel; the first tile of each
-    head writes the dequantization factors 2**-k."""
+    head writes the dequantization factors 2**-k. ``FOR_BWD``: from the same tiles, the copies the
+    backward reads, as :func:`quantize` writes them (E4M3): K's transposed copy (``KT8``,
+    ``KT_SCALE``) and V's row copy (``V8``, ``V8_SCALE``)."""
     bh, offs_t, offs_d, off, ptrs = _kv_tile(stride_b, stride_h, stride_n, stride_d, H, HEAD_DIM, BLOCK_T)
     pid_t = tl.program_id(0)
     in_seq = offs_t < N
@@ -204,11 +221,17 @@ def _kv_quantize_folded_kernel(K, V, stride_b, stride_h, stride_n, stride_d, AMA
     k = from_bf16(tl.load(K + off + ptrs, mask=in_seq[:, None], other=0.0), INTERPRET)
     tl.store(K8 + bh64 * N * HEAD_DIM + offs_t[:, None] * HEAD_DIM + offs_d[None, :],
              to_fp8(k * exp2_int(k_head), False, INTERPRET), mask=in_seq[:, None])
+    if FOR_BWD:  # K's transposed copy, before K's tile dies
+        _store_col_copy(k, pid_t, offs_t, offs_d, KT8 + bh64 * HEAD_DIM * NPAD,
+                        KT_SCALE + bh64 * (NPAD // BLOCK_T) * HEAD_DIM, NPAD, HEAD_DIM, False, INTERPRET)
     # Q-point V (PV): one POW2_DOWN scale per head and channel; padding tokens (0) get code 0
     k_chan = pow2_down_exponent(tl.load(AMAX + 1 + offs_d).to(tl.float32, bitcast=True), False)
     v = from_bf16(tl.load(V + off + ptrs, mask=in_seq[:, None], other=0.0), INTERPRET)
     tl.store(VT8 + bh64 * HEAD_DIM * NPAD + offs_d[None, :] * NPAD + offs_t[:, None],
              to_fp8(v * exp2_int(k_chan)[None, :], False, INTERPRET))
+    if FOR_BWD:  # V's row copy, from the tile just quantized
+        _store_row_copy(v, offs_t, offs_d, in_seq, V8 + bh64 * N * HEAD_DIM, V8_SCALE + bh64 * N, HEAD_DIM, False,
+                        INTERPRET)
     if pid_t == 0:
         tl.store(K_SCALE + bh, exp2_int(-k_head))
         tl.store(V_SCALE + bh64 * HEAD_DIM + offs_d, exp2_int(-k_chan))
@@ -222,11 +245,16 @@ class FoldedKV:
     k_scale: torch.Tensor  #: (B*HKV,) dequantization factor of each head
     vt8: torch.Tensor  #: (B*HKV, D, NPAD) E4M3 codes, tokens contiguous
     v_scale: torch.Tensor  #: (B*HKV, D) dequantization factor of each head and channel
+    #: ``for_backward``: K's transposed copy and V's row copy, :func:`quantize`'s (``cols`` / ``rows``)
+    k_cols: Quantized | None = None
+    v_rows: Quantized | None = None
 
 
-def quantize_kv_folded(k: torch.Tensor, v: torch.Tensor) -> FoldedKV:
+def quantize_kv_folded(k: torch.Tensor, v: torch.Tensor, *, for_backward: bool = False) -> FoldedKV:
     """Quantize ``k, v: (B, HKV, N, D)`` (BF16, the same strides) to E4M3 with folded scales, in
-    two launches: the amaxes of both, then the codes of both."""
+    two launches: the amaxes of both, then the codes of both; ``for_backward``: the second
+    launch also writes K's transposed copy and V's row copy (E4M3), the codes and factors of
+    ``quantize(k, rows=False)`` and ``quantize(v, cols=False)``."""
     if k.shape != v.shape or k.stride() != v.stride() or k.ndim != 4:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be (B, HKV, N, D) of one shape and strides")
     bsz, heads, n, d = k.shape
@@ -240,6 +268,17 @@ def quantize_kv_folded(k: torch.Tensor, v: torch.Tensor) -> FoldedKV:
                    k_scale=torch.empty(bsz * heads, device=dev, dtype=torch.float32),
                    vt8=torch.empty((bsz * heads, d, npad), device=dev, dtype=torch.float8_e4m3fn),
                    v_scale=torch.empty((bsz * heads, d), device=dev, dtype=torch.float32))
-    _kv_quantize_folded_kernel[grid](k, v, *k.stride(), amax, out.k8, out.k_scale, out.vt8, out.v_scale, heads, n,
-                                     npad, HEAD_DIM=d, BLOCK_T=QUANT_BLOCK, INTERPRET=interpreting(), num_warps=8)
+    dummy8 = torch.empty(1, device=dev, dtype=torch.float8_e4m3fn)
+    dummy32 = torch.empty(1, device=dev, dtype=torch.float32)
+    if for_backward:
+        out.k_cols = Quantized(n=n, cols=torch.empty((bsz * heads, d, npad), device=dev, dtype=torch.float8_e4m3fn),
+                               col_scale=torch.empty((bsz * heads, npad // QUANT_BLOCK, d), device=dev,
+                                                     dtype=torch.float32))
+        out.v_rows = Quantized(n=n, rows=torch.empty((bsz * heads, n, d), device=dev, dtype=torch.float8_e4m3fn),
+                               row_scale=torch.empty((bsz * heads, n), device=dev, dtype=torch.float32))
+    bwd = (out.k_cols.cols, out.k_cols.col_scale, out.v_rows.rows, out.v_rows.row_scale) if for_backward else \
+        (dummy8, dummy32, dummy8, dummy32)
+    _kv_quantize_folded_kernel[grid](k, v, *k.stride(), amax, out.k8, out.k_scale, out.vt8, out.v_scale, *bwd, heads,
+                                     n, npad, HEAD_DIM=d, BLOCK_T=QUANT_BLOCK, FOR_BWD=bool(for_backward),
+                                     INTERPRET=interpreting(), num_warps=8)
     return out

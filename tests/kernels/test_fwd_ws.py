@@ -58,6 +58,32 @@ def test_folded_quantization_equals_the_emulation(backend):
     # dequantization factors: the emulation's scales (x ~= scale * decode(code))
     assert torch.equal(got.k_scale.cpu(), torch.as_tensor(k_scales).reshape(bh).float())
     assert torch.equal(got.v_scale.cpu(), torch.as_tensor(v_scales).reshape(bh, -1).float())
+    assert got.k_cols is None and got.v_rows is None
+
+
+@pytest.mark.parametrize("backend", ["interpreter", pytest.param("gpu", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("n", [203, 256])
+def test_folded_quantization_for_backward_writes_quantizes_copies(backend, n):
+    """``for_backward``: the folded quantization's second launch also writes K's transposed copy
+    and V's row copy, the codes and factors ``quantize`` writes for them bit for bit (padding
+    included), and the folded copies are those without it; on tails (203) and whole blocks (256),
+    GQA's key/value heads, wide exponent ranges and zero channels (``_wide_inputs``)."""
+    device = require_backend(backend)
+    from dmref.kernels.quantize import quantize, quantize_kv_folded
+
+    _, k, v = _wide_inputs(ProblemShape(2, 3, 3, n, 64), device)
+    plain = quantize_kv_folded(k, v)
+    got = quantize_kv_folded(k, v, for_backward=True)
+    k_cols, _ = quantize(k, "float8_e4m3fn", rows=False, cols=True)
+    v_rows, _ = quantize(v, "float8_e4m3fn", rows=True, cols=False)
+
+    def bits(t):
+        return t.contiguous().view(torch.uint8) if t.element_size() == 1 else t.contiguous().view(torch.int32)
+
+    for a, b in ((got.k_cols.cols, k_cols.cols), (got.k_cols.col_scale, k_cols.col_scale),
+                 (got.v_rows.rows, v_rows.rows), (got.v_rows.row_scale, v_rows.row_scale),
+                 (got.k8, plain.k8), (got.k_scale, plain.k_scale), (got.vt8, plain.vt8), (got.v_scale, plain.v_scale)):
+        assert a.shape == b.shape and torch.equal(bits(a), bits(b))
 
 
 #: The register budget of fwd_ws's docstring: producer 24, consumer 232, 128 at launch, for the

@@ -23,7 +23,8 @@ Measures, per shape B·H·N·D and causal or not, medians of ``triton.testing.do
   kernel alone on the stale D incl. dQ's postprocess (``ours_bwd_prepass_gluon_fused``), and with
   two consumer warp groups a CTA sharing its ring of query tiles (``WsBwdTiles.fused_consumers=2``,
   not the default: ``ours_bwd_fused_2cons``; an error is recorded as ``bwd_fused_2cons_error``) and
-  adding dQ's partials by TMA reduce-adds (``dq_tma``, N a multiple of 64: ``ours_bwd_fused_tma``);
+  adding dQ's partials by TMA reduce-adds (``dq_tma``, N a multiple of 64: ``ours_bwd_fused_tma``),
+  and with two consumers whose partials are summed on chip first (``dq_pair``: ``ours_bwd_fused_pair``);
   end to end (quantization + forward + backward through ``torch.autograd``);
 - the warp-specialized Gluon forward (``dmref.kernels.fwd_ws``, the ``folded`` scales): kernel
   alone and incl. its quantization of K and V (it quantizes Q inside), with host-built TMA
@@ -231,8 +232,8 @@ def _speedups(ms: dict, anchor: str) -> dict:
         # the seven-GEMM matched recipe in Gluon (pre-pass + five-GEMM kernel), and end to end
         **{k: bwd / ms[f"ours_{k}"] for k in ("bwd_prepass_gluon",) if f"ours_{k}" in ms},
         # the Gluon five-GEMM kernel alone (stale D), one and two consumer warp groups a CTA
-        **{k: bwd / ms[f"ours_{k}"] for k in ("bwd_prepass_gluon_fused", "bwd_fused_2cons", "bwd_fused_tma")
-           if f"ours_{k}" in ms},
+        **{k: bwd / ms[f"ours_{k}"] for k in ("bwd_prepass_gluon_fused", "bwd_fused_2cons", "bwd_fused_tma",
+                                              "bwd_fused_pair") if f"ours_{k}" in ms},
         **{k: e2e / ms[f"ours_{k}"] for k in ("e2e_prepass_gluon", "e2e_prepass_gluon_folded") if f"ours_{k}" in ms},
         "e2e_matched_folded": e2e / ms["ours_e2e_matched_folded"],
         "bwd_matched_triton": bwd / ms["ours_bwd_matched_triton"],
@@ -380,6 +381,10 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
                 raise RuntimeError("not timed (--skip bwd_two_consumers)")
             ms["ours_bwd_fused_2cons"] = bench(lambda: bwd_ws.fused(saved, do8, d_stale, recipe=r_st, consumers=2,
                                                                      dq_tma=False, **kw))
+            # the two consumers' partials summed on chip, then one TMA reduce-add (dq_pair; not the default)
+            if n % 64 == 0:
+                ms["ours_bwd_fused_pair"] = bench(lambda: bwd_ws.fused(saved, do8, d_stale, recipe=r_st, consumers=2,
+                                                                        dq_tma=True, dq_pair=True, **kw))
         except Exception as exc:
             res["bwd_fused_2cons_error"] = f"{type(exc).__name__}: {exc}"[:300]
         r_ffdm = _recipe("kernels_folded_delta_matching", fwd_c, bwd_c)

@@ -48,6 +48,7 @@ LABELS = {
     "bwd_prepass_gluon_fused": "Gluon five-GEMM kernel",
     "bwd_fused_2cons": "Gluon five-GEMM kernel, two consumers",
     "bwd_fused_tma": "Gluon five-GEMM kernel, TMA dQ adds",
+    "bwd_fused_pair": "Gluon five-GEMM kernel, two consumers, dQ summed on chip",
     "default_bwd": "default bwd",
     "e2e_matched": "e2e matched",
     "e2e_matched_folded": "e2e matched, WS fwd",

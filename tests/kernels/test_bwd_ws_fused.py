@@ -60,12 +60,24 @@ def test_bwd_ws_fused_compiles_for_sm90_with_its_register_budget():
 #: The two-consumer kernel (``consumers=2``) in the configurations above. ptxas's spill bytes count
 #: the code of both consumer warp groups (one copy each in the kernel), the one-consumer kernel's one.
 _SCRIPT_TWO_CONSUMERS = _SCRIPT.replace("deterministic=det, n=n)", "deterministic=det, n=n, consumers=2)")
+#: The two-consumer kernel with TMA reduce-adds, and with its consumers' partials summed on chip
+#: (dq_pair): N a multiple of 64, not deterministic
+_SCRIPT_DQ_TMA = _SCRIPT.replace("for det in (False, True):", "for det in (False, ):").replace(
+    "for n in (None, 4096):", "for n, cons, pair in ((4096, 2, False), (4096, 2, True)):").replace(
+    "deterministic=det, n=n)", "deterministic=det, n=n, consumers=cons, dq_tma=True, dq_pair=pair)")
 
 
 @pytest.mark.slow
 def test_two_consumer_bwd_ws_fused_compiles_for_sm90_with_its_register_budget():
     assert "consumers=2" in _SCRIPT_TWO_CONSUMERS
     usage = compile_and_check_budget(_SCRIPT_TWO_CONSUMERS, 16, consumers=2, spills_ok=lambda u: u["d"] == 128)
+    assert all(u["spills"] == 0 for u in usage if u["d"] == 64)
+
+
+@pytest.mark.slow
+def test_two_consumer_bwd_ws_fused_with_tma_adds_compiles_for_sm90_with_its_register_budget():
+    assert "dq_pair=pair" in _SCRIPT_DQ_TMA
+    usage = compile_and_check_budget(_SCRIPT_DQ_TMA, 8, consumers=2, spills_ok=lambda u: u["d"] == 128)
     assert all(u["spills"] == 0 for u in usage if u["d"] == 64)
 
 
@@ -128,6 +140,13 @@ def test_bwd_ws_fused_refuses_what_it_does_not_run():
             bwd_ws.launch(stale, head_dim=128, causal=False, kernel="fused", dq_tma=True, **kwargs)
         assert "\n" not in str(exc.value)
     assert bwd_ws.launch(stale, head_dim=64, causal=True, kernel="fused", dq_tma=True, n=1024).constexprs["DQ_TMA"]
+    # dq_pair: two consumers' partials summed on chip, then TMA reduce-adds
+    for kwargs in (dict(consumers=1, dq_tma=True), dict(consumers=2, dq_tma=False), dict(consumers=2, n=1000)):
+        with pytest.raises(ValueError, match="dq_pair") as exc:
+            bwd_ws.launch(stale, head_dim=64, causal=False, kernel="fused", dq_pair=True, **{"n": 1024, **kwargs})
+        assert "\n" not in str(exc.value)
+    assert bwd_ws.launch(stale, head_dim=64, causal=False, kernel="fused", n=1024, consumers=2, dq_tma=True,
+                         dq_pair=True).constexprs["DQ_PAIR"]
     # dq_tma=None (fused's default): TMA reduce-adds wherever they can be, else atomics
     for kwargs, want in ((dict(n=1024), True), (dict(n=1000), False), (dict(n=None), False),
                          (dict(n=1024, deterministic=True), False)):
@@ -213,11 +232,15 @@ def test_bwd_ws_fused_equals_the_triton_fused(case):
     _assert_within_order_bound(dq_g, dq_t, bound, "dQ")
     if shape.n % 64 == 0:
         # dQ's partials by TMA reduce-adds of a shared tile (dq_tma): the same partials, added in L2
-        for consumers in (1, 2):
-            dq_r, dk_r, dv_r, _ = bwd_ws.fused(saved, do8, delta, recipe=r, dq_tma=True, consumers=consumers, **dims)
+        # and with two consumers' partials summed on chip first (dq_pair): another order of the same
+        # partials, so within the same bound
+        for consumers, pair in ((1, False), (2, False), (2, True)):
+            dq_r, dk_r, dv_r, _ = bwd_ws.fused(saved, do8, delta, recipe=r, dq_tma=True, consumers=consumers,
+                                               dq_pair=pair, **dims)
             torch.cuda.synchronize()
-            assert torch.equal(dk_r, dk_t) and torch.equal(dv_r, dv_t), f"dq_tma, {consumers} consumers: dK, dV"
-            _assert_within_order_bound(dq_r, dq_t, bound, f"dQ (dq_tma, {consumers} consumers)")
+            what = f"dq_tma, {consumers} consumers{', dq_pair' if pair else ''}"
+            assert torch.equal(dk_r, dk_t) and torch.equal(dv_r, dv_t), f"{what}: dK, dV"
+            _assert_within_order_bound(dq_r, dq_t, bound, f"dQ ({what})")
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:

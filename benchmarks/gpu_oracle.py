@@ -14,13 +14,16 @@
   bounds, as a claim of the ``cudnn_fp8`` recipe and as a claim of ``delta_matching``; skipped
   with a message when dmref.targets or cuDNN's FP8 attention is not available.
 
-    python benchmarks/gpu_oracle.py --out DIR [--cases quick|standard] [--skip-kernels | --only-cudnn | --only-folded]
+    python benchmarks/gpu_oracle.py --out DIR [--cases quick|standard] [--skip-kernels | --only-cudnn | --only-folded
+                                                                         | --only-prepass]
 
 The reference, the baselines and the emulated recipes run on the CPU in float64 / float32; the
 targets run on the GPU. Writes DIR/gpu_oracle.json (DIR/gpu_oracle_sdpa.json with --skip-kernels,
 DIR/gpu_oracle_cudnn.json with --only-cudnn, DIR/gpu_oracle_folded.json with --only-folded: the
 folded recipes' kernels, whose forward is the warp-specialized Gluon one, as claims of the
-recipes they run, and the stale one as a claim of the matched one) and prints the tables. A target that cannot
+recipes they run, and the stale one as a claim of the matched one; DIR/gpu_oracle_prepass.json
+with --only-prepass: the seven-GEMM recipes, pre-pass and the Gluon five-GEMM backward, likewise)
+and prints the tables. A target that cannot
 run (no backend, no Triton) is recorded as an error and the others still run.
 """
 
@@ -115,9 +118,29 @@ def _folded_targets(cases: str) -> list[Target]:
     return out
 
 
-def targets(cases: str, skip_kernels: bool, only_cudnn: bool = False, only_folded: bool = False) -> list[Target]:
+def _prepass_targets(cases: str) -> list[Target]:
+    """The seven-GEMM recipes (``kernels_delta_prepass`` and its folded form: a pre-pass's matched
+    D, then the Gluon five-GEMM backward) held to the recipes they run, and the stale kernel held
+    to the folded one's (its rows must fail ``rowsum``)."""
+    from dmref import oracle
+    from dmref.kernels.config import SPECS
+
+    kcases = oracle.make_cases(cases, dtype=torch.bfloat16, names=KERNEL_CASES)
+    out = [Target(f"{r} claims its recipe", _kernel(r), recipe=SPECS[r].recipe, cases=kcases, device="cuda",
+                  note=f"held to the recipe it runs: {r}")
+           for r in ("kernels_delta_prepass", "kernels_folded_delta_prepass")]
+    out.append(Target("kernels_folded_naive_fp8 claims kernels_folded_delta_prepass", _kernel("kernels_folded_naive_fp8"),
+                      recipe=SPECS["kernels_folded_delta_prepass"].recipe, cases=kcases, device="cuda",
+                      note="the stale kernel held to the seven-GEMM recipe"))
+    return out
+
+
+def targets(cases: str, skip_kernels: bool, only_cudnn: bool = False, only_folded: bool = False,
+            only_prepass: bool = False) -> list[Target]:
     from dmref import oracle
 
+    if only_prepass:
+        return _prepass_targets(cases)
     if only_cudnn:
         return _cudnn_fp8_targets(cases)
     if only_folded:
@@ -150,7 +173,7 @@ def _run_target(args, i: int, t: Target, name: str, case_names: list[str] | None
         argv_i = [sys.executable, os.path.abspath(__file__), "--out", tmp, "--cases", args.cases,
                   "--seed", str(args.seed), "--target-index", str(i)]
         argv_i += (["--skip-kernels"] * args.skip_kernels + ["--only-cudnn"] * args.only_cudnn
-                   + ["--only-folded"] * args.only_folded)
+                   + ["--only-folded"] * args.only_folded + ["--only-prepass"] * args.only_prepass)
         argv_i += ["--case-names", ",".join(case_names)] if case_names else []
         proc = subprocess.run(argv_i)
         try:
@@ -168,6 +191,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-kernels", action="store_true", help="only the SDPA backends")
     ap.add_argument("--only-cudnn", action="store_true", help="only dmref.targets.cudnn_fp8")
     ap.add_argument("--only-folded", action="store_true", help="only the folded recipes' kernels")
+    ap.add_argument("--only-prepass", action="store_true",
+                    help="only the seven-GEMM recipes (pre-pass + the five-GEMM backward)")
     ap.add_argument("--target-index", type=int, help=argparse.SUPPRESS)  # one target, in this process
     ap.add_argument("--case-names", help=argparse.SUPPRESS)  # only these of its cases (comma-separated)
     ap.add_argument("--seed", type=int, default=0)
@@ -178,8 +203,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(max(1, min(16, os.cpu_count() or 1)))
     os.makedirs(args.out, exist_ok=True)
     name = ("gpu_oracle_cudnn.json" if args.only_cudnn else "gpu_oracle_folded.json" if args.only_folded
+            else "gpu_oracle_prepass.json" if args.only_prepass
             else "gpu_oracle_sdpa.json" if args.skip_kernels else "gpu_oracle.json")
-    all_targets = targets(args.cases, args.skip_kernels, args.only_cudnn, args.only_folded)
+    all_targets = targets(args.cases, args.skip_kernels, args.only_cudnn, args.only_folded, args.only_prepass)
     title = f"dmref oracle, {torch.cuda.get_device_name()} ({args.cases})"
     if args.target_index is not None:
         t = all_targets[args.target_index]

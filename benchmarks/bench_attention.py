@@ -36,6 +36,8 @@ Measures, per shape B·H·N·D and causal or not, medians of ``triton.testing.do
   autograd (``ours_default_*``; ``default_fwd_incl_quant``, ``default_bwd`` and ``default_e2e``
   among the speed-ups);
 - SDPA cuDNN and flash backends, BF16: forward, backward, end to end;
+- grouped-query shapes (``GQA_SHAPES``, ``run_gqa_shape``): the default recipe's forward,
+  backward and end to end against cuDNN BF16 SDPA with ``enable_gqa`` (rows with ``kv_heads``);
 - cuDNN's FP8 attention (per-tensor scales, stale delta; ``dmref.targets``' frontend graphs,
   built once and re-executed on fixed FP8 inputs, so its quantization is not timed) at head dim
   128, where its Hopper backward runs: forward, backward, end to end;
@@ -65,6 +67,9 @@ import torch.nn.functional as F
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SHAPES = [(4, 16, 4096, 128), (1, 16, 16384, 128), (4, 32, 4096, 64)]
+#: grouped-query shapes (B, H, HKV, N, D), Llama-3-8B's heads (32 query, 8 key/value) at 4k tokens:
+#: what dmref.kernels.attention runs by default against cuDNN BF16 (``run_gqa_shape``)
+GQA_SHAPES = [(2, 32, 8, 4096, 128)]
 
 # Candidate tilings, tried on the first shape of each head dim (the winner is used for the rest).
 FWD_CANDIDATES = [  # block_m, num_warps, num_stages[, tma[, maxnreg]] (key tiles: the recipe's 128)
@@ -263,6 +268,55 @@ def _bwd_parts(r, gluon: bool, saved, do8, d_stale, kw) -> dict:
 #: ``gluon_fused`` (the Gluon five-GEMM kernel and pre-pass), ``bwd_two_consumers`` (its
 #: two-consumer form), for a kernel that hangs or faults
 SKIP: set = set()
+
+
+def run_gqa_shape(b, h, hkv, n, d, causal):
+    """A grouped-query shape (``GQA_SHAPES``): cuDNN BF16 SDPA (``enable_gqa``) and what
+    ``dmref.kernels.attention`` runs by default (``config.DEFAULT_RECIPE``): the forward with its
+    quantization for the backward, the backward, both through autograd; the same ``ours_default_*``
+    keys and speed-ups as ``run_shape``'s, the shape with ``kv_heads``."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from dmref.kernels import api
+    from dmref.kernels.config import DEFAULT_RECIPE
+
+    torch.manual_seed(0)
+    q, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    scale = 1 / math.sqrt(d)
+    shape = api.Shape.of(q, k, v)
+    fl = _flops(b, h, n, d, causal)
+    res = dict(shape=[b, h, n, d], kv_heads=hkv, causal=causal)
+    ms = {}
+    o, _, saved, _ = api.attention_forward(q, k, v, causal=causal, scale=scale, recipe=DEFAULT_RECIPE)
+    ms["ours_default_fwd_incl_quant_for_bwd"] = bench(lambda: api.attention_forward(
+        q, k, v, causal=causal, scale=scale, recipe=DEFAULT_RECIPE, for_backward=True))
+    ms["ours_default_bwd"] = bench(lambda: api.attention_backward(
+        saved, o, do, shape=shape, causal=causal, scale=scale, recipe=DEFAULT_RECIPE))
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+
+    def step():
+        api.attention(qg, kg, vg, causal=causal, scale=scale, recipe=DEFAULT_RECIPE).backward(do)
+    ms["ours_default_e2e"] = bench(step, grad_to_none=[qg, kg, vg])
+    del saved, o
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        ms["cudnn_fwd"] = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True))
+        out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal, enable_gqa=True)
+        ms["cudnn_bwd"] = bench(lambda: out.backward(do, retain_graph=True), grad_to_none=[qg, kg, vg])
+
+        def cudnn_step():
+            F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal, enable_gqa=True).backward(do)
+        ms["cudnn_e2e"] = bench(cudnn_step, grad_to_none=[qg, kg, vg])
+        del out
+    res["ms"] = ms
+    res["tflops"] = {key: (3.5 if "_e2e" in key else 2.5 if "_bwd" in key.removesuffix("_for_bwd") else 1.0) * fl
+                     / (t * 1e-3) / 1e12 for key, t in ms.items()}
+    res["speedup_vs_cudnn"] = {
+        "default_fwd_incl_quant": ms["cudnn_fwd"] / ms["ours_default_fwd_incl_quant_for_bwd"],
+        "default_bwd": ms["cudnn_bwd"] / ms["ours_default_bwd"],
+        "default_e2e": ms["cudnn_e2e"] / ms["ours_default_e2e"],
+    }
+    return res
 
 
 def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
@@ -662,6 +716,16 @@ def main(argv=None):
             best[(d, causal)] = (bf, bb)
         results["sweep"][f"d{d}_full"] = dict(best_fwd=bf, best_bwd=bb, ms=table)
         print(f"sweep d={d}: fwd {bf} bwd {bb}", flush=True)
+    for (b, h, hkv, n, d) in ([] if args.quick else [s for s in GQA_SHAPES if args.head_dim in (None, s[4])]):
+        for causal in causals:
+            try:
+                r = run_gqa_shape(b, h, hkv, n, d, causal)
+            except Exception as exc:
+                r = dict(shape=[b, h, n, d], kv_heads=hkv, causal=causal, error=traceback.format_exc()[-1500:])
+            results["cases"].append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "ms"}), flush=True)
+            torch.cuda.empty_cache()
+            _write(args.out, results)
     for (b, h, n, d) in shapes:
         for causal in causals:
             fc, bc = best[(d, causal)]

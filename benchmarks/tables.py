@@ -96,14 +96,17 @@ def _keys(cases: list[dict], field: str) -> list[str]:
 
 
 def _shape(case: dict) -> list[str]:
-    return ["·".join(str(n) for n in case["shape"]), "yes" if case["causal"] else "no"]
+    """B·H·N·D, grouped-query rows B·H/HKV·N·D; and causal."""
+    b, h, n, d = case["shape"]
+    heads = f"{h}/{case['kv_heads']}" if "kv_heads" in case else str(h)
+    return ["·".join((str(b), heads, str(n), str(d))), "yes" if case["causal"] else "no"]
 
 
 def bench_attention(device: str) -> str:
     cases = _load(device, "bench_attention")["cases"]
     keys = _keys(cases, "speedup_vs_cudnn")
     rows = [_shape(c) + [_ratio(c["speedup_vs_cudnn"][k]) if k in c["speedup_vs_cudnn"] else "—" for k in keys]
-            + [f"+{100 * c['matched_over_stale']:.1f}%"] for c in cases]
+            + [f"+{100 * c['matched_over_stale']:.1f}%" if "matched_over_stale" in c else "—"] for c in cases]
     return _markdown(["B·H·N·D", "causal", *(LABELS.get(k, k) for k in keys), "matched over stale"], rows)
 
 
@@ -132,9 +135,10 @@ def bench_attention_ranges(device: str) -> str:
             cells = [_range([c[field][k] for c in by_dim[d] if k in c.get(field, {})]) if any(
                 k in c.get(field, {}) for c in by_dim[d]) else "—" for d in dims]
             rows.append([f"{prefix}: {LABELS.get(k, k)}", *cells])
-    if all("ours_bwd_matched_triton" in c["ms"] for c in cases):
+    both = [c for c in cases if "ours_bwd_matched_triton" in c["ms"]]
+    if both:
         rows.append([GLUON_OVER_TRITON, *(_range([c["ms"]["ours_bwd_matched_triton"] / c["ms"]["ours_bwd_matched"]
-                                                  for c in by_dim[d]]) for d in dims)])
+                                                  for c in both if c["shape"][-1] == d]) for d in dims)])
     return _markdown(["ratio (min-max over the shapes)", *(f"D = {d}" for d in dims)], rows)
 
 

@@ -157,8 +157,52 @@ def accuracy(device: str) -> str:
     return _markdown(["shape, inputs", "implementation", "O / dQ / dK / dV (%)"], rows)
 
 
+#: the backwards side by side (``backward_side_by_side``): label, the speed-up key (None: cuDNN
+#: BF16 itself; "cudnn_fp8": its time over cuDNN FP8's), the accuracy file's implementation
+BACKWARDS = [
+    ("eight GEMMs, matched (`kernels_delta_matching`, the default's)", "bwd_matched", "ours_kernels_delta_matching"),
+    ("seven GEMMs, stale (`kernels_naive_fp8`)", "bwd_stale", "ours_kernels_naive_fp8"),
+    ("seven GEMMs, matched: pre-pass + five-GEMM (`kernels_delta_prepass`)", "bwd_prepass_gluon",
+     "ours_kernels_delta_prepass"),
+    ("five GEMMs, stale (`fused=True`; its errors are not in the accuracy file)", "bwd_fused_stale", None),
+    ("cuDNN FP8 (stale, per-tensor scales)", "cudnn_fp8", "cudnn_fp8"),
+    ("cuDNN BF16", None, "cudnn_bf16"),
+]
+
+
+def backward_side_by_side(device: str) -> str:
+    """Each backward's speed against cuDNN BF16's (min-max over the bench's shapes, per head dim)
+    beside its errors against float64 (dQ / dK / dV, %, on each problem of the accuracy file),
+    both from ``device``'s files of one run."""
+    cases = _load(device, "bench_attention")["cases"]
+    acc = _load(device, "accuracy")
+    acc = acc["rows"] if isinstance(acc, dict) else acc
+    dims = sorted({c["shape"][-1] for c in cases}, reverse=True)
+
+    def speed(key, d):
+        if key is None:
+            return "1.00x"
+        if key == "cudnn_fp8":
+            vals = [c["ms"]["cudnn_bwd"] / c["ms"]["cudnn_fp8_bwd"] for c in cases
+                    if c["shape"][-1] == d and "cudnn_fp8_bwd" in c.get("ms", {})]
+        else:
+            vals = [c["speedup_vs_cudnn"][key] for c in cases
+                    if c["shape"][-1] == d and key in c.get("speedup_vs_cudnn", {})]
+        return _range(vals) if vals else "—"
+
+    def errors(name, case):
+        err = case.get(name) if name else None
+        return " / ".join(_percent(100 * err[k]) for k in ("dq", "dk", "dv")) if err else "—"
+
+    problems = [f"{'·'.join(map(str, c['shape']))}{' causal' if c['causal'] else ''}, `{c['inputs']}`" for c in acc]
+    rows = [[label, *(speed(key, d) for d in dims), *(errors(name, c) for c in acc)] for label, key, name in BACKWARDS]
+    return _markdown(["backward", *(f"speed, D = {d}" for d in dims),
+                      *(f"dQ / dK / dV error (%), {p}" for p in problems)], rows)
+
+
 TABLES = {"bench_attention": bench_attention, "bench_attention_fp8": bench_attention_fp8,
-          "bench_attention_ranges": bench_attention_ranges, "accuracy": accuracy}
+          "bench_attention_ranges": bench_attention_ranges, "accuracy": accuracy,
+          "backward_side_by_side": backward_side_by_side}
 
 
 def doc_files() -> list[Path]:

@@ -214,24 +214,32 @@ def _bwd_fused_kernel(
 
 
 @triton.jit
-def _dq_postprocess_kernel(DQ_ACC, DQ, sm_scale, total, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
-    """dQ = BF16(dQ_acc * scale), round to nearest even, ``BLOCK`` elements a program."""
+def _dq_postprocess_kernel(DQ_ACC, DQ, sm_scale, total, N, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                           TRANSPOSED: tl.constexpr, INTERPRET: tl.constexpr):
+    """dQ = BF16(dQ_acc * scale), round to nearest even, ``BLOCK`` elements a program;
+    ``TRANSPOSED``: ``dQ_acc`` holds dQ^T, ``(B*H, D, N)``."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < total
-    tl.store(DQ + offs, to_bf16(tl.load(DQ_ACC + offs, mask=m, other=0.0) * sm_scale, INTERPRET), mask=m)
+    src = offs
+    if TRANSPOSED:
+        head, r = offs // (N * HEAD_DIM), offs % (N * HEAD_DIM)
+        src = head * (N * HEAD_DIM) + (r % HEAD_DIM) * N + r // HEAD_DIM
+    tl.store(DQ + offs, to_bf16(tl.load(DQ_ACC + src, mask=m, other=0.0) * sm_scale, INTERPRET), mask=m)
 
 
 #: elements of dQ a postprocess program rounds
 POSTPROCESS_BLOCK = 1024
 
 
-def postprocess_dq(dq_acc: torch.Tensor, batch: int, heads: int, n: int, head_dim: int, scale: float) -> torch.Tensor:
+def postprocess_dq(dq_acc: torch.Tensor, batch: int, heads: int, n: int, head_dim: int, scale: float,
+                   transposed: bool = False) -> torch.Tensor:
     """dQ ``(B, H, N, D)`` BF16 from the float32 sum of its partials ``dq_acc``: BF16(dq_acc * scale),
-    round to nearest even (one kernel)."""
+    round to nearest even (one kernel); ``transposed``: ``dq_acc`` is dQ^T's, ``(B*H, D, N)``."""
     dq = torch.empty((batch, heads, n, head_dim), device=dq_acc.device, dtype=torch.bfloat16)
     total = dq.numel()
     _dq_postprocess_kernel[(triton.cdiv(total, POSTPROCESS_BLOCK),)](
-        dq_acc, dq, scale, total, BLOCK=POSTPROCESS_BLOCK, INTERPRET=interpreting())
+        dq_acc, dq, scale, total, n, HEAD_DIM=head_dim, BLOCK=POSTPROCESS_BLOCK, TRANSPOSED=bool(transposed),
+        INTERPRET=interpreting())
     return dq
 
 

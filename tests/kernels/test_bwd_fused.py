@@ -266,3 +266,22 @@ def test_caller_delta_is_checked():
         bwd_fused.caller_delta(good.double(), 2, 3, 5, "cpu")
     with pytest.raises(ValueError, match="shape"):
         bwd_fused.caller_delta(torch.zeros(2, 3, 4), 2, 3, 5, "cpu")
+
+
+@pytest.mark.parametrize("backend", ["interpreter", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_the_postprocess_of_a_transposed_buffer_gives_the_same_bits(backend):
+    """``postprocess_dq(..., transposed=True)`` (dQ^T's buffer, ``(B*H, D, N)``: ``bwd_ws``'s
+    ``dq_t``) rounds each element as the plain one does: BF16(dQ_acc * scale) bit for bit, on a
+    tail length, both head dims, values over 60 binades, signed zeros and subnormal results."""
+    device = require_backend(backend)
+    from dmref.kernels.bwd_fused import postprocess_dq
+
+    gen = torch.Generator().manual_seed(0)
+    for b, h, n, d in ((2, 3, 203, 64), (1, 2, 130, 128)):
+        x = torch.randn(b * h, n, d, generator=gen) * torch.exp2(torch.randint(-130, 30, (b * h, n, d), generator=gen).float())
+        x[0, :3] = -0.0
+        x = x.to(device)
+        plain = postprocess_dq(x, b, h, n, d, 0.125)
+        got = postprocess_dq(x.transpose(1, 2).contiguous(), b, h, n, d, 0.125, transposed=True)
+        assert got.shape == (b, h, n, d)
+        assert torch.equal(got.view(torch.int16), plain.view(torch.int16))

@@ -65,6 +65,9 @@ _SCRIPT_TWO_CONSUMERS = _SCRIPT.replace("deterministic=det, n=n)", "deterministi
 _SCRIPT_DQ_TMA = _SCRIPT.replace("for det in (False, True):", "for det in (False, ):").replace(
     "for n in (None, 4096):", "for n, cons, pair in ((4096, 2, False), (4096, 2, True)):").replace(
     "deterministic=det, n=n)", "deterministic=det, n=n, consumers=cons, dq_tma=True, dq_pair=pair)")
+#: dQ^T (dq_t) with one consumer, and with two summing on chip
+_SCRIPT_DQ_T = _SCRIPT_DQ_TMA.replace("((4096, 2, False), (4096, 2, True))", "((4096, 1, False), (4096, 2, True))").replace(
+    "dq_pair=pair)", "dq_pair=pair, dq_t=True)")
 
 
 @pytest.mark.slow
@@ -79,6 +82,18 @@ def test_two_consumer_bwd_ws_fused_with_tma_adds_compiles_for_sm90_with_its_regi
     assert "dq_pair=pair" in _SCRIPT_DQ_TMA
     usage = compile_and_check_budget(_SCRIPT_DQ_TMA, 8, consumers=2, spills_ok=lambda u: u["d"] == 128)
     assert all(u["spills"] == 0 for u in usage if u["d"] == 64)
+
+
+@pytest.mark.slow
+def test_dq_t_bwd_ws_fused_compiles_for_sm90_with_its_register_budget():
+    """dQ^T (dq_t): one consumer (two CTAs an SM's budget) and two with their partials summed on
+    chip (one CTA an SM's); the budget check of each, D = 64 without spills."""
+    assert "dq_t=True" in _SCRIPT_DQ_T and "(4096, 1, False)" in _SCRIPT_DQ_T
+    one = _SCRIPT_DQ_T.replace("((4096, 1, False), (4096, 2, True))", "((4096, 1, False), )")
+    two = _SCRIPT_DQ_T.replace("((4096, 1, False), (4096, 2, True))", "((4096, 2, True), )")
+    for script, consumers in ((one, 1), (two, 2)):
+        got = compile_and_check_budget(script, 4, consumers=consumers, spills_ok=lambda u: u["d"] == 128)
+        assert all(u["spills"] == 0 for u in got if u["d"] == 64)
 
 
 def test_bwd_ws_fused_launches_one_or_two_consumers():
@@ -147,6 +162,12 @@ def test_bwd_ws_fused_refuses_what_it_does_not_run():
         assert "\n" not in str(exc.value)
     assert bwd_ws.launch(stale, head_dim=64, causal=False, kernel="fused", n=1024, consumers=2, dq_tma=True,
                          dq_pair=True).constexprs["DQ_PAIR"]
+    # dq_t: dQ^T by TMA reduce-adds
+    with pytest.raises(ValueError, match="dq_t adds") as exc:
+        bwd_ws.launch(stale, head_dim=64, causal=False, kernel="fused", n=1024, dq_t=True)
+    assert "\n" not in str(exc.value)
+    assert bwd_ws.launch(stale, head_dim=64, causal=False, kernel="fused", n=1024, dq_tma=True,
+                         dq_t=True).constexprs["DQ_T"]
     # dq_tma=None (fused's default): TMA reduce-adds wherever they can be, else atomics
     for kwargs, want in ((dict(n=1024), True), (dict(n=1000), False), (dict(n=None), False),
                          (dict(n=1024, deterministic=True), False)):
@@ -234,11 +255,14 @@ def test_bwd_ws_fused_equals_the_triton_fused(case):
         # dQ's partials by TMA reduce-adds of a shared tile (dq_tma): the same partials, added in L2
         # and with two consumers' partials summed on chip first (dq_pair): another order of the same
         # partials, so within the same bound
-        for consumers, pair in ((1, False), (2, False), (2, True)):
+        # and as dQ^T = K^T dS^T into a transposed buffer (dq_t): the same products in the same k
+        # order, within the same bound
+        for consumers, pair, t in ((1, False, False), (2, False, False), (2, True, False), (1, False, True),
+                                   (2, True, True)):
             dq_r, dk_r, dv_r, _ = bwd_ws.fused(saved, do8, delta, recipe=r, dq_tma=True, consumers=consumers,
-                                               dq_pair=pair, **dims)
+                                               dq_pair=pair, dq_t=t, **dims)
             torch.cuda.synchronize()
-            what = f"dq_tma, {consumers} consumers{', dq_pair' if pair else ''}"
+            what = f"dq_tma, {consumers} consumers{', dq_pair' if pair else ''}{', dq_t' if t else ''}"
             assert torch.equal(dk_r, dk_t) and torch.equal(dv_r, dv_t), f"{what}: dK, dV"
             _assert_within_order_bound(dq_r, dq_t, bound, f"dQ ({what})")
 

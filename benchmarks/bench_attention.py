@@ -214,6 +214,16 @@ def cudnn_fp8_timers(q, k, v, do, causal):
     return (lambda: g.run("fwd", f_in)), (lambda: g.run("bwd", b_in))
 
 
+def _default_speedups(ms: dict, anchor: str) -> dict:
+    """The anchor's time over that of what ``dmref.kernels.attention`` runs by default
+    (``config.DEFAULT_RECIPE``, ``_time_default``): the forward with its quantization (the copies
+    for the backward included), the backward incl. its preprocess, and quantization, forward and
+    backward through autograd."""
+    return {"default_fwd_incl_quant": ms[f"{anchor}_fwd"] / ms["ours_default_fwd_incl_quant_for_bwd"],
+            "default_bwd": ms[f"{anchor}_bwd"] / ms["ours_default_bwd"],
+            "default_e2e": ms[f"{anchor}_e2e"] / ms["ours_default_e2e"]}
+
+
 def _speedups(ms: dict, anchor: str) -> dict:
     """The anchor's time over ours for each of our measurements (``<anchor>_fwd``, ``_bwd``,
     ``_e2e`` in ``ms``)."""
@@ -221,12 +231,7 @@ def _speedups(ms: dict, anchor: str) -> dict:
     return {
         "fwd_kernel": fwd / ms["ours_fwd_kernel"],
         "fwd_incl_quant": fwd / ms["ours_fwd_incl_quant"],
-        # what dmref.kernels.attention runs by default (config.DEFAULT_RECIPE): the forward with its
-        # quantization (the copies for the backward included), the backward incl. its preprocess,
-        # and quantization, forward and backward through autograd
-        "default_fwd_incl_quant": fwd / ms["ours_default_fwd_incl_quant_for_bwd"],
-        "default_bwd": bwd / ms["ours_default_bwd"],
-        "default_e2e": e2e / ms["ours_default_e2e"],
+        **_default_speedups(ms, anchor),
         "bwd_matched": bwd / ms["ours_bwd_matched"],
         "bwd_stale": bwd / ms["ours_bwd_stale"],
         "e2e_matched": e2e / ms["ours_e2e_matched"],
@@ -272,6 +277,38 @@ def _bwd_parts(r, gluon: bool, saved, do8, d_stale, kw) -> dict:
 SKIP: set = set()
 
 
+def _time_default(q, k, v, do, causal, scale, shape) -> dict:
+    """Times of what ``dmref.kernels.attention`` runs by default (``config.DEFAULT_RECIPE``): its
+    forward with its quantization for the backward, its backward (incl. the preprocess), both
+    through autograd (``ours_default_*``)."""
+    from dmref.kernels import api
+    from dmref.kernels.config import DEFAULT_RECIPE
+
+    o, _, saved, _ = api.attention_forward(q, k, v, causal=causal, scale=scale, recipe=DEFAULT_RECIPE)
+    ms = {"ours_default_fwd_incl_quant_for_bwd": bench(lambda: api.attention_forward(
+              q, k, v, causal=causal, scale=scale, recipe=DEFAULT_RECIPE, for_backward=True)),
+          "ours_default_bwd": bench(lambda: api.attention_backward(
+              saved, o, do, shape=shape, causal=causal, scale=scale, recipe=DEFAULT_RECIPE))}
+    qd, kd, vd = (t.detach().clone().requires_grad_() for t in (q, k, v))
+
+    def step():
+        api.attention(qd, kd, vd, causal=causal, scale=scale, recipe=DEFAULT_RECIPE).backward(do)
+    ms["ours_default_e2e"] = bench(step, grad_to_none=[qd, kd, vd])
+    return ms
+
+
+def _tflops(ms: dict, fl: float) -> dict:
+    """TFLOP/s of each time in ``ms`` (milliseconds) for a forward of ``fl`` FLOPs: end to end
+    3.5x, backward 2.5x (a ``*_for_bwd`` key is a forward's time, the copies for the backward
+    included)."""
+    tf = {}
+    for key, t in ms.items():
+        part = key.removesuffix("_for_bwd")
+        f = 3.5 * fl if "_e2e" in part else 2.5 * fl if "_bwd" in part else fl
+        tf[key] = f / (t * 1e-3) / 1e12
+    return tf
+
+
 def run_gqa_shape(b, h, hkv, n, d, causal):
     """A grouped-query shape (``GQA_SHAPES``): cuDNN BF16 SDPA (``enable_gqa``) and what
     ``dmref.kernels.attention`` runs by default (``config.DEFAULT_RECIPE``): the forward with its
@@ -280,7 +317,6 @@ def run_gqa_shape(b, h, hkv, n, d, causal):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from dmref.kernels import api
-    from dmref.kernels.config import DEFAULT_RECIPE
 
     torch.manual_seed(0)
     q, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -289,18 +325,8 @@ def run_gqa_shape(b, h, hkv, n, d, causal):
     shape = api.Shape.of(q, k, v)
     fl = _flops(b, h, n, d, causal)
     res = dict(shape=[b, h, n, d], kv_heads=hkv, causal=causal)
-    ms = {}
-    o, _, saved, _ = api.attention_forward(q, k, v, causal=causal, scale=scale, recipe=DEFAULT_RECIPE)
-    ms["ours_default_fwd_incl_quant_for_bwd"] = bench(lambda: api.attention_forward(
-        q, k, v, causal=causal, scale=scale, recipe=DEFAULT_RECIPE, for_backward=True))
-    ms["ours_default_bwd"] = bench(lambda: api.attention_backward(
-        saved, o, do, shape=shape, causal=causal, scale=scale, recipe=DEFAULT_RECIPE))
+    ms = _time_default(q, k, v, do, causal, scale, shape)
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
-
-    def step():
-        api.attention(qg, kg, vg, causal=causal, scale=scale, recipe=DEFAULT_RECIPE).backward(do)
-    ms["ours_default_e2e"] = bench(step, grad_to_none=[qg, kg, vg])
-    del saved, o
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         ms["cudnn_fwd"] = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True))
         out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal, enable_gqa=True)
@@ -311,13 +337,8 @@ def run_gqa_shape(b, h, hkv, n, d, causal):
         ms["cudnn_e2e"] = bench(cudnn_step, grad_to_none=[qg, kg, vg])
         del out
     res["ms"] = ms
-    res["tflops"] = {key: (3.5 if "_e2e" in key else 2.5 if "_bwd" in key.removesuffix("_for_bwd") else 1.0) * fl
-                     / (t * 1e-3) / 1e12 for key, t in ms.items()}
-    res["speedup_vs_cudnn"] = {
-        "default_fwd_incl_quant": ms["cudnn_fwd"] / ms["ours_default_fwd_incl_quant_for_bwd"],
-        "default_bwd": ms["cudnn_bwd"] / ms["ours_default_bwd"],
-        "default_e2e": ms["cudnn_e2e"] / ms["ours_default_e2e"],
-    }
+    res["tflops"] = _tflops(ms, fl)
+    res["speedup_vs_cudnn"] = _default_speedups(ms, "cudnn")
     return res
 
 
@@ -347,19 +368,7 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
     ms["ours_fwd_incl_quant_for_bwd"] = bench(lambda: api.attention_forward(
         q, k, v, causal=causal, scale=scale, recipe=r_dm, for_backward=True))
     # --- what dmref.kernels.attention runs by default (config.DEFAULT_RECIPE)
-    from dmref.kernels.config import DEFAULT_RECIPE
-
-    o_def, _, saved_def, _ = api.attention_forward(q, k, v, causal=causal, scale=scale, recipe=DEFAULT_RECIPE)
-    ms["ours_default_fwd_incl_quant_for_bwd"] = bench(lambda: api.attention_forward(
-        q, k, v, causal=causal, scale=scale, recipe=DEFAULT_RECIPE, for_backward=True))
-    ms["ours_default_bwd"] = bench(lambda: api.attention_backward(
-        saved_def, o_def, do, shape=shape, causal=causal, scale=scale, recipe=DEFAULT_RECIPE))
-    qd, kd, vd = (t.detach().clone().requires_grad_() for t in (q, k, v))
-
-    def default_step():
-        api.attention(qd, kd, vd, causal=causal, scale=scale, recipe=DEFAULT_RECIPE).backward(do)
-    ms["ours_default_e2e"] = bench(default_step, grad_to_none=[qd, kd, vd])
-    del o_def, saved_def, qd, kd, vd
+    ms.update(_time_default(q, k, v, do, causal, scale, shape))
     ms["ours_quant_qkv_for_bwd"] = bench(lambda: [quantize(t, "float8_e4m3fn") for t in (q, k, v)])
     # --- ours: the warp-specialized forward (folded scales)
     from dmref.kernels import fwd_ws
@@ -491,19 +500,8 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
         except Exception as exc:
             res["cudnn_fp8_error"] = f"{type(exc).__name__}: {exc}"[:300]
     res["ms"] = ms
-    tf = {}
-    for key, t in ms.items():
-        if key in ("ours_quant_qkv_for_bwd", "ours_bwd_preprocess"):
-            continue
-        part = key.removesuffix("_for_bwd")  # a forward's time, the copies for the backward included
-        if "_e2e" in part:
-            f = 3.5 * fl  # forward + backward
-        elif "_bwd" in part:
-            f = 2.5 * fl
-        else:
-            f = fl
-        tf[key] = f / (t * 1e-3) / 1e12
-    res["tflops"] = tf
+    res["tflops"] = _tflops({k: t for k, t in ms.items() if k not in ("ours_quant_qkv_for_bwd", "ours_bwd_preprocess")},
+                            fl)
     # the same keys against each anchor present (cudnn: BF16 SDPA; cudnn_fp8: cuDNN's FP8 graphs)
     for anchor, key in (("cudnn", "speedup_vs_cudnn"), ("cudnn_fp8", "speedup_vs_cudnn_fp8")):
         if ms.get(f"{anchor}_fwd"):

@@ -261,6 +261,25 @@ def _promote(acc, a8, b_smem, t_old, scale_smem, row_factor, acc_layout: gl.cons
 
 
 @gluon.jit
+def _dq_tile_out(dq, desc, dq_smem, row, col, pair_tile, partner, q_layout: gl.constexpr, DQ_PAIR: gl.constexpr):
+    """A float32 dQ (or dQ^T) partial tile's way out with TMA reduce-adds: ``DQ_PAIR`` 1 (the
+    second of two consumers) leaves it in ``pair_tile`` for the first; otherwise (2: the first
+    adding the second's tile where ``partner`` computed it) it goes through ``dq_smem``, once the
+    previous reduce has read that tile, by one reduce-add into ``desc`` at ``(row, col)``."""
+    if DQ_PAIR == 1:
+        pair_tile.store(dq)
+    else:
+        if DQ_PAIR == 2:
+            if partner:
+                dq += pair_tile.load(q_layout)
+        tma.store_wait(0)  # the previous tile's reduce has read dq_smem
+        dq_smem.store(dq)
+        fence_async_shared()
+        gl.thread_barrier()  # every thread's part of the tile is in shared memory
+        _tma_reduce_add(desc, [row, col], dq_smem)
+
+
+@gluon.jit
 def _dq_add(dsq_a, kt_b, kts_row, dsq_inv, DQ_ACC, dq_smem, bh, row0, start_q, c0, N, HEAD_DIM: gl.constexpr,
             CH: gl.constexpr, q_layout: gl.constexpr, EVEN_N: gl.constexpr, DQ_TMA: gl.constexpr,
             pair_tile=None, partner=False, DQ_PAIR: gl.constexpr = 0):
@@ -276,17 +295,8 @@ def _dq_add(dsq_a, kt_b, kts_row, dsq_inv, DQ_ACC, dq_smem, bh, row0, start_q, c
                       is_async=True)
     t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
     dq = t * gl.expand_dims(kts_row.load(gl.SliceLayout(0, q_layout)), 0) * gl.expand_dims(dsq_inv, 1)
-    if DQ_PAIR == 1:
-        pair_tile.store(dq)
-    elif DQ_TMA:
-        if DQ_PAIR == 2:
-            if partner:
-                dq += pair_tile.load(q_layout)
-        tma.store_wait(0)  # the previous tile's reduce has read dq_smem
-        dq_smem.store(dq)
-        fence_async_shared()
-        gl.thread_barrier()  # every thread's part of the tile is in shared memory
-        _tma_reduce_add(DQ_ACC, [(bh * N + start_q).to(gl.int32), c0], dq_smem)
+    if DQ_TMA:  # (DQ_PAIR implies it: _dq_partial)
+        _dq_tile_out(dq, DQ_ACC, dq_smem, (bh * N + start_q).to(gl.int32), c0, pair_tile, partner, q_layout, DQ_PAIR)
     else:
         rows_q = gl.arange(0, dsq_a.shape[0], layout=gl.SliceLayout(1, q_layout))
         cols = gl.arange(0, CH, layout=gl.SliceLayout(0, q_layout))
@@ -357,17 +367,8 @@ def _dq_add_t(kt_a, dsq_b, kts_row, dsq_inv, DQT_ACC, dq_smem, bh, start_q, c0, 
     t = warpgroup_mma(kt_a, dsq_b, gl.zeros([CH, BLOCK_M], gl.float32, q_layout), use_acc=False, is_async=True)
     t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
     dq = t * gl.expand_dims(kts_row.load(gl.SliceLayout(1, q_layout)), 1) * gl.expand_dims(dsq_inv, 0)
-    if DQ_PAIR == 1:
-        pair_tile.store(dq)
-    else:
-        if DQ_PAIR == 2:
-            if partner:
-                dq += pair_tile.load(q_layout)
-        tma.store_wait(0)  # the previous tile's reduce has read dq_smem
-        dq_smem.store(dq)
-        fence_async_shared()
-        gl.thread_barrier()  # every thread's part of the tile is in shared memory
-        _tma_reduce_add(DQT_ACC, [(bh * HEAD_DIM + c0).to(gl.int32), start_q], dq_smem)
+    _dq_tile_out(dq, DQT_ACC, dq_smem, (bh * HEAD_DIM + c0).to(gl.int32), start_q, pair_tile, partner, q_layout,
+                 DQ_PAIR)
 
 
 @gluon.jit

@@ -61,6 +61,10 @@ class FwdTiles:
     #: (``block_m = 64 * consumers``): 1, two CTAs an SM; 2, FlashAttention-3's structure, one CTA
     #: of 128 queries an SM (each K/V tile loaded once for both). The Triton forward runs 1
     consumers: int = 1
+    #: ``fwd_ws``: one in ``exp2_poly`` (2 or 4; 0 none) of P's exp2s as a polynomial on the FMA
+    #: pipe instead of ``MUFU.EX2`` (``fwd_ws._exp2_poly``, within exp2's 2 ulp), so that the two
+    #: pipes share the softmax's exponentials; the Triton forward runs 0
+    exp2_poly: int = 0
 
     def __post_init__(self) -> None:
         _check_tile("block_m", self.block_m)
@@ -88,6 +92,9 @@ def fwd_refusal(recipe, tiles: FwdTiles) -> str | None:
         if tiles.consumers != 1:
             return (f"consumers={tiles.consumers!r}: the Triton forward runs one program of block_m queries "
                     "(consumer warp groups are the warp-specialized forward's, the folded recipes')")
+        if tiles.exp2_poly:
+            return (f"exp2_poly={tiles.exp2_poly!r}: the Triton forward runs every exp2 on MUFU (the polynomial is "
+                    "the warp-specialized forward's, the folded recipes')")
         return None
     if tiles.consumers not in WS_FWD_CONSUMERS:
         return (f"consumers={tiles.consumers!r}: the warp-specialized forward runs "
@@ -99,6 +106,9 @@ def fwd_refusal(recipe, tiles: FwdTiles) -> str | None:
         return (f"{', '.join(wrong)}: the warp-specialized forward runs block_m={block_m} with "
                 f"consumers={tiles.consumers} (one m64 wgmma warp group of num_warps={WS_FWD_NUM_WARPS} each), "
                 "TMA loads and setmaxnreg's registers (maxnreg=None)")
+    if tiles.exp2_poly not in (0, 2, 4):
+        return (f"exp2_poly={tiles.exp2_poly!r}: the warp-specialized forward runs one in 2 or 4 of P's exp2s on "
+                "the FMA pipe, or none (0)")
     if tiles.overlap not in (None, 0, 1):
         return f"overlap={tiles.overlap!r}: the warp-specialized forward's schedules are 0 (serial) and 1"
     if tiles.num_stages < 1:

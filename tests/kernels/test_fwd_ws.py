@@ -301,3 +301,109 @@ def test_p_codes_equal_the_reference(shape, causal, record_property):
     record_property("p_code_agreement", agree)  # in the --junitxml report
     record_property("p_codes_compared", int(seen.sum()) * shape.batch * shape.heads)
     assert agree >= P_CODE_AGREEMENT, f"P codes agree on {agree:.6f} < {P_CODE_AGREEMENT}"
+
+
+def _fma32(a, b, c):
+    """float32 a * b + c rounded once (the product of two float32 is exact in float64; the sum is
+    rounded to float64 first, which can differ from one rounding in the last float32 bit only
+    where the float64 sum lies on a float32 tie)."""
+    import numpy as np
+
+    return (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(np.float32)
+
+
+def _exp2_poly_numpy(x):
+    """``fwd_ws._exp2_poly`` step by step in float32: the rounding add, f, Horner by FMAs, 2**j from
+    j's bits, the product, the flush below -125."""
+    import numpy as np
+
+    from dmref.kernels.fwd_ws import EXP2_POLY_COEFFS
+
+    x = np.asarray(x, np.float32)
+    magic = np.float32(12582912.0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        t = x + magic
+        f = x - (t - magic)
+        c = [np.float32(v) for v in EXP2_POLY_COEFFS]
+        p = _fma32(np.full_like(f, c[6]), f, np.full_like(f, c[5]))
+        for ck in c[4::-1]:
+            p = _fma32(p, f, np.full_like(f, ck))
+        two_j = ((t.view(np.int32).astype(np.int64) << 23) + 0x3F800000).astype(np.uint32).view(np.float32)
+        return np.where(x < -125, np.float32(0), p * two_j)
+
+
+def test_exp2_poly_is_within_two_ulp_of_exp2():
+    """The polynomial exp2 that ``FwdTiles(exp2_poly=2 or 4)`` runs for one in 2 or 4 of P's exp2s
+    is within 2 ulp of 2**x (``ex2.approx``'s documented bound, which the kernel's tests assume of
+    every exp2: ``kernel_bounds``), emulated op by op in float32: on every float32 f in [-1/2, 1/2]
+    whose low 8 mantissa bits are 0 (the polynomial's domain, 8.3 million values; the rest of
+    float32 is sampled by the x below), and on x = j + f for every integer j the softmax reaches
+    (-125 .. 8: P * 2**8 <= 2**8) with 20,000 random float32 f each (the split into j and f is
+    exact, 2**j a power of two). Below -125 it is 0 (the ftz flush), exp2(-inf) = 0, NaN stays NaN."""
+    import numpy as np
+
+    def ulps(got, x):
+        exact = np.exp2(x.astype(np.float64))
+        return np.abs(got.astype(np.float64) - exact) / np.spacing(exact.astype(np.float32)).astype(np.float64)
+
+    mags = (np.arange(1, (np.float32(0.5).view(np.int32) >> 8) + 1, dtype=np.int64) << 8).astype(np.int32)
+    f = mags.view(np.float32)
+    f = np.concatenate([f, -f, np.zeros(1, np.float32)])
+    worst = ulps(_exp2_poly_numpy(f), f).max()
+    assert worst <= 2, worst
+    rng = np.random.default_rng(0)
+    x = (np.arange(-125, 9)[:, None] + rng.uniform(-0.5, 0.5, (134, 20_000))).astype(np.float32).ravel()
+    x = x[x >= -125]
+    assert ulps(_exp2_poly_numpy(x), x).max() <= 2
+    special = _exp2_poly_numpy(np.array([-np.inf, -126.0, -200.0, np.nan, 0.0, 8.0], np.float32))
+    assert special[:3].tolist() == [0.0, 0.0, 0.0] and np.isnan(special[3]) and special[4:].tolist() == [1.0, 256.0]
+
+
+#: One in 2 and one in 4 of P's exp2s on the FMA pipe (``FwdTiles.exp2_poly``, not the default), at
+#: both head dims, causal and not: the budget of the shipped schedule; one in 2 at D = 128 may spill
+#: (ptxas: 12 B a thread), the others may not.
+_SCRIPT_EXP2_POLY = """
+import json
+from dmref.kernels import fwd_ws
+from dmref.kernels.compile_check import warp_specialized_budget
+configs = [(d, causal, one_in) for d in (64, 128) for causal in (False, True) for one_in in (2, 4)]
+print(json.dumps([dict(d=d, causal=causal, exp2_poly=one_in, **warp_specialized_budget(
+                      fwd_ws.compile_sm90(head_dim=d, causal=causal, exp2_poly=one_in)))
+                  for d, causal, one_in in configs]))
+"""
+
+
+@pytest.mark.slow
+def test_exp2_poly_fwd_ws_compiles_for_sm90_with_its_register_budget():
+    compile_and_check_budget(_SCRIPT_EXP2_POLY, 8,
+                             spills_ok=lambda u: u["d"] == 128 and u["exp2_poly"] == 2 and u["spills"] <= 32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("one_in", [2, 4])
+@pytest.mark.parametrize("shape,causal", _GPU_CASES, ids=_CASE_IDS)
+def test_exp2_poly_equals_the_reference_on_its_recipe(shape, causal, one_in):
+    """With one in ``one_in`` of P's exp2s as the polynomial (within exp2's 2 ulp, as ex2.approx):
+    O and LSE within the bounds of :func:`test_fwd_ws_equals_the_reference_on_its_recipe`, and the
+    P codes agree with the reference's on :data:`P_CODE_AGREEMENT` of the keys a query sees."""
+    device = require_backend("gpu")
+    from dmref import tiled
+    from dmref.kernels import fwd_ws
+    from dmref.kernels.config import SPECS
+
+    q, k, v = _wide_inputs(shape, device)
+    scale = 1.0 / math.sqrt(shape.head_dim)
+    o, lse2, _, codes = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, exp2_poly=one_in, debug=True)
+    ref = tiled.forward(q.float(), k.float(), v.float(), recipe=SPECS["kernels_folded_naive_fp8"].recipe,
+                        causal=causal, scale=scale, p_codes=True)
+    diff = rel_err(o.float(), ref.out)
+    assert diff <= code_flip_rel_bound(1), f"O: kernel vs reference {diff:.3e}"
+    want = ref.stats.lse2.double()
+    finite = torch.isfinite(want)
+    got = lse2.view_as(want).double()
+    assert (got - want)[finite].abs().max().item() <= lse2_tolerance(want, shape.n)
+    n = shape.n
+    got_codes = codes.view(shape.batch, shape.heads, n, -1)[..., :n].cpu()
+    seen = torch.ones(n, n, dtype=torch.bool).tril() if causal else torch.ones(n, n, dtype=torch.bool)
+    assert bool((got_codes[..., ~seen] == 0).all()), "codes where a key is masked"
+    assert (got_codes == ref.p_codes.cpu())[..., seen].float().mean().item() >= P_CODE_AGREEMENT

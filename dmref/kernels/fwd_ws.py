@@ -73,6 +73,7 @@ from __future__ import annotations
 import math
 
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -145,13 +146,15 @@ _C0, _C1, _C2, _C3, _C4, _C5, _C6 = (gl.constexpr(c) for c in EXP2_POLY_COEFFS)
 
 @gluon.jit
 def _exp2_poly(x):
-    """exp2 on the FMA pipe (FlashAttention-4's move, here for part of P): x = j + f with j =
-    round(x) by the float32 adder (adding 1.5 * 2**23 rounds x to an integer held in the sum's low
-    bits), f = x - j in [-1/2, 1/2] exactly, 2**f by :data:`EXP2_POLY_COEFFS`, times 2**j built
-    from j's bits (the low bits shifted into the exponent field). Within 2 ulp of 2**x (the bound
-    of ``ex2.approx`` in PTX's documentation, which the kernel's tests hold it to) for x >= -125;
-    0 below (``ex2.approx.ftz`` flushes results below 2**-126; exp2(-inf) = 0, a masked score);
-    NaN for NaN (the product keeps it)."""
+    """exp2 on the FMA pipe (FlashAttention-4's move, here for part of P): x clamped below at -127
+    (NaN kept: ``max.NaN``), x = j + f with j = round(x) by the float32 adder (adding 1.5 * 2**23
+    rounds x to an integer held in the sum's low bits), f = x - j in [-1/2, 1/2] exactly, 2**f by
+    :data:`EXP2_POLY_COEFFS`, times 2**j built from j's bits (shifted into the exponent field;
+    j = -127 gives the field 0, the factor +0). Within 2 ulp of 2**x (the bound of ``ex2.approx``
+    in PTX's documentation, which the kernel's tests hold it to) for x >= -126; below, 0 or a value
+    below 2**-126 (where ``ex2.approx.ftz`` gives 0: a difference no E4M3 code or float32 row sum
+    holding a term of 1 can show); exp2(-inf) = 0 (a masked score); NaN for NaN."""
+    x = gl.maximum(x, -127.0, propagate_nan=tl.PropagateNan.ALL)
     t = x + 12582912.0
     f = x - (t - 12582912.0)
     p = _C6 * f + _C5
@@ -161,7 +164,7 @@ def _exp2_poly(x):
     p = p * f + _C1
     p = p * f + _C0
     two_j = ((t.to(gl.int32, bitcast=True) << 23) + 0x3F800000).to(gl.float32, bitcast=True)
-    return gl.where(x < -125.0, 0.0, p * two_j)
+    return p * two_j
 
 
 @gluon.jit

@@ -313,13 +313,13 @@ def _fma32(a, b, c):
 
 
 def _exp2_poly_numpy(x):
-    """``fwd_ws._exp2_poly`` step by step in float32: the rounding add, f, Horner by FMAs, 2**j from
-    j's bits, the product, the flush below -125."""
+    """``fwd_ws._exp2_poly`` step by step in float32: the clamp at -127 (NaN kept), the rounding
+    add, f, Horner by FMAs, 2**j from j's bits, the product."""
     import numpy as np
 
     from dmref.kernels.fwd_ws import EXP2_POLY_COEFFS
 
-    x = np.asarray(x, np.float32)
+    x = np.maximum(np.asarray(x, np.float32), np.float32(-127))  # numpy's maximum keeps NaN
     magic = np.float32(12582912.0)
     with np.errstate(invalid="ignore", over="ignore"):
         t = x + magic
@@ -329,7 +329,7 @@ def _exp2_poly_numpy(x):
         for ck in c[4::-1]:
             p = _fma32(p, f, np.full_like(f, ck))
         two_j = ((t.view(np.int32).astype(np.int64) << 23) + 0x3F800000).astype(np.uint32).view(np.float32)
-        return np.where(x < -125, np.float32(0), p * two_j)
+        return p * two_j
 
 
 def test_exp2_poly_is_within_two_ulp_of_exp2():
@@ -338,8 +338,8 @@ def test_exp2_poly_is_within_two_ulp_of_exp2():
     every exp2: ``kernel_bounds``), emulated op by op in float32: on every float32 f in [-1/2, 1/2]
     whose low 8 mantissa bits are 0 (the polynomial's domain, 8.3 million values; the rest of
     float32 is sampled by the x below), and on x = j + f for every integer j the softmax reaches
-    (-125 .. 8: P * 2**8 <= 2**8) with 20,000 random float32 f each (the split into j and f is
-    exact, 2**j a power of two). Below -125 it is 0 (the ftz flush), exp2(-inf) = 0, NaN stays NaN."""
+    (-126 .. 8: P * 2**8 <= 2**8) with 20,000 random float32 f each (the split into j and f is
+    exact, 2**j a power of two). Below -126 it is 0 or below 2**-126, exp2(-inf) = 0, NaN stays NaN."""
     import numpy as np
 
     def ulps(got, x):
@@ -352,11 +352,14 @@ def test_exp2_poly_is_within_two_ulp_of_exp2():
     worst = ulps(_exp2_poly_numpy(f), f).max()
     assert worst <= 2, worst
     rng = np.random.default_rng(0)
-    x = (np.arange(-125, 9)[:, None] + rng.uniform(-0.5, 0.5, (134, 20_000))).astype(np.float32).ravel()
-    x = x[x >= -125]
+    x = (np.arange(-126, 9)[:, None] + rng.uniform(-0.5, 0.5, (135, 20_000))).astype(np.float32).ravel()
+    x = x[x >= -126]
     assert ulps(_exp2_poly_numpy(x), x).max() <= 2
-    special = _exp2_poly_numpy(np.array([-np.inf, -126.0, -200.0, np.nan, 0.0, 8.0], np.float32))
-    assert special[:3].tolist() == [0.0, 0.0, 0.0] and np.isnan(special[3]) and special[4:].tolist() == [1.0, 256.0]
+    low = np.float32(-127.5) + np.arange(1, 1500, dtype=np.float32) / 1000  # (-127.5, -126)
+    assert (_exp2_poly_numpy(low) < 2.0 ** -126).all() and (_exp2_poly_numpy(low) >= 0).all()
+    special = _exp2_poly_numpy(np.array([-np.inf, -200.0, -126.0, np.nan, 0.0, 8.0], np.float32))
+    assert special[:3].tolist() == [0.0, 0.0, 2.0 ** -126] and np.isnan(special[3])
+    assert special[4:].tolist() == [1.0, 256.0]
 
 
 #: One in 2 and one in 4 of P's exp2s on the FMA pipe (``FwdTiles.exp2_poly``, not the default), at

@@ -363,8 +363,8 @@ def test_exp2_poly_is_within_two_ulp_of_exp2():
 
 
 #: One in 2 and one in 4 of P's exp2s on the FMA pipe (``FwdTiles.exp2_poly``, not the default), at
-#: both head dims, causal and not: the budget of the shipped schedule; one in 2 at D = 128 may spill
-#: (ptxas: 12 B a thread), the others may not.
+#: both head dims, causal and not: the budget of the shipped schedule; at D = 128 ptxas may spill a
+#: little (12 B a thread: one in 2, and one in 4 causal), at D = 64 nothing.
 _SCRIPT_EXP2_POLY = """
 import json
 from dmref.kernels import fwd_ws
@@ -379,7 +379,7 @@ print(json.dumps([dict(d=d, causal=causal, exp2_poly=one_in, **warp_specialized_
 @pytest.mark.slow
 def test_exp2_poly_fwd_ws_compiles_for_sm90_with_its_register_budget():
     compile_and_check_budget(_SCRIPT_EXP2_POLY, 8,
-                             spills_ok=lambda u: u["d"] == 128 and u["exp2_poly"] == 2 and u["spills"] <= 32)
+                             spills_ok=lambda u: u["d"] == 128 and u["spills"] <= 16)
 
 
 @pytest.mark.gpu

@@ -71,6 +71,7 @@ class Granularity(enum.Enum):
     TILE_1x128 = "1x128"  #: one scale per row and 128 consecutive contraction elements (DeepSeek-V3 activations)
     TILE_1x64 = "1x64"  #: one scale per row and 64 consecutive contraction elements (dmref.kernels' dS at 64-wide tiles)
     BLOCK_128x128 = "128x128"  #: one scale per 128 rows x 128 contraction elements; transpose-invariant
+    BLOCK_64x64 = "64x64"  #: one scale per 64 rows x 64 contraction elements; transpose-invariant (dS's kernel tile)
     MX32 = "mx32"  #: one scale per row and 32 consecutive contraction elements (OCP MX v1.0)
 
     @property
@@ -95,6 +96,7 @@ _TILE_EXTENTS = {
     Granularity.TILE_1x128: (1, 128),
     Granularity.TILE_1x64: (1, 64),
     Granularity.BLOCK_128x128: (128, 128),
+    Granularity.BLOCK_64x64: (64, 64),
     Granularity.MX32: (1, 32),
 }
 

@@ -239,3 +239,20 @@ def test_consistent_p_recomputes_the_forward_p_when_nothing_underflows():
     n, d = 256, 32
     bound = (gamma(n + d + 8, U_FP32) * 2 + (1 - rs.psum).abs()) * magnitude
     assert bool((rs.residual.abs() <= bound).all())
+
+
+def test_a_64x64_block_scale_is_the_same_for_both_contractions():
+    """``Granularity.BLOCK_64x64`` (one scale per 64 x 64 tile: docs/delta_study.md, "One dS
+    quantization for dK and dQ?") quantizes a matrix to the same values whichever of its dims is
+    contracted, so dS quantized once could serve dQ (contracting keys) and dK (contracting queries);
+    the kernels' 1 x 64 blocks do not, on rows of different magnitudes and tail tiles."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 130, 97, generator=g, dtype=torch.float64)
+    x = x * torch.exp2(torch.randint(-12, 12, (2, 130, 1), generator=g).double())
+    tile = QuantPoint("float8_e4m3fn", Granularity.BLOCK_64x64, ScaleRule.POW2_DOWN)
+    rows = QuantPoint("float8_e4m3fn", Granularity.TILE_1x64, ScaleRule.POW2_DOWN)
+    a = tiled._quantize(x, tile, contract_dim=-1, dtype=torch.float64)
+    b = tiled._quantize(x, tile, contract_dim=-2, dtype=torch.float64)
+    assert torch.equal(a, b)
+    assert not torch.equal(tiled._quantize(x, rows, contract_dim=-1, dtype=torch.float64),
+                           tiled._quantize(x, rows, contract_dim=-2, dtype=torch.float64))

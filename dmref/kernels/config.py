@@ -70,6 +70,12 @@ class FwdTiles:
         _check_tile("block_m", self.block_m)
 
 
+#: 2**f on [-1/2, 1/2], degree 6, the float32 coefficients (constant term first) of a near-minimax
+#: fit of the relative error (1.9e-9; evaluated in float32 by Horner's FMAs, within 1 ulp of 2**f:
+#: tests/kernels/test_fwd_ws.py), which ``fwd_ws._exp2_poly`` evaluates for ``FwdTiles.exp2_poly``
+EXP2_POLY_COEFFS = (1.0000000005542490, 0.6931472057369894, 0.24022646890024554, 0.05550328777412087,
+                    0.009618489023102212, 0.0013399931075618893, 0.00015345794250166823)
+
 #: What the warp-specialized forward (``fwd_ws``) fixes: one m64 wgmma row block a consumer warp
 #: group (``block_m`` = 64 times ``consumers``), the launch's ``num_warps`` the first consumer's
 #: warp group, K and V through TMA, registers set by ``setmaxnreg`` (one consumer: 128 at launch,

@@ -81,7 +81,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ._gluon import LAUNCH_REGS, PRODUCER_REGS, TWO_CONSUMER_LAUNCH_REGS, TWO_CONSUMER_REGS, allocator
 from ._runtime import Launch, triton_type
-from .config import WS_FWD_BLOCK_M
+from .config import EXP2_POLY_COEFFS, WS_FWD_BLOCK_M
 from ._gluon import exp2_int as _exp2_int
 from ._gluon import pow2_down_exponent as _pow2_down_exponent
 from ._gluon import to_fp8 as _to_fp8
@@ -136,11 +136,7 @@ def _quantize_q(Q, stride_qn, q_smem, start_m, N, HEAD_DIM: gl.constexpr):
     return _exp2_int(-k)
 
 
-#: 2**f on [-1/2, 1/2], degree 6, the float32 coefficients (constant term first) of a near-minimax
-#: fit of the relative error (1.9e-9; evaluated in float32 by Horner's FMAs, within 1 ulp of 2**f:
-#: tests/kernels/test_fwd_ws.py)
-EXP2_POLY_COEFFS = (1.0000000005542490, 0.6931472057369894, 0.24022646890024554, 0.05550328777412087,
-                    0.009618489023102212, 0.0013399931075618893, 0.00015345794250166823)
+#: the polynomial's coefficients as the kernel's constants (constant term first)
 _C0, _C1, _C2, _C3, _C4, _C5, _C6 = (gl.constexpr(c) for c in EXP2_POLY_COEFFS)
 
 
@@ -149,7 +145,7 @@ def _exp2_poly(x):
     """exp2 on the FMA pipe (FlashAttention-4's move, here for part of P): x clamped below at -127
     (NaN kept: ``max.NaN``), x = j + f with j = round(x) by the float32 adder (adding 1.5 * 2**23
     rounds x to an integer held in the sum's low bits), f = x - j in [-1/2, 1/2] exactly, 2**f by
-    :data:`EXP2_POLY_COEFFS`, times 2**j built from j's bits (shifted into the exponent field;
+    ``config.EXP2_POLY_COEFFS``, times 2**j built from j's bits (shifted into the exponent field;
     j = -127 gives the field 0, the factor +0). Within 2 ulp of 2**x (the bound of ``ex2.approx``
     in PTX's documentation, which the kernel's tests hold it to) for x >= -126; below, 0 or a value
     below 2**-126 (where ``ex2.approx.ftz`` gives 0: a difference no E4M3 code or float32 row sum

@@ -317,7 +317,7 @@ def _exp2_poly_numpy(x):
     add, f, Horner by FMAs, 2**j from j's bits, the product."""
     import numpy as np
 
-    from dmref.kernels.fwd_ws import EXP2_POLY_COEFFS
+    from dmref.kernels.config import EXP2_POLY_COEFFS
 
     x = np.maximum(np.asarray(x, np.float32), np.float32(-127))  # numpy's maximum keeps NaN
     magic = np.float32(12582912.0)

@@ -151,11 +151,15 @@ def main() -> None:
         torch.cuda.synchronize()
         ms[name] = bench(fn)
     elems = n * ITERS
-    clock_hz = torch.cuda.clock_rate() * 1e6
+    try:  # the SM clock (MHz) through NVML; None where pynvml is missing
+        clock_mhz = torch.cuda.clock_rate()
+    except Exception:
+        clock_mhz = None
     # cycles an SM spends per warp instruction's 32 elements above the baseline, per SM
-    extra = {k: (ms[k] - ms["ffma"]) * 1e-3 * clock_hz * sms / (elems / 32) for k in ms if k != "ffma"}
+    extra = {k: (ms[k] - ms["ffma"]) * 1e-3 * clock_mhz * 1e6 * sms / (elems / 32) for k in ms if k != "ffma"} \
+        if clock_mhz else None
     result = {"meta": {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-                       "triton": triton.__version__, "sm_clock_mhz": torch.cuda.clock_rate(),
+                       "triton": triton.__version__, "sm_clock_mhz": clock_mhz,
                        "iters": ITERS, "elements": elems,
                        "method": "triton.testing.do_bench medians; cycles = extra time x SM clock x SMs / "
                                  "(elements / 32)"},

@@ -7,8 +7,9 @@ partition whose registers ``setmaxnreg`` lowers to 24) streams K and V tiles int
 launch; the consumer rises to 232), so one CTA's softmax overlaps the other's wgmmas. What it
 computes comes from its ``config.KernelSpec`` through :func:`launch`: P's scale
 ``2**e = 2**recipe.p_fwd.offset_log2``, PV promoted or chained (``recipe.pv_chain``), key tiles of
-``recipe.tiles.block_k``, the ring's depth, the schedule and the consumers (the forward tiling's
-``num_stages``, ``overlap`` and ``consumers``; its defaults: ``config.default_fwd_tiles``).
+``recipe.tiles.block_k``, the ring's depth, the schedule, the consumers and the share of P's exp2s
+on the FMA pipe (the forward tiling's ``num_stages``, ``overlap``, ``consumers`` and ``exp2_poly``;
+its defaults: ``config.default_fwd_tiles``).
 
 With ``consumers=2`` (``FwdTiles(block_m=128, consumers=2)``, not the default) a CTA takes 128
 queries on two consumer warp groups that share one ring, FlashAttention-3's structure: the default
@@ -309,8 +310,8 @@ def _tile_overlap(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, a
 def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, V_SCALE, O, LSE2,
               cs_head, bh, kv, start_m, n_plain, n_tiles, N,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, EXP2_POLY: gl.constexpr, CHAIN: gl.constexpr, OVERLAP: gl.constexpr,
-              PD, NPAD, DEBUG: gl.constexpr):
+              CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, EXP2_POLY: gl.constexpr, CHAIN: gl.constexpr,
+              OVERLAP: gl.constexpr, PD, NPAD, DEBUG: gl.constexpr):
     """The consumer warp group: Q, the key tiles (masked from n_plain on), the epilogue."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
@@ -338,17 +339,17 @@ def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_
         for j in range(0, n_pairs):
             acc, s_next, s_old, t_old, m_i, l_i = _tile_overlap(
                 2 * j, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, t_old, m_i,
-                l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE, EXP2_POLY,
-                CHAIN, True, PD, NPAD, DEBUG)
+                l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE,
+                EXP2_POLY, CHAIN, True, PD, NPAD, DEBUG)
             acc, s_next, s_old, t_old, m_i, l_i = _tile_overlap(
                 2 * j + 1, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, t_old, m_i,
-                l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE, EXP2_POLY,
-                CHAIN, True, PD, NPAD, DEBUG)
+                l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE,
+                EXP2_POLY, CHAIN, True, PD, NPAD, DEBUG)
         if (n_tiles - 1) % 2 == 1:
             acc, s_next, s_old, t_old, m_i, l_i = _tile_overlap(
                 n_tiles - 2, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, t_old,
-                m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE, EXP2_POLY,
-                CHAIN, True, PD, NPAD, DEBUG)
+                m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE,
+                EXP2_POLY, CHAIN, True, PD, NPAD, DEBUG)
         acc, s_next, s_old, t_old, m_i, l_i = _tile_overlap(
             n_tiles - 1, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, t_old, m_i,
             l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, True, CAUSAL, P_SCALE, EXP2_POLY,
@@ -357,13 +358,13 @@ def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_
         for i in range(0, n_plain):
             acc, s_old, t_old, m_i, l_i = _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc,
                                                 s_old, t_old, m_i, l_i, cs, offs_m, N, s_layout, o_layout,
-                                                p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE, EXP2_POLY, CHAIN, PD, NPAD,
-                                                DEBUG)
+                                                p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE, EXP2_POLY, CHAIN,
+                                                PD, NPAD, DEBUG)
         for i in range(n_plain, n_tiles):
             acc, s_old, t_old, m_i, l_i = _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc,
                                                 s_old, t_old, m_i, l_i, cs, offs_m, N, s_layout, o_layout,
-                                                p_layout, BLOCK_N, STAGES, True, CAUSAL, P_SCALE, EXP2_POLY, CHAIN, PD, NPAD,
-                                                DEBUG)
+                                                p_layout, BLOCK_N, STAGES, True, CAUSAL, P_SCALE, EXP2_POLY, CHAIN,
+                                                PD, NPAD, DEBUG)
     # epilogue: O = acc * fl(1 / l) * v_scale (l sums P * P_SCALE; v_scale per channel, a power of
     # two), one division per row; LSE2 = m - log2(P_SCALE) + log2(l)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -382,8 +383,8 @@ def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_
 @gluon.jit
 def _body(k_desc, v_desc, Q, stride_qb, stride_qh, stride_qn, K_SCALE, V_SCALE, O, LSE2, PD, qk_scale, H, GROUP,
           N, NPAD, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-          P_SCALE: gl.constexpr, EXP2_POLY: gl.constexpr, CHAIN: gl.constexpr, OVERLAP: gl.constexpr, CONSUMERS: gl.constexpr,
-          DEBUG: gl.constexpr):
+          P_SCALE: gl.constexpr, EXP2_POLY: gl.constexpr, CHAIN: gl.constexpr, OVERLAP: gl.constexpr,
+          CONSUMERS: gl.constexpr, DEBUG: gl.constexpr):
     """The kernel on its TMA descriptors: K rows ``(B*HKV*N, D)`` and V^T ``(B*HKV*D, NPAD)``. A
     key tile past this head's N reads the next head's rows, masked in the softmax; V^T's padding
     columns hold code 0. ``CONSUMERS`` consumer warp groups of ``BLOCK_M`` queries each (1 or 2)
@@ -452,8 +453,8 @@ def _body(k_desc, v_desc, Q, stride_qb, stride_qh, stride_qn, K_SCALE, V_SCALE, 
 def _fwd_ws_kernel(k_desc, v_desc, Q, stride_qb, stride_qh, stride_qn, K_SCALE, V_SCALE, O, LSE2, PD,
                    qk_scale, H, GROUP, N, NPAD,
                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, EXP2_POLY: gl.constexpr, CHAIN: gl.constexpr, OVERLAP: gl.constexpr,
-                   CONSUMERS: gl.constexpr, DEBUG: gl.constexpr):
+                   CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, EXP2_POLY: gl.constexpr, CHAIN: gl.constexpr,
+                   OVERLAP: gl.constexpr, CONSUMERS: gl.constexpr, DEBUG: gl.constexpr):
     """The kernel on host-side TMA descriptors (:func:`_descriptors`, built once a launch)."""
     _body(k_desc, v_desc, Q, stride_qb, stride_qh, stride_qn, K_SCALE, V_SCALE, O, LSE2, PD, qk_scale, H, GROUP, N,
           NPAD, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, P_SCALE, EXP2_POLY, CHAIN, OVERLAP, CONSUMERS, DEBUG)
@@ -463,8 +464,8 @@ def _fwd_ws_kernel(k_desc, v_desc, Q, stride_qb, stride_qh, stride_qn, K_SCALE, 
 def _fwd_ws_kernel_dev(Q, stride_qb, stride_qh, stride_qn, K8, K_SCALE, VT8, V_SCALE, O, LSE2, PD,
                        qk_scale, H, GROUP, N, NPAD, ROWS_KV,
                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                       CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, EXP2_POLY: gl.constexpr, CHAIN: gl.constexpr, OVERLAP: gl.constexpr,
-                       CONSUMERS: gl.constexpr, DEBUG: gl.constexpr):
+                       CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, EXP2_POLY: gl.constexpr, CHAIN: gl.constexpr,
+                       OVERLAP: gl.constexpr, CONSUMERS: gl.constexpr, DEBUG: gl.constexpr):
     """The kernel on device-side TMA descriptors: every CTA writes its two 128-byte tensor maps
     (``forward(..., host_descriptors=False)``; not the default)."""
     k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float8e4nv)

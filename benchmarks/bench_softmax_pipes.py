@@ -11,17 +11,15 @@ every result feeding the next iteration (nothing is dead), on enough CTAs to fil
 - ``exp2``: + exp2 (``MUFU.EX2``);
 - ``cvt``: + the E4M3 cast (``F2FP``, its code added back as an integer);
 - ``exp2_cvt``: + both, the softmax's mix;
-- ``poly``: + exp2 computed on the FMA pipe (a degree-6 polynomial after the integer split; what a
-  kernel could run for part of P to take work off ``MUFU``).
+- ``poly``: + exp2 computed on the FMA pipe (``dmref.kernels._common.exp2_poly``, what
+  ``FwdTiles(exp2_poly=2 or 4)`` runs for part of P to take work off ``MUFU``).
 
 Reported: giga-elements per second (medians of ``triton.testing.do_bench``) and each variant's time
 per element above ``ffma``'s in SM clock cycles per warp instruction (the SM clock read by
 ``torch.cuda.clock_rate``; a ratio within one run is what the forward's docs read).
 
-Then the lever itself (``forward``): the warp-specialized forward kernel alone (K and V quantized
-ahead) with every exp2 on ``MUFU`` and with one in 2 or 4 on the FMA pipe
-(``FwdTiles(exp2_poly=...)``), beside cuDNN BF16 SDPA's forward, at each shape of
-``bench_attention.SHAPES``, causal and not (``--no-forward``: the pipes only).
+The lever itself, the forward kernel with ``FwdTiles(exp2_poly=2 or 4)``, is timed by
+``bench_attention.py`` (``ours_fwd_ws_poly2_kernel``, ``ours_fwd_ws_poly4_kernel``).
 """
 
 from __future__ import annotations
@@ -39,6 +37,8 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import RESULTS, bench, device_tag  # noqa: E402
 
+from dmref.kernels._common import exp2_poly  # noqa: E402
+
 ITERS = 512
 BLOCK = 1024
 WARPS = 4
@@ -55,19 +55,7 @@ def _e4m3x2(a, b):
 @triton.jit
 def _value(y, EXP: tl.constexpr, POLY: tl.constexpr):
     if POLY:
-        # 2**y = 2**j * 2**f: j = round(y) by the float32 adder (1.5 * 2**23 pushes the fraction out;
-        # the sum's low bits are j, and shifted 23 up they are 2**j's exponent field), f in
-        # [-0.5, 0.5], then a degree-6 Taylor-Horner polynomial, all on the FMA pipe
-        t = y + 12582912.0
-        f = y - (t - 12582912.0)
-        p = 1.5403530393381606e-4
-        p = p * f + 1.3333558146428443e-3
-        p = p * f + 9.618129107628477e-3
-        p = p * f + 5.550410866482158e-2
-        p = p * f + 0.2402265069591007
-        p = p * f + 0.6931471805599453
-        p = p * f + 1.0
-        return (p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)).to(tl.float32, bitcast=True)
+        return exp2_poly(y)  # the kernels' polynomial exp2, all on the FMA pipe
     elif EXP:
         return tl.exp2(y)
     else:
@@ -97,46 +85,9 @@ VARIANTS = {"ffma": (False, False, False), "exp2": (True, False, False), "cvt": 
             "exp2_cvt": (True, True, False), "poly": (False, False, True), "poly_cvt": (False, True, True)}
 
 
-def forward_variants() -> list[dict]:
-    """ms of the warp-specialized forward kernel (K and V quantized ahead) with ``exp2_poly`` 0, 2
-    and 4, and of cuDNN BF16 SDPA's forward, at each shape, causal and not; ratios cuDNN / ours."""
-    import math
-
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from bench_attention import SHAPES
-    from dmref.kernels import fwd_ws
-    from dmref.kernels.quantize import quantize_kv_folded
-
-    rows = []
-    for b, h, n, d in SHAPES:
-        for causal in (False, True):
-            torch.manual_seed(0)
-            q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-            scale = 1 / math.sqrt(d)
-            ms = {}
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                ms["cudnn_fwd"] = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
-            kv = quantize_kv_folded(k, v)
-            for one_in in (0, 2, 4):
-                spec = fwd_ws.variant("kernels_folded_naive_fp8", exp2_poly=one_in)
-                try:
-                    ms[f"fwd_ws_poly{one_in}"] = bench(lambda: fwd_ws.forward(
-                        q, kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=h, causal=causal, scale=scale, recipe=spec))
-                except Exception as exc:  # recorded; the other variants still run
-                    ms[f"fwd_ws_poly{one_in}_error"] = f"{type(exc).__name__}: {exc}"[:300]
-            rows.append(dict(shape=[b, h, n, d], causal=causal, ms=ms,
-                             speedup_vs_cudnn={k: ms["cudnn_fwd"] / t for k, t in ms.items()
-                                               if k.startswith("fwd_ws") and isinstance(t, float)}))
-            print(json.dumps(rows[-1]), flush=True)
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=RESULTS)
-    parser.add_argument("--no-forward", action="store_true", help="the pipes only, not the forward's variants")
     args = parser.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     ctas = sms * 16  # 16 CTAs of 4 warps an SM: every SM's four schedulers full
@@ -165,8 +116,6 @@ def main() -> None:
                                  "(elements / 32)"},
               "ms": ms, "gelem_per_s": {k: elems / (v * 1e-3) / 1e9 for k, v in ms.items()},
               "sm_cycles_per_32_elements_above_ffma": extra}
-    if not args.no_forward:
-        result["forward"] = forward_variants()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"{device_tag()}_softmax_pipes.json"), "w") as f:
         json.dump(result, f, indent=1)

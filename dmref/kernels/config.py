@@ -62,7 +62,7 @@ class FwdTiles:
     #: of 128 queries an SM (each K/V tile loaded once for both). The Triton forward runs 1
     consumers: int = 1
     #: ``fwd_ws``: one in ``exp2_poly`` (2 or 4; 0 none) of P's exp2s as a polynomial on the FMA
-    #: pipe instead of ``MUFU.EX2`` (``fwd_ws._exp2_poly``, within exp2's 2 ulp), so that the two
+    #: pipe instead of ``MUFU.EX2`` (``_common.exp2_poly``, within exp2's 2 ulp), so that the two
     #: pipes share the softmax's exponentials; the Triton forward runs 0
     exp2_poly: int = 0
 
@@ -72,7 +72,7 @@ class FwdTiles:
 
 #: 2**f on [-1/2, 1/2], degree 6, the float32 coefficients (constant term first) of a near-minimax
 #: fit of the relative error (1.9e-9; evaluated in float32 by Horner's FMAs, within 1 ulp of 2**f:
-#: tests/kernels/test_fwd_ws.py), which ``fwd_ws._exp2_poly`` evaluates for ``FwdTiles.exp2_poly``
+#: tests/kernels/test_fwd_ws.py), which ``_common.exp2_poly`` evaluates for ``FwdTiles.exp2_poly``
 EXP2_POLY_COEFFS = (1.0000000005542490, 0.6931472057369894, 0.24022646890024554, 0.05550328777412087,
                     0.009618489023102212, 0.0013399931075618893, 0.00015345794250166823)
 

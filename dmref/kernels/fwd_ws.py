@@ -74,7 +74,6 @@ from __future__ import annotations
 import math
 
 import triton
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -82,8 +81,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ._gluon import LAUNCH_REGS, PRODUCER_REGS, TWO_CONSUMER_LAUNCH_REGS, TWO_CONSUMER_REGS, allocator
 from ._runtime import Launch, triton_type
-from .config import EXP2_POLY_COEFFS, WS_FWD_BLOCK_M
+from .config import WS_FWD_BLOCK_M
 from ._gluon import exp2_int as _exp2_int
+from ._gluon import exp2_poly as _exp2_poly
 from ._gluon import pow2_down_exponent as _pow2_down_exponent
 from ._gluon import to_fp8 as _to_fp8
 
@@ -137,37 +137,10 @@ def _quantize_q(Q, stride_qn, q_smem, start_m, N, HEAD_DIM: gl.constexpr):
     return _exp2_int(-k)
 
 
-#: the polynomial's coefficients as the kernel's constants (constant term first)
-_C0, _C1, _C2, _C3, _C4, _C5, _C6 = (gl.constexpr(c) for c in EXP2_POLY_COEFFS)
-
-
-@gluon.jit
-def _exp2_poly(x):
-    """exp2 on the FMA pipe (FlashAttention-4's move, here for part of P): x clamped below at -127
-    (NaN kept: ``max.NaN``), x = j + f with j = round(x) by the float32 adder (adding 1.5 * 2**23
-    rounds x to an integer held in the sum's low bits), f = x - j in [-1/2, 1/2] exactly, 2**f by
-    ``config.EXP2_POLY_COEFFS``, times 2**j built from j's bits (shifted into the exponent field;
-    j = -127 gives the field 0, the factor +0). Within 2 ulp of 2**x (the bound of ``ex2.approx``
-    in PTX's documentation, which the kernel's tests hold it to) for x >= -126; below, 0 or a value
-    below 2**-126 (where ``ex2.approx.ftz`` gives 0: a difference no E4M3 code or float32 row sum
-    holding a term of 1 can show); exp2(-inf) = 0 (a masked score); NaN for NaN."""
-    x = gl.maximum(x, -127.0, propagate_nan=tl.PropagateNan.ALL)
-    t = x + 12582912.0
-    f = x - (t - 12582912.0)
-    p = _C6 * f + _C5
-    p = p * f + _C4
-    p = p * f + _C3
-    p = p * f + _C2
-    p = p * f + _C1
-    p = p * f + _C0
-    two_j = ((t.to(gl.int32, bitcast=True) << 23) + 0x3F800000).to(gl.float32, bitcast=True)
-    return p * two_j
-
-
 @gluon.jit
 def _exp2_shared(x, ONE_IN: gl.constexpr):
     """exp2 of a (rows, BLOCK_N) tile in the wgmma accumulator layout, one element in ``ONE_IN`` (2
-    or 4) by :func:`_exp2_poly` on the FMA pipe and the rest by ``MUFU.EX2``. The split follows the
+    or 4) by ``_common.exp2_poly`` on the FMA pipe and the rest by ``MUFU.EX2``. The split follows the
     layout, so no element leaves its thread: a thread holds the column pairs 8k + 2t, 8k + 2t + 1
     of its rows, so column bit 0 (2) and then bit 3, the parity of k (4), are register indices.
     The tile comes back in the same order (a layout of its own, equal to the accumulator's)."""

@@ -313,7 +313,7 @@ def _fma32(a, b, c):
 
 
 def _exp2_poly_numpy(x):
-    """``fwd_ws._exp2_poly`` step by step in float32: the clamp at -127 (NaN kept), the rounding
+    """``_common.exp2_poly`` (which ``fwd_ws`` runs) step by step in float32: the clamp at -127 (NaN kept), the rounding
     add, f, Horner by FMAs, 2**j from j's bits, the product."""
     import numpy as np
 

@@ -151,6 +151,31 @@ _GPU_CASES = [
 _CASE_IDS = [f"{s.batch}x{s.heads}x{s.kv_heads}x{s.n}x{s.head_dim}{'-causal' if c else ''}" for s, c in _GPU_CASES]
 
 
+def _assert_within_the_reference(o, lse2, ref, n: int) -> float:
+    """O within one P code flip's relative bound of ``ref`` (``tiled.forward``'s result: one FP8
+    operand, P, that each side quantizes from float32 it computed itself) and LSE2 within
+    ``lse2_tolerance`` where the reference's is finite; returns O's relative error."""
+    diff = rel_err(o.float(), ref.out)
+    assert diff <= code_flip_rel_bound(1), f"O: kernel vs reference {diff:.3e}"
+    want = ref.stats.lse2.double()
+    finite = torch.isfinite(want)
+    got = lse2.view_as(want).double()
+    assert (got - want)[finite].abs().max().item() <= lse2_tolerance(want, n)
+    return diff
+
+
+def _p_code_agreement(codes, ref, shape: ProblemShape, causal: bool) -> tuple[float, int]:
+    """The kernel's debug P codes against ``ref.p_codes`` (``tiled.forward(..., p_codes=True)``):
+    code 0 wherever a key is masked, and (the share of equal codes, how many were compared) on
+    every key a query sees."""
+    n = shape.n
+    got = codes.view(shape.batch, shape.heads, n, -1)[..., :n].cpu()
+    seen = torch.ones(n, n, dtype=torch.bool).tril() if causal else torch.ones(n, n, dtype=torch.bool)
+    assert bool((got[..., ~seen] == 0).all()), "codes where a key is masked"
+    agree = (got == ref.p_codes.cpu())[..., seen].float().mean().item()
+    return agree, int(seen.sum()) * shape.batch * shape.heads
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape,causal", _GPU_CASES, ids=_CASE_IDS)
 def test_fwd_ws_equals_the_reference_on_its_recipe(shape, causal):
@@ -163,13 +188,7 @@ def test_fwd_ws_equals_the_reference_on_its_recipe(shape, causal):
     scale = 1.0 / math.sqrt(shape.head_dim)
     o, lse2, _ = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale)
     ref = tiled.forward(q.float(), k.float(), v.float(), recipe=SPECS["kernels_folded_naive_fp8"].recipe, causal=causal, scale=scale)
-    # O: one FP8 operand (P) that each side quantizes from float32 it computed itself
-    diff = rel_err(o.float(), ref.out)
-    assert diff <= code_flip_rel_bound(1), f"O: kernel vs reference {diff:.3e}"
-    want = ref.stats.lse2.double()
-    finite = torch.isfinite(want)
-    got = lse2.view_as(want).double()
-    assert (got - want)[finite].abs().max().item() <= lse2_tolerance(want, shape.n)
+    _assert_within_the_reference(o, lse2, ref, shape.n)
 
 
 _SCHEDULES = [(True, True), (True, False), (False, False), (False, True)]
@@ -198,15 +217,9 @@ def test_every_schedule_equals_the_reference_of_its_pv_accumulation(shape, causa
     refs = {c: tiled.forward(q.float(), k.float(), v.float(), recipe=replace(folded, pv_chain=c), causal=causal,
                              scale=scale) for c in (False, True)}
     o, lse2, _ = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, chain=chain, overlap=overlap)
-    ref = refs[chain]
-    diff = rel_err(o.float(), ref.out)
-    assert diff <= code_flip_rel_bound(1), f"O: kernel vs reference {diff:.3e}"
+    diff = _assert_within_the_reference(o, lse2, refs[chain], shape.n)
     if not torch.equal(refs[True].out, refs[False].out):  # one key tile: the two recipes agree
         assert diff < rel_err(o.float(), refs[not chain].out), "closer to the other recipe"
-    want = ref.stats.lse2.double()
-    finite = torch.isfinite(want)
-    got = lse2.view_as(want).double()
-    assert (got - want)[finite].abs().max().item() <= lse2_tolerance(want, shape.n)
 
 
 @pytest.mark.gpu
@@ -292,14 +305,9 @@ def test_p_codes_equal_the_reference(shape, causal, record_property):
     assert torch.equal(o, o_plain) and torch.equal(lse2, lse2_plain)
     ref = tiled.forward(q.float(), k.float(), v.float(), recipe=SPECS["kernels_folded_naive_fp8"].recipe, causal=causal,
                         scale=scale, p_codes=True)
-    n = shape.n
-    got = codes.view(shape.batch, shape.heads, n, -1)[..., :n].cpu()
-    want = ref.p_codes.cpu()
-    seen = torch.ones(n, n, dtype=torch.bool).tril() if causal else torch.ones(n, n, dtype=torch.bool)
-    assert bool((got[..., ~seen] == 0).all()), "codes where a key is masked"
-    agree = (got == want)[..., seen].float().mean().item()
+    agree, compared = _p_code_agreement(codes, ref, shape, causal)
     record_property("p_code_agreement", agree)  # in the --junitxml report
-    record_property("p_codes_compared", int(seen.sum()) * shape.batch * shape.heads)
+    record_property("p_codes_compared", compared)
     assert agree >= P_CODE_AGREEMENT, f"P codes agree on {agree:.6f} < {P_CODE_AGREEMENT}"
 
 
@@ -399,14 +407,6 @@ def test_exp2_poly_equals_the_reference_on_its_recipe(shape, causal, one_in):
     o, lse2, _, codes = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, exp2_poly=one_in, debug=True)
     ref = tiled.forward(q.float(), k.float(), v.float(), recipe=SPECS["kernels_folded_naive_fp8"].recipe,
                         causal=causal, scale=scale, p_codes=True)
-    diff = rel_err(o.float(), ref.out)
-    assert diff <= code_flip_rel_bound(1), f"O: kernel vs reference {diff:.3e}"
-    want = ref.stats.lse2.double()
-    finite = torch.isfinite(want)
-    got = lse2.view_as(want).double()
-    assert (got - want)[finite].abs().max().item() <= lse2_tolerance(want, shape.n)
-    n = shape.n
-    got_codes = codes.view(shape.batch, shape.heads, n, -1)[..., :n].cpu()
-    seen = torch.ones(n, n, dtype=torch.bool).tril() if causal else torch.ones(n, n, dtype=torch.bool)
-    assert bool((got_codes[..., ~seen] == 0).all()), "codes where a key is masked"
-    assert (got_codes == ref.p_codes.cpu())[..., seen].float().mean().item() >= P_CODE_AGREEMENT
+    _assert_within_the_reference(o, lse2, ref, shape.n)
+    agree, _ = _p_code_agreement(codes, ref, shape, causal)
+    assert agree >= P_CODE_AGREEMENT, f"P codes agree on {agree:.6f} < {P_CODE_AGREEMENT}"

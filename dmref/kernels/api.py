@@ -66,9 +66,14 @@ def _dims(s: Shape) -> dict:
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
     scale: float | None = None, recipe: str | KernelSpec | Recipe = DEFAULT_RECIPE,
-    for_backward: bool = True, debug: bool = False,
+    for_backward: bool = True, debug: bool = False, kv_fp8=None,
 ):
     """Quantize (fused) and run the forward kernel.
+
+    ``kv_fp8``: K and V already quantized by :func:`quantize_kv` (a folded recipe's
+    ``FoldedKV``, for the backward too where ``for_backward``), which the forward then reads
+    instead of quantizing ``k`` and ``v`` itself: a caller that has them, a training step
+    that made them once, pays for no second quantization. ``k`` and ``v`` still give the shape.
 
     Returns ``(O, LSE, saved, debug dict)``: O ``(B, H, N, D)`` BF16, LSE ``(B, H, N)`` float32
     (natural log), ``saved`` for :func:`attention_backward` (None unless ``for_backward``), and
@@ -82,8 +87,11 @@ def attention_forward(
     require_runnable(q, k, v)
     s = Shape.of(q, k, v)
     scale = 1.0 / math.sqrt(s.head_dim) if scale is None else float(scale)
+    if kv_fp8 is not None:
+        _check_kv_fp8(kv_fp8, s, r, for_backward)
     if r.folded:
-        return _folded_forward(q, k, v, s, r, causal=causal, scale=scale, for_backward=for_backward, debug=debug)
+        return _folded_forward(q, k, v, s, r, causal=causal, scale=scale, for_backward=for_backward, debug=debug,
+                               kv=kv_fp8)
     # one quantization kernel per operand writes the copies of all its Q-points (formats equal:
     # config.unsupported)
     q8, _ = quantize(q, r.recipe.q.fmt.name, rows=True, cols=for_backward)
@@ -96,20 +104,64 @@ def attention_forward(
     return o, lse, saved, ({"p_codes": p_codes} if debug else {})
 
 
-def _folded_forward(q, k, v, s: Shape, r: KernelSpec, *, causal: bool, scale: float, for_backward: bool, debug: bool):
+def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, recipe: str | KernelSpec | Recipe = DEFAULT_RECIPE,
+                for_backward: bool = True):
+    """K and V quantized as the folded ``recipe``'s forward quantizes them (E4M3, POW2_DOWN: K one
+    scale per head, V one per head and channel; ``for_backward``: also K's transposed copy and
+    V's rows, which its backward reads), for :func:`attention_forward` and :func:`attention`'s
+    ``kv_fp8``: the same codes and scales those make from ``k`` and ``v``, made once. Returns a
+    ``dmref.kernels.quantize.FoldedKV``. A recipe whose forward is not the folded one (it
+    quantizes K and V per token and per token block, with Q) is a ValueError."""
+    from .quantize import quantize_kv_folded
+
+    r = get_spec(recipe)
+    if not r.folded:
+        raise ValueError(f"quantize_kv: recipe {r.recipe.name!r} quantizes K and V per token inside its forward; "
+                         "pre-quantized K and V are the folded recipes' (kernels_folded_*)")
+    require_runnable(k, v)
+    if k.ndim != 4 or k.shape != v.shape:
+        raise ValueError(f"quantize_kv: k {tuple(k.shape)} and v {tuple(v.shape)} must be (B, HKV, N, D) of one shape")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != torch.bfloat16:
+            raise TypeError(f"quantize_kv: {name} must be bfloat16, got {t.dtype}")
+    return quantize_kv_folded(k.contiguous(), v.contiguous(), for_backward=for_backward)
+
+
+def _check_kv_fp8(kv, s: Shape, r: KernelSpec, for_backward: bool) -> None:
+    """``kv_fp8`` fits the problem and the recipe, or a one-line ValueError says why not."""
+    from .quantize import FoldedKV
+
+    if not isinstance(kv, FoldedKV):
+        raise ValueError(f"kv_fp8 must be what dmref.kernels.quantize_kv returns, got {type(kv).__name__}")
+    if not r.folded:
+        raise ValueError(f"kv_fp8: recipe {r.recipe.name!r} quantizes K and V per token inside its forward; "
+                         "pre-quantized K and V are the folded recipes' (kernels_folded_*)")
+    want = (s.batch * s.kv_heads, s.n, s.head_dim)
+    if tuple(kv.k8.shape) != want or tuple(kv.k_scale.shape) != want[:1] or \
+            tuple(kv.v_scale.shape) != (want[0], s.head_dim) or kv.vt8.shape[:2] != (want[0], s.head_dim) or \
+            kv.vt8.shape[2] < s.n:
+        raise ValueError(f"kv_fp8 holds K codes {tuple(kv.k8.shape)}, not the (B*HKV, N, D) = {want} of k and v")
+    if for_backward and (kv.k_cols is None or kv.v_rows is None):
+        raise ValueError("kv_fp8 has no copies for the backward: make it with quantize_kv(k, v, for_backward=True)")
+
+
+def _folded_forward(q, k, v, s: Shape, r: KernelSpec, *, causal: bool, scale: float, for_backward: bool, debug: bool,
+                    kv=None):
     """The folded recipes' forward: K and V quantized with folded scales (one per head; one per
     head and channel), then on a Hopper GPU the warp-specialized Gluon kernel (``fwd_ws``, which
     quantizes Q itself), elsewhere (Triton's interpreter) and with ``debug`` the Triton forward on
     the same codes with the folded scales given per token and per token block (``fwd.launch``); for
     the backward, the copies its kernels read, K's rows with its head's scale for every token
     (the same codes and scale), K's transposed copy and V's rows written by the folded
-    quantization's second launch."""
+    quantization's second launch. ``kv``: that quantization's result, made by the caller
+    (:func:`quantize_kv`), instead of made here."""
     from . import fwd, fwd_ws
     from ._runtime import interpreting
     from .fwd import LN2
     from .quantize import Quantized, quantize, quantize_kv_folded
 
-    kv = quantize_kv_folded(k, v, for_backward=for_backward)
+    if kv is None:
+        kv = quantize_kv_folded(k, v, for_backward=for_backward)
     k_rows = Quantized(n=s.n, rows=kv.k8, row_scale=kv.k_scale[:, None].expand(-1, s.n).contiguous())
     # the debug dumps are the Triton forward's: it runs them, on the same codes and scales
     gluon = not interpreting() and not debug and _not_hopper(q.device) is None
@@ -281,9 +333,9 @@ def _not_hopper(device: torch.device) -> str | None:
 
 class _FP8Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, recipe):
+    def forward(ctx, q, k, v, causal, scale, recipe, kv_fp8):
         o, _lse, saved, _ = attention_forward(q, k, v, causal=causal, scale=scale, recipe=recipe,
-                                              for_backward=True)
+                                              for_backward=True, kv_fp8=kv_fp8)
         ctx.saved = saved
         ctx.shape = Shape.of(q, k, v)
         ctx.causal = causal
@@ -297,12 +349,12 @@ class _FP8Attention(torch.autograd.Function):
         (o,) = ctx.saved_tensors
         dq, dk, dv, _ = attention_backward(ctx.saved, o, do.contiguous(), shape=ctx.shape,
                                            causal=ctx.causal, scale=ctx.scale, recipe=ctx.recipe)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-    scale: float | None = None, recipe: str | KernelSpec | Recipe = DEFAULT_RECIPE,
+    scale: float | None = None, recipe: str | KernelSpec | Recipe = DEFAULT_RECIPE, kv_fp8=None,
 ) -> torch.Tensor:
     """FP8 attention with Delta-Matching (or stale delta), forward and backward.
 
@@ -316,7 +368,11 @@ def attention(
     is the Recipe a name runs. Another recipe (a dmref preset such as ``"delta_matching"``) is a
     ValueError naming the kernel recipe to use. Returns O (B, H, N, D) BF16. Fails with a clear
     message where no Hopper GPU is available (unless Triton's interpreter is switched on).
+    ``kv_fp8``: K and V already quantized (:func:`quantize_kv`, a folded recipe's), which the
+    forward reads instead of quantizing ``k`` and ``v``; the gradients still go to ``k`` and ``v``.
     """
     spec = get_spec(recipe)
     require_runnable(q, k, v)
-    return _FP8Attention.apply(q, k, v, causal, scale, spec)
+    if kv_fp8 is not None:
+        _check_kv_fp8(kv_fp8, Shape.of(q, k, v), spec, True)
+    return _FP8Attention.apply(q, k, v, causal, scale, spec, kv_fp8)

@@ -35,9 +35,11 @@ Measures, per shape B·H·N·D and causal or not, medians of ``triton.testing.do
   recorded as ``fwd_ws_2cons_error``), and with one in 2 or 4 of P's exp2s on the FMA pipe
   (``FwdTiles(exp2_poly=2 or 4)``, not the default: ``ours_fwd_ws_poly2_kernel``, ``_poly4_``);
 - what ``dmref.kernels.attention`` runs by default (``config.DEFAULT_RECIPE``): its forward with
-  its quantization for the backward, its backward incl. the preprocess, end to end through
-  autograd (``ours_default_*``; ``default_fwd_incl_quant``, ``default_bwd`` and ``default_e2e``
-  among the speed-ups);
+  its quantization for the backward, the same given K and V quantized by the caller
+  (``api.quantize_kv``, ``kv_fp8``; that quantization alone is ``ours_default_quantize_kv``), its
+  backward incl. the preprocess, end to end through autograd (``ours_default_*``;
+  ``default_fwd_incl_quant``, ``default_fwd_given_kv``, ``default_bwd`` and ``default_e2e`` among
+  the speed-ups);
 - SDPA cuDNN and flash backends, BF16: forward, backward, end to end;
 - grouped-query shapes (``GQA_SHAPES``, ``run_gqa_shape``): the default recipe's forward,
   backward and end to end against cuDNN BF16 SDPA with ``enable_gqa`` (rows with ``kv_heads``);
@@ -218,9 +220,12 @@ def cudnn_fp8_timers(q, k, v, do, causal):
 def _default_speedups(ms: dict, anchor: str) -> dict:
     """The anchor's time over that of what ``dmref.kernels.attention`` runs by default
     (``config.DEFAULT_RECIPE``, ``_time_default``): the forward with its quantization (the copies
-    for the backward included), the backward incl. its preprocess, and quantization, forward and
-    backward through autograd."""
+    for the backward included), the same given K and V quantized by the caller (``kv_fp8``: Q's
+    quantization, in the kernel and for the backward, included), the backward incl. its
+    preprocess, and quantization, forward and backward through autograd."""
     return {"default_fwd_incl_quant": ms[f"{anchor}_fwd"] / ms["ours_default_fwd_incl_quant_for_bwd"],
+            **({"default_fwd_given_kv": ms[f"{anchor}_fwd"] / ms["ours_default_fwd_given_kv_for_bwd"]}
+               if "ours_default_fwd_given_kv_for_bwd" in ms else {}),
             "default_bwd": ms[f"{anchor}_bwd"] / ms["ours_default_bwd"],
             "default_e2e": ms[f"{anchor}_e2e"] / ms["ours_default_e2e"]}
 
@@ -292,6 +297,13 @@ def _time_default(q, k, v, do, causal, scale, shape) -> dict:
               q, k, v, causal=causal, scale=scale, recipe=DEFAULT_RECIPE, for_backward=True)),
           "ours_default_bwd": bench(lambda: api.attention_backward(
               saved, o, do, shape=shape, causal=causal, scale=scale, recipe=DEFAULT_RECIPE))}
+    # K and V quantized by the caller (api.quantize_kv, once), the forward given them (kv_fp8), and
+    # that quantization alone
+    kv = api.quantize_kv(k, v, recipe=DEFAULT_RECIPE)
+    ms["ours_default_fwd_given_kv_for_bwd"] = bench(lambda: api.attention_forward(
+        q, k, v, causal=causal, scale=scale, recipe=DEFAULT_RECIPE, for_backward=True, kv_fp8=kv))
+    ms["ours_default_quantize_kv"] = bench(lambda: api.quantize_kv(k, v, recipe=DEFAULT_RECIPE))
+    del kv
     qd, kd, vd = (t.detach().clone().requires_grad_() for t in (q, k, v))
 
     def step():

@@ -34,6 +34,7 @@ LABELS = {
     "fwd_kernel": "fwd kernel",
     "fwd_incl_quant": "fwd + quant",
     "default_fwd_incl_quant": "default fwd + quant",
+    "default_fwd_given_kv": "default fwd, K/V given",
     "fwd_ws_kernel": "WS fwd kernel",
     "fwd_ws_incl_quant": "WS fwd + quant",
     "fwd_ws_kernel_host": "WS fwd kernel, host descriptors",

@@ -24,9 +24,8 @@ Measures, per shape B·H·N·D and causal or not, medians of ``triton.testing.do
   two consumer warp groups a CTA sharing its ring of query tiles (``WsBwdTiles.fused_consumers=2``,
   not the default: ``ours_bwd_fused_2cons``; an error is recorded as ``bwd_fused_2cons_error``) and
   adding dQ's partials by TMA reduce-adds (``dq_tma``, N a multiple of 64: ``ours_bwd_fused_tma``),
-  and with two consumers whose partials are summed on chip first (``dq_pair``: ``ours_bwd_fused_pair``),
-  and as dQ^T with dS's codes the wgmma's shared operand (``dq_t``: ``ours_bwd_fused_t``,
-  ``ours_bwd_fused_pair_t``);
+  and as dQ^T with dS's codes the wgmma's shared operand (``dq_t``, the default with ``dq_tma``:
+  ``ours_bwd_fused_t``);
   end to end (quantization + forward + backward through ``torch.autograd``);
 - the warp-specialized Gluon forward (``dmref.kernels.fwd_ws``, the ``folded`` scales): kernel
   alone and incl. its quantization of K and V (it quantizes Q inside), with host-built TMA
@@ -253,7 +252,7 @@ def _speedups(ms: dict, anchor: str) -> dict:
         **{k: bwd / ms[f"ours_{k}"] for k in ("bwd_prepass_gluon",) if f"ours_{k}" in ms},
         # the Gluon five-GEMM kernel alone (stale D), one and two consumer warp groups a CTA
         **{k: bwd / ms[f"ours_{k}"] for k in ("bwd_prepass_gluon_fused", "bwd_fused_2cons", "bwd_fused_tma",
-                                              "bwd_fused_t", "bwd_fused_pair", "bwd_fused_pair_t") if f"ours_{k}" in ms},
+                                              "bwd_fused_t") if f"ours_{k}" in ms},
         **{k: e2e / ms[f"ours_{k}"] for k in ("e2e_prepass_gluon", "e2e_prepass_gluon_folded") if f"ours_{k}" in ms},
         "e2e_matched_folded": e2e / ms["ours_e2e_matched_folded"],
         "bwd_matched_triton": bwd / ms["ours_bwd_matched_triton"],
@@ -459,10 +458,11 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
         ms["ours_bwd_prepass_gluon_fused"] = bench(lambda: bwd_ws.fused(saved, do8, d_stale, recipe=r_st,
                                                                         dq_tma=False, **kw))
         # the same kernel adding dQ's partials by TMA reduce-adds (dq_tma, its default where N is a
-        # multiple of 64)
+        # multiple of 64), as dQ's own tiles (dq_t=False) and as dQ^T's, dS's codes the wgmma's shared
+        # operand (dq_t, the default with dq_tma)
         if n % 64 == 0:
-            ms["ours_bwd_fused_tma"] = bench(lambda: bwd_ws.fused(saved, do8, d_stale, recipe=r_st, dq_tma=True, **kw))
-            # dQ^T = K^T dS^T, dS's codes the wgmma's shared operand (dq_t; not the default)
+            ms["ours_bwd_fused_tma"] = bench(lambda: bwd_ws.fused(saved, do8, d_stale, recipe=r_st, dq_tma=True,
+                                                                   dq_t=False, **kw))
             ms["ours_bwd_fused_t"] = bench(lambda: bwd_ws.fused(saved, do8, d_stale, recipe=r_st, dq_tma=True,
                                                                  dq_t=True, **kw))
         # the same kernel with two consumer warp groups a CTA sharing the ring of query tiles
@@ -472,13 +472,6 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
                 raise RuntimeError("not timed (--skip bwd_two_consumers)")
             ms["ours_bwd_fused_2cons"] = bench(lambda: bwd_ws.fused(saved, do8, d_stale, recipe=r_st, consumers=2,
                                                                      dq_tma=False, **kw))
-            # the two consumers' partials summed on chip, then one TMA reduce-add (dq_pair; not the default)
-            if n % 64 == 0:
-                ms["ours_bwd_fused_pair"] = bench(lambda: bwd_ws.fused(saved, do8, d_stale, recipe=r_st, consumers=2,
-                                                                        dq_tma=True, dq_pair=True, **kw))
-                ms["ours_bwd_fused_pair_t"] = bench(lambda: bwd_ws.fused(saved, do8, d_stale, recipe=r_st,
-                                                                          consumers=2, dq_tma=True, dq_pair=True,
-                                                                          dq_t=True, **kw))
         except Exception as exc:
             res["bwd_fused_2cons_error"] = f"{type(exc).__name__}: {exc}"[:300]
         r_ffdm = _recipe("kernels_folded_delta_matching", fwd_c, bwd_c)

@@ -7,10 +7,9 @@ backward timed in the same process (``triton.testing.do_bench`` medians, ``bench
 
 - ``fused1`` / ``fused2``: ``bwd_ws.fused`` on the stale D with one or two consumer warp groups a
   CTA (dQ's partials by float32 atomics), ``fused1_tma`` / ``fused2_tma`` with them added by TMA
-  reduce-adds (``dq_tma=True``, a process of their own; ``fused2_pair``: the two consumers'
-  partials summed on chip first, ``dq_pair=True``; ``fused1_t``, ``fused2_pair_t``: dQ^T with dS's
-  codes the wgmma's shared operand, ``dq_t=True``), and ``dkdv``, the Gluon dkdv kernel alone (the four GEMMs without
-  dQ's);
+  reduce-adds of dQ's own tiles (``dq_tma=True, dq_t=False``, a process of their own; ``fused1_t``,
+  ``fused2_t``: dQ^T with dS's codes the wgmma's shared operand, ``dq_t=True``, the default with
+  ``dq_tma``), and ``dkdv``, the Gluon dkdv kernel alone (the four GEMMs without dQ's);
 - the same kernel built under each ``bwd_ws.DQ_PROBE`` (a process each: the probe is read at
   import): 1 dQ's partial computed, not added; 2 added by plain stores; 3 no fifth GEMM;
 - ``fwd1_*`` / ``fwd2_*``: the warp-specialized forward with one or two consumer warp groups, the
@@ -94,10 +93,9 @@ def child(what: str, warm: bool) -> None:
             do8, d_stale = quantize(do, "float8_e4m3fn", rows=True, cols=True, delta_with=o)
             kw = dict(batch=b, heads=h, kv_heads=h, n=n, head_dim=d, causal=causal, scale=scale)
             if what == "tma":
-                variants = dict(fused1_tma=dict(dq_tma=True), fused2_tma=dict(consumers=2, dq_tma=True),
-                                fused2_pair=dict(consumers=2, dq_tma=True, dq_pair=True),
-                                fused1_t=dict(dq_tma=True, dq_t=True),
-                                fused2_pair_t=dict(consumers=2, dq_tma=True, dq_pair=True, dq_t=True))
+                variants = dict(fused1_tma=dict(dq_tma=True, dq_t=False), fused2_tma=dict(consumers=2, dq_tma=True,
+                                                                                          dq_t=False),
+                                fused1_t=dict(dq_tma=True, dq_t=True), fused2_t=dict(consumers=2, dq_tma=True, dq_t=True))
             else:
                 variants = {"fused1": dict(dq_tma=False), "fused2": dict(consumers=2, dq_tma=False)}
             for key, extra in variants.items():

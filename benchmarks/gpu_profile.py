@@ -41,9 +41,8 @@ TARGETS = {
     "fwd_ws_poly4_d64": ("_fwd_ws_kernel", 64, "the same, one in 4 of P's exp2s on the FMA pipe"),
     "bwd_dkdv_d128": ("_bwd_dkdv_ws_kernel", 128, "the default backward's dkdv kernel (matched D)"),
     "bwd_dq_d128": ("_bwd_dq_ws_kernel", 128, "the default backward's dq kernel (matched delta)"),
-    "bwd_fused_tma_d128": ("_bwd_fused_ws_kernel", 128, "five-GEMM kernel, one consumer, TMA dQ reduce-adds"),
-    "bwd_fused_pair_d128": ("_bwd_fused_ws_kernel", 128, "five-GEMM kernel, two consumers, dQ summed on chip"),
-    "bwd_fused_tma_d64": ("_bwd_fused_ws_kernel", 64, "five-GEMM kernel, one consumer, TMA dQ reduce-adds"),
+    "bwd_fused_tma_d128": ("_bwd_fused_ws_kernel", 128, "five-GEMM kernel, one consumer, TMA reduce-adds of dQ"),
+    "bwd_fused_tma_d64": ("_bwd_fused_ws_kernel", 64, "five-GEMM kernel, one consumer, TMA reduce-adds of dQ"),
 }
 
 
@@ -80,9 +79,8 @@ def launch(target: str) -> None:
         elif target.startswith("bwd_dq"):
             fn = lambda: bwd_ws.dq(saved, do8, d_stale, recipe="kernels_delta_matching", **kw)  # noqa: E731
         else:
-            extra = dict(consumers=2, dq_pair=True) if "pair" in target else {}
             fn = lambda: bwd_ws.fused(saved, do8, d_stale, recipe="kernels_naive_fp8", dq_tma=True,  # noqa: E731
-                                      **extra, **kw)
+                                      dq_t=False, **kw)
     for _ in range(2):
         fn()
         torch.cuda.synchronize()
@@ -147,8 +145,13 @@ METRICS = (
 )
 
 
-def _rows(text: str) -> list[dict]:
+def _rows(text: str, header: str | None = None) -> list[dict]:
+    """The CSV rows of an ncu page: its quoted lines, from the one starting with ``header``
+    (the source page opens with a line naming the kernel) where given."""
     lines = [ln for ln in text.splitlines() if ln.startswith('"')]
+    if header is not None:
+        start = next((i for i, ln in enumerate(lines) if ln.startswith(header)), len(lines))
+        lines = lines[start:]
     return list(csv.DictReader(io.StringIO("\n".join(lines))))
 
 
@@ -169,18 +172,25 @@ def summarize_target(files: dict[str, str], target: str) -> dict:
                   _number(v) for k, v in row.items()
                   if k.startswith("smsp__average_warps_issue_stalled_") and k.endswith("_per_issue_active.ratio")}
         out["stalls_per_issue"] = dict(sorted(((k, v) for k, v in stalls.items() if v), key=lambda kv: -kv[1]))
-    src = _rows(files.get(f"{target}.source.csv", ""))
+    src = _rows(files.get(f"{target}.source.csv", ""), header='"Address"')
     if src:
-        cols = list(src[0])
+        cols = [c for c in src[0] if c]
         samp = next((c for c in cols if c.lower().startswith("warp stall sampling (all")), None)
         text = next((c for c in cols if c.lower() in ("source", "sass")), None)
+        reasons = [c for c in cols if c.startswith("stall_") and not c.endswith("(Not Issued)")]
         if samp and text:
             total = sum(_number(r[samp]) or 0 for r in src) or 1
             top = sorted(src, key=lambda r: -(_number(r[samp]) or 0))[:40]
             out["source_total_samples"] = total
+            out["samples_by_reason"] = {
+                k.removeprefix("stall_"): round(v / total, 4) for k, v in sorted(
+                    ((c, sum(_number(r[c]) or 0 for r in src)) for c in reasons), key=lambda kv: -kv[1])
+                if v / total >= 0.005}
             out["top_stalled_instructions"] = [
                 {"sass": r[text].strip(), "share": round((_number(r[samp]) or 0) / total, 4),
-                 "address": r.get("Address", r.get("# Address", ""))} for r in top]
+                 "address": r.get("Address", ""),
+                 "reasons": {c.removeprefix("stall_"): round((_number(r[c]) or 0) / total, 4)
+                             for c in reasons if (_number(r[c]) or 0) / total >= 0.002}} for r in top]
             ops: dict[str, float] = {}
             for r in src:
                 m = re.match(r"\s*(?:@!?U?P\w+\s+)?([A-Z0-9]+)", r[text] or "")

@@ -261,42 +261,31 @@ def _promote(acc, a8, b_smem, t_old, scale_smem, row_factor, acc_layout: gl.cons
 
 
 @gluon.jit
-def _dq_tile_out(dq, desc, dq_smem, row, col, pair_tile, partner, q_layout: gl.constexpr, DQ_PAIR: gl.constexpr):
-    """A float32 dQ (or dQ^T) partial tile's way out with TMA reduce-adds: ``DQ_PAIR`` 1 (the
-    second of two consumers) leaves it in ``pair_tile`` for the first; otherwise (2: the first
-    adding the second's tile where ``partner`` computed it) it goes through ``dq_smem``, once the
-    previous reduce has read that tile, by one reduce-add into ``desc`` at ``(row, col)``."""
-    if DQ_PAIR == 1:
-        pair_tile.store(dq)
-    else:
-        if DQ_PAIR == 2:
-            if partner:
-                dq += pair_tile.load(q_layout)
-        tma.store_wait(0)  # the previous tile's reduce has read dq_smem
-        dq_smem.store(dq)
-        fence_async_shared()
-        gl.thread_barrier()  # every thread's part of the tile is in shared memory
-        _tma_reduce_add(desc, [row, col], dq_smem)
+def _dq_tile_out(dq, desc, dq_smem, row, col):
+    """A float32 dQ (or dQ^T) partial tile's way out with TMA reduce-adds: through ``dq_smem``,
+    once the previous reduce has read that tile, by one reduce-add into ``desc`` at ``(row, col)``."""
+    tma.store_wait(0)  # the previous tile's reduce has read dq_smem
+    dq_smem.store(dq)
+    fence_async_shared()
+    gl.thread_barrier()  # every thread's part of the tile is in shared memory
+    _tma_reduce_add(desc, [row, col], dq_smem)
 
 
 @gluon.jit
 def _dq_add(dsq_a, kt_b, kts_row, dsq_inv, DQ_ACC, dq_smem, bh, row0, start_q, c0, N, HEAD_DIM: gl.constexpr,
-            CH: gl.constexpr, q_layout: gl.constexpr, EVEN_N: gl.constexpr, DQ_TMA: gl.constexpr,
-            pair_tile=None, partner=False, DQ_PAIR: gl.constexpr = 0):
+            CH: gl.constexpr, q_layout: gl.constexpr, EVEN_N: gl.constexpr, DQ_TMA: gl.constexpr):
     """dQ's partial over the tile's keys for channels ``c0 .. c0 + CH``: one wgmma chain of dS
     (``dsq_a``) and K (``kt_b``), times the K^T channel scales and dS's query factors, added into
     ``DQ_ACC`` (float32 atomics; rows past N are not added). ``DQ_TMA``: ``DQ_ACC`` is the
     buffer's TMA descriptor ``(B*H*N, D)`` and the tile goes through ``dq_smem`` by one TMA
     reduce-add (N a multiple of the tile: no tile crosses a head), once the previous one has read
-    ``dq_smem``. ``DQ_PAIR`` (two consumers, ``DQ_TMA``): 1, the second consumer, leaves its
-    partial in ``pair_tile`` for the first; 2, the first, adds the second's (where ``partner``
-    computed this tile) to its own before the reduce-add: one reduce-add of 128 keys' partial."""
+    ``dq_smem``."""
     t = warpgroup_mma(dsq_a, kt_b, gl.zeros([dsq_a.shape[0], CH], gl.float32, q_layout), use_acc=False,
                       is_async=True)
     t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
     dq = t * gl.expand_dims(kts_row.load(gl.SliceLayout(0, q_layout)), 0) * gl.expand_dims(dsq_inv, 1)
-    if DQ_TMA:  # (DQ_PAIR implies it: _dq_partial)
-        _dq_tile_out(dq, DQ_ACC, dq_smem, (bh * N + start_q).to(gl.int32), c0, pair_tile, partner, q_layout, DQ_PAIR)
+    if DQ_TMA:
+        _dq_tile_out(dq, DQ_ACC, dq_smem, (bh * N + start_q).to(gl.int32), c0)
     else:
         rows_q = gl.arange(0, dsq_a.shape[0], layout=gl.SliceLayout(1, q_layout))
         cols = gl.arange(0, CH, layout=gl.SliceLayout(0, q_layout))
@@ -357,25 +346,21 @@ def _quantize_ds_for_dq_t(ds_t, dsq_smem):
 
 @gluon.jit
 def _dq_add_t(kt_a, dsq_b, kts_row, dsq_inv, DQT_ACC, dq_smem, bh, start_q, c0, HEAD_DIM: gl.constexpr,
-              CH: gl.constexpr, BLOCK_M: gl.constexpr, q_layout: gl.constexpr, pair_tile, partner,
-              DQ_PAIR: gl.constexpr):
+              CH: gl.constexpr, BLOCK_M: gl.constexpr, q_layout: gl.constexpr):
     """:func:`_dq_add` transposed (``DQ_T``): dQ^T's partial for channels ``c0 .. c0 + CH``, one
     wgmma chain of K^T (``kt_a``, as it lies) and dS^T (``dsq_b``: the shared dS codes), times the
     K^T channel scales (rows) and dS's query factors (columns), in that order; by one TMA
-    reduce-add into dQ^T's buffer ``DQT_ACC`` ``(B*H*D, N)``, through ``pair_tile`` as
-    :func:`_dq_add` does with ``DQ_PAIR``."""
+    reduce-add into dQ^T's buffer ``DQT_ACC`` ``(B*H*D, N)``."""
     t = warpgroup_mma(kt_a, dsq_b, gl.zeros([CH, BLOCK_M], gl.float32, q_layout), use_acc=False, is_async=True)
     t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
     dq = t * gl.expand_dims(kts_row.load(gl.SliceLayout(1, q_layout)), 1) * gl.expand_dims(dsq_inv, 0)
-    _dq_tile_out(dq, DQT_ACC, dq_smem, (bh * HEAD_DIM + c0).to(gl.int32), start_q, pair_tile, partner, q_layout,
-                 DQ_PAIR)
+    _dq_tile_out(dq, DQT_ACC, dq_smem, (bh * HEAD_DIM + c0).to(gl.int32), start_q)
 
 
 @gluon.jit
 def _dq_partial(dsq_a, dsq_inv, kt_smem, kts_smem, DQ_ACC, dq_smem, SEM, bh, start_m, start_n, N,
                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr,
-                DQ_TMA: gl.constexpr, pair=None, pair_e=0, partner=False, DQ_PAIR: gl.constexpr = 0,
-                DQ_T: gl.constexpr = False):
+                DQ_TMA: gl.constexpr, DQ_T: gl.constexpr = False):
     """The fifth GEMM of the fused backward: dQ's partial over this CTA's keys, added into the
     float32 ``DQ_ACC`` ``(B*H, N, D)``: dS (``dsq_a``, :func:`_quantize_ds_for_dq`) times K (keys,
     D) = K's transposed copy permuted, one wgmma chain per output element, then the K^T channel
@@ -383,20 +368,12 @@ def _dq_partial(dsq_a, dsq_inv, kt_smem, kts_smem, DQ_ACC, dq_smem, SEM, bh, sta
     of ``DQ_CH`` (the same chains: an output element depends on its row of A, its column of B and
     the k order only). ``DETERMINISTIC``: the adds into a (query head, query tile) follow key
     order (``bwd_fused``'s counters: key block j waits until the counter reads j, adds, raises it
-    to j + 1). ``DQ_PAIR`` (:func:`_dq_add`): ``pair`` = (its tiles, full barrier, empty barrier),
-    ``pair_e`` the exchange's index (its barriers' phase), ``partner`` (the first consumer) whether
-    the second computed this tile. ``DQ_T``: dQ^T by :func:`_dq_add_t`, ``dsq_a`` the shared dS
+    to j + 1). ``DQ_T``: dQ^T by :func:`_dq_add_t`, ``dsq_a`` the shared dS
     codes (:func:`_quantize_ds_for_dq_t`), ``DQ_ACC`` dQ^T's buffer's descriptor."""
     CH: gl.constexpr = DQ_CH
     q_layout: gl.constexpr = DQ_LAYOUT
     gl.static_assert(not (DQ_TMA and (DETERMINISTIC or not EVEN_N)))
-    gl.static_assert(DQ_PAIR == 0 or DQ_TMA)
     gl.static_assert(not DQ_T or DQ_TMA)
-    if DQ_PAIR == 1:
-        mbarrier.wait(pair[2], (pair_e & 1) ^ 1)  # the first consumer has read the previous exchange
-    if DQ_PAIR == 2:
-        if partner:
-            mbarrier.wait(pair[1], pair_e & 1)
     row0 = bh * N * HEAD_DIM
     kts = kts_smem.reshape([HEAD_DIM])
     if DETERMINISTIC:
@@ -405,25 +382,12 @@ def _dq_partial(dsq_a, dsq_inv, kt_smem, kts_smem, DQ_ACC, dq_smem, SEM, bh, sta
         while seen < start_n // BLOCK_M:
             seen = gl.atomic_add(counter, 0, sem="acquire")
     for h in gl.static_range(HEAD_DIM // CH):
-        if DQ_PAIR:
-            pair_tile = pair[0].index(h)
-        else:
-            pair_tile = dq_smem
         if DQ_T:
             _dq_add_t(kt_smem.slice(h * CH, CH, dim=0), dsq_a.permute((1, 0)), kts.slice(h * CH, CH), dsq_inv,
-                      DQ_ACC, dq_smem, bh, start_m, h * CH, HEAD_DIM, CH, BLOCK_M, q_layout, pair_tile, partner,
-                      DQ_PAIR)
+                      DQ_ACC, dq_smem, bh, start_m, h * CH, HEAD_DIM, CH, BLOCK_M, q_layout)
         else:
             _dq_add(dsq_a, kt_smem.slice(h * CH, CH, dim=0).permute((1, 0)), kts.slice(h * CH, CH), dsq_inv,
-                    DQ_ACC, dq_smem, bh, row0, start_m, h * CH, N, HEAD_DIM, CH, q_layout, EVEN_N, DQ_TMA, pair_tile,
-                    partner, DQ_PAIR)
-    if DQ_PAIR == 1:
-        gl.thread_barrier()  # every thread's part of the tiles is stored
-        mbarrier.arrive(pair[1], count=1)
-    if DQ_PAIR == 2:
-        if partner:
-            gl.thread_barrier()  # every thread has read the second consumer's tiles
-            mbarrier.arrive(pair[2], count=1)
+                    DQ_ACC, dq_smem, bh, row0, start_m, h * CH, N, HEAD_DIM, CH, q_layout, EVEN_N, DQ_TMA)
     if DETERMINISTIC:
         gl.thread_barrier()  # every thread's adds are issued before the release
         gl.atomic_add(counter, 1, sem="release")
@@ -449,8 +413,7 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               P_SCALE: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr, FUSED: gl.constexpr,
               DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr, SKIP: gl.constexpr = False, dq_smem=None,
-              DQ_TMA: gl.constexpr = False, pair=None, DQ_PAIR: gl.constexpr = 0, dsq_smem=None,
-              DQ_T: gl.constexpr = False):
+              DQ_TMA: gl.constexpr = False, dsq_smem=None, DQ_T: gl.constexpr = False):
     """The consumer warp group: the key tile's scales, every query tile, the stores. With
     ``SPLIT`` dK and dV are held as two halves of the head dim, each accumulated by its own
     wgmma (the same per-element chains: a wgmma's output element depends on its row of A, its
@@ -581,25 +544,8 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
                 dsq_a = dsq_smem
             else:
                 dsq_a, dsq_inv = _quantize_ds_for_dq(ds_t)
-            if DQ_PAIR == 1:
-                # the second consumer's k-th computed tile is its k-th exchange
-                pair_e = k
-                partner = True
-            elif DQ_PAIR == 2:
-                # the second consumer (keys start_n + 64 ..) computes every tile unless its keys all
-                # lie past N, and, causal, every tile but the first of each head: i's exchange is
-                # the number of those before it
-                partner = start_n + BLOCK_N < N
-                if CAUSAL:
-                    partner = partner & (i % n_m != 0)
-                    pair_e = i - i // n_m - 1
-                else:
-                    pair_e = i
-            else:
-                pair_e = 0
-                partner = False
             _dq_partial(dsq_a, dsq_inv, kt_smem, kts_smem, DQ_ACC, dq_smem, SEM, bh, start_m, start_n, N, HEAD_DIM,
-                        BLOCK_M, DETERMINISTIC, EVEN_N, DQ_TMA, pair, pair_e, partner, DQ_PAIR, DQ_T)
+                        BLOCK_M, DETERMINISTIC, EVEN_N, DQ_TMA, DQ_T)
         # P^T dO and dS^T Q, promoted: one wgmma chain per tile, then one float32 add
         if OVERLAP == 2:
             t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
@@ -659,7 +605,7 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
           CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr,
           FUSED: gl.constexpr, DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr, CONSUMERS: gl.constexpr = 1,
-          DQ_TMA: gl.constexpr = False, DQ_PAIR: gl.constexpr = False, DQ_T: gl.constexpr = False):
+          DQ_TMA: gl.constexpr = False, DQ_T: gl.constexpr = False):
     """The kernel on its TMA descriptors: K, V rows ``(B*HKV*N, D)``, Q, dO rows ``(B*H*N, D)``,
     Q^T, dO^T ``(B*H*D, NPAD)`` and their scales ``(B*H*NPAD/128, D)``; ``FUSED``: K^T
     ``(B*HKV*D, NPAD)`` and its scales, dQ's float32 buffer and (``DETERMINISTIC``) its counters
@@ -667,8 +613,6 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
     only) consumer warp groups of ``BLOCK_N`` keys each share the ring of query tiles, which
     starts at the CTA's first query tile. ``DQ_TMA``: ``DQ_ACC`` is dQ's buffer as a TMA
     descriptor, each consumer's partials reaching it through a shared tile of its own;
-    ``DQ_PAIR`` (two consumers): the second consumer's partial goes through a shared tile to the
-    first, which adds it to its own before one reduce-add (half the bytes into ``DQ_ACC``);
     ``DQ_T`` (with ``DQ_TMA``): dQ^T's partials, ``DQ_ACC`` dQ^T's buffer ``(B*H*D, N)``, dS's codes
     through a shared tile of each consumer's own."""
     gl.static_assert(QUANT_BLOCK % BLOCK_M == 0)
@@ -714,19 +658,8 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
     else:
         dq_smem = k_smem
         dq_smem1 = k_smem
-    gl.static_assert(not DQ_PAIR or (DQ_TMA and CONSUMERS == 2))
-    if DQ_PAIR:
-        pair_tiles = gl.allocate_shared_memory(gl.float32, [HEAD_DIM // DQ_CH.value] + DQ_ACC.block_shape,
-                                               DQ_ACC.layout)
-        pair_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        pair_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(pair_full, count=1)
-        mbarrier.init(pair_empty, count=1)
-        pair = (pair_tiles, pair_full, pair_empty)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
-    if not DQ_PAIR:
-        pair = (k_smem, kv_ready, kv_ready)  # placeholders, never read
     gl.static_assert(not DQ_T or DQ_TMA)
     if DQ_T:
         dsq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.float8e4nv)
@@ -746,7 +679,7 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
                          kv_ready, rows_ready, rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE,
                          LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, bkv, bh0, start_n, lo, n_m, n_iter, N,
                          NPAD, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, P_SCALE, SPLIT, OVERLAP, FUSED, DETERMINISTIC,
-                         EVEN_N, False, dq_smem, DQ_TMA, pair, 2 if DQ_PAIR else 0, dsq_smem, DQ_T)),
+                         EVEN_N, False, dq_smem, DQ_TMA, dsq_smem, DQ_T)),
             (_producer, (k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, kt_desc, kts_desc,
                          k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs,
                          kv_ready, rows_ready, rows_free, cols_ready, cols_free, bkv * N + start_n, bkv, start_n, bh0,
@@ -762,12 +695,12 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
                          kv_ready, rows_ready, rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE,
                          LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, bkv, bh0, start_n, lo, n_m, n_iter, N,
                          NPAD, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, P_SCALE, SPLIT, OVERLAP, FUSED, DETERMINISTIC,
-                         EVEN_N, False, dq_smem, DQ_TMA, pair, 2 if DQ_PAIR else 0, dsq_smem, DQ_T)),
+                         EVEN_N, False, dq_smem, DQ_TMA, dsq_smem, DQ_T)),
             (_consumer, (k_smem1, v_smem1, kt_smem1, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs,
                          dots_bufs, kv_ready, rows_ready, rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE,
                          DO_SCALE, LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, bkv, bh0, start_n + BLOCK_N,
                          lo, n_m, n_iter, N, NPAD, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, P_SCALE, SPLIT, OVERLAP, FUSED,
-                         DETERMINISTIC, EVEN_N, True, dq_smem1, DQ_TMA, pair, 1 if DQ_PAIR else 0, dsq_smem1,
+                         DETERMINISTIC, EVEN_N, True, dq_smem1, DQ_TMA, dsq_smem1,
                          DQ_T)),
             (_producer, (k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, kt_desc, kts_desc,
                          k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs,
@@ -795,7 +728,7 @@ def _bwd_fused_ws_kernel(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts
                          H, HKV, N, NPAD, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, GROUP: gl.constexpr,
                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, OVERLAP: gl.constexpr,
                          DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr, CONSUMERS: gl.constexpr,
-                         DQ_TMA: gl.constexpr, DQ_PAIR: gl.constexpr, DQ_T: gl.constexpr):
+                         DQ_TMA: gl.constexpr, DQ_T: gl.constexpr):
     """The five-GEMM backward (``bwd_fused``'s computation) on host-side TMA descriptors: the dkdv
     kernel with dQ's partial of every query tile added into ``DQ_ACC`` (:func:`fused`), on
     ``CONSUMERS`` consumer warp groups of 64 keys a CTA; ``DQ_TMA``: by TMA reduce-adds, ``DQ_ACC``
@@ -803,7 +736,7 @@ def _bwd_fused_ws_kernel(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts
     _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, kt_desc, kts_desc, Q_SCALE,
           K_SCALE, V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, H, HKV, N, NPAD, HEAD_DIM,
           BLOCK_M, GROUP, STAGES, CAUSAL, P_SCALE, False, OVERLAP, True, DETERMINISTIC, EVEN_N, CONSUMERS, DQ_TMA,
-          DQ_PAIR, DQ_T)
+          DQ_T)
 
 
 @gluon.jit
@@ -941,8 +874,7 @@ def _check_fused(spec, head_dim: int, debug: bool = False) -> None:
 def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, debug: bool = False,
            host_descriptors: bool = True, stages: int | None = None, split: bool | None = None,
            overlap: int | None = None, deterministic: bool = False, n: int | None = None,
-           consumers: int | None = None, dq_tma: bool | None = False, dq_pair: bool = False,
-           dq_t: bool = False) -> Launch:
+           consumers: int | None = None, dq_tma: bool | None = False, dq_t: bool | None = None) -> Launch:
     """The launch of the Gluon backward kernel ``kernel`` (``"dq"``, ``"dkdv"`` or ``"fused"``, the
     five-GEMM one: dkdv with dQ's partials, :func:`fused`) for ``spec`` (a
     ``config.KernelSpec`` or its name) at ``head_dim``, ``group`` query heads per key/value head:
@@ -959,19 +891,22 @@ def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, de
     CTA, else the spec's ``fused_consumers`` (2: 128 keys a CTA, one CTA an SM at
     ``_gluon.TWO_CONSUMER_LAUNCH_REGS`` registers); ``dq_tma`` (fused): dQ's partials added by TMA
     reduce-adds of a shared tile instead of float32 atomics from registers (N a multiple of 64,
-    not deterministic), None: wherever they can be; ``dq_pair`` (fused, two consumers, TMA
-    reduce-adds): the two consumers' partials summed on chip before one reduce-add (not the
-    default); ``dq_t`` (fused, TMA reduce-adds): dQ^T's partials, K^T dS^T with dS's codes as the
-    wgmma's shared B operand instead of moved into registers, into a transposed buffer (not the
-    default). Raises ValueError, with the reason, for what the kernel does not run."""
+    not deterministic), None: wherever they can be; ``dq_t`` (fused, TMA reduce-adds): dQ^T's partials, K^T dS^T with dS's codes as the
+    wgmma's shared B operand instead of moved into registers, into a transposed buffer; None (the
+    default): wherever dQ's partials go by TMA reduce-adds (faster than dQ's own partials at every
+    shape of the bench: ``benchmarks/results/h100_bench_attention.json``, ``ours_bwd_fused_t``
+    against ``ours_bwd_fused_tma``). Raises ValueError, with the reason, for what the kernel does
+    not run."""
     from .config import get_spec
 
     import dataclasses
 
     if kernel == "fused" and dq_tma is None:
         dq_tma = n is not None and n % BLOCK_N.value == 0 and not deterministic
-    if (dq_tma or dq_pair or dq_t) and kernel != "fused":
-        raise ValueError(f"bwd_ws: dq_tma, dq_pair and dq_t are the fused kernel's (the {kernel} kernel adds no dQ "
+    if dq_t is None:
+        dq_t = kernel == "fused" and bool(dq_tma)
+    if (dq_tma or dq_t) and kernel != "fused":
+        raise ValueError(f"bwd_ws: dq_tma and dq_t are the fused kernel's (the {kernel} kernel adds no dQ "
                          "partials)")
     if consumers is not None and kernel != "fused":
         raise ValueError(f"bwd_ws: consumers={consumers!r} is the fused kernel's (the {kernel} kernel runs one "
@@ -1016,10 +951,6 @@ def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, de
             raise ValueError(f"bwd_ws: dq_tma needs N a multiple of {BLOCK_N.value} (n={n}: a tile would cross "
                              f"into the next head's rows) and deterministic=False (deterministic={deterministic})")
         consts["DQ_TMA"] = bool(dq_tma)
-        if dq_pair and not (two and dq_tma):
-            raise ValueError(f"bwd_ws: dq_pair sums the two consumer warp groups' dQ partials before a TMA reduce-add: "
-                             f"it needs consumers=2 and dq_tma (consumers={consts['CONSUMERS']}, dq_tma={bool(dq_tma)})")
-        consts["DQ_PAIR"] = bool(dq_pair)
         if dq_t and not dq_tma:
             raise ValueError("bwd_ws: dq_t adds dQ^T's partials by TMA reduce-adds: it needs dq_tma (N a multiple of "
                              f"{BLOCK_N.value}, not deterministic)")
@@ -1092,7 +1023,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, reci
                  stages: int | None = None, split: bool | None = None, overlap: int | None = None,
                  host_descriptors: bool = True, n_multiple_of_16: bool = True, kernel: str = "dkdv",
                  deterministic: bool = False, n: int | None = None, consumers: int | None = None,
-                 dq_tma: bool = False, dq_pair: bool = False, dq_t: bool = False):
+                 dq_tma: bool = False, dq_t: bool | None = None):
     """Compile ``kernel`` for sm_90a without a GPU (ptxas included) as :func:`launch` describes it
     (``group``, ``split`` and ``host_descriptors`` are the dkdv kernel's only; GQA is a run-time
     argument of the dq kernel; ``deterministic``, ``n``, ``consumers`` and ``dq_tma`` the fused
@@ -1105,7 +1036,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, reci
     spec = get_spec(recipe)
     run = launch(spec, head_dim=head_dim, causal=causal, kernel=kernel, group=group,
                  host_descriptors=host_descriptors, stages=stages, split=split, overlap=overlap,
-                 deterministic=deterministic, n=n, consumers=consumers, dq_tma=dq_tma, dq_pair=dq_pair, dq_t=dq_t)
+                 deterministic=deterministic, n=n, consumers=consumers, dq_tma=dq_tma, dq_t=dq_t)
     return compile_launch(run, n_multiple_of_16=n_multiple_of_16, do_format=spec.recipe.do_dp.fmt.name)
 
 
@@ -1134,7 +1065,7 @@ def prepass(saved, do8, *, batch: int, heads: int, kv_heads: int, n: int, head_d
 
 def fused(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int, causal: bool,
           scale: float, recipe, deterministic: bool = False, stages: int | None = None, overlap: int | None = None,
-          consumers: int | None = None, dq_tma: bool | None = None, dq_pair: bool = False, dq_t: bool = False):
+          consumers: int | None = None, dq_tma: bool | None = None, dq_t: bool | None = None):
     """The five-GEMM backward in Gluon: ``bwd_fused.backward``'s computation (the same operands,
     the same D from ``delta``, the same recipe) on the dkdv kernel's warp-specialized CTAs, each
     adding dQ's partial of its 64 keys into a float32 buffer, then ``bwd_fused``'s postprocess.
@@ -1144,9 +1075,9 @@ def fused(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, h
     spec's; ``dq_tma``: dQ's partials added by TMA reduce-adds (:func:`launch`), by default
     wherever they can be (N a multiple of 64, not ``deterministic``: faster than the atomics at
     every shape of the bench, ``benchmarks/results/h100_bench_attention.json``,
-    ``ours_bwd_fused_tma``), else by float32 atomics; ``dq_pair``: with two consumers and TMA
-    reduce-adds, their partials summed on chip first; ``dq_t``: dQ^T's partials, dS's codes the
-    wgmma's shared operand (:func:`launch`). Returns ``(dq, dk, dv, {"delta": delta})``."""
+    ``ours_bwd_fused_tma``), else by float32 atomics; ``dq_t``: dQ^T's partials, dS's codes the
+    wgmma's shared operand (:func:`launch`), by default wherever the partials go by TMA
+    reduce-adds. Returns ``(dq, dk, dv, {"delta": delta})``."""
     import torch
 
     from .bwd_fused import postprocess_dq
@@ -1154,7 +1085,7 @@ def fused(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, h
 
     run = launch(recipe, head_dim=head_dim, causal=causal, kernel="fused", group=heads // kv_heads,
                  stages=stages, overlap=overlap, deterministic=deterministic, n=n, consumers=consumers,
-                 dq_tma=dq_tma, dq_pair=dq_pair, dq_t=dq_t)
+                 dq_tma=dq_tma, dq_t=dq_t)
     q8, k8, v8 = saved.q, saved.k, saved.v
     dev = do8.rows.device
     dk = torch.empty((batch, kv_heads, n, head_dim), device=dev, dtype=torch.bfloat16)

@@ -60,17 +60,17 @@ def test_bwd_ws_fused_compiles_for_sm90_with_its_register_budget():
 #: The two-consumer kernel (``consumers=2``) in the configurations above. ptxas's spill bytes count
 #: the code of both consumer warp groups (one copy each in the kernel), the one-consumer kernel's one.
 _SCRIPT_TWO_CONSUMERS = _SCRIPT.replace("deterministic=det, n=n)", "deterministic=det, n=n, consumers=2)")
-#: The two-consumer kernel with TMA reduce-adds, and with its consumers' partials summed on chip
-#: (dq_pair): N a multiple of 64, not deterministic, causal
+#: The two-consumer kernel with TMA reduce-adds of dQ's own partials (dq_t=False): N a multiple of
+#: 64, not deterministic, causal
 #: (causal only: the non-causal variants differ by the causal mask alone, and each compile of the
 #: fused kernel takes half a minute on two cores)
 _SCRIPT_DQ_TMA = _SCRIPT.replace("for det in (False, True):", "for det in (False, ):").replace(
     "for causal in (False, True):", "for causal in (True, ):").replace(
-    "for n in (None, 4096):", "for n, cons, pair in ((4096, 2, False), (4096, 2, True)):").replace(
-    "deterministic=det, n=n)", "deterministic=det, n=n, consumers=cons, dq_tma=True, dq_pair=pair)")
-#: dQ^T (dq_t) with one consumer, and with two summing on chip
-_SCRIPT_DQ_T = _SCRIPT_DQ_TMA.replace("((4096, 2, False), (4096, 2, True))", "((4096, 1, False), (4096, 2, True))").replace(
-    "dq_pair=pair)", "dq_pair=pair, dq_t=True)")
+    "for n in (None, 4096):", "for n, cons in ((4096, 2), ):").replace(
+    "deterministic=det, n=n)", "deterministic=det, n=n, consumers=cons, dq_tma=True, dq_t=False)")
+#: dQ^T (dq_t, the default with TMA reduce-adds) with one consumer and with two
+_SCRIPT_DQ_T = _SCRIPT_DQ_TMA.replace("((4096, 2), )", "((4096, 1), (4096, 2))").replace(
+    "dq_t=False)", "dq_t=True)")
 
 
 @pytest.mark.slow
@@ -82,18 +82,18 @@ def test_two_consumer_bwd_ws_fused_compiles_for_sm90_with_its_register_budget():
 
 @pytest.mark.slow
 def test_two_consumer_bwd_ws_fused_with_tma_adds_compiles_for_sm90_with_its_register_budget():
-    assert "dq_pair=pair" in _SCRIPT_DQ_TMA
-    usage = compile_and_check_budget(_SCRIPT_DQ_TMA, 4, consumers=2, spills_ok=lambda u: u["d"] == 128)
+    assert "dq_t=False" in _SCRIPT_DQ_TMA
+    usage = compile_and_check_budget(_SCRIPT_DQ_TMA, 2, consumers=2, spills_ok=lambda u: u["d"] == 128)
     assert all(u["spills"] == 0 for u in usage if u["d"] == 64)
 
 
 @pytest.mark.slow
 def test_dq_t_bwd_ws_fused_compiles_for_sm90_with_its_register_budget():
-    """dQ^T (dq_t): one consumer (two CTAs an SM's budget) and two with their partials summed on
-    chip (one CTA an SM's); the budget check of each, D = 64 without spills."""
-    assert "dq_t=True" in _SCRIPT_DQ_T and "(4096, 1, False)" in _SCRIPT_DQ_T
-    one = _SCRIPT_DQ_T.replace("((4096, 1, False), (4096, 2, True))", "((4096, 1, False), )")
-    two = _SCRIPT_DQ_T.replace("((4096, 1, False), (4096, 2, True))", "((4096, 2, True), )")
+    """dQ^T (dq_t): one consumer (two CTAs an SM's budget) and two (one CTA an SM's); the budget
+    check of each, D = 64 without spills."""
+    assert "dq_t=True" in _SCRIPT_DQ_T and "((4096, 1), (4096, 2))" in _SCRIPT_DQ_T
+    one = _SCRIPT_DQ_T.replace("((4096, 1), (4096, 2))", "((4096, 1), )")
+    two = _SCRIPT_DQ_T.replace("((4096, 1), (4096, 2))", "((4096, 2), )")
     for script, consumers in ((one, 1), (two, 2)):
         got = compile_and_check_budget(script, 2, consumers=consumers, spills_ok=lambda u: u["d"] == 128)
         assert all(u["spills"] == 0 for u in got if u["d"] == 64)
@@ -158,24 +158,20 @@ def test_bwd_ws_fused_refuses_what_it_does_not_run():
             bwd_ws.launch(stale, head_dim=128, causal=False, kernel="fused", dq_tma=True, **kwargs)
         assert "\n" not in str(exc.value)
     assert bwd_ws.launch(stale, head_dim=64, causal=True, kernel="fused", dq_tma=True, n=1024).constexprs["DQ_TMA"]
-    # dq_pair: two consumers' partials summed on chip, then TMA reduce-adds
-    for kwargs in (dict(consumers=1, dq_tma=True), dict(consumers=2, dq_tma=False), dict(consumers=2, n=1000)):
-        with pytest.raises(ValueError, match="dq_pair") as exc:
-            bwd_ws.launch(stale, head_dim=64, causal=False, kernel="fused", dq_pair=True, **{"n": 1024, **kwargs})
-        assert "\n" not in str(exc.value)
-    assert bwd_ws.launch(stale, head_dim=64, causal=False, kernel="fused", n=1024, consumers=2, dq_tma=True,
-                         dq_pair=True).constexprs["DQ_PAIR"]
     # dq_t: dQ^T by TMA reduce-adds
     with pytest.raises(ValueError, match="dq_t adds") as exc:
         bwd_ws.launch(stale, head_dim=64, causal=False, kernel="fused", n=1024, dq_t=True)
     assert "\n" not in str(exc.value)
     assert bwd_ws.launch(stale, head_dim=64, causal=False, kernel="fused", n=1024, dq_tma=True,
                          dq_t=True).constexprs["DQ_T"]
-    # dq_tma=None (fused's default): TMA reduce-adds wherever they can be, else atomics
+    assert not bwd_ws.launch(stale, head_dim=64, causal=False, kernel="fused", n=1024, dq_tma=True,
+                             dq_t=False).constexprs["DQ_T"]
+    # dq_tma=None (fused's default): TMA reduce-adds wherever they can be, else atomics; dq_t=None
+    # (the default): dQ^T wherever the partials go by TMA reduce-adds
     for kwargs, want in ((dict(n=1024), True), (dict(n=1000), False), (dict(n=None), False),
                          (dict(n=1024, deterministic=True), False)):
         run = bwd_ws.launch(stale, head_dim=128, causal=False, kernel="fused", dq_tma=None, **kwargs)
-        assert run.constexprs["DQ_TMA"] is want, kwargs
+        assert run.constexprs["DQ_TMA"] is want and run.constexprs["DQ_T"] is want, kwargs
     with pytest.raises(ValueError, match="fused kernel's"):
         bwd_ws.launch(stale, head_dim=128, causal=False, kernel="dkdv", dq_tma=True)
     for consumers in (0, 3):
@@ -255,17 +251,14 @@ def test_bwd_ws_fused_equals_the_triton_fused(case):
     bound = _dq_order_bound(saved, do8, delta, r, dims)
     _assert_within_order_bound(dq_g, dq_t, bound, "dQ")
     if shape.n % 64 == 0:
-        # dQ's partials by TMA reduce-adds of a shared tile (dq_tma): the same partials, added in L2
-        # and with two consumers' partials summed on chip first (dq_pair): another order of the same
-        # partials, so within the same bound
-        # and as dQ^T = K^T dS^T into a transposed buffer (dq_t): the same products in the same k
-        # order, within the same bound
-        for consumers, pair, t in ((1, False, False), (2, False, False), (2, True, False), (1, False, True),
-                                   (2, True, True)):
+        # dQ's partials by TMA reduce-adds of a shared tile (dq_tma): the same partials, added in L2,
+        # so within the same bound; and as dQ^T = K^T dS^T into a transposed buffer (dq_t, the
+        # default with dq_tma): the same products in the same k order, within the same bound
+        for consumers, t in ((1, False), (2, False), (1, True), (2, True), (1, None)):
             dq_r, dk_r, dv_r, _ = bwd_ws.fused(saved, do8, delta, recipe=r, dq_tma=True, consumers=consumers,
-                                               dq_pair=pair, dq_t=t, **dims)
+                                               dq_t=t, **dims)
             torch.cuda.synchronize()
-            what = f"dq_tma, {consumers} consumers{', dq_pair' if pair else ''}{', dq_t' if t else ''}"
+            what = f"dq_tma, {consumers} consumers, dq_t={t}"
             assert torch.equal(dk_r, dk_t) and torch.equal(dv_r, dv_t), f"{what}: dK, dV"
             _assert_within_order_bound(dq_r, dq_t, bound, f"dQ ({what})")
 

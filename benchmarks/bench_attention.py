@@ -31,8 +31,7 @@ Measures, per shape B·H·N·D and causal or not, medians of ``triton.testing.do
   alone and incl. its quantization of K and V (it quantizes Q inside), with host-built TMA
   descriptors (its default) and device-side ones (``_dev``), and with two consumer warp groups a
   CTA sharing one K/V ring (``FwdTiles(consumers=2)``, not the default: ``_2cons``; an error is
-  recorded as ``fwd_ws_2cons_error``), and with one in 2 or 4 of P's exp2s on the FMA pipe
-  (``FwdTiles(exp2_poly=2 or 4)``, not the default: ``ours_fwd_ws_poly2_kernel``, ``_poly4_``);
+  recorded as ``fwd_ws_2cons_error``);
 - what ``dmref.kernels.attention`` runs by default (``config.DEFAULT_RECIPE``): its forward with
   its quantization for the backward, the same given K and V quantized by the caller
   (``api.quantize_kv``, ``kv_fp8``; that quantization alone is ``ours_default_quantize_kv``), its
@@ -246,8 +245,6 @@ def _speedups(ms: dict, anchor: str) -> dict:
         "fwd_ws_incl_quant_dev": fwd / ms["ours_fwd_ws_incl_quant_dev"],
         # two consumer warp groups a CTA sharing one K/V ring (fwd_ws's consumers=2)
         **{k: fwd / ms[f"ours_{k}"] for k in ("fwd_ws_2cons_kernel", "fwd_ws_2cons_incl_quant") if f"ours_{k}" in ms},
-        # one in 2 or 4 of P's exp2s on the FMA pipe (fwd_ws's exp2_poly)
-        **{k: fwd / ms[f"ours_{k}"] for k in ("fwd_ws_poly2_kernel", "fwd_ws_poly4_kernel") if f"ours_{k}" in ms},
         # the seven-GEMM matched recipe in Gluon (pre-pass + five-GEMM kernel), and end to end
         **{k: bwd / ms[f"ours_{k}"] for k in ("bwd_prepass_gluon",) if f"ours_{k}" in ms},
         # the Gluon five-GEMM kernel alone (stale D), one and two consumer warp groups a CTA
@@ -407,14 +404,6 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
             q, k, v, causal=causal, scale=scale, consumers=2))
     except Exception as exc:
         res["fwd_ws_2cons_error"] = f"{type(exc).__name__}: {exc}"[:300]
-    # one in 2 or 4 of P's exp2s as a polynomial on the FMA pipe (FwdTiles.exp2_poly, not the default)
-    for one_in in (2, 4):
-        try:
-            poly = fwd_ws.variant("kernels_folded_naive_fp8", exp2_poly=one_in)
-            ms[f"ours_fwd_ws_poly{one_in}_kernel"] = bench(lambda: fwd_ws.forward(
-                q, kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=h, causal=causal, scale=scale, recipe=poly))
-        except Exception as exc:
-            res[f"fwd_ws_poly{one_in}_error"] = f"{type(exc).__name__}: {exc}"[:300]
     del kv
     # --- ours: backward
     do8, d_stale = quantize(do, "float8_e4m3fn", rows=True, cols=True, delta_with=o)

@@ -1,8 +1,7 @@
 """Where the warp-specialized kernels' time can go, read from their sm_90a SASS on the CPU:
 ``python benchmarks/cpu_sass_budget.py`` writes ``benchmarks/results/cpu_sass_budget.json``.
 
-For the Gluon forward (``fwd_ws``, at both head dims, with P's exp2s all on ``MUFU`` and with one in
-2 or 4 on the FMA pipe: ``FwdTiles.exp2_poly``) and the Gluon backwards (``bwd_ws``: the dkdv
+For the Gluon forward (``fwd_ws``, at both head dims) and the Gluon backwards (``bwd_ws``: the dkdv
 kernel, the five-GEMM kernel adding dQ by TMA reduce-adds, and its dQ^T form), compiled as their
 launches describe them (no GPU): the opcodes of the consumer's main loop (``compile_check.sass_loop``,
 the innermost loop holding a wgmma and an exp2) per tile of the loop (the forward's overlapped loop
@@ -17,8 +16,8 @@ warp of each):
 - ``gemm``: the tile's wgmma FLOPs over an H100 SXM's dense FP8 peak an SM (1,979 TFLOP/s over 132
   SMs at 1,830 MHz: 8,192 FLOP a cycle), for one CTA's tile with the SM's tensor cores to itself.
 
-These are counts and a model, not timings: which bound a kernel meets is what
-``bench_softmax_pipes.py`` (the pipes' throughput) and ``bench_attention.py`` measure on a GPU.
+These are counts and a model, not timings: which bound a kernel meets is what ``gpu_profile.py``
+(the pipes' and the warps' states) and ``bench_attention.py`` measure on a GPU.
 """
 
 from __future__ import annotations
@@ -54,9 +53,7 @@ def main() -> None:
     for d in (64, 128):
         # a key tile of 128 for 64 queries: QK^T and PV, 2 * 64 * 128 * d FLOPs each
         flops = 2 * (2 * 64 * 128 * d)
-        for one_in in (0, 2, 4):
-            ck = fwd_ws.compile_sm90(d, False, exp2_poly=one_in)
-            rows.append(_row(f"fwd_ws d={d} exp2_poly={one_in}", ck, 2, flops))
+        rows.append(_row(f"fwd_ws d={d}", fwd_ws.compile_sm90(d, False), 2, flops))
         # a query tile of 64 for 64 keys: S^T, dP^T, dV, dK (and dQ): 2 * 64 * 64 * d FLOPs each
         gemm = 2 * 64 * 64 * d
         rows.append(_row(f"bwd_ws dkdv d={d}", bwd_ws.compile_sm90(d, False, kernel="dkdv",

@@ -38,7 +38,6 @@ SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis",
 TARGETS = {
     "fwd_ws_d128": ("_fwd_ws_kernel", 128, "warp-specialized forward (folded), kernel alone"),
     "fwd_ws_d64": ("_fwd_ws_kernel", 64, "warp-specialized forward (folded), kernel alone"),
-    "fwd_ws_poly4_d64": ("_fwd_ws_kernel", 64, "the same, one in 4 of P's exp2s on the FMA pipe"),
     "bwd_dkdv_d128": ("_bwd_dkdv_ws_kernel", 128, "the default backward's dkdv kernel (matched D)"),
     "bwd_dq_d128": ("_bwd_dq_ws_kernel", 128, "the default backward's dq kernel (matched delta)"),
     "bwd_fused_tma_d128": ("_bwd_fused_ws_kernel", 128, "five-GEMM kernel, one consumer, TMA reduce-adds of dQ"),
@@ -66,8 +65,7 @@ def launch(target: str) -> None:
     kw = dict(causal=False, scale=scale, **dims)
     if target.startswith("fwd_ws"):
         _, _, kv = fwd_ws.attention_forward(q, k, v, causal=False, scale=scale)
-        recipe = fwd_ws.variant("kernels_folded_naive_fp8", exp2_poly=4) if "poly4" in target else \
-            "kernels_folded_naive_fp8"
+        recipe = "kernels_folded_naive_fp8"
         fn = lambda: fwd_ws.forward(q, kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=h, causal=False,  # noqa: E731
                                     scale=scale, recipe=recipe)
     else:
@@ -133,15 +131,17 @@ def profile(out: Path, targets: list[str], timeout: int) -> None:
 #: raw metrics kept in the summary (the sum over the kernel's SMs or the average, as ncu names it)
 METRICS = (
     "gpu__time_duration.sum", "sm__cycles_elapsed.avg.per_second", "sm__throughput.avg.pct_of_peak_sustained_elapsed",
-    "sm__inst_executed.avg.per_cycle_active", "smsp__issue_active.avg.pct_of_peak_sustained_active",
-    "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+    "sm__inst_executed.avg.per_cycle_active", "sm__issue_active.avg.pct_of_peak_sustained_elapsed",
+    "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
+    "sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active",
     "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active",
     "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
     "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active",
+    "sm__pipe_shared_cycles_active.avg.pct_of_peak_sustained_active",
     "lts__t_sectors.avg.pct_of_peak_sustained_elapsed", "lts__throughput.avg.pct_of_peak_sustained_elapsed",
-    "dram__throughput.avg.pct_of_peak_sustained_elapsed", "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum",
-    "l1tex__throughput.avg.pct_of_peak_sustained_active", "launch__registers_per_thread",
-    "launch__shared_mem_per_block_dynamic", "launch__occupancy_limit_shared_mem", "sm__warps_active.avg.per_cycle_active",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed", "l1tex__throughput.avg.pct_of_peak_sustained_active",
+    "launch__registers_per_thread", "launch__shared_mem_per_block_dynamic", "launch__occupancy_limit_shared_mem",
+    "sm__warps_active.avg.per_cycle_active",
 )
 
 
@@ -166,8 +166,9 @@ def summarize_target(files: dict[str, str], target: str) -> dict:
     out: dict = {"what": TARGETS[target][2], "shape": list(_shape(TARGETS[target][1]))}
     raw = _rows(files.get(f"{target}.raw.csv", ""))
     if raw:
-        row = raw[-1]
+        row, units = raw[-1], (raw[0] if len(raw) > 1 else {})
         out["metrics"] = {m: _number(row[m]) for m in METRICS if m in row}
+        out["units"] = {m: units.get(m, "") for m in out["metrics"] if units.get(m)}
         stalls = {k.removeprefix("smsp__average_warps_issue_stalled_").removesuffix("_per_issue_active.ratio"):
                   _number(v) for k, v in row.items()
                   if k.startswith("smsp__average_warps_issue_stalled_") and k.endswith("_per_issue_active.ratio")}
@@ -182,6 +183,9 @@ def summarize_target(files: dict[str, str], target: str) -> dict:
             total = sum(_number(r[samp]) or 0 for r in src) or 1
             top = sorted(src, key=lambda r: -(_number(r[samp]) or 0))[:40]
             out["source_total_samples"] = total
+            idle = sum(_number(r[samp]) or 0 for r in src
+                       if (r[text] or "").strip() == "NOP" and (_number(r[samp]) or 0) / total > 0.05)
+            out["idle_padding_share"] = round(idle / total, 4)
             out["samples_by_reason"] = {
                 k.removeprefix("stall_"): round(v / total, 4) for k, v in sorted(
                     ((c, sum(_number(r[c]) or 0 for r in src)) for c in reasons), key=lambda kv: -kv[1])
@@ -207,10 +211,14 @@ def summarize_target(files: dict[str, str], target: str) -> dict:
 def summarize(directory: Path, device: str | None = None) -> Path:
     with tarfile.open(directory / "profile_raw.tar.gz") as tar:
         files = {m.name: tar.extractfile(m).read().decode(errors="replace") for m in tar.getmembers() if m.isfile()}
-    targets = sorted({name.split(".")[0] for name in files}, key=list(TARGETS).index)
+    targets = [t for t in TARGETS if f"{t}.log" in files]
     summary = {"meta": {"method": "ncu --clock-control none, sections " + ", ".join(SECTIONS) + "; one launch "
                         "(the second) of each target on randn BF16 inputs, not causal",
-                        "device": device or _device_from(files)},
+                        "device": device or _device_from(files),
+                        "samples": "shares of the warp-state samples of all the kernel's warps; idle_padding_share: "
+                                   "those of the producer warp group's three idle padding warps, which wait at two "
+                                   "NOPs for the kernel's whole life (6 of an SM's 16 warps), not stalls of "
+                                   "working warps"},
                "targets": {t: summarize_target(files, t) for t in targets}}
     tag = (summary["meta"]["device"] or "gpu").lower()
     path = directory / f"{tag}_kernel_profile.json"

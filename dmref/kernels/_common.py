@@ -10,8 +10,6 @@ import triton.language as tl
 
 from dmref.emulation import get_format
 
-from .config import EXP2_POLY_COEFFS
-
 _E4M3 = get_format("float8_e4m3fn")
 _E5M2 = get_format("float8_e5m2")
 _FLOAT32_MANTISSA_BITS = 23
@@ -151,31 +149,3 @@ def to_bf16(x, INTERPRET: tl.constexpr):
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
         x = (bits - (bits & 0xFFFF)).to(tl.float32, bitcast=True)
     return x.to(tl.bfloat16)
-
-
-#: ``config.EXP2_POLY_COEFFS`` as the helpers' constants (constant term first)
-_C0, _C1, _C2, _C3, _C4, _C5, _C6 = (tl.constexpr(c) for c in EXP2_POLY_COEFFS)
-
-
-@triton.jit
-def exp2_poly(x):
-    """exp2 on the FMA pipe (FlashAttention-4's move; ``fwd_ws`` runs it for part of P with
-    ``FwdTiles.exp2_poly``): x clamped below at -127 (NaN kept: ``max.NaN``), x = j + f with j =
-    round(x) by the float32 adder (adding 1.5 * 2**23 rounds x to an integer held in the sum's low
-    bits), f = x - j in [-1/2, 1/2] exactly, 2**f by ``config.EXP2_POLY_COEFFS``, times 2**j built
-    from j's bits (shifted into the exponent field; j = -127 gives the field 0, the factor +0).
-    Within 2 ulp of 2**x (the bound of ``ex2.approx`` in PTX's documentation, which the kernel's
-    tests hold it to) for x >= -126; below, 0 or a value below 2**-126 (where ``ex2.approx.ftz``
-    gives 0: a difference no E4M3 code or float32 row sum holding a term of 1 can show);
-    exp2(-inf) = 0 (a masked score); NaN for NaN."""
-    x = tl.maximum(x, -127.0, propagate_nan=tl.PropagateNan.ALL)
-    t = x + 12582912.0
-    f = x - (t - 12582912.0)
-    p = _C6 * f + _C5
-    p = p * f + _C4
-    p = p * f + _C3
-    p = p * f + _C2
-    p = p * f + _C1
-    p = p * f + _C0
-    two_j = ((t.to(tl.int32, bitcast=True) << 23) + 0x3F800000).to(tl.float32, bitcast=True)
-    return p * two_j

@@ -30,12 +30,11 @@ TWO_CONSUMER_LAUNCH_REGS = 65536 // 384 // 8 * 8
 #: gives the default partition what is left, 3 * 168 - 24 - 240 = 240)
 TWO_CONSUMER_REGS = gl.constexpr((3 * TWO_CONSUMER_LAUNCH_REGS - PRODUCER_REGS.value) // 2 // 8 * 8)
 
-# The kernels' power-of-two scale rule, FP8 cast, separately rounded multiply and FMA-pipe exp2
+# The kernels' power-of-two scale rule, FP8 cast and separately rounded multiply
 pow2_down_exponent = gluon.jit(_common.pow2_down_exponent.fn)
 exp2_int = gluon.jit(_common.exp2_int.fn)
 to_fp8 = gluon.jit(_common.to_fp8.fn)
 mul_rn = gluon.jit(_common.mul_rn.fn)
-exp2_poly = gluon.jit(_common.exp2_poly.fn)
 
 
 @builtin

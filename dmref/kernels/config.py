@@ -61,20 +61,10 @@ class FwdTiles:
     #: (``block_m = 64 * consumers``): 1, two CTAs an SM; 2, FlashAttention-3's structure, one CTA
     #: of 128 queries an SM (each K/V tile loaded once for both). The Triton forward runs 1
     consumers: int = 1
-    #: ``fwd_ws``: one in ``exp2_poly`` (2 or 4; 0 none) of P's exp2s as a polynomial on the FMA
-    #: pipe instead of ``MUFU.EX2`` (``_common.exp2_poly``, within exp2's 2 ulp), so that the two
-    #: pipes share the softmax's exponentials; the Triton forward runs 0
-    exp2_poly: int = 0
 
     def __post_init__(self) -> None:
         _check_tile("block_m", self.block_m)
 
-
-#: 2**f on [-1/2, 1/2], degree 6, the float32 coefficients (constant term first) of a near-minimax
-#: fit of the relative error (1.9e-9; evaluated in float32 by Horner's FMAs, within 1 ulp of 2**f:
-#: tests/kernels/test_fwd_ws.py), which ``_common.exp2_poly`` evaluates for ``FwdTiles.exp2_poly``
-EXP2_POLY_COEFFS = (1.0000000005542490, 0.6931472057369894, 0.24022646890024554, 0.05550328777412087,
-                    0.009618489023102212, 0.0013399931075618893, 0.00015345794250166823)
 
 #: What the warp-specialized forward (``fwd_ws``) fixes: one m64 wgmma row block a consumer warp
 #: group (``block_m`` = 64 times ``consumers``), the launch's ``num_warps`` the first consumer's
@@ -98,9 +88,6 @@ def fwd_refusal(recipe, tiles: FwdTiles) -> str | None:
         if tiles.consumers != 1:
             return (f"consumers={tiles.consumers!r}: the Triton forward runs one program of block_m queries "
                     "(consumer warp groups are the warp-specialized forward's, the folded recipes')")
-        if tiles.exp2_poly:
-            return (f"exp2_poly={tiles.exp2_poly!r}: the Triton forward runs every exp2 on MUFU (the polynomial is "
-                    "the warp-specialized forward's, the folded recipes')")
         return None
     if tiles.consumers not in WS_FWD_CONSUMERS:
         return (f"consumers={tiles.consumers!r}: the warp-specialized forward runs "
@@ -112,9 +99,6 @@ def fwd_refusal(recipe, tiles: FwdTiles) -> str | None:
         return (f"{', '.join(wrong)}: the warp-specialized forward runs block_m={block_m} with "
                 f"consumers={tiles.consumers} (one m64 wgmma warp group of num_warps={WS_FWD_NUM_WARPS} each), "
                 "TMA loads and setmaxnreg's registers (maxnreg=None)")
-    if tiles.exp2_poly not in (0, 2, 4):
-        return (f"exp2_poly={tiles.exp2_poly!r}: the warp-specialized forward runs one in 2 or 4 of P's exp2s on "
-                "the FMA pipe, or none (0)")
     if tiles.overlap not in (None, 0, 1):
         return f"overlap={tiles.overlap!r}: the warp-specialized forward's schedules are 0 (serial) and 1"
     if tiles.num_stages < 1:

@@ -7,9 +7,8 @@ partition whose registers ``setmaxnreg`` lowers to 24) streams K and V tiles int
 launch; the consumer rises to 232), so one CTA's softmax overlaps the other's wgmmas. What it
 computes comes from its ``config.KernelSpec`` through :func:`launch`: P's scale
 ``2**e = 2**recipe.p_fwd.offset_log2``, PV promoted or chained (``recipe.pv_chain``), key tiles of
-``recipe.tiles.block_k``, the ring's depth, the schedule, the consumers and the share of P's exp2s
-on the FMA pipe (the forward tiling's ``num_stages``, ``overlap``, ``consumers`` and ``exp2_poly``;
-its defaults: ``config.default_fwd_tiles``).
+``recipe.tiles.block_k``, the ring's depth, the schedule and the consumers (the forward tiling's
+``num_stages``, ``overlap`` and ``consumers``; its defaults: ``config.default_fwd_tiles``).
 
 With ``consumers=2`` (``FwdTiles(block_m=128, consumers=2)``, not the default) a CTA takes 128
 queries on two consumer warp groups that share one ring, FlashAttention-3's structure: the default
@@ -83,7 +82,6 @@ from ._gluon import LAUNCH_REGS, PRODUCER_REGS, TWO_CONSUMER_LAUNCH_REGS, TWO_CO
 from ._runtime import Launch, triton_type
 from .config import WS_FWD_BLOCK_M
 from ._gluon import exp2_int as _exp2_int
-from ._gluon import exp2_poly as _exp2_poly
 from ._gluon import pow2_down_exponent as _pow2_down_exponent
 from ._gluon import to_fp8 as _to_fp8
 
@@ -138,32 +136,9 @@ def _quantize_q(Q, stride_qn, q_smem, start_m, N, HEAD_DIM: gl.constexpr):
 
 
 @gluon.jit
-def _exp2_shared(x, ONE_IN: gl.constexpr):
-    """exp2 of a (rows, BLOCK_N) tile in the wgmma accumulator layout, one element in ``ONE_IN`` (2
-    or 4) by ``_common.exp2_poly`` on the FMA pipe and the rest by ``MUFU.EX2``. The split follows the
-    layout, so no element leaves its thread: a thread holds the column pairs 8k + 2t, 8k + 2t + 1
-    of its rows, so column bit 0 (2) and then bit 3, the parity of k (4), are register indices.
-    The tile comes back in the same order (a layout of its own, equal to the accumulator's)."""
-    M: gl.constexpr = x.shape[0]
-    N: gl.constexpr = x.shape[1]
-    gl.static_assert(ONE_IN == 2 or ONE_IN == 4)
-    if ONE_IN == 2:
-        xe, xo = gl.split(gl.reshape(x, [M, N // 2, 2]))  # column bit 0
-        y = gl.reshape(gl.join(gl.exp2(xe), _exp2_poly(xo)), [M, N])
-    else:
-        # columns 16a + 8b + 2c + d as (M, a, c, d, b); b = 1, then d = 1: one in four
-        x5 = gl.permute(gl.reshape(x, [M, N // 16, 2, 4, 2]), [0, 1, 3, 4, 2])
-        xe, xo = gl.split(x5)
-        xo0, xo1 = gl.split(xo)
-        y5 = gl.join(gl.exp2(xe), gl.join(gl.exp2(xo0), _exp2_poly(xo1)))
-        y = gl.reshape(gl.permute(y5, [0, 1, 4, 2, 3]), [M, N])
-    return y
-
-
-@gluon.jit
 def _softmax(sc, cs, m_i, l_i, i, offs_m, N, s_layout: gl.constexpr, o_layout: gl.constexpr,
              p_layout: gl.constexpr, BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
-             P_SCALE: gl.constexpr, EXP2_POLY: gl.constexpr, PD, NPAD, DEBUG: gl.constexpr):
+             P_SCALE: gl.constexpr, PD, NPAD, DEBUG: gl.constexpr):
     """Tile i's scores S -> (P codes in the wgmma operand layout, alpha per O row, m, l), with l
     summing P * P_SCALE in float32."""
     if MASK:
@@ -180,10 +155,7 @@ def _softmax(sc, cs, m_i, l_i, i, offs_m, N, s_layout: gl.constexpr, o_layout: g
         m_sub = m_new
     # P * P_SCALE = exp2(S cs - m + log2 P_SCALE), the argument one fused multiply-add
     x = gl.fma(sc, gl.expand_dims(cs, 1), gl.expand_dims(gl.log2(P_SCALE) - m_sub, 1))
-    if EXP2_POLY:
-        p = gl.convert_layout(_exp2_shared(x, EXP2_POLY), s_layout)
-    else:
-        p = gl.exp2(x)
+    p = gl.exp2(x)
     alpha = gl.exp2(m_i - m_sub)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     if DEBUG:  # the float32 values the cast receives, (B*H, N, NPAD) row-major from PD (this head's rows)
@@ -236,7 +208,7 @@ def _pv(p8, v_bufs, v_ready, v_free, s, ph, acc, alpha_o, t_old, s_next, CHAIN: 
 def _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_old, t_old, m_i, l_i, cs,
           offs_m, N, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
-          P_SCALE: gl.constexpr, EXP2_POLY: gl.constexpr, CHAIN: gl.constexpr, PD, NPAD, DEBUG: gl.constexpr):
+          P_SCALE: gl.constexpr, CHAIN: gl.constexpr, PD, NPAD, DEBUG: gl.constexpr):
     """Key tile i: QK^T, the softmax, PV, each waited on. ``s_old`` / ``t_old`` are the previous
     tile's dead registers, passed as the wgmmas' ignored accumulators (``use_acc=False``) so that
     no zero tile is written. Returns (acc, S, T, m, l)."""
@@ -244,7 +216,7 @@ def _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_ol
     ph = (i // STAGES) & 1
     sc = _qk(q_smem, k_bufs, k_ready, k_free, i, s_old, STAGES)
     p8, alpha_o, m_i, l_i = _softmax(sc, cs, m_i, l_i, i, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, MASK,
-                                     CAUSAL, P_SCALE, EXP2_POLY, PD, NPAD, DEBUG)
+                                     CAUSAL, P_SCALE, PD, NPAD, DEBUG)
     acc, t, sc = _pv(p8, v_bufs, v_ready, v_free, s, ph, acc, alpha_o, t_old, sc, CHAIN)
     return acc, sc, t, m_i, l_i
 
@@ -253,7 +225,7 @@ def _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_ol
 def _tile_overlap(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, sc, s_old, t_old, m_i,
                   l_i, cs, offs_m, N, s_layout: gl.constexpr, o_layout: gl.constexpr,
                   p_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
-                  CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, EXP2_POLY: gl.constexpr, CHAIN: gl.constexpr,
+                  CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, CHAIN: gl.constexpr,
                   NEXT: gl.constexpr, PD, NPAD, DEBUG: gl.constexpr):
     """Key tile i, its QK^T ``sc`` done: QK^T of tile i + 1 is issued (``NEXT``) into the dead
     registers ``s_old`` and runs during the softmax of tile i (FA3's intra-warp-group overlap);
@@ -265,7 +237,7 @@ def _tile_overlap(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, a
     if NEXT:
         s_next = _issue_qk(q_smem, k_bufs, k_ready, i + 1, s_old, STAGES)
     p8, alpha_o, m_i, l_i = _softmax(sc, cs, m_i, l_i, i, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, MASK,
-                                     CAUSAL, P_SCALE, EXP2_POLY, PD, NPAD, DEBUG)
+                                     CAUSAL, P_SCALE, PD, NPAD, DEBUG)
     # promoted PV where S and T have one shape and layout (BLOCK_N == D): T takes the registers of
     # S_i, dead once P is formed, so that no third tile is carried round the loop
     REUSE: gl.constexpr = (not CHAIN) and s_layout == o_layout
@@ -283,7 +255,7 @@ def _tile_overlap(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, a
 def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, V_SCALE, O, LSE2,
               cs_head, bh, kv, start_m, n_plain, n_tiles, N,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, EXP2_POLY: gl.constexpr, CHAIN: gl.constexpr,
+              CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, CHAIN: gl.constexpr,
               OVERLAP: gl.constexpr, PD, NPAD, DEBUG: gl.constexpr):
     """The consumer warp group: Q, the key tiles (masked from n_plain on), the epilogue."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -313,30 +285,30 @@ def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_
             acc, s_next, s_old, t_old, m_i, l_i = _tile_overlap(
                 2 * j, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, t_old, m_i,
                 l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE,
-                EXP2_POLY, CHAIN, True, PD, NPAD, DEBUG)
+                CHAIN, True, PD, NPAD, DEBUG)
             acc, s_next, s_old, t_old, m_i, l_i = _tile_overlap(
                 2 * j + 1, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, t_old, m_i,
                 l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE,
-                EXP2_POLY, CHAIN, True, PD, NPAD, DEBUG)
+                CHAIN, True, PD, NPAD, DEBUG)
         if (n_tiles - 1) % 2 == 1:
             acc, s_next, s_old, t_old, m_i, l_i = _tile_overlap(
                 n_tiles - 2, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, t_old,
                 m_i, l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE,
-                EXP2_POLY, CHAIN, True, PD, NPAD, DEBUG)
+                CHAIN, True, PD, NPAD, DEBUG)
         acc, s_next, s_old, t_old, m_i, l_i = _tile_overlap(
             n_tiles - 1, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc, s_next, s_old, t_old, m_i,
-            l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, True, CAUSAL, P_SCALE, EXP2_POLY,
+            l_i, cs, offs_m, N, s_layout, o_layout, p_layout, BLOCK_N, STAGES, True, CAUSAL, P_SCALE,
             CHAIN, False, PD, NPAD, DEBUG)
     else:
         for i in range(0, n_plain):
             acc, s_old, t_old, m_i, l_i = _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc,
                                                 s_old, t_old, m_i, l_i, cs, offs_m, N, s_layout, o_layout,
-                                                p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE, EXP2_POLY, CHAIN,
+                                                p_layout, BLOCK_N, STAGES, False, CAUSAL, P_SCALE, CHAIN,
                                                 PD, NPAD, DEBUG)
         for i in range(n_plain, n_tiles):
             acc, s_old, t_old, m_i, l_i = _tile(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, acc,
                                                 s_old, t_old, m_i, l_i, cs, offs_m, N, s_layout, o_layout,
-                                                p_layout, BLOCK_N, STAGES, True, CAUSAL, P_SCALE, EXP2_POLY, CHAIN,
+                                                p_layout, BLOCK_N, STAGES, True, CAUSAL, P_SCALE, CHAIN,
                                                 PD, NPAD, DEBUG)
     # epilogue: O = acc * fl(1 / l) * v_scale (l sums P * P_SCALE; v_scale per channel, a power of
     # two), one division per row; LSE2 = m - log2(P_SCALE) + log2(l)
@@ -356,7 +328,7 @@ def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_
 @gluon.jit
 def _body(k_desc, v_desc, Q, stride_qb, stride_qh, stride_qn, K_SCALE, V_SCALE, O, LSE2, PD, qk_scale, H, GROUP,
           N, NPAD, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-          P_SCALE: gl.constexpr, EXP2_POLY: gl.constexpr, CHAIN: gl.constexpr, OVERLAP: gl.constexpr,
+          P_SCALE: gl.constexpr, CHAIN: gl.constexpr, OVERLAP: gl.constexpr,
           CONSUMERS: gl.constexpr, DEBUG: gl.constexpr):
     """The kernel on its TMA descriptors: K rows ``(B*HKV*N, D)`` and V^T ``(B*HKV*D, NPAD)``. A
     key tile past this head's N reads the next head's rows, masked in the softmax; V^T's padding
@@ -402,7 +374,7 @@ def _body(k_desc, v_desc, Q, stride_qb, stride_qh, stride_qn, K_SCALE, V_SCALE, 
         gl.warp_specialize([
             (_consumer, (q_ptr, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, V_SCALE, O,
                          LSE2, cs_head, bh, kv, start_m, n_plain, n_tiles, N, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                         P_SCALE, EXP2_POLY, CHAIN, OVERLAP, pd, NPAD, DEBUG)),
+                         P_SCALE, CHAIN, OVERLAP, pd, NPAD, DEBUG)),
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, kv * N, kv * HEAD_DIM,
                          n_tiles, BLOCK_N, STAGES)),
         ], [1], [PRODUCER_REGS])
@@ -413,10 +385,10 @@ def _body(k_desc, v_desc, Q, stride_qb, stride_qh, stride_qn, K_SCALE, V_SCALE, 
         gl.warp_specialize([
             (_consumer, (q_ptr, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, V_SCALE, O,
                          LSE2, cs_head, bh, kv, start_m, n_plain, n_tiles, N, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                         P_SCALE, EXP2_POLY, CHAIN, OVERLAP, pd, NPAD, DEBUG)),
+                         P_SCALE, CHAIN, OVERLAP, pd, NPAD, DEBUG)),
             (_consumer, (q_ptr, stride_qn, q_smem1, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, V_SCALE, O,
                          LSE2, cs_head, bh, kv, start_m + BLOCK_M, n_plain, n_tiles, N, BLOCK_N, HEAD_DIM, STAGES,
-                         CAUSAL, P_SCALE, EXP2_POLY, CHAIN, OVERLAP, pd, NPAD, DEBUG)),
+                         CAUSAL, P_SCALE, CHAIN, OVERLAP, pd, NPAD, DEBUG)),
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, kv * N, kv * HEAD_DIM,
                          n_tiles, BLOCK_N, STAGES)),
         ], [4, 1], [TWO_CONSUMER_REGS, PRODUCER_REGS])
@@ -426,18 +398,18 @@ def _body(k_desc, v_desc, Q, stride_qb, stride_qh, stride_qn, K_SCALE, V_SCALE, 
 def _fwd_ws_kernel(k_desc, v_desc, Q, stride_qb, stride_qh, stride_qn, K_SCALE, V_SCALE, O, LSE2, PD,
                    qk_scale, H, GROUP, N, NPAD,
                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, EXP2_POLY: gl.constexpr, CHAIN: gl.constexpr,
+                   CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, CHAIN: gl.constexpr,
                    OVERLAP: gl.constexpr, CONSUMERS: gl.constexpr, DEBUG: gl.constexpr):
     """The kernel on host-side TMA descriptors (:func:`_descriptors`, built once a launch)."""
     _body(k_desc, v_desc, Q, stride_qb, stride_qh, stride_qn, K_SCALE, V_SCALE, O, LSE2, PD, qk_scale, H, GROUP, N,
-          NPAD, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, P_SCALE, EXP2_POLY, CHAIN, OVERLAP, CONSUMERS, DEBUG)
+          NPAD, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, P_SCALE, CHAIN, OVERLAP, CONSUMERS, DEBUG)
 
 
 @gluon.jit
 def _fwd_ws_kernel_dev(Q, stride_qb, stride_qh, stride_qn, K8, K_SCALE, VT8, V_SCALE, O, LSE2, PD,
                        qk_scale, H, GROUP, N, NPAD, ROWS_KV,
                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                       CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, EXP2_POLY: gl.constexpr, CHAIN: gl.constexpr,
+                       CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, CHAIN: gl.constexpr,
                        OVERLAP: gl.constexpr, CONSUMERS: gl.constexpr, DEBUG: gl.constexpr):
     """The kernel on device-side TMA descriptors: every CTA writes its two 128-byte tensor maps
     (``forward(..., host_descriptors=False)``; not the default)."""
@@ -447,7 +419,7 @@ def _fwd_ws_kernel_dev(Q, stride_qb, stride_qh, stride_qn, K8, K_SCALE, VT8, V_S
     v_desc = tma.make_tensor_descriptor(VT8, [ROWS_KV // N * HEAD_DIM, NPAD], [NPAD, 1], [HEAD_DIM, BLOCK_N],
                                         v_layout)
     _body(k_desc, v_desc, Q, stride_qb, stride_qh, stride_qn, K_SCALE, V_SCALE, O, LSE2, PD, qk_scale, H, GROUP, N,
-          NPAD, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, P_SCALE, EXP2_POLY, CHAIN, OVERLAP, CONSUMERS, DEBUG)
+          NPAD, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, P_SCALE, CHAIN, OVERLAP, CONSUMERS, DEBUG)
 
 
 def _descriptors(k8, vt8, block_n: int):
@@ -489,7 +461,7 @@ def launch(spec, *, head_dim: int, causal: bool, debug: bool = False, host_descr
     consts = dict(HEAD_DIM=head_dim, BLOCK_N=spec.recipe.tiles.block_k, STAGES=tiles.num_stages,
                   CAUSAL=bool(causal), P_SCALE=float(2 ** spec.recipe.p_fwd.offset_log2),
                   CHAIN=bool(spec.recipe.pv_chain), OVERLAP=int(overlap), CONSUMERS=tiles.consumers,
-                  EXP2_POLY=int(tiles.exp2_poly), DEBUG=bool(debug))
+                  DEBUG=bool(debug))
     kernel = _fwd_ws_kernel if host_descriptors else _fwd_ws_kernel_dev
     regs = LAUNCH_REGS if tiles.consumers == 1 else TWO_CONSUMER_LAUNCH_REGS
     return Launch(consts, num_warps=tiles.num_warps, num_stages=None, maxnreg=regs, kernel=kernel,
@@ -497,13 +469,12 @@ def launch(spec, *, head_dim: int, causal: bool, debug: bool = False, host_descr
 
 
 def variant(recipe="kernels_folded_naive_fp8", *, chain: bool | None = None, overlap: bool | int | None = None,
-            stages: int | None = None, consumers: int | None = None, exp2_poly: int | None = None):
+            stages: int | None = None, consumers: int | None = None):
     """The folded spec ``recipe`` with PV chained over all keys or promoted per tile (``chain``:
     a recipe of its own, ``<name>_pv_chain`` or ``<name>_pv_promoted``, which ``dmref.tiled``
     takes as it is) and another schedule, ring depth or number of consumer warp groups
     (``overlap``, ``stages``, ``consumers``: its forward tiling at every head dim, ``consumers``
-    with its ``block_m`` of ``consumers * 64`` queries), or one in ``exp2_poly`` (2 or 4) of P's
-    exp2s on the FMA pipe (``FwdTiles.exp2_poly``); None keeps the spec's."""
+    with its ``block_m`` of ``consumers * 64`` queries); None keeps the spec's."""
     import dataclasses
 
     from .config import get_spec
@@ -513,7 +484,7 @@ def variant(recipe="kernels_folded_naive_fp8", *, chain: bool | None = None, ove
         r = spec.recipe
         spec = dataclasses.replace(spec, recipe=dataclasses.replace(
             r, pv_chain=bool(chain), name=f"{r.name}_pv_{'chain' if chain else 'promoted'}"))
-    if overlap is None and stages is None and consumers is None and exp2_poly is None:
+    if overlap is None and stages is None and consumers is None:
         return spec
     tiles = {d: spec.fwd_tiles(d) for d in (64, 128)}
     fwd = {d: dataclasses.replace(t, overlap=t.overlap if overlap is None else int(overlap),
@@ -521,21 +492,19 @@ def variant(recipe="kernels_folded_naive_fp8", *, chain: bool | None = None, ove
     if consumers is not None:
         fwd = {d: dataclasses.replace(t, consumers=consumers, block_m=consumers * WS_FWD_BLOCK_M)
                for d, t in fwd.items()}
-    if exp2_poly is not None:
-        fwd = {d: dataclasses.replace(t, exp2_poly=int(exp2_poly)) for d, t in fwd.items()}
     return dataclasses.replace(spec, fwd=fwd[128], fwd_d64=fwd[64])
 
 
 def compile_sm90(head_dim: int = 128, causal: bool = False, recipe="kernels_folded_delta_matching", *,
                  chain: bool | None = None, overlap: bool | int | None = None, stages: int | None = None,
-                 consumers: int | None = None, exp2_poly: int | None = None, debug: bool = False,
+                 consumers: int | None = None, debug: bool = False,
                  host_descriptors: bool = True):
     """Compile the kernel for sm_90a without a GPU (ptxas included), as :func:`launch` describes it
-    for ``recipe`` (or its :func:`variant` with ``chain``, ``overlap``, ``stages``, ``consumers``,
-    ``exp2_poly``); returns the compiled kernel."""
+    for ``recipe`` (or its :func:`variant` with ``chain``, ``overlap``, ``stages``,
+    ``consumers``); returns the compiled kernel."""
     from ._sm90 import compile_launch
 
-    spec = variant(recipe, chain=chain, overlap=overlap, stages=stages, consumers=consumers, exp2_poly=exp2_poly)
+    spec = variant(recipe, chain=chain, overlap=overlap, stages=stages, consumers=consumers)
     return compile_launch(launch(spec, head_dim=head_dim, causal=causal, debug=debug,
                                  host_descriptors=host_descriptors))
 
@@ -600,15 +569,15 @@ def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale:
 def attention_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
                       recipe="kernels_folded_naive_fp8", debug: bool = False, host_descriptors: bool = True,
                       chain: bool | None = None, overlap: bool | int | None = None, stages: int | None = None,
-                      consumers: int | None = None, exp2_poly: int | None = None):
+                      consumers: int | None = None):
     """Quantize k (per head) and v (per head and channel), then :func:`forward` (which quantizes q)
     of ``recipe``, or of its :func:`variant` with ``chain``, ``overlap``, ``stages``,
-    ``consumers``, ``exp2_poly``. Returns (O, LSE2, the FP8 operands of K and V as a ``FoldedKV``), and with
+    ``consumers``. Returns (O, LSE2, the FP8 operands of K and V as a ``FoldedKV``), and with
     ``debug`` the P codes of :func:`forward` last."""
     from .quantize import quantize_kv_folded
 
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    spec = variant(recipe, chain=chain, overlap=overlap, stages=stages, consumers=consumers, exp2_poly=exp2_poly)
+    spec = variant(recipe, chain=chain, overlap=overlap, stages=stages, consumers=consumers)
     kv = quantize_kv_folded(k, v)
     o, lse2, *p_codes = forward(q, kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=k.shape[1], causal=causal,
                                 scale=scale, recipe=spec, debug=debug, host_descriptors=host_descriptors)

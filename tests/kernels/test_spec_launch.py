@@ -112,11 +112,11 @@ def test_the_gluon_backward_reads_its_schedule_from_the_spec():
 
 
 _NOT_HONOURED = [FwdTiles(block_m=128), FwdTiles(num_warps=8), FwdTiles(maxnreg=168), FwdTiles(tma=False),
-                 FwdTiles(overlap=2), FwdTiles(num_stages=0), FwdTiles(exp2_poly=3)]
+                 FwdTiles(overlap=2), FwdTiles(num_stages=0)]
 
 
 @pytest.mark.parametrize("tiles", _NOT_HONOURED,
-                         ids=["block_m", "num_warps", "maxnreg", "tma", "overlap", "num_stages", "exp2_poly"])
+                         ids=["block_m", "num_warps", "maxnreg", "tma", "overlap", "num_stages"])
 def test_a_forward_tiling_the_gluon_forward_cannot_honour_is_refused(tiles):
     """A folded spec with a forward tiling the warp-specialized kernel does not run is refused, in
     one line naming the field, when the spec is made (not ignored at the launch)."""
@@ -182,27 +182,9 @@ def test_the_gluon_forward_reads_its_consumers_from_the_spec():
     assert (c["CHAIN"], c["OVERLAP"], c["STAGES"], c["CONSUMERS"]) == (True, 0, 3, 2)
 
 
-def test_the_gluon_forward_reads_its_exp2_share_from_the_spec():
-    """``FwdTiles(exp2_poly=2 or 4)`` reaches the launch as ``EXP2_POLY`` (0 by default at both
-    head dims), by the spec's tiling or by ``variant``, and changes nothing else of the launch."""
-    from dmref.kernels import fwd_ws
-
-    spec = SPECS["kernels_folded_delta_matching"]
-    for d in (64, 128):
-        plain = fwd_ws.launch(spec, head_dim=d, causal=True).constexprs
-        assert spec.fwd_tiles(d).exp2_poly == 0 and plain["EXP2_POLY"] == 0
-        for one_in in (2, 4):
-            given = spec.with_tiles(fwd=dataclasses.replace(spec.fwd_tiles(d), exp2_poly=one_in))
-            for s in (given, fwd_ws.variant(spec, exp2_poly=one_in)):
-                c = fwd_ws.launch(s, head_dim=d, causal=True).constexprs
-                assert c == {**plain, "EXP2_POLY": one_in}
-
-
 def test_the_triton_forward_refuses_a_schedule_it_does_not_have():
     with pytest.raises(ValueError, match="overlap"):
         SPECS["kernels_delta_matching"].with_tiles(fwd=FwdTiles(overlap=1))
-    with pytest.raises(ValueError, match="exp2_poly"):
-        SPECS["kernels_delta_matching"].with_tiles(fwd=FwdTiles(exp2_poly=2))
     with pytest.raises(ValueError, match="consumers"):
         SPECS["kernels_delta_matching"].with_tiles(fwd=FwdTiles(block_m=128, consumers=2))
     # and the Gluon forward refuses a spec of the Triton forward's family

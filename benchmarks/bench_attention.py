@@ -39,7 +39,8 @@ Measures, per shape B·H·N·D and causal or not, medians of ``triton.testing.do
   (``api.quantize_kv``, ``kv_fp8``; that quantization alone is ``ours_default_quantize_kv``), its
   backward incl. the preprocess, end to end through autograd (``ours_default_*``;
   ``default_fwd_incl_quant``, ``default_fwd_given_kv``, ``default_bwd`` and ``default_e2e`` among
-  the speed-ups);
+  the speed-ups), and the host's share of the default's calls: CPU milliseconds a call takes to
+  issue its launches (``_host``) and the forward replayed from a CUDA graph (``_graph``);
 - SDPA cuDNN and flash backends, BF16: forward, backward, end to end;
 - grouped-query shapes (``GQA_SHAPES``, ``run_gqa_shape``): the default recipe's forward,
   backward and end to end against cuDNN BF16 SDPA with ``enable_gqa`` (rows with ``kv_heads``);
@@ -309,7 +310,57 @@ def _time_default(q, k, v, do, causal, scale, shape) -> dict:
     def step():
         api.attention(qd, kd, vd, causal=causal, scale=scale, recipe=DEFAULT_RECIPE).backward(do)
     ms["ours_default_e2e"] = bench(step, grad_to_none=[qd, kd, vd])
+    # the host's share: CPU milliseconds a call takes to issue its launches (no synchronization:
+    # the GPU runs behind), and the forward's GPU time replayed from a CUDA graph (no host at all)
+    fwd = lambda: api.attention_forward(q, k, v, causal=causal, scale=scale, recipe=DEFAULT_RECIPE,  # noqa: E731
+                                        for_backward=True)
+    ms["ours_default_fwd_host"] = host_ms(fwd)
+    ms["ours_default_bwd_host"] = host_ms(lambda: api.attention_backward(
+        saved, o, do, shape=shape, causal=causal, scale=scale, recipe=DEFAULT_RECIPE))
+    graphed = graph_ms(fwd)
+    if graphed is not None:
+        ms["ours_default_fwd_incl_quant_graph"] = graphed
     return ms
+
+
+def host_ms(fn, calls: int = 20) -> float:
+    """CPU milliseconds per call of ``fn`` issuing its work, the GPU left running behind (median of
+    5 rounds of ``calls`` calls, each round after a synchronization): above the call's GPU time,
+    ``bench``'s time is the host's."""
+    import statistics
+
+    fn()
+    rounds = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        rounds.append((time.perf_counter() - t0) * 1e3 / calls)
+    torch.cuda.synchronize()
+    return statistics.median(rounds)
+
+
+def graph_ms(fn) -> float | None:
+    """``bench``'s median of ``fn`` captured once in a CUDA graph and replayed (its GPU time alone),
+    or None where the capture fails (recorded on stderr)."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        torch.cuda.synchronize()
+        return bench(g.replay)
+    except Exception as e:  # noqa: BLE001 - a capture that fails is a missing cell, not a failed run
+        print(f"graph capture failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+              file=sys.stderr)
+        return None
 
 
 def _tflops(ms: dict, fl: float) -> dict:

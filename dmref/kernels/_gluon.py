@@ -7,6 +7,8 @@ Importing this module imports triton; only the kernel modules do that.
 
 from __future__ import annotations
 
+import functools
+
 from triton._C.libtriton import ir as _ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -47,6 +49,21 @@ def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     (``create_async_tma_reduce``); its Python API exposes it on Hopper only through this."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@functools.lru_cache(maxsize=None)
+def shared_layout(block_shape: tuple, dtype) -> gl.NVMMASharedLayout:
+    """``gl.NVMMASharedLayout.get_default_for(block_shape, dtype)``, built once: a host-side TMA
+    descriptor needs its shared-memory layout, and building one costs about 15 us of Python, which
+    every launch would pay for each of its descriptors (docs/kernels_speed.md, the host's share)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def unswizzled_layout(element_bitwidth: int) -> gl.NVMMASharedLayout:
+    """The unswizzled 2-D shared layout of ``element_bitwidth``-bit elements (one row of scales a
+    tile), built once (:func:`shared_layout`)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=element_bitwidth, rank=2)
 
 
 def allocator(size: int, alignment: int, stream):

@@ -183,6 +183,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from ._gluon import LAUNCH_REGS, PRODUCER_REGS, TWO_CONSUMER_LAUNCH_REGS, TWO_CONSUMER_REGS, allocator
+from ._gluon import shared_layout as _shared_layout
+from ._gluon import unswizzled_layout as _unswizzled_layout
 from ._gluon import tma_reduce_add as _tma_reduce_add
 from ._gluon import exp2_int as _exp2_int
 from ._gluon import mul_rn as _mul_rn
@@ -841,7 +843,7 @@ def _row_desc(x, block: int):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     d = x.shape[-1]
-    layout = gl.NVMMASharedLayout.get_default_for([block, d], _gl_dtype(x.dtype))
+    layout = _shared_layout((block, d), _gl_dtype(x.dtype))
     return TensorDescriptor.from_tensor(x.reshape(-1, d), [block, d], layout)
 
 
@@ -850,7 +852,7 @@ def _col_desc(x, head_dim: int, block: int):
     ``(rows * D, NPAD)``, ``(D, block)`` tiles."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    layout = gl.NVMMASharedLayout.get_default_for([head_dim, block], _gl_dtype(x.dtype))
+    layout = _shared_layout((head_dim, block), _gl_dtype(x.dtype))
     return TensorDescriptor.from_tensor(x.reshape(-1, x.shape[-1]), [head_dim, block], layout)
 
 
@@ -859,7 +861,7 @@ def _dq_desc(dq_acc, block: int):
     ``(block, DQ_CH)`` tiles: the fused kernel's TMA reduce-adds (``dq_tma``)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    layout = gl.NVMMASharedLayout.get_default_for([block, DQ_CH.value], gl.float32)
+    layout = _shared_layout((block, DQ_CH.value), gl.float32)
     return TensorDescriptor.from_tensor(dq_acc.reshape(-1, dq_acc.shape[-1]), [block, DQ_CH.value], layout)
 
 
@@ -868,8 +870,7 @@ def _scale_desc(x, head_dim: int):
     ``(rows, D)``, one row of D factors a tile."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    return TensorDescriptor.from_tensor(x.reshape(-1, head_dim), [1, head_dim], layout)
+    return TensorDescriptor.from_tensor(x.reshape(-1, head_dim), [1, head_dim], _unswizzled_layout(32))
 
 
 def _descriptors(q_rows, q_cols, q_col_scale, k_rows, v_rows, do_rows, do_cols, do_col_scale, block_m: int):

@@ -79,6 +79,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from ._gluon import LAUNCH_REGS, PRODUCER_REGS, TWO_CONSUMER_LAUNCH_REGS, TWO_CONSUMER_REGS, allocator
+from ._gluon import shared_layout as _shared_layout
 from ._runtime import Launch, triton_type
 from .config import WS_FWD_BLOCK_M
 from ._gluon import exp2_int as _exp2_int
@@ -428,10 +429,9 @@ def _descriptors(k8, vt8, block_n: int):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     d = k8.shape[-1]
-    k_layout = gl.NVMMASharedLayout.get_default_for([block_n, d], gl.float8e4nv)
-    v_layout = gl.NVMMASharedLayout.get_default_for([d, block_n], gl.float8e4nv)
-    return (TensorDescriptor.from_tensor(k8.reshape(-1, d), [block_n, d], k_layout),
-            TensorDescriptor.from_tensor(vt8.reshape(-1, vt8.shape[-1]), [d, block_n], v_layout))
+    return (TensorDescriptor.from_tensor(k8.reshape(-1, d), [block_n, d], _shared_layout((block_n, d), gl.float8e4nv)),
+            TensorDescriptor.from_tensor(vt8.reshape(-1, vt8.shape[-1]), [d, block_n],
+                                         _shared_layout((d, block_n), gl.float8e4nv)))
 
 
 def launch(spec, *, head_dim: int, causal: bool, debug: bool = False, host_descriptors: bool = True) -> Launch:

@@ -17,9 +17,7 @@ Measures, per shape B·H·N·D and causal or not, medians of ``triton.testing.do
   (``kernels_delta_matching``), each incl. the preprocess (dO quantization + stale delta), as
   ``api.attention_backward`` runs it (the Gluon kernels ``bwd_ws`` where they run the recipe:
   ``bwd_kernels``) and with the Triton kernels (``_triton``), and that backward's kernels without
-  the preprocess: both, the dq alone, the dkdv alone (``_kernels``, ``_dq``, ``_dkdv``; Gluon: and
-  with its per-query vectors loaded a tile ahead, ``WsBwdTiles.dkdv_prefetch``, not the default:
-  ``_dkdv_prefetch``, and the five-GEMM kernel's ``ours_bwd_fused_t_prefetch``); the
+  the preprocess: both, the dq alone, the dkdv alone (``_kernels``, ``_dq``, ``_dkdv``); the
   five-GEMM backward (``bwd_fused``, stale delta) incl. the preprocess and dQ's postprocess, with
   atomic and with deterministic dQ sums (``ours_bwd_fused_stale``, ``_det``); the Gluon five-GEMM
   kernel alone on the stale D incl. dQ's postprocess (``ours_bwd_prepass_gluon_fused``), and with
@@ -223,8 +221,11 @@ def _default_speedups(ms: dict, anchor: str) -> dict:
     (``config.DEFAULT_RECIPE``, ``_time_default``): the forward with its quantization (the copies
     for the backward included), the same given K and V quantized by the caller (``kv_fp8``: Q's
     quantization, in the kernel and for the backward, included), the backward incl. its
-    preprocess, and quantization, forward and backward through autograd."""
+    preprocess, and quantization, forward and backward through autograd; and the forward with its
+    quantization replayed from a CUDA graph (its GPU time, no host: ``_graph``)."""
     return {"default_fwd_incl_quant": ms[f"{anchor}_fwd"] / ms["ours_default_fwd_incl_quant_for_bwd"],
+            **({"default_fwd_incl_quant_graph": ms[f"{anchor}_fwd"] / ms["ours_default_fwd_incl_quant_graph"]}
+               if "ours_default_fwd_incl_quant_graph" in ms else {}),
             **({"default_fwd_given_kv": ms[f"{anchor}_fwd"] / ms["ours_default_fwd_given_kv_for_bwd"]}
                if "ours_default_fwd_given_kv_for_bwd" in ms else {}),
             "default_bwd": ms[f"{anchor}_bwd"] / ms["ours_default_bwd"],
@@ -252,7 +253,7 @@ def _speedups(ms: dict, anchor: str) -> dict:
         **{k: bwd / ms[f"ours_{k}"] for k in ("bwd_prepass_gluon",) if f"ours_{k}" in ms},
         # the Gluon five-GEMM kernel alone (stale D), one and two consumer warp groups a CTA
         **{k: bwd / ms[f"ours_{k}"] for k in ("bwd_prepass_gluon_fused", "bwd_fused_2cons", "bwd_fused_tma",
-                                              "bwd_fused_t", "bwd_fused_t_prefetch") if f"ours_{k}" in ms},
+                                              "bwd_fused_t") if f"ours_{k}" in ms},
         **{k: e2e / ms[f"ours_{k}"] for k in ("e2e_prepass_gluon", "e2e_prepass_gluon_folded") if f"ours_{k}" in ms},
         "e2e_matched_folded": e2e / ms["ours_e2e_matched_folded"],
         "bwd_matched_triton": bwd / ms["ours_bwd_matched_triton"],
@@ -272,9 +273,7 @@ def _bwd_parts(r, gluon: bool, saved, do8, d_stale, kw) -> dict:
         return {"kernels": lambda: bwd_ws.backward_ws(saved, do8, do8, d_stale, recipe=r, kernels=("dq", "dkdv"),
                                                       **kw),
                 "dq": lambda: bwd_ws.dq(saved, do8, d_stale, recipe=r, **kw),
-                "dkdv": lambda: bwd_ws.dkdv(saved, do8, do8, delta, recipe=r, **kw),
-                # the per-query vectors loaded a tile ahead (WsBwdTiles.dkdv_prefetch; not the default)
-                "dkdv_prefetch": lambda: bwd_ws.dkdv(saved, do8, do8, delta, recipe=r, prefetch=True, **kw)}
+                "dkdv": lambda: bwd_ws.dkdv(saved, do8, do8, delta, recipe=r, **kw)}
     return {part: (lambda kernels=kernels: bwd_mod.backward(saved, do8, do8, d_stale, recipe=r, kernels=kernels,
                                                             **kw))
             for part, kernels in (("kernels", ("dq", "dkdv")), ("dq", ("dq",)), ("dkdv", ("dkdv",)))}
@@ -509,9 +508,6 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
                                                                    dq_t=False, **kw))
             ms["ours_bwd_fused_t"] = bench(lambda: bwd_ws.fused(saved, do8, d_stale, recipe=r_st, dq_tma=True,
                                                                  dq_t=True, **kw))
-            # and with the per-query vectors loaded a tile ahead (WsBwdTiles.dkdv_prefetch; not the default)
-            ms["ours_bwd_fused_t_prefetch"] = bench(lambda: bwd_ws.fused(saved, do8, d_stale, recipe=r_st, dq_tma=True,
-                                                                          dq_t=True, prefetch=True, **kw))
         # the same kernel with two consumer warp groups a CTA sharing the ring of query tiles
         # (WsBwdTiles.fused_consumers=2, 128 keys a CTA; not the default)
         try:

@@ -396,27 +396,6 @@ def _dq_partial(dsq_a, dsq_inv, kt_smem, kts_smem, DQ_ACC, dq_smem, SEM, bh, sta
 
 
 @gluon.jit
-def _query_vectors(Q_SCALE, LSE2, DO_SCALE, DELTA, qk_scale, k, n_run, bh0, lo, n_m, N, BLOCK_M: gl.constexpr,
-                   vec_layout: gl.constexpr, SKIP: gl.constexpr, CAUSAL: gl.constexpr):
-    """The per-query vectors of the consumer's k-th computed query tile (:func:`_consumer`'s
-    iteration index i of k): Q's scale times ``qk_scale``, LSE2, dO's scale and D, one element a
-    thread; none loaded where k is past ``n_run`` (the masked values: a prefetch past the last
-    tile). ``PREFETCH`` loads them a tile ahead of their use."""
-    if SKIP and CAUSAL:
-        i = k + k // gl.maximum(n_m - 1, 1) + 1
-    else:
-        i = k
-    offs_v = lo + (i % n_m) * BLOCK_M + gl.arange(0, BLOCK_M, layout=vec_layout)
-    v_in = (offs_v < N) & (k < n_run)
-    head = (bh0 + i // n_m).to(gl.int64) * N
-    q_scale_v = gl.load(Q_SCALE + head + offs_v, mask=v_in, other=0.0) * qk_scale
-    lse2_v = gl.load(LSE2 + head + offs_v, mask=v_in, other=float("inf"))
-    do_scale_v = gl.load(DO_SCALE + head + offs_v, mask=v_in, other=0.0)
-    delta_v = gl.load(DELTA + head + offs_v, mask=v_in, other=0.0)
-    return q_scale_v, lse2_v, do_scale_v, delta_v
-
-
-@gluon.jit
 def _release(rows_ready, rows_free, cols_ready, cols_free, i, STAGES: gl.constexpr):
     """Stage i of the ring released by a consumer that does not read it: once its loads have
     landed (an arrival before then could complete the stage's previous phase, which the other
@@ -436,17 +415,14 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               P_SCALE: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr, FUSED: gl.constexpr,
               DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr, SKIP: gl.constexpr = False, dq_smem=None,
-              DQ_TMA: gl.constexpr = False, dsq_smem=None, DQ_T: gl.constexpr = False,
-              PREFETCH: gl.constexpr = False):
+              DQ_TMA: gl.constexpr = False, dsq_smem=None, DQ_T: gl.constexpr = False):
     """The consumer warp group: the key tile's scales, every query tile, the stores. With
     ``SPLIT`` dK and dV are held as two halves of the head dim, each accumulated by its own
     wgmma (the same per-element chains: a wgmma's output element depends on its row of A, its
     column of B and the k order only). ``FUSED``: the fifth GEMM, dQ's partial over this key tile
     added into ``DQ_ACC`` (:func:`_dq_partial`). ``SKIP`` (the second consumer of a two-consumer
     CTA, whose ring starts at the CTA's first query tile): the query tiles a one-consumer CTA of
-    keys ``start_n ..`` does not run are released without being computed. ``PREFETCH``: each
-    query tile's per-query vectors (:func:`_query_vectors`) loaded from global memory while the
-    previous tile runs, instead of at the top of its own iteration (the same values)."""
+    keys ``start_n ..`` does not run are released without being computed."""
     CH: gl.constexpr = HEAD_DIM // 2 if SPLIT else HEAD_DIM
     gl.static_assert(OVERLAP < 2 or not SPLIT)
     gl.static_assert(not FUSED or (not SPLIT and OVERLAP < 2 and BLOCK_M == BLOCK_N))
@@ -484,9 +460,6 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
         for i in range(gl.where(past_n, n_iter, 0)):
             _release(rows_ready, rows_free, cols_ready, cols_free, i, STAGES)
         n_run = gl.where(past_n, 0, n_iter - n_iter // n_m if CAUSAL else n_iter)
-    if PREFETCH:
-        nq_q, nq_l, nq_d, nq_e = _query_vectors(Q_SCALE, LSE2, DO_SCALE, DELTA, qk_scale, 0, n_run, bh0, lo, n_m,
-                                                N, BLOCK_M, vec_layout, SKIP, CAUSAL)
     # Invariant at the top of each iteration, over the query tiles (and query heads) done so far:
     # dk = sum of deq(Q8(dS^T)) Q, dv = sum of Q8(2**8 P^T) deq(dO) (float32, one add per tile;
     # dv carries P's 2**8, taken out at the store): the Triton kernel's
@@ -506,23 +479,17 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
         # the per-query vectors: loaded one element a thread, moved into S^T's column layout
         # (16 registers a thread each) through shared memory where they are used, so that none
         # is held across a wgmma
-        if PREFETCH:
-            q_scale_v, lse2_v, do_scale_v, delta_v = nq_q, nq_l, nq_d, nq_e
-        else:
-            offs_v = start_m + gl.arange(0, BLOCK_M, layout=vec_layout)
-            v_in = offs_v < N
-            head = bh * N
-            q_scale_v = gl.load(Q_SCALE + head + offs_v, mask=v_in, other=0.0) * qk_scale
-            lse2_v = gl.load(LSE2 + head + offs_v, mask=v_in, other=float("inf"))
-            do_scale_v = gl.load(DO_SCALE + head + offs_v, mask=v_in, other=0.0)
-            delta_v = gl.load(DELTA + head + offs_v, mask=v_in, other=0.0)
+        offs_v = start_m + gl.arange(0, BLOCK_M, layout=vec_layout)
+        v_in = offs_v < N
+        head = bh * N
+        q_scale_v = gl.load(Q_SCALE + head + offs_v, mask=v_in, other=0.0) * qk_scale
+        lse2_v = gl.load(LSE2 + head + offs_v, mask=v_in, other=float("inf"))
+        do_scale_v = gl.load(DO_SCALE + head + offs_v, mask=v_in, other=0.0)
+        delta_v = gl.load(DELTA + head + offs_v, mask=v_in, other=0.0)
         # S^T (with OVERLAP, dP^T issued behind it runs during the softmax)
         mbarrier.wait(rows_ready.index(s), ph)
         st = warpgroup_mma(k_smem, q_bufs.index(s).permute((1, 0)),
                            gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout), use_acc=False, is_async=True)
-        if PREFETCH:  # the next tile's vectors, in flight while this one runs
-            nq_q, nq_l, nq_d, nq_e = _query_vectors(Q_SCALE, LSE2, DO_SCALE, DELTA, qk_scale, k + 1, n_run, bh0, lo,
-                                                    n_m, N, BLOCK_M, vec_layout, SKIP, CAUSAL)
         if OVERLAP >= 1:
             dpt = warpgroup_mma(v_smem, do_bufs.index(s).permute((1, 0)),
                                 gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout), use_acc=False, is_async=True)
@@ -640,7 +607,7 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
           CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr,
           FUSED: gl.constexpr, DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr, CONSUMERS: gl.constexpr = 1,
-          DQ_TMA: gl.constexpr = False, DQ_T: gl.constexpr = False, PREFETCH: gl.constexpr = False):
+          DQ_TMA: gl.constexpr = False, DQ_T: gl.constexpr = False):
     """The kernel on its TMA descriptors: K, V rows ``(B*HKV*N, D)``, Q, dO rows ``(B*H*N, D)``,
     Q^T, dO^T ``(B*H*D, NPAD)`` and their scales ``(B*H*NPAD/128, D)``; ``FUSED``: K^T
     ``(B*HKV*D, NPAD)`` and its scales, dQ's float32 buffer and (``DETERMINISTIC``) its counters
@@ -714,7 +681,7 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
                          kv_ready, rows_ready, rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE,
                          LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, bkv, bh0, start_n, lo, n_m, n_iter, N,
                          NPAD, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, P_SCALE, SPLIT, OVERLAP, FUSED, DETERMINISTIC,
-                         EVEN_N, False, dq_smem, DQ_TMA, dsq_smem, DQ_T, PREFETCH)),
+                         EVEN_N, False, dq_smem, DQ_TMA, dsq_smem, DQ_T)),
             (_producer, (k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, kt_desc, kts_desc,
                          k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs,
                          kv_ready, rows_ready, rows_free, cols_ready, cols_free, bkv * N + start_n, bkv, start_n, bh0,
@@ -730,13 +697,13 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
                          kv_ready, rows_ready, rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE,
                          LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, bkv, bh0, start_n, lo, n_m, n_iter, N,
                          NPAD, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, P_SCALE, SPLIT, OVERLAP, FUSED, DETERMINISTIC,
-                         EVEN_N, False, dq_smem, DQ_TMA, dsq_smem, DQ_T, PREFETCH)),
+                         EVEN_N, False, dq_smem, DQ_TMA, dsq_smem, DQ_T)),
             (_consumer, (k_smem1, v_smem1, kt_smem1, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs,
                          dots_bufs, kv_ready, rows_ready, rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE,
                          DO_SCALE, LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, bkv, bh0, start_n + BLOCK_N,
                          lo, n_m, n_iter, N, NPAD, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, P_SCALE, SPLIT, OVERLAP, FUSED,
                          DETERMINISTIC, EVEN_N, True, dq_smem1, DQ_TMA, dsq_smem1,
-                         DQ_T, PREFETCH)),
+                         DQ_T)),
             (_producer, (k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, kt_desc, kts_desc,
                          k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs,
                          kv_ready, rows_ready, rows_free, cols_ready, cols_free, bkv * N + start_n, bkv, start_n, bh0,
@@ -750,11 +717,11 @@ def _bwd_dkdv_ws_kernel(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_
                         V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV, qk_scale, sm_scale, H, HKV, N, NPAD,
                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, GROUP: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, P_SCALE: gl.constexpr,
-                        SPLIT: gl.constexpr, OVERLAP: gl.constexpr, PREFETCH: gl.constexpr):
+                        SPLIT: gl.constexpr, OVERLAP: gl.constexpr):
     """The kernel on host-side TMA descriptors (``_descriptors``): no descriptor is built per CTA."""
     _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, k_desc, qts_desc, Q_SCALE,
           K_SCALE, V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV, DK, DK, qk_scale, sm_scale, H, HKV, N, NPAD, HEAD_DIM,
-          BLOCK_M, GROUP, STAGES, CAUSAL, P_SCALE, SPLIT, OVERLAP, False, False, False, 1, False, False, PREFETCH)
+          BLOCK_M, GROUP, STAGES, CAUSAL, P_SCALE, SPLIT, OVERLAP, False, False, False)
 
 
 @gluon.jit
@@ -763,7 +730,7 @@ def _bwd_fused_ws_kernel(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts
                          H, HKV, N, NPAD, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, GROUP: gl.constexpr,
                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, OVERLAP: gl.constexpr,
                          DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr, CONSUMERS: gl.constexpr,
-                         DQ_TMA: gl.constexpr, DQ_T: gl.constexpr, PREFETCH: gl.constexpr):
+                         DQ_TMA: gl.constexpr, DQ_T: gl.constexpr):
     """The five-GEMM backward (``bwd_fused``'s computation) on host-side TMA descriptors: the dkdv
     kernel with dQ's partial of every query tile added into ``DQ_ACC`` (:func:`fused`), on
     ``CONSUMERS`` consumer warp groups of 64 keys a CTA; ``DQ_TMA``: by TMA reduce-adds, ``DQ_ACC``
@@ -771,7 +738,7 @@ def _bwd_fused_ws_kernel(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts
     _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, kt_desc, kts_desc, Q_SCALE,
           K_SCALE, V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, H, HKV, N, NPAD, HEAD_DIM,
           BLOCK_M, GROUP, STAGES, CAUSAL, P_SCALE, False, OVERLAP, True, DETERMINISTIC, EVEN_N, CONSUMERS, DQ_TMA,
-          DQ_T, PREFETCH)
+          DQ_T)
 
 
 @gluon.jit
@@ -779,7 +746,7 @@ def _bwd_dkdv_ws_kernel_dev(Q8, Q_SCALE, QT8, QT_SCALE, K8, K_SCALE, V8, V_SCALE
                             LSE2, DELTA, DK, DV, qk_scale, sm_scale, H, HKV, N, NPAD, ROWS_Q, ROWS_KV,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, GROUP: gl.constexpr,
                             STAGES: gl.constexpr, CAUSAL: gl.constexpr, P_SCALE: gl.constexpr,
-                            SPLIT: gl.constexpr, OVERLAP: gl.constexpr, PREFETCH: gl.constexpr):
+                            SPLIT: gl.constexpr, OVERLAP: gl.constexpr):
     """The kernel on device-side TMA descriptors, as ``fwd_ws`` builds them: every CTA writes its
     eight 128-byte tensor maps and waits for them before its first load (``dkdv(..., host_descriptors=False)``)."""
     row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float8e4nv)
@@ -799,7 +766,7 @@ def _bwd_dkdv_ws_kernel_dev(Q8, Q_SCALE, QT8, QT_SCALE, K8, K_SCALE, V8, V_SCALE
     dots_desc = tma.make_tensor_descriptor(DOT_SCALE, [sc_rows, HEAD_DIM], [HEAD_DIM, 1], [1, HEAD_DIM], sc_layout)
     _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, k_desc, qts_desc, Q_SCALE,
           K_SCALE, V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV, DK, DK, qk_scale, sm_scale, H, HKV, N, NPAD, HEAD_DIM,
-          BLOCK_M, GROUP, STAGES, CAUSAL, P_SCALE, SPLIT, OVERLAP, False, False, False, 1, False, False, PREFETCH)
+          BLOCK_M, GROUP, STAGES, CAUSAL, P_SCALE, SPLIT, OVERLAP, False, False, False)
 
 
 def _constexprs(spec, head_dim: int, causal: bool, group: int) -> dict:
@@ -809,7 +776,7 @@ def _constexprs(spec, head_dim: int, causal: bool, group: int) -> dict:
     t, ws = spec.bwd_tiles(head_dim), spec.ws_bwd_tiles(head_dim)
     return dict(HEAD_DIM=head_dim, BLOCK_M=t.block_m1, GROUP=group, STAGES=ws.dkdv_stages, CAUSAL=bool(causal),
                 P_SCALE=float(2 ** spec.recipe.p_bwd.offset_log2), SPLIT=bool(ws.dkdv_split),
-                OVERLAP=int(ws.dkdv_overlap), PREFETCH=bool(ws.dkdv_prefetch))
+                OVERLAP=int(ws.dkdv_overlap))
 
 
 def _check_delta(recipe) -> None:
@@ -908,8 +875,7 @@ def _check_fused(spec, head_dim: int, debug: bool = False) -> None:
 def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, debug: bool = False,
            host_descriptors: bool = True, stages: int | None = None, split: bool | None = None,
            overlap: int | None = None, deterministic: bool = False, n: int | None = None,
-           consumers: int | None = None, dq_tma: bool | None = False, dq_t: bool | None = None,
-           prefetch: bool | None = None) -> Launch:
+           consumers: int | None = None, dq_tma: bool | None = False, dq_t: bool | None = None) -> Launch:
     """The launch of the Gluon backward kernel ``kernel`` (``"dq"``, ``"dkdv"`` or ``"fused"``, the
     five-GEMM one: dkdv with dQ's partials, :func:`fused`) for ``spec`` (a
     ``config.KernelSpec`` or its name) at ``head_dim``, ``group`` query heads per key/value head:
@@ -917,9 +883,8 @@ def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, de
     ``recipe.delta.deferred_dq`` is set (dq), the query tile ``block_m1`` (dkdv) and key tile
     ``block_n2`` (dq) of the backward tiling, which the recipe's dS blocks, promotion and kbar's
     tile follow; the ring's depth and the schedule of the spec's ``ws_bwd_tiles(head_dim)``
-    (``config.default_ws_bwd_tiles`` by default), or ``stages``, ``split``, ``overlap`` and
-    (dkdv, fused) ``prefetch`` where given (the spec with them: ``config.WsBwdTiles``).
-    ``host_descriptors`` (dkdv): TMA descriptors
+    (``config.default_ws_bwd_tiles`` by default), or ``stages``, ``split``, ``overlap`` where
+    given (the spec with them: ``config.WsBwdTiles``). ``host_descriptors`` (dkdv): TMA descriptors
     built on the host once a launch, else in every CTA. The one description that :func:`dkdv`,
     :func:`dq`, :func:`fused` and ``compile_check.compile_launch`` read. ``deterministic`` (fused):
     dQ's partials added in key order; ``n`` (fused): the sequence length, whose multiples of 64
@@ -949,11 +914,7 @@ def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, de
                          "consumer warp group a CTA)")
     r = get_spec(spec)
     ws = r.ws_bwd_tiles(head_dim)
-    if prefetch is not None and kernel not in ("dkdv", "fused"):
-        raise ValueError(f"bwd_ws: prefetch is the dkdv and fused kernels' (the {kernel} kernel loads its "
-                         "query tile's vectors once)")
-    given = {f"{'dkdv' if kernel == 'fused' else kernel}_{k}": v
-             for k, v in dict(stages=stages, split=split, overlap=overlap, prefetch=prefetch).items() if v is not None}
+    given = {f"{'dkdv' if kernel == 'fused' else kernel}_{k}": v for k, v in dict(stages=stages, split=split, overlap=overlap).items() if v is not None}
     if consumers is not None:
         given["fused_consumers"] = consumers
     if given:
@@ -1063,7 +1024,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, reci
                  stages: int | None = None, split: bool | None = None, overlap: int | None = None,
                  host_descriptors: bool = True, n_multiple_of_16: bool = True, kernel: str = "dkdv",
                  deterministic: bool = False, n: int | None = None, consumers: int | None = None,
-                 dq_tma: bool = False, dq_t: bool | None = None, prefetch: bool | None = None):
+                 dq_tma: bool = False, dq_t: bool | None = None):
     """Compile ``kernel`` for sm_90a without a GPU (ptxas included) as :func:`launch` describes it
     (``group``, ``split`` and ``host_descriptors`` are the dkdv kernel's only; GQA is a run-time
     argument of the dq kernel; ``deterministic``, ``n``, ``consumers`` and ``dq_tma`` the fused
@@ -1076,7 +1037,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, reci
     spec = get_spec(recipe)
     run = launch(spec, head_dim=head_dim, causal=causal, kernel=kernel, group=group,
                  host_descriptors=host_descriptors, stages=stages, split=split, overlap=overlap,
-                 deterministic=deterministic, n=n, consumers=consumers, dq_tma=dq_tma, dq_t=dq_t, prefetch=prefetch)
+                 deterministic=deterministic, n=n, consumers=consumers, dq_tma=dq_tma, dq_t=dq_t)
     return compile_launch(run, n_multiple_of_16=n_multiple_of_16, do_format=spec.recipe.do_dp.fmt.name)
 
 
@@ -1105,8 +1066,7 @@ def prepass(saved, do8, *, batch: int, heads: int, kv_heads: int, n: int, head_d
 
 def fused(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int, causal: bool,
           scale: float, recipe, deterministic: bool = False, stages: int | None = None, overlap: int | None = None,
-          consumers: int | None = None, dq_tma: bool | None = None, dq_t: bool | None = None,
-          prefetch: bool | None = None):
+          consumers: int | None = None, dq_tma: bool | None = None, dq_t: bool | None = None):
     """The five-GEMM backward in Gluon: ``bwd_fused.backward``'s computation (the same operands,
     the same D from ``delta``, the same recipe) on the dkdv kernel's warp-specialized CTAs, each
     adding dQ's partial of its 64 keys into a float32 buffer, then ``bwd_fused``'s postprocess.
@@ -1126,7 +1086,7 @@ def fused(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, h
 
     run = launch(recipe, head_dim=head_dim, causal=causal, kernel="fused", group=heads // kv_heads,
                  stages=stages, overlap=overlap, deterministic=deterministic, n=n, consumers=consumers,
-                 dq_tma=dq_tma, dq_t=dq_t, prefetch=prefetch)
+                 dq_tma=dq_tma, dq_t=dq_t)
     q8, k8, v8 = saved.q, saved.k, saved.v
     dev = do8.rows.device
     dk = torch.empty((batch, kv_heads, n, head_dim), device=dev, dtype=torch.bfloat16)
@@ -1148,12 +1108,12 @@ def fused(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, h
 
 def dkdv(saved, do8, do_t, delta, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int,
          causal: bool, scale: float, recipe, debug: bool = False, stages: int | None = None, split: bool | None = None,
-         overlap: int | None = None, host_descriptors: bool = True, prefetch: bool | None = None):
+         overlap: int | None = None, host_descriptors: bool = True):
     """The Gluon dkdv kernel on what ``bwd.backward`` passes the Triton one: ``saved`` (the
     forward's ``SavedForward``: Q's row and transposed copies, K's and V's row copies, LSE2),
     ``do8`` / ``do_t`` (dO's row and transposed copies) and ``delta`` (the D that dS = P (dP - D)
-    subtracts: the dq kernel's matched one or the stale one). ``stages``, ``split``, ``overlap``,
-    ``prefetch``: another ring depth and schedule than the spec's (:func:`launch`); ``host_descriptors``: the TMA
+    subtracts: the dq kernel's matched one or the stale one). ``stages``, ``split``, ``overlap``:
+    another ring depth and schedule than the spec's (:func:`launch`); ``host_descriptors``: the TMA
     descriptors' side (host: built once a launch; device: per CTA, as ``fwd_ws``). Returns dk, dv
     ``(B, HKV, N, D)`` BF16, the Triton kernel's values."""
     import torch
@@ -1161,7 +1121,7 @@ def dkdv(saved, do8, do_t, delta, *, batch: int, heads: int, kv_heads: int, n: i
     from .fwd import LOG2E
 
     run = launch(recipe, head_dim=head_dim, causal=causal, kernel="dkdv", group=heads // kv_heads, debug=debug,
-                 host_descriptors=host_descriptors, stages=stages, split=split, overlap=overlap, prefetch=prefetch)
+                 host_descriptors=host_descriptors, stages=stages, split=split, overlap=overlap)
     q8, k8, v8 = saved.q, saved.k, saved.v
     dev = do8.rows.device
     dk = torch.empty((batch, kv_heads, n, head_dim), device=dev, dtype=torch.bfloat16)

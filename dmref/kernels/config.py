@@ -174,10 +174,6 @@ class WsBwdTiles:
     #: sharing one ring of query tiles (each streamed once for both). It runs the ring and
     #: schedule of dkdv (``dkdv_stages``, ``dkdv_overlap``)
     fused_consumers: int = 1
-    #: dkdv (and the five-GEMM kernel): each query tile's per-query vectors (Q's scale, LSE, dO's
-    #: scale, D) loaded from global memory while the previous tile runs, instead of at the top of
-    #: its own iteration, where their first use waits on the load (the same values)
-    dkdv_prefetch: bool = False
 
     def __post_init__(self) -> None:
         if self.dkdv_overlap not in (0, 1, 2) or self.dq_overlap not in (0, 1, 2, 3):

@@ -64,21 +64,6 @@ def test_bwd_ws_compiles_for_sm90_with_its_register_budget():
     compile_and_check_budget(_SCRIPT, 12)
 
 
-#: The per-query vectors loaded a tile ahead (``WsBwdTiles.dkdv_prefetch``, not the default): four
-#: registers a thread more across the tile, no spills at either head dim, causal or not
-_SCRIPT_PREFETCH = _SCRIPT.replace("for g in (1, 4)]", "for g in (4, )]").replace(
-    "cases += [(128, True, 4, True, False), (64, False, 1, True, False)]", "").replace(
-    "cases += [(128, True, 1, False, True), (64, False, 4, False, False)]", "").replace(
-    "n_multiple_of_16=n16)", "n_multiple_of_16=n16, prefetch=True)")
-
-
-@pytest.mark.slow
-def test_bwd_ws_with_prefetch_compiles_for_sm90_with_its_register_budget():
-    assert "prefetch=True" in _SCRIPT_PREFETCH
-    for u in compile_and_check_budget(_SCRIPT_PREFETCH, 4):
-        assert u["spills"] == 0, u
-
-
 _DQ_SCRIPT = """
 import json
 from dmref.kernels import bwd_ws
@@ -215,8 +200,7 @@ def test_bwd_ws_equals_the_triton_dkdv(case):
     assert torch.equal(dk1, dk) and torch.equal(dv1, dv)
 
 
-_VARIANTS = [dict(split=True), dict(overlap=1), dict(overlap=2), dict(stages=3), dict(host_descriptors=False),
-             dict(prefetch=True), dict(prefetch=True, overlap=2)]
+_VARIANTS = [dict(split=True), dict(overlap=1), dict(overlap=2), dict(stages=3), dict(host_descriptors=False)]
 
 
 @pytest.mark.gpu
@@ -226,8 +210,7 @@ def test_bwd_ws_variants_equal_the_triton_dkdv(variant, head_dim):
     """The kernel's other forms give the same values: ``split`` (dK and dV as two halves of the
     head dim, each its own wgmma: a wgmma's output element depends on its row of A, its column
     of B and the k order only), the overlapped schedules (the same operations, issued earlier),
-    a deeper ring, the descriptors built per CTA and the per-query vectors loaded a tile ahead
-    (``prefetch``: the same values)."""
+    a deeper ring and the descriptors built per CTA."""
     device = require_backend("gpu")
     from dmref.kernels import bwd, bwd_ws
 

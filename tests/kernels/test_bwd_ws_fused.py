@@ -303,7 +303,7 @@ def test_two_consumers_give_the_one_consumer_bits(case):
     saved, do8, delta, r, dims = _problem(shape, causal, recipe, device)
     overlap = r.ws_bwd_tiles(shape.head_dim).dkdv_overlap
     bound = _dq_order_bound(saved, do8, delta, r, dims)
-    for kw in (dict(), dict(stages=3), dict(overlap=1 - overlap), dict(prefetch=True)):
+    for kw in (dict(), dict(stages=3), dict(overlap=1 - overlap)):
         want = bwd_ws.fused(saved, do8, delta, recipe=r, deterministic=True, consumers=1, **kw, **dims)[:3]
         got = bwd_ws.fused(saved, do8, delta, recipe=r, deterministic=True, consumers=2, **kw, **dims)[:3]
         atomic = bwd_ws.fused(saved, do8, delta, recipe=r, consumers=2, dq_tma=False, **kw, **dims)[:3]

@@ -95,31 +95,20 @@ def test_the_gluon_backward_reads_its_schedule_from_the_spec():
     def schedule(spec, d):
         runs = _launches(spec, d)
         dkdv, dq = runs["dkdv_ws"].constexprs, runs["dq_ws"].constexprs
-        return WsBwdTiles(dkdv["STAGES"], dkdv["SPLIT"], dkdv["OVERLAP"], dq["STAGES"], dq["OVERLAP"],
-                          dkdv_prefetch=dkdv["PREFETCH"])
+        return WsBwdTiles(dkdv["STAGES"], dkdv["SPLIT"], dkdv["OVERLAP"], dq["STAGES"], dq["OVERLAP"])
 
     for name, spec in SPECS.items():
         if spec.prepass:  # no Gluon backward (test_bwd_prepass)
             continue
         for d in (64, 128):
             assert schedule(spec, d) == spec.ws_bwd_tiles(d) == default_ws_bwd_tiles(spec.recipe, d), (name, d)
-    other = WsBwdTiles(dkdv_stages=3, dkdv_split=False, dkdv_overlap=2, dq_stages=3, dq_overlap=3, dkdv_prefetch=True)
+    other = WsBwdTiles(dkdv_stages=3, dkdv_split=False, dkdv_overlap=2, dq_stages=3, dq_overlap=3)
     spec = SPECS["kernels_delta_matching"].with_tiles(ws_bwd=other)
     assert schedule(spec, 64) == schedule(spec, 128) == other
     given = bwd_ws.launch("kernels_delta_matching", head_dim=128, causal=False, kernel="dkdv", overlap=1, stages=3)
     assert (given.constexprs["OVERLAP"], given.constexprs["STAGES"]) == (1, 3)
     with pytest.raises(ValueError, match="split"):
         WsBwdTiles(dkdv_split=True, dkdv_overlap=2)
-    # the vectors a tile ahead (not the default): the dkdv and five-GEMM kernels', by the spec or a
-    # launch's ``prefetch``; the dq kernel refuses it in one line
-    for kernel, extra in (("dkdv", {}), ("fused", dict(n=1024, dq_tma=True))):
-        plain = bwd_ws.launch("kernels_naive_fp8", head_dim=64, causal=True, kernel=kernel, **extra).constexprs
-        ahead = bwd_ws.launch("kernels_naive_fp8", head_dim=64, causal=True, kernel=kernel, prefetch=True,
-                              **extra).constexprs
-        assert plain["PREFETCH"] is False and ahead == {**plain, "PREFETCH": True}
-    with pytest.raises(ValueError, match="prefetch") as info:
-        bwd_ws.launch("kernels_delta_matching", head_dim=64, causal=True, kernel="dq", prefetch=True)
-    assert "\n" not in str(info.value)
 
 
 _NOT_HONOURED = [FwdTiles(block_m=128), FwdTiles(num_warps=8), FwdTiles(maxnreg=168), FwdTiles(tma=False),

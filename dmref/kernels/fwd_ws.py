@@ -554,7 +554,8 @@ def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale:
     triton.set_allocator(allocator)
     o = torch.empty((b, h, n, d), device=q.device, dtype=torch.bfloat16)
     lse2 = torch.empty((b * h, n), device=q.device, dtype=torch.float32)
-    p_dump = torch.zeros((b * h, n, vt8.shape[-1]) if debug else (1,), device=q.device, dtype=torch.float32)
+    # the P dump's buffer; without debug the kernel does not touch it (lse2 stands in: no launch)
+    p_dump = torch.zeros((b * h, n, vt8.shape[-1]), device=q.device, dtype=torch.float32) if debug else lse2
     grid = run.grid(n, b * h)
     scalars = (scale * LOG2E, h, h // kv_heads, n, vt8.shape[-1])
     if host_descriptors:

@@ -309,3 +309,31 @@ def test_p_codes_equal_the_reference(shape, causal, record_property):
     record_property("p_code_agreement", agree)  # in the --junitxml report
     record_property("p_codes_compared", compared)
     assert agree >= P_CODE_AGREEMENT, f"P codes agree on {agree:.6f} < {P_CODE_AGREEMENT}"
+
+
+def test_host_descriptors_take_the_layouts_the_kernels_allocate():
+    """The host-side TMA descriptors' shared layouts come from a cache (``_gluon.shared_layout``,
+    built once instead of at every launch): each equals what ``get_default_for`` builds for its
+    block and element type, the layout the kernels allocate on the device side, for every block
+    the forward's and the backward's descriptors use, and a descriptor made twice is the same."""
+    pytest.importorskip("triton")
+    from triton.experimental.gluon import language as gl
+
+    from dmref.kernels import bwd_ws, fwd_ws
+    from dmref.kernels._gluon import shared_layout, unswizzled_layout
+
+    for block in [(128, 128), (128, 64), (64, 128), (64, 64)]:
+        for dtype in (gl.float8e4nv, gl.float8e5, gl.float32):
+            assert shared_layout(block, dtype) == gl.NVMMASharedLayout.get_default_for(list(block), dtype)
+    assert unswizzled_layout(32) == gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    k8 = torch.zeros(2, 256, 128, dtype=torch.float8_e4m3fn)
+    vt8 = torch.zeros(2, 128, 256, dtype=torch.float8_e4m3fn)
+    k_desc, v_desc = fwd_ws._descriptors(k8, vt8, 128)
+    assert k_desc.layout == gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv)
+    assert (k_desc.block_shape, v_desc.block_shape) == ([128, 128], [128, 128])
+    for a, b in zip(fwd_ws._descriptors(k8, vt8, 128), (k_desc, v_desc)):
+        assert (a.base.data_ptr(), a.shape, a.strides, a.block_shape, a.layout) == \
+            (b.base.data_ptr(), b.shape, b.strides, b.block_shape, b.layout)
+    row = bwd_ws._row_desc(k8, 64)
+    assert row.layout == gl.NVMMASharedLayout.get_default_for([64, 128], gl.float8e4nv)
+    assert bwd_ws._col_desc(vt8, 128, 64).layout == gl.NVMMASharedLayout.get_default_for([128, 64], gl.float8e4nv)

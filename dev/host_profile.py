@@ -1,7 +1,9 @@
 """Where the host's time goes in the default recipe's forward and backward calls at
 4·16·4096·128, causal: the CPU milliseconds each call, and each of the forward's launches alone,
-takes to issue its work (the GPU left running behind), then cProfile over 30 calls each. Prints
-(its log: dev/results/h100_host_profile.txt, ``python dev/host_profile.py > ...``)."""
+takes to issue its work (the GPU left running behind), with every launch through Triton's
+``JITFunction.run`` and through ``_runtime.start``'s compiled kernels (``FAST_LAUNCH``), then
+cProfile over 30 calls each (compiled kernels). Prints (its log:
+dev/results/h100_host_profile.txt, ``python dev/host_profile.py > ...``)."""
 import cProfile
 import io
 import pstats
@@ -10,7 +12,7 @@ import time
 
 import torch
 
-from dmref.kernels import api, fwd_ws
+from dmref.kernels import _runtime, api, fwd_ws
 from dmref.kernels.config import DEFAULT_RECIPE, get_spec
 from dmref.kernels.quantize import quantize, quantize_kv_folded
 
@@ -57,15 +59,20 @@ kv = quantize_kv_folded(k, v, for_backward=True)
 parts = {
     "fwd (default, for_backward)": fwd,
     "bwd (default)": bwd,
+    "quantize_kv_folded(for_backward, q)": lambda: quantize_kv_folded(k, v, for_backward=True, q=q),
     "quantize_kv_folded(for_backward)": lambda: quantize_kv_folded(k, v, for_backward=True),
     "fwd_ws.forward (kernel launch)": lambda: fwd_ws.forward(q, kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=h,
                                                              causal=True, scale=scale, recipe=r),
     "quantize(q, rows, cols)": lambda: quantize(q, "float8_e4m3fn", rows=True, cols=True),
-    "k_scale expand contiguous": lambda: kv.k_scale[:, None].expand(-1, n).contiguous(),
     "torch.empty x2": lambda: (torch.empty(1, device="cuda"), torch.empty(1, device="cuda")),
     "torch add (one launch)": lambda: q.add_(0),
 }
+print(f"{'host ms':48s} {'Triton run':>10s} {'compiled':>10s}")
 for name, fn in parts.items():
-    print(f"host ms {name:40s} {host_ms(fn):.4f}")
+    times = []
+    for fast in (False, True):
+        _runtime.FAST_LAUNCH = fast
+        times.append(host_ms(fn))
+    print(f"{name:48s} {times[0]:10.4f} {times[1]:10.4f}")
 profile("fwd", fwd)
 profile("bwd", bwd)

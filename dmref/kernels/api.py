@@ -151,27 +151,34 @@ def _folded_forward(q, k, v, s: Shape, r: KernelSpec, *, causal: bool, scale: fl
     head and channel), then on a Hopper GPU the warp-specialized Gluon kernel (``fwd_ws``, which
     quantizes Q itself), elsewhere (Triton's interpreter) and with ``debug`` the Triton forward on
     the same codes with the folded scales given per token and per token block (``fwd.launch``); for
-    the backward, the copies its kernels read, K's rows with its head's scale for every token
-    (the same codes and scale), K's transposed copy and V's rows written by the folded
-    quantization's second launch. ``kv``: that quantization's result, made by the caller
+    the backward, the copies its kernels read: Q's row and transposed copies, written by the
+    folded quantization's first launch (beside K's and V's amaxes), K's rows with its head's
+    scale for every token (the same codes and scale), K's transposed copy and V's rows, written
+    by its second launch. ``kv``: that quantization's result, made by the caller
     (:func:`quantize_kv`), instead of made here."""
     from . import fwd, fwd_ws
     from ._runtime import interpreting
     from .fwd import LN2
     from .quantize import Quantized, quantize, quantize_kv_folded
 
+    q8 = None
     if kv is None:
-        kv = quantize_kv_folded(k, v, for_backward=for_backward)
-    k_rows = Quantized(n=s.n, rows=kv.k8, row_scale=kv.k_scale[:, None].expand(-1, s.n).contiguous())
+        # for the backward, Q's copies come from the K/V amaxes' launch: one launch fewer
+        kv = quantize_kv_folded(k, v, for_backward=for_backward, q=q if for_backward else None,
+                                q_fmt=r.recipe.q.fmt.name)
+        q8 = kv.q
+    k_rows = kv.k_rows if kv.k_rows is not None else \
+        Quantized(n=s.n, rows=kv.k8, row_scale=kv.k_scale[:, None].expand(-1, s.n).contiguous())
+    k_rows = Quantized(n=s.n, rows=k_rows.rows, row_scale=k_rows.row_scale)  # the copy saved gets K's cols below
     # the debug dumps are the Triton forward's: it runs them, on the same codes and scales
     gluon = not interpreting() and not debug and _not_hopper(q.device) is None
     extra = {}
-    q8 = None
     if gluon:
         o, lse2 = fwd_ws.forward(q.contiguous(), kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=s.kv_heads,
                                  causal=causal, scale=scale, recipe=r)
     else:
-        q8, _ = quantize(q, r.recipe.q.fmt.name, rows=True, cols=for_backward)
+        if q8 is None:
+            q8, _ = quantize(q, r.recipe.q.fmt.name, rows=True, cols=for_backward)
         blocks = kv.vt8.shape[-1] // QUANT_BLOCK
         vt = Quantized(n=s.n, cols=kv.vt8, col_scale=kv.v_scale[:, None, :].expand(-1, blocks, -1).contiguous())
         o, lse2, p_codes = fwd.forward(q8, k_rows, vt, causal=causal, scale=scale, recipe=r, debug=debug, **_dims(s))

@@ -545,21 +545,21 @@ def backward(
 
     def run_dq():
         k_unit = kbar_unit(k8) if matched else dummy32
-        dq_run.kernel[dq_run.grid(n, batch * heads)](
+        dq_run.start(dq_run.grid(n, batch * heads),
             q8.rows, q8.row_scale, dq_ops[0], k8.row_scale, dq_ops[1], v8.row_scale,
             dq_ops[2], k8.col_scale, k_unit, do8.rows, do8.row_scale, saved.lse2, delta_stale,
             delta_matched if matched else dummy32,
             dq, dbg.get("dq_ds_rowsum", dummy32),
-            *scalars, heads, heads // kv_heads, n, do_t.npad, **dq_run.constexprs, **dq_run.options())
+            *scalars, heads, heads // kv_heads, n, do_t.npad)
 
     def run_dkdv():
-        dkdv_run.kernel[dkdv_run.grid(n, batch * kv_heads)](
+        dkdv_run.start(dkdv_run.grid(n, batch * kv_heads),
             dkdv_ops[0], q8.row_scale, dkdv_ops[1], q8.col_scale, k8.rows, k8.row_scale,
             v8.rows, v8.row_scale, dkdv_ops[2], do8.row_scale, dkdv_ops[3], do_t.col_scale,
             saved.lse2, delta_matched,
             dk, dv, dbg.get("ds_rowsum", dummy32), dbg.get("p_codes", dummy32),
             dbg.get("ds_codes", dummy32), dbg.get("ds_scale", dummy32),
-            *scalars, heads, kv_heads, n, do_t.npad, **dkdv_run.constexprs, **dkdv_run.options())
+            *scalars, heads, kv_heads, n, do_t.npad)
 
     runs = {"dq": run_dq, "dkdv": run_dkdv}
     # matched: dq runs first and makes D; stale: either order

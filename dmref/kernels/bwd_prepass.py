@@ -88,9 +88,9 @@ def delta(saved, do8, *, batch: int, heads: int, kv_heads: int, n: int, head_dim
     q8, k8, v8 = saved.q, saved.k, saved.v
     k_rows, v_rows = described(run, ("K8", "V8"), (k8.rows, v8.rows))
     out = torch.empty((batch * heads, n), device=do8.rows.device, dtype=torch.float32)
-    run.kernel[run.grid(n, batch * heads)](
+    run.start(run.grid(n, batch * heads),
         q8.rows, q8.row_scale, k_rows, k8.row_scale, v_rows, v8.row_scale, do8.rows, do8.row_scale, saved.lse2,
-        out, scale * LOG2E, heads, heads // kv_heads, n, **run.constexprs, **run.options())
+        out, scale * LOG2E, heads, heads // kv_heads, n)
     return out
 
 

@@ -1058,9 +1058,9 @@ def prepass(saved, do8, *, batch: int, heads: int, kv_heads: int, n: int, head_d
     delta = torch.empty((batch * heads, n), device=dev, dtype=torch.float32)
     descs = _dq_descriptors(q8.rows, do8.rows, k8.rows, v8.rows, k8.cols, k8.col_scale, consts["BLOCK_N"])
     npad = triton.cdiv(n, QUANT_BLOCK.value) * QUANT_BLOCK.value
-    run.kernel[run.grid(n, batch * heads)](
-        *descs, q8.row_scale, k8.row_scale, v8.row_scale, delta, do8.row_scale, saved.lse2, delta, delta, delta,
-        scale * LOG2E, scale, heads, heads // kv_heads, n, npad, **consts, **run.options())
+    run.start(run.grid(n, batch * heads),
+              *descs, q8.row_scale, k8.row_scale, v8.row_scale, delta, do8.row_scale, saved.lse2, delta, delta, delta,
+              scale * LOG2E, scale, heads, heads // kv_heads, n, npad)
     return delta
 
 
@@ -1099,10 +1099,10 @@ def fused(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, h
     descs = _descriptors(q8.rows, q8.cols, q8.col_scale, k8.rows, v8.rows, do8.rows, do8.cols, do8.col_scale,
                          run.constexprs["BLOCK_M"])
     descs += (_col_desc(k8.cols, head_dim, BLOCK_N.value), _scale_desc(k8.col_scale, head_dim))
-    run.kernel[run.grid(n, batch * kv_heads)](
+    run.start(run.grid(n, batch * kv_heads),
         *descs, q8.row_scale, k8.row_scale, v8.row_scale, do8.row_scale, saved.lse2, delta, dk, dv,
         _dq_desc(dq_acc, run.constexprs["BLOCK_M"]) if run.constexprs["DQ_TMA"] else dq_acc, sem,
-        scale * LOG2E, scale, heads, kv_heads, n, do8.npad, **run.constexprs, **run.options())
+        scale * LOG2E, scale, heads, kv_heads, n, do8.npad)
     return postprocess_dq(dq_acc, batch, heads, n, head_dim, scale, transposed), dk, dv, {"delta": delta}
 
 
@@ -1131,14 +1131,14 @@ def dkdv(saved, do8, do_t, delta, *, batch: int, heads: int, kv_heads: int, n: i
     if host_descriptors:
         descs = _descriptors(q8.rows, q8.cols, q8.col_scale, k8.rows, v8.rows, do8.rows, do_t.cols, do_t.col_scale,
                              run.constexprs["BLOCK_M"])
-        run.kernel[grid](*descs, q8.row_scale, k8.row_scale, v8.row_scale, do8.row_scale, saved.lse2, delta,
-                         dk, dv, *scalars, **run.constexprs, **run.options())
+        run.start(grid, *descs, q8.row_scale, k8.row_scale, v8.row_scale, do8.row_scale, saved.lse2, delta,
+                         dk, dv, *scalars)
     else:
         triton.set_allocator(allocator)
-        run.kernel[grid](
+        run.start(grid,
             q8.rows, q8.row_scale, q8.cols, q8.col_scale, k8.rows, k8.row_scale, v8.rows, v8.row_scale,
             do8.rows, do8.row_scale, do_t.cols, do_t.col_scale, saved.lse2, delta, dk, dv,
-            *scalars, batch * heads * n, batch * kv_heads * n, **run.constexprs, **run.options())
+            *scalars, batch * heads * n, batch * kv_heads * n)
     return dk, dv
 
 
@@ -1508,7 +1508,7 @@ def dq(saved, do8, delta_stale, *, batch: int, heads: int, kv_heads: int, n: int
     k_unit = bwd.kbar_unit(k8) if matched else delta_stale
     descs = _dq_descriptors(q8.rows, do8.rows, k8.rows, v8.rows, k8.cols, k8.col_scale, consts["BLOCK_N"])
     npad = triton.cdiv(n, QUANT_BLOCK.value) * QUANT_BLOCK.value
-    run.kernel[run.grid(n, batch * heads)](
-        *descs, q8.row_scale, k8.row_scale, v8.row_scale, k_unit, do8.row_scale, saved.lse2, delta_stale, delta, out,
-        scale * LOG2E, scale, heads, heads // kv_heads, n, npad, **consts, **run.options())
+    run.start(run.grid(n, batch * heads),
+              *descs, q8.row_scale, k8.row_scale, v8.row_scale, k_unit, do8.row_scale, saved.lse2, delta_stale, delta,
+              out, scale * LOG2E, scale, heads, heads // kv_heads, n, npad)
     return out, delta

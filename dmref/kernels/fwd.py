@@ -232,12 +232,10 @@ def forward(
 
         k_rows = TensorDescriptor.from_tensor(k8.rows, run.descriptors["K8"])
         v_cols = TensorDescriptor.from_tensor(vt.cols, run.descriptors["VT8"])
-    run.kernel[grid](
+    run.start(grid,
         q8.rows, q8.row_scale, k_rows, k8.row_scale, v_cols, vt.col_scale,
         o, lse2, p_dump,
-        scale * LOG2E, heads, heads // kv_heads, n, vt.npad,
-        **run.constexprs, **run.options(),
-    )
+        scale * LOG2E, heads, heads // kv_heads, n, vt.npad)
     return o, lse2, (fp8_codes(p_dump) if debug else None)
 
 

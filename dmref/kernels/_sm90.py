@@ -26,7 +26,7 @@ class Usage:
 
 
 def _pointer_type(name: str, do_format: str) -> str:
-    if name in ("O", "DQ", "DK", "DV", "X"):
+    if name in ("O", "DQ", "DK", "DV", "X", "Y"):
         return "*bf16"
     if name.startswith("SEM"):
         return "*i32"  # the fused backward's counters (bwd_fused)

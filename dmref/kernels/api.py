@@ -8,6 +8,7 @@ outputs and gradients are BF16.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -23,10 +24,14 @@ from .config import DEFAULT_RECIPE, QUANT_BLOCK, KernelSpec, get_spec
 class SavedForward:
     """What the backward reads: FP8 copies of Q, K, V made once in the forward, and LSE2."""
 
-    q: object  #: quantize.Quantized with rows (QK^T) and cols (dS^T Q)
+    q: object  #: quantize.Quantized with rows (QK^T) and cols (dS^T Q); None until the backward makes it
     k: object  #: rows (QK^T) and cols (dS K)
     v: object  #: cols (PV, forward) and rows (dO V^T, backward)
     lse2: torch.Tensor  #: (B*H, N) float32, base 2: LSE = LSE2 * ln 2
+    #: Q (BF16) whose copies the backward's preprocess makes, in dO's quantization launch, where
+    #: the forward did not make them (``q`` None): the warp-specialized forward quantizes Q's rows
+    #: inside its kernel and the transposed copy's 128-token blocks are not a consumer's
+    q_pending: torch.Tensor | None = None
 
 
 @dataclass
@@ -151,27 +156,32 @@ def _folded_forward(q, k, v, s: Shape, r: KernelSpec, *, causal: bool, scale: fl
     head and channel), then on a Hopper GPU the warp-specialized Gluon kernel (``fwd_ws``, which
     quantizes Q itself), elsewhere (Triton's interpreter) and with ``debug`` the Triton forward on
     the same codes with the folded scales given per token and per token block (``fwd.launch``); for
-    the backward, the copies its kernels read: Q's row and transposed copies, written by the
-    folded quantization's first launch (beside K's and V's amaxes), K's rows with its head's
-    scale for every token (the same codes and scale), K's transposed copy and V's rows, written
-    by its second launch. ``kv``: that quantization's result, made by the caller
-    (:func:`quantize_kv`), instead of made here."""
+    the backward, the copies its kernels read: K's rows with its head's scale for every token
+    (the same codes and scale), K's transposed copy and V's rows, written by the folded
+    quantization's second launch, and Q's row and transposed copies: with the Triton forward
+    written by that quantization's first launch (beside K's and V's amaxes), with the Gluon one
+    left to the backward's preprocess (``SavedForward.q_pending``: dO's quantization launch
+    writes them; the same bytes either way, and the forward's time is the forward's own).
+    ``kv``: that quantization's result, made by the caller (:func:`quantize_kv`), instead of
+    made here."""
     from . import fwd, fwd_ws
     from ._runtime import interpreting
     from .fwd import LN2
     from .quantize import Quantized, quantize, quantize_kv_folded
 
+    # the debug dumps are the Triton forward's: it runs them, on the same codes and scales
+    gluon = not interpreting() and not debug and _not_hopper(q.device) is None
     q8 = None
     if kv is None:
-        # for the backward, Q's copies come from the K/V amaxes' launch: one launch fewer
-        kv = quantize_kv_folded(k, v, for_backward=for_backward, q=q if for_backward else None,
-                                q_fmt=r.recipe.q.fmt.name)
+        # the Triton forward reads Q's rows: with the copies for the backward, from the K/V
+        # amaxes' launch (one launch fewer); the Gluon one quantizes Q itself and leaves the
+        # backward's copies to the backward's preprocess
+        with_q = for_backward and not gluon
+        kv = quantize_kv_folded(k, v, for_backward=for_backward, q=q if with_q else None, q_fmt=r.recipe.q.fmt.name)
         q8 = kv.q
     k_rows = kv.k_rows if kv.k_rows is not None else \
         Quantized(n=s.n, rows=kv.k8, row_scale=kv.k_scale[:, None].expand(-1, s.n).contiguous())
     k_rows = Quantized(n=s.n, rows=k_rows.rows, row_scale=k_rows.row_scale)  # the copy saved gets K's cols below
-    # the debug dumps are the Triton forward's: it runs them, on the same codes and scales
-    gluon = not interpreting() and not debug and _not_hopper(q.device) is None
     extra = {}
     if gluon:
         o, lse2 = fwd_ws.forward(q.contiguous(), kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=s.kv_heads,
@@ -186,12 +196,11 @@ def _folded_forward(q, k, v, s: Shape, r: KernelSpec, *, causal: bool, scale: fl
             extra["p_codes"] = p_codes
     saved = None
     if for_backward:
-        if q8 is None:
-            q8, _ = quantize(q, r.recipe.q.fmt.name, rows=True, cols=True)
         # K's transposed copy and V's rows (E4M3, the recipe's k_dq and v_dp: config.unsupported)
-        # from the folded quantization's own pass over K and V
+        # from the folded quantization's own pass over K and V; Q's copies from the Triton
+        # forward's quantization, or made by the backward's preprocess (q_pending)
         k_rows.cols, k_rows.col_scale = kv.k_cols.cols, kv.k_cols.col_scale
-        saved = SavedForward(q8, k_rows, kv.v_rows, lse2)
+        saved = SavedForward(q8, k_rows, kv.v_rows, lse2, q_pending=q if q8 is None else None)
     return o, (lse2 * LN2).view(s.batch, s.heads, s.n), saved, extra
 
 
@@ -234,9 +243,12 @@ def attention_backward(
     ``deterministic`` as above; the debug dict's ``"delta"`` is the pre-pass's D.
     """
     from . import bwd
-    from .quantize import quantize
+    from .quantize import quantize, quantize_with
 
     r = get_spec(recipe)
+    if saved.q is None and saved.q_pending is None:
+        raise ValueError("saved holds neither Q's copies nor Q: it is not what attention_forward(for_backward=True) "
+                         "returns")
     if r.prepass:
         if fused is False:
             raise ValueError(f"recipe {r.name!r} takes D from a pre-pass, which runs with the five-GEMM backward "
@@ -252,6 +264,18 @@ def attention_backward(
         raise ValueError("delta= is read by the fused backward only (fused=True)")
     if do.dtype != torch.bfloat16:
         do = do.to(torch.bfloat16)
+
+    def quantize_do(delta_with=None):
+        """dO's copies (and with ``delta_with`` the stale delta), and Q's copies where the forward
+        left them to the backward (``saved.q_pending``), in one launch."""
+        nonlocal saved
+        if saved.q is not None:
+            return quantize(do, r.recipe.do_dp.fmt.name, rows=True, cols=True, delta_with=delta_with)
+        do8_, d_, q8_ = quantize_with(do, r.recipe.do_dp.fmt.name, saved.q_pending, r.recipe.q.fmt.name,
+                                      delta_with=delta_with)
+        saved = dataclasses.replace(saved, q=q8_, q_pending=None)
+        return do8_, d_
+
     if fused:
         from . import bwd_fused
 
@@ -268,12 +292,11 @@ def attention_backward(
         if r.prepass:  # D from the pre-pass, on dO's row copy
             from . import bwd_prepass
 
-            do8, _ = quantize(do, r.recipe.do_dp.fmt.name, rows=True, cols=True)
+            do8, _ = quantize_do()
             d = (bwd_ws.prepass if use_gluon else bwd_prepass.delta)(saved, do8, causal=causal, scale=scale,
                                                                        recipe=r, **_dims(shape))
         else:  # the stale delta fused into dO's quantization, or the caller's D
-            do8, d = quantize(do, r.recipe.do_dp.fmt.name, rows=True, cols=True,
-                              delta_with=o if given is None else None)
+            do8, d = quantize_do(delta_with=o if given is None else None)
             if given is not None:
                 d = given
         if use_gluon:
@@ -282,7 +305,7 @@ def attention_backward(
         return bwd_fused.backward(saved, do8, d, causal=causal, scale=scale, recipe=r, deterministic=deterministic,
                                   debug=debug, **_dims(shape))
     # delta step (stale) fused into the quantization of dO: one read of dO and O
-    do8, delta_stale = quantize(do, r.recipe.do_dp.fmt.name, rows=True, cols=True, delta_with=o)
+    do8, delta_stale = quantize_do(delta_with=o)
     why_not = gluon_backward_refusal(r, shape.head_dim, debug, do.device)
     if gluon and why_not:
         raise ValueError(f"the Gluon backward does not run this call: {why_not}")
@@ -343,18 +366,21 @@ class _FP8Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, causal, scale, recipe, kv_fp8):
         o, _lse, saved, _ = attention_forward(q, k, v, causal=causal, scale=scale, recipe=recipe,
                                               for_backward=True, kv_fp8=kv_fp8)
-        ctx.saved = saved
         ctx.shape = Shape.of(q, k, v)
         ctx.causal = causal
         ctx.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         ctx.recipe = recipe
-        ctx.save_for_backward(o)
+        # Q itself where the backward makes its copies: saved through autograd, which checks that
+        # it was not changed in place before the backward
+        ctx.save_for_backward(o, *(() if saved.q_pending is None else (q,)))
+        ctx.saved = dataclasses.replace(saved, q_pending=None) if saved.q_pending is not None else saved
         return o
 
     @staticmethod
     def backward(ctx, do):
-        (o,) = ctx.saved_tensors
-        dq, dk, dv, _ = attention_backward(ctx.saved, o, do.contiguous(), shape=ctx.shape,
+        o, *q = ctx.saved_tensors
+        saved = dataclasses.replace(ctx.saved, q_pending=q[0]) if q else ctx.saved
+        dq, dk, dv, _ = attention_backward(saved, o, do.contiguous(), shape=ctx.shape,
                                            causal=ctx.causal, scale=ctx.scale, recipe=ctx.recipe)
         return dq, dk, dv, None, None, None, None
 
@@ -373,13 +399,19 @@ def attention(
     kernel; by default ``config.DEFAULT_RECIPE``, ``"kernels_folded_delta_matching"``), a
     ``config.KernelSpec``, or a ``dmref.recipes.Recipe`` the kernels run; ``dmref.get_recipe(name)``
     is the Recipe a name runs. Another recipe (a dmref preset such as ``"delta_matching"``) is a
-    ValueError naming the kernel recipe to use. Returns O (B, H, N, D) BF16. Fails with a clear
+    ValueError naming the kernel recipe to use. Returns O (B, H, N, D) BF16; where no gradient
+    can flow (``torch.no_grad()``, or no input requiring one) the forward runs alone, without the
+    copies only a backward reads (the same O). Fails with a clear
     message where no Hopper GPU is available (unless Triton's interpreter is switched on).
     ``kv_fp8``: K and V already quantized (:func:`quantize_kv`, a folded recipe's), which the
     forward reads instead of quantizing ``k`` and ``v``; the gradients still go to ``k`` and ``v``.
     """
     spec = get_spec(recipe)
     require_runnable(q, k, v)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if kv_fp8 is not None:
-        _check_kv_fp8(kv_fp8, Shape.of(q, k, v), spec, True)
+        _check_kv_fp8(kv_fp8, Shape.of(q, k, v), spec, grad)
+    if not grad:  # no backward can run: the forward alone, without the copies only the backward reads
+        return attention_forward(q, k, v, causal=causal, scale=scale, recipe=spec, for_backward=False,
+                                 kv_fp8=kv_fp8)[0]
     return _FP8Attention.apply(q, k, v, causal, scale, spec, kv_fp8)

@@ -41,8 +41,11 @@ def recipe_variants(spec: KernelSpec, head_dim: int, causal: bool, group: int = 
     and ``bwd_fused.launch`` as ``bwd_fused`` instead of the dq and dkdv kernels)."""
     from . import bwd, bwd_fused, bwd_prepass, bwd_ws, fwd, fwd_ws, quantize
 
+    # the backward's preprocess: dO's copies (and the stale delta), with Q's where the
+    # warp-specialized forward leaves them to it (the folded specs)
     yield "quantize", quantize.launch(head_dim, spec.recipe.do_dp.fmt.name, rows=True, cols=True,
-                                      with_delta=not spec.prepass)
+                                      with_delta=not spec.prepass,
+                                      second_fmt=spec.recipe.q.fmt.name if spec.folded else None)
     yield "fwd", (fwd_ws if spec.folded else fwd).launch(spec, head_dim=head_dim, causal=causal)
     if spec.prepass:
         yield "prepass", bwd_prepass.launch(spec, head_dim=head_dim, causal=causal)

@@ -74,10 +74,11 @@ def _quantize_kernel(
     X, stride_xb, stride_xh, stride_xn, stride_xd,
     XR, XR_SCALE, XT, XT_SCALE,
     O, stride_ob, stride_oh, stride_on, stride_od, DELTA,
+    Y, stride_yb, stride_yh, stride_yn, stride_yd, YR, YR_SCALE, YT, YT_SCALE,
     H, N, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
     EMIT_ROWS: tl.constexpr, EMIT_COLS: tl.constexpr, WITH_DELTA: tl.constexpr,
-    IS_E5M2: tl.constexpr, INTERPRET: tl.constexpr,
+    IS_E5M2: tl.constexpr, WITH_Y: tl.constexpr, Y_E5M2: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     bh = tl.program_id(1)
@@ -108,14 +109,26 @@ def _quantize_kernel(
         o_ptrs = O + offs_t[:, None] * stride_on + offs_d[None, :] * stride_od
         o = from_bf16(tl.load(o_ptrs, mask=in_seq[:, None], other=0.0), INTERPRET)
         tl.store(DELTA + offs_t, tl.sum(o * x, axis=1), mask=in_seq)
+    if WITH_Y:
+        # a second tensor of the same shape, its row and transposed copies (the backward's Q)
+        Y += b.to(tl.int64) * stride_yb + h.to(tl.int64) * stride_yh
+        y = from_bf16(tl.load(Y + offs_t[:, None] * stride_yn + offs_d[None, :] * stride_yd, mask=in_seq[:, None],
+                              other=0.0), INTERPRET)
+        _store_row_copy(y, offs_t, offs_d, in_seq, YR + bh64 * N * HEAD_DIM, YR_SCALE + bh64 * N, HEAD_DIM, Y_E5M2,
+                        INTERPRET)
+        _store_col_copy(y, pid_t, offs_t, offs_d, YT + bh64 * HEAD_DIM * NPAD,
+                        YT_SCALE + bh64 * (NPAD // BLOCK_T) * HEAD_DIM, NPAD, HEAD_DIM, Y_E5M2, INTERPRET)
 
 
-def launch(head_dim: int, fmt: str, *, rows: bool = True, cols: bool = True, with_delta: bool = False) -> Launch:
+def launch(head_dim: int, fmt: str, *, rows: bool = True, cols: bool = True, with_delta: bool = False,
+           second_fmt: str | None = None) -> Launch:
     """The quantization kernel's launch for ``head_dim`` and the FP8 format ``fmt``: the copies
-    it writes and whether it computes the stale delta. The one description that
-    :func:`quantize` and ``compile_check`` read."""
+    it writes, whether it computes the stale delta, and the format of a second tensor whose row
+    and transposed copies it writes too (None: none). The one description that :func:`quantize`
+    and ``compile_check`` read."""
     consts = dict(HEAD_DIM=head_dim, BLOCK_T=QUANT_BLOCK, EMIT_ROWS=bool(rows), EMIT_COLS=bool(cols),
-                  WITH_DELTA=bool(with_delta), IS_E5M2=fmt == "float8_e5m2", INTERPRET=interpreting())
+                  WITH_DELTA=bool(with_delta), IS_E5M2=fmt == "float8_e5m2", WITH_Y=second_fmt is not None,
+                  Y_E5M2=second_fmt == "float8_e5m2", INTERPRET=interpreting())
     return Launch(consts, num_warps=8, num_stages=3, kernel=_quantize_kernel, block_m=QUANT_BLOCK)
 
 
@@ -132,6 +145,24 @@ def quantize(
     Returns the copies asked for and, when ``delta_with`` (O, same shape) is given, the stale delta
     ``rowsum(x * O)`` as ``(B*H, N)`` float32.
     """
+    out, delta, _ = _quantize(x, fmt, rows=rows, cols=cols, delta_with=delta_with)
+    return out, delta
+
+
+def quantize_with(x: torch.Tensor, fmt: str, second: torch.Tensor, second_fmt: str, *,
+                  delta_with: torch.Tensor | None = None) -> tuple[Quantized, torch.Tensor | None, Quantized]:
+    """:func:`quantize` of ``x`` (both copies) and of ``second`` (same shape, any strides, both
+    copies in ``second_fmt``) in one launch: the backward's preprocess quantizes dO (and its stale
+    delta) and Q together. Returns ``(x's copies, the delta or None, second's copies)``, the codes
+    and factors that :func:`quantize` gives each."""
+    if second.shape != x.shape:
+        raise ValueError(f"second shape {tuple(second.shape)} != x shape {tuple(x.shape)}")
+    if second_fmt not in FORMATS:
+        raise ValueError(f"second_fmt={second_fmt!r} must be one of {list(FORMATS)}")
+    return _quantize(x, fmt, rows=True, cols=True, delta_with=delta_with, second=second, second_fmt=second_fmt)
+
+
+def _quantize(x, fmt, *, rows, cols, delta_with, second=None, second_fmt=None):
     if x.ndim != 4:
         raise ValueError(f"x must be (B, H, N, D), got shape {tuple(x.shape)}")
     if fmt not in FORMATS:
@@ -157,14 +188,23 @@ def quantize(
             raise ValueError(f"delta_with shape {tuple(delta_with.shape)} != x shape {tuple(x.shape)}")
         delta = torch.empty((bsz * heads, n), device=dev, dtype=torch.float32)
         o = delta_with
-    run = launch(d, fmt, rows=rows, cols=cols, with_delta=delta is not None)
+    y8 = None
+    y_args = (dummy8, 0, 0, 0, 0, dummy8, dummy32, dummy8, dummy32)
+    if second is not None:
+        y_dtype = get_format(second_fmt).torch_dtype
+        y8 = Quantized(n=n, rows=torch.empty((bsz * heads, n, d), device=dev, dtype=y_dtype),
+                       row_scale=torch.empty((bsz * heads, n), device=dev, dtype=torch.float32),
+                       cols=torch.empty((bsz * heads, d, npad), device=dev, dtype=y_dtype),
+                       col_scale=torch.empty((bsz * heads, npad // QUANT_BLOCK, d), device=dev, dtype=torch.float32))
+        y_args = (second, *second.stride(), y8.rows, y8.row_scale, y8.cols, y8.col_scale)
+    run = launch(d, fmt, rows=rows, cols=cols, with_delta=delta is not None, second_fmt=second_fmt)
     grid = (npad // QUANT_BLOCK, bsz * heads)
     run.start(grid, x, *x.stride(),
               out.rows if rows else dummy8, out.row_scale if rows else dummy32,
               out.cols if cols else dummy8, out.col_scale if cols else dummy32,
-              o, *o.stride(), delta if delta is not None else dummy32,
+              o, *o.stride(), delta if delta is not None else dummy32, *y_args,
               heads, n, npad)
-    return out, delta
+    return out, delta, y8
 
 
 # ---------------------------------------------------------------------------------------------

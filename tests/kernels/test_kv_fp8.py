@@ -59,14 +59,17 @@ def test_kv_fp8_that_does_not_fit_is_a_one_line_error():
         (lambda: attention(q, k, v, recipe="kernels_delta_matching", kv_fp8=kv), "folded recipes"),
         (lambda: attention(q, k, v, kv_fp8=(kv.k8, kv.vt8)), "quantize_kv returns"),
         (lambda: attention(q, k, v, kv_fp8=other), r"not the \(B\*HKV, N, D\)"),
-        (lambda: attention(q, k, v, kv_fp8=fwd_only), "for_backward=True"),
+        (lambda: attention(q.requires_grad_(), k, v, kv_fp8=fwd_only), "for_backward=True"),
     ):
         with pytest.raises((ValueError, TypeError), match=match) as exc:
             call()
         assert "\n" not in str(exc.value)
-    # a forward alone takes the codes without the backward's copies
+    # a forward alone takes the codes without the backward's copies, and so does attention where
+    # no gradient can flow
     o, _, saved, _ = api.attention_forward(q, k, v, causal=True, for_backward=False, kv_fp8=fwd_only)
     assert saved is None and torch.isfinite(o.float()).all()
+    with torch.no_grad():
+        assert torch.equal(attention(q, k, v, causal=True, kv_fp8=fwd_only), o)
 
 
 QKV_CASES = {
@@ -110,3 +113,57 @@ def test_q_quantized_in_the_amax_launch_has_the_bits_of_quantize(backend, case, 
         assert same(getattr(getattr(both, copy), name), getattr(getattr(alone, copy), name)), f"{copy}.{name}"
     assert torch.equal(both.k_rows.row_scale, both.k_scale[:, None].expand(-1, case.n))
     assert both.k_rows.rows is both.k8
+
+
+BWD_CASES = {
+    "interpreter": [Case(1, 4, 2, 150, 64, True, "kernels_folded_delta_matching"),
+                    Case(1, 2, 1, 150, 64, False, "kernels_folded_delta_prepass")],
+    "gpu": [Case(2, 8, 2, 1000, 128, True, "kernels_folded_delta_matching"),
+            Case(1, 4, 4, 777, 64, False, "kernels_folded_delta_prepass")],
+}
+
+
+@pytest.mark.parametrize("backend,case", backend_params(BWD_CASES))
+def test_q_copies_made_by_the_backward_give_the_forwards_bits(backend, case):
+    """The warp-specialized forward leaves Q's copies to the backward's preprocess
+    (``SavedForward.q_pending``: dO's quantization launch makes them, ``quantize_with``): the
+    backward from a saved state whose Q is pending gives the bits of the one whose Q's copies the
+    forward made; ``quantize_with`` gives ``quantize``'s codes, factors and stale delta for both
+    tensors (dO in E5M2 beside Q in E4M3 too); and ``attention`` where no gradient can flow gives
+    the O of the forward for training."""
+    import dataclasses
+
+    device = require_backend(backend)
+    from dmref.kernels import api, attention
+    from dmref.kernels.quantize import quantize, quantize_with
+
+    q, k, v, do = outlier_inputs(case, device)
+    shape = api.Shape.of(q, k, v)
+    scale = case.head_dim ** -0.5
+    o, _, saved, _ = api.attention_forward(q, k, v, causal=case.causal, scale=scale, recipe=case.recipe)
+    if saved.q is None:  # the Gluon forward: make the forward-made state to compare with
+        saved_made = dataclasses.replace(saved, q=quantize(q, "float8_e4m3fn")[0], q_pending=None)
+        saved_pending = saved
+    else:
+        saved_made, saved_pending = saved, dataclasses.replace(saved, q=None, q_pending=q)
+    runs = [api.attention_backward(s, o, do, shape=shape, causal=case.causal, scale=scale, recipe=case.recipe)[:3]
+            for s in (saved_made, saved_pending)]
+    for name, a, b in zip(("dQ", "dK", "dV"), *runs):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{name} differs with Q's copies made late"
+    with pytest.raises(ValueError, match="neither"):
+        api.attention_backward(dataclasses.replace(saved, q=None, q_pending=None), o, do, shape=shape,
+                               causal=case.causal, scale=scale, recipe=case.recipe)
+    for do_fmt in ("float8_e4m3fn", "float8_e5m2"):
+        x8, delta, y8 = quantize_with(do, do_fmt, q.transpose(1, 2).contiguous().transpose(1, 2), "float8_e4m3fn",
+                                      delta_with=o)
+        want_x, want_delta = quantize(do, do_fmt, delta_with=o)
+        want_y, _ = quantize(q, "float8_e4m3fn")
+        for got, want in ((x8, want_x), (y8, want_y)):
+            for field in ("rows", "row_scale", "cols", "col_scale"):
+                a, b = getattr(got, field), getattr(want, field)
+                assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                                   b.view(torch.uint8) if b.element_size() == 1 else b), field
+        assert torch.equal(delta, want_delta)
+    with torch.no_grad():
+        assert torch.equal(attention(q, k, v, causal=case.causal, scale=scale, recipe=case.recipe).view(torch.int16),
+                           o.view(torch.int16))

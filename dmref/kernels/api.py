@@ -246,9 +246,6 @@ def attention_backward(
     from .quantize import quantize, quantize_with
 
     r = get_spec(recipe)
-    if saved.q is None and saved.q_pending is None:
-        raise ValueError("saved holds neither Q's copies nor Q: it is not what attention_forward(for_backward=True) "
-                         "returns")
     if r.prepass:
         if fused is False:
             raise ValueError(f"recipe {r.name!r} takes D from a pre-pass, which runs with the five-GEMM backward "
@@ -262,6 +259,9 @@ def attention_backward(
                          "kernels are deterministic already")
     if delta is not None and not fused:
         raise ValueError("delta= is read by the fused backward only (fused=True)")
+    if saved.q is None and saved.q_pending is None:
+        raise ValueError("saved holds neither Q's copies nor Q: it is not what attention_forward(for_backward=True) "
+                         "returns")
     if do.dtype != torch.bfloat16:
         do = do.to(torch.bfloat16)
 

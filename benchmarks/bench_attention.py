@@ -56,6 +56,7 @@ FLOPs: forward 4·B·H·N²·D, halved when causal; backward 2.5 × forward.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -411,7 +412,7 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from dmref.kernels import api, fwd as fwd_mod
-    from dmref.kernels.quantize import quantize
+    from dmref.kernels.quantize import quantize, quantize_with
 
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
@@ -490,7 +491,11 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
     from dmref.kernels import bwd_ws
 
     def seven(saved=saved, o=o):
-        do8_, _ = quantize(do, "float8_e4m3fn", rows=True, cols=True, delta_with=o)
+        if saved.q is None:  # the warp-specialized forward's: Q's copies from dO's launch, as the API makes them
+            do8_, _, q8_ = quantize_with(do, "float8_e4m3fn", saved.q_pending, "float8_e4m3fn", delta_with=o)
+            saved = dataclasses.replace(saved, q=q8_, q_pending=None)
+        else:
+            do8_, _ = quantize(do, "float8_e4m3fn", rows=True, cols=True, delta_with=o)
         return bwd_ws.fused(saved, do8_, bwd_ws.prepass(saved, do8_, recipe=r_dm, **kw), recipe=r_st, **kw)
 
     try:

@@ -106,8 +106,9 @@ def _arg_key(a):
         return (a.dtype, a.data_ptr() % 16 == 0)
     base = getattr(a, "base", None)
     if isinstance(base, torch.Tensor) and hasattr(a, "block_shape"):
+        # Gluon's descriptors have a layout, Triton's do not
         return (t, base.dtype, base.data_ptr() % 16 == 0, tuple(a.shape), tuple(a.strides), tuple(a.block_shape),
-                a.layout, a.padding)
+                getattr(a, "layout", None), getattr(a, "padding", None))
     raise _NoKey(t.__name__)
 
 
@@ -127,7 +128,7 @@ def start(kernel, grid, *args, **kwargs) -> None:
         key = (kernel, torch.cuda.current_device(), tuple(map(_arg_key, args)),
                tuple((k, getattr(v, "value", v)) for k, v in kwargs.items()))
         hit = _COMPILED.get(key)
-    except (_NoKey, TypeError):  # TypeError: an unhashable keyword value
+    except (_NoKey, TypeError, AttributeError):  # TypeError: an unhashable value
         kernel[grid](*args, **kwargs)
         return
     if hit is not None:

@@ -109,6 +109,11 @@ def test_descriptor_keys_hold_what_triton_specializes_on():
     a, b = desc(x, [64, 128]), desc(x, [128, 128])
     assert _arg_key(a) == _arg_key(desc(x, [64, 128]))
     assert _arg_key(a) != _arg_key(b) and _arg_key(a) != _arg_key(desc(x[:128], [64, 128]))
+    # Triton's own host descriptors (the Triton forward's) have no layout
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    t = TensorDescriptor.from_tensor(x, [64, 128])
+    assert _arg_key(t) == _arg_key(TensorDescriptor.from_tensor(x, [64, 128])) != _arg_key(a)
 
 
 @pytest.mark.gpu

@@ -32,6 +32,17 @@ class SavedForward:
     #: the forward did not make them (``q`` None): the warp-specialized forward quantizes Q's rows
     #: inside its kernel and the transposed copy's 128-token blocks are not a consumer's
     q_pending: torch.Tensor | None = None
+    q_fmt: str = "float8_e4m3fn"  #: the format of Q's copies (the recipe's ``q``), where pending
+
+    def with_q_copies(self) -> SavedForward:
+        """This state with Q's copies made, where they are pending (one launch, ``quantize``):
+        what the kernels' own entry points (``bwd``, ``bwd_fused``, ``bwd_prepass``, ``bwd_ws``)
+        read; :func:`attention_backward` makes them in dO's launch instead."""
+        if self.q is not None:
+            return self
+        from .quantize import quantize
+
+        return dataclasses.replace(self, q=quantize(self.q_pending, self.q_fmt)[0], q_pending=None)
 
 
 @dataclass
@@ -200,7 +211,8 @@ def _folded_forward(q, k, v, s: Shape, r: KernelSpec, *, causal: bool, scale: fl
         # from the folded quantization's own pass over K and V; Q's copies from the Triton
         # forward's quantization, or made by the backward's preprocess (q_pending)
         k_rows.cols, k_rows.col_scale = kv.k_cols.cols, kv.k_cols.col_scale
-        saved = SavedForward(q8, k_rows, kv.v_rows, lse2, q_pending=q if q8 is None else None)
+        saved = SavedForward(q8, k_rows, kv.v_rows, lse2, q_pending=q if q8 is None else None,
+                             q_fmt=r.recipe.q.fmt.name)
     return o, (lse2 * LN2).view(s.batch, s.heads, s.n), saved, extra
 
 
@@ -271,7 +283,7 @@ def attention_backward(
         nonlocal saved
         if saved.q is not None:
             return quantize(do, r.recipe.do_dp.fmt.name, rows=True, cols=True, delta_with=delta_with)
-        do8_, d_, q8_ = quantize_with(do, r.recipe.do_dp.fmt.name, saved.q_pending, r.recipe.q.fmt.name,
+        do8_, d_, q8_ = quantize_with(do, r.recipe.do_dp.fmt.name, saved.q_pending, saved.q_fmt,
                                       delta_with=delta_with)
         saved = dataclasses.replace(saved, q=q8_, q_pending=None)
         return do8_, d_

@@ -539,6 +539,7 @@ def backward(
     delta_matched = torch.empty_like(delta_stale) if matched else delta_stale
     dbg = _debug_buffers(batch * heads, n, t.block_m1, dev) if debug else {}
     dummy32 = torch.empty(1, device=dev, dtype=torch.float32)
+    saved = saved.with_q_copies()  # where the forward left them to the backward
     q8, k8, v8 = saved.q, saved.k, saved.v
     dq_ops, dkdv_ops = _operands(q8, k8, v8, do8, do_t, dq_run, dkdv_run)
     scalars = (scale * LOG2E, scale)

@@ -314,6 +314,7 @@ def backward(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int
         dumps = {name: torch.zeros((batch * heads, n, n), device=dev, dtype=torch.float32)
                  for name in ("dsk_x", "dsk_inv", "dsq_x", "dsq_inv")}
         dumps["sem_seen"] = torch.full((batch * heads, n_qtiles, n_kblocks), -1, device=dev, dtype=torch.int32)
+    saved = saved.with_q_copies()  # where the forward left them to the backward
     q8, k8, v8 = saved.q, saved.k, saved.v
     start(run.kernel, run.grid(n, batch * kv_heads),
         q8.rows, q8.row_scale, q8.cols, q8.col_scale, k8.rows, k8.row_scale, k8.cols, k8.col_scale,

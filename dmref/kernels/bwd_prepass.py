@@ -85,6 +85,7 @@ def delta(saved, do8, *, batch: int, heads: int, kv_heads: int, n: int, head_dim
     from .fwd import LOG2E
 
     run = launch(recipe, head_dim=head_dim, causal=causal)
+    saved = saved.with_q_copies()  # where the forward left them to the backward
     q8, k8, v8 = saved.q, saved.k, saved.v
     k_rows, v_rows = described(run, ("K8", "V8"), (k8.rows, v8.rows))
     out = torch.empty((batch * heads, n), device=do8.rows.device, dtype=torch.float32)

@@ -1053,6 +1053,7 @@ def prepass(saved, do8, *, batch: int, heads: int, kv_heads: int, n: int, head_d
 
     run = launch(recipe, head_dim=head_dim, causal=causal, kernel="prepass")
     consts = run.constexprs
+    saved = saved.with_q_copies()  # where the forward left them to the backward
     q8, k8, v8 = saved.q, saved.k, saved.v
     dev = do8.rows.device
     delta = torch.empty((batch * heads, n), device=dev, dtype=torch.float32)
@@ -1087,6 +1088,7 @@ def fused(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, h
     run = launch(recipe, head_dim=head_dim, causal=causal, kernel="fused", group=heads // kv_heads,
                  stages=stages, overlap=overlap, deterministic=deterministic, n=n, consumers=consumers,
                  dq_tma=dq_tma, dq_t=dq_t)
+    saved = saved.with_q_copies()  # where the forward left them to the backward
     q8, k8, v8 = saved.q, saved.k, saved.v
     dev = do8.rows.device
     dk = torch.empty((batch, kv_heads, n, head_dim), device=dev, dtype=torch.bfloat16)
@@ -1122,6 +1124,7 @@ def dkdv(saved, do8, do_t, delta, *, batch: int, heads: int, kv_heads: int, n: i
 
     run = launch(recipe, head_dim=head_dim, causal=causal, kernel="dkdv", group=heads // kv_heads, debug=debug,
                  host_descriptors=host_descriptors, stages=stages, split=split, overlap=overlap)
+    saved = saved.with_q_copies()  # where the forward left them to the backward
     q8, k8, v8 = saved.q, saved.k, saved.v
     dev = do8.rows.device
     dk = torch.empty((batch, kv_heads, n, head_dim), device=dev, dtype=torch.bfloat16)
@@ -1165,6 +1168,7 @@ def backward_ws(saved, do8, do_t, delta_stale, *, batch: int, heads: int, kv_hea
         _check_dq(r, head_dim, debug)
     if "dkdv" in kernels:
         _check(r, head_dim, debug)
+    saved = saved.with_q_copies()  # once for both kernels
     dims = dict(batch=batch, heads=heads, kv_heads=kv_heads, n=n, head_dim=head_dim, causal=causal, scale=scale)
     if "dq" in kernels:
         dq_, delta = dq(saved, do8, delta_stale, recipe=r, **dims)
@@ -1500,6 +1504,7 @@ def dq(saved, do8, delta_stale, *, batch: int, heads: int, kv_heads: int, n: int
 
     run = launch(recipe, head_dim=head_dim, causal=causal, kernel="dq", debug=debug, stages=stages, overlap=overlap)
     consts = run.constexprs
+    saved = saved.with_q_copies()  # where the forward left them to the backward
     q8, k8, v8 = saved.q, saved.k, saved.v
     dev = do8.rows.device
     out = torch.empty((batch, heads, n, head_dim), device=dev, dtype=torch.bfloat16)

@@ -33,7 +33,7 @@ Measures, per shape B·H·N·D and causal or not, medians of ``triton.testing.do
   CTA sharing one K/V ring (``FwdTiles(consumers=2)``, not the default: ``_2cons``; an error is
   recorded as ``fwd_ws_2cons_error``);
 - what ``dmref.kernels.attention`` runs by default (``config.DEFAULT_RECIPE``): its forward with
-  its quantization for the backward, the same given K and V quantized by the caller
+  its quantization (K's and V's copies for the backward included), the same given K and V quantized by the caller
   (``api.quantize_kv``, ``kv_fp8``; that quantization alone is ``ours_default_quantize_kv``), its
   backward incl. the preprocess, end to end through autograd (``ours_default_*``;
   ``default_fwd_incl_quant``, ``default_fwd_given_kv``, ``default_bwd`` and ``default_e2e`` among
@@ -219,10 +219,11 @@ def cudnn_fp8_timers(q, k, v, do, causal):
 
 def _default_speedups(ms: dict, anchor: str) -> dict:
     """The anchor's time over that of what ``dmref.kernels.attention`` runs by default
-    (``config.DEFAULT_RECIPE``, ``_time_default``): the forward with its quantization (the copies
-    for the backward included), the same given K and V quantized by the caller (``kv_fp8``: Q's
-    quantization, in the kernel and for the backward, included), the backward incl. its
-    preprocess, and quantization, forward and backward through autograd; and the forward with its
+    (``config.DEFAULT_RECIPE``, ``_time_default``): the forward with its quantization (K's and V's
+    copies for the backward included; Q's are the backward preprocess's), the same given K and V
+    quantized by the caller (``kv_fp8``: the kernel, which quantizes Q's rows itself), the
+    backward incl. its preprocess (dO's and Q's copies), and quantization, forward and backward
+    through autograd; and the forward with its
     quantization replayed from a CUDA graph (its GPU time, no host: ``_graph``)."""
     return {"default_fwd_incl_quant": ms[f"{anchor}_fwd"] / ms["ours_default_fwd_incl_quant_for_bwd"],
             **({"default_fwd_incl_quant_graph": ms[f"{anchor}_fwd"] / ms["ours_default_fwd_incl_quant_graph"]}

@@ -1,9 +1,9 @@
 """Where the host's time goes in the default recipe's forward and backward calls at
 4·16·4096·128, causal: the CPU milliseconds each call, and each of the forward's launches alone,
-takes to issue its work (the GPU left running behind), with every launch through Triton's
-``JITFunction.run`` and through ``_runtime.start``'s compiled kernels (``FAST_LAUNCH``), then
-cProfile over 30 calls each (compiled kernels). Prints (its log:
-dev/results/h100_host_profile.txt, ``python dev/host_profile.py > ...``)."""
+takes to issue its work (the GPU left running behind), then cProfile over 30 calls each.
+Prints (its log: dev/results/h100_host_profile.txt, ``python dev/host_profile.py > ...``; the
+log committed there also times a cache of compiled kernels that has left the tree: this script
+as committed in eaf3334, docs/kernels_speed.md, "The host's share")."""
 import cProfile
 import io
 import pstats
@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from dmref.kernels import _runtime, api, fwd_ws
+from dmref.kernels import api, fwd_ws
 from dmref.kernels.config import DEFAULT_RECIPE, get_spec
 from dmref.kernels.quantize import quantize, quantize_kv_folded
 
@@ -67,12 +67,7 @@ parts = {
     "torch.empty x2": lambda: (torch.empty(1, device="cuda"), torch.empty(1, device="cuda")),
     "torch add (one launch)": lambda: q.add_(0),
 }
-print(f"{'host ms':48s} {'Triton run':>10s} {'compiled':>10s}")
 for name, fn in parts.items():
-    times = {False: [], True: []}
-    for fast in (False, True, True, False):  # both orders: the lower of two medians each
-        _runtime.FAST_LAUNCH = fast
-        times[fast].append(host_ms(fn))
-    print(f"{name:48s} {min(times[False]):10.4f} {min(times[True]):10.4f}")
+    print(f"host ms {name:40s} {host_ms(fn):.4f}")
 profile("fwd", fwd)
 profile("bwd", bwd)

@@ -77,69 +77,13 @@ def require_runnable(*tensors: torch.Tensor) -> None:
         )
 
 
-#: Launch a kernel seen before with the same argument key through its compiled kernel
-#: (:func:`start`); False (or ``DMREF_FAST_LAUNCH=0`` in the environment at import): every launch
-#: through Triton's ``JITFunction.run`` (the tests compare the two).
-FAST_LAUNCH = os.environ.get("DMREF_FAST_LAUNCH", "1") != "0"
-
-#: compiled kernel and the constexprs' values in signature order, by (jitted kernel, device,
-#: argument key, constexprs and options): :func:`start`'s cache
-_COMPILED: dict = {}
-
-
-class _NoKey(Exception):
-    """An argument :func:`_arg_key` cannot key: the launch goes through Triton's own path."""
-
-
-def _arg_key(a):
-    """What Triton may specialize a kernel on about the argument ``a``, or more: a tensor's dtype
-    and whether its address is a multiple of 16; an int's or bool's value (Triton specializes on
-    ``== 1`` and divisibility by 16); a float's type only (Triton passes its value, unspecialized);
-    a host TMA descriptor's dtype, alignment, shape, strides, block shape, layout and padding
-    (Triton specializes on the dtype, block shape and layout)."""
-    t = type(a)
-    if t is int or t is bool or a is None:
-        return (t, a)
-    if t is float:
-        return t
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() % 16 == 0)
-    base = getattr(a, "base", None)
-    if isinstance(base, torch.Tensor) and hasattr(a, "block_shape"):
-        # Gluon's descriptors have a layout, Triton's do not
-        return (t, base.dtype, base.data_ptr() % 16 == 0, tuple(a.shape), tuple(a.strides), tuple(a.block_shape),
-                getattr(a, "layout", None), getattr(a, "padding", None))
-    raise _NoKey(t.__name__)
-
-
 def start(kernel, grid, *args, **kwargs) -> None:
     """Launch ``kernel[grid](*args, **kwargs)`` (arguments positional, constexprs and launch
-    options by keyword): the first launch with an argument key through Triton's ``JITFunction.run``
-    (which compiles, or finds the compiled kernel, and launches it), every later one straight
-    through that compiled kernel, skipping the run's argument binding, specialization and cache
-    lookup (about half of a launch's host time: docs/kernels_speed.md, "The host's share"). The key
-    (:func:`_arg_key` of each argument, the keywords) is at least as fine as Triton's own
-    specialization, so both paths launch the same compiled kernel; under the interpreter, with
-    ``FAST_LAUNCH`` off, or with an argument it cannot key, every launch is Triton's."""
-    if interpreting() or not FAST_LAUNCH:
-        kernel[grid](*args, **kwargs)
-        return
-    try:
-        key = (kernel, torch.cuda.current_device(), tuple(map(_arg_key, args)),
-               tuple((k, getattr(v, "value", v)) for k, v in kwargs.items()))
-        hit = _COMPILED.get(key)
-    except (_NoKey, TypeError, AttributeError):  # TypeError: an unhashable value
-        kernel[grid](*args, **kwargs)
-        return
-    if hit is not None:
-        compiled, constexprs = hit
-        compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, *constexprs)
-        return
-    compiled = kernel[grid](*args, **kwargs)
-    # the run's bound arguments: the positional ones, then each later parameter's keyword or default
-    later = kernel.params[len(args):]
-    if compiled is not None and all(p.name in kwargs or p.has_default for p in later):
-        _COMPILED[key] = (compiled, tuple(kwargs[p.name] if p.name in kwargs else p.default for p in later))
+    options by keyword): the one place a kernel of ``dmref.kernels`` is launched. A cache of the
+    compiled kernels that skipped Triton's ``JITFunction.run`` for a launch seen before saved
+    15-25 us a launch and nothing measurable a call, and left the tree (docs/kernels_speed.md,
+    "The host's share")."""
+    kernel[grid](*args, **kwargs)
 
 
 def register_cap(maxnreg: int | None) -> dict:
@@ -191,7 +135,7 @@ class Launch:
 
     def start(self, grid, *args) -> None:
         """Launch this kernel on ``grid`` with the positional ``args`` and its constexprs and
-        options (:func:`start`: through the compiled kernel once seen)."""
+        options (:func:`start`)."""
         start(self.kernel, grid, *args, **self.constexprs, **self.options())
 
     def grid(self, n: int, programs: int) -> tuple[int, int]:

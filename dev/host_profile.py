@@ -1,33 +1,20 @@
 """Where the host's time goes in the default recipe's forward and backward calls at
 4·16·4096·128, causal: the CPU milliseconds each call, and each of the forward's launches alone,
 takes to issue its work (the GPU left running behind), then cProfile over 30 calls each.
-Prints (its log: dev/results/h100_host_profile.txt, ``python dev/host_profile.py > ...``; the
-log committed there also times a cache of compiled kernels that has left the tree: this script
-as committed in eaf3334, docs/kernels_speed.md, "The host's share")."""
+Prints (its log: dev/results/h100_host_profile.txt, ``PYTHONPATH=benchmarks python
+dev/host_profile.py > ...``; the log committed there also times a cache of compiled kernels
+that has left the tree: this script as committed in eaf3334, docs/kernels_speed.md, "The host's
+share")."""
 import cProfile
 import io
 import pstats
-import statistics
-import time
 
 import torch
+from bench_attention import host_ms  # the product benchmark's host timing
 
 from dmref.kernels import api, fwd_ws
 from dmref.kernels.config import DEFAULT_RECIPE, get_spec
 from dmref.kernels.quantize import quantize, quantize_kv_folded
-
-
-def host_ms(fn, calls=30):
-    fn()
-    rounds = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        rounds.append((time.perf_counter() - t0) * 1e3 / calls)
-    torch.cuda.synchronize()
-    return statistics.median(rounds)
 
 
 def profile(name, fn):
@@ -59,7 +46,6 @@ kv = quantize_kv_folded(k, v, for_backward=True)
 parts = {
     "fwd (default, for_backward)": fwd,
     "bwd (default)": bwd,
-    "quantize_kv_folded(for_backward, q)": lambda: quantize_kv_folded(k, v, for_backward=True, q=q),
     "quantize_kv_folded(for_backward)": lambda: quantize_kv_folded(k, v, for_backward=True),
     "fwd_ws.forward (kernel launch)": lambda: fwd_ws.forward(q, kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=h,
                                                              causal=True, scale=scale, recipe=r),
@@ -68,6 +54,6 @@ parts = {
     "torch add (one launch)": lambda: q.add_(0),
 }
 for name, fn in parts.items():
-    print(f"host ms {name:40s} {host_ms(fn):.4f}")
+    print(f"host ms {name:40s} {host_ms(fn, calls=30):.4f}")
 profile("fwd", fwd)
 profile("bwd", bwd)

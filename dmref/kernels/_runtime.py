@@ -77,15 +77,6 @@ def require_runnable(*tensors: torch.Tensor) -> None:
         )
 
 
-def start(kernel, grid, *args, **kwargs) -> None:
-    """Launch ``kernel[grid](*args, **kwargs)`` (arguments positional, constexprs and launch
-    options by keyword): the one place a kernel of ``dmref.kernels`` is launched. A cache of the
-    compiled kernels that skipped Triton's ``JITFunction.run`` for a launch seen before saved
-    15-25 us a launch and nothing measurable a call, and left the tree (docs/kernels_speed.md,
-    "The host's share")."""
-    kernel[grid](*args, **kwargs)
-
-
 def register_cap(maxnreg: int | None) -> dict:
     """Launch options for a tiling's register cap (Triton's ``maxnreg``); none under the
     interpreter, which does not compile."""
@@ -135,8 +126,8 @@ class Launch:
 
     def start(self, grid, *args) -> None:
         """Launch this kernel on ``grid`` with the positional ``args`` and its constexprs and
-        options (:func:`start`)."""
-        start(self.kernel, grid, *args, **self.constexprs, **self.options())
+        options."""
+        self.kernel[grid](*args, **self.constexprs, **self.options())
 
     def grid(self, n: int, programs: int) -> tuple[int, int]:
         """The grid over ``n`` tokens and ``programs`` heads (or key/value heads)."""

@@ -170,36 +170,29 @@ def _folded_forward(q, k, v, s: Shape, r: KernelSpec, *, causal: bool, scale: fl
     the backward, the copies its kernels read: K's rows with its head's scale for every token
     (the same codes and scale), K's transposed copy and V's rows, written by the folded
     quantization's second launch, and Q's row and transposed copies: with the Triton forward
-    written by that quantization's first launch (beside K's and V's amaxes), with the Gluon one
-    left to the backward's preprocess (``SavedForward.q_pending``: dO's quantization launch
-    writes them; the same bytes either way, and the forward's time is the forward's own).
-    ``kv``: that quantization's result, made by the caller (:func:`quantize_kv`), instead of
-    made here."""
+    written by the quantization of Q whose rows it reads, with the Gluon one (which quantizes
+    Q's rows itself) left to the backward's preprocess (``SavedForward.q_pending``: dO's
+    quantization launch writes them; the same bytes either way, and the forward's time is the
+    forward's own). ``kv``: that quantization's result, made by the caller
+    (:func:`quantize_kv`), instead of made here."""
     from . import fwd, fwd_ws
     from ._runtime import interpreting
     from .fwd import LN2
     from .quantize import Quantized, quantize, quantize_kv_folded
 
+    if kv is None:
+        kv = quantize_kv_folded(k, v, for_backward=for_backward)
+    # K's rows as the Triton forward and the backward read them: the head's factor for every token
+    k_rows = kv.k_rows or Quantized(n=s.n, rows=kv.k8, row_scale=kv.k_scale[:, None].expand(-1, s.n).contiguous())
     # the debug dumps are the Triton forward's: it runs them, on the same codes and scales
     gluon = not interpreting() and not debug and _not_hopper(q.device) is None
-    q8 = None
-    if kv is None:
-        # the Triton forward reads Q's rows: with the copies for the backward, from the K/V
-        # amaxes' launch (one launch fewer); the Gluon one quantizes Q itself and leaves the
-        # backward's copies to the backward's preprocess
-        with_q = for_backward and not gluon
-        kv = quantize_kv_folded(k, v, for_backward=for_backward, q=q if with_q else None, q_fmt=r.recipe.q.fmt.name)
-        q8 = kv.q
-    k_rows = kv.k_rows if kv.k_rows is not None else \
-        Quantized(n=s.n, rows=kv.k8, row_scale=kv.k_scale[:, None].expand(-1, s.n).contiguous())
-    k_rows = Quantized(n=s.n, rows=k_rows.rows, row_scale=k_rows.row_scale)  # the copy saved gets K's cols below
     extra = {}
+    q8 = None  # Q's copies: the Gluon forward quantizes Q's rows itself and leaves them to the backward
     if gluon:
         o, lse2 = fwd_ws.forward(q.contiguous(), kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=s.kv_heads,
                                  causal=causal, scale=scale, recipe=r)
     else:
-        if q8 is None:
-            q8, _ = quantize(q, r.recipe.q.fmt.name, rows=True, cols=for_backward)
+        q8, _ = quantize(q, r.recipe.q.fmt.name, rows=True, cols=for_backward)
         blocks = kv.vt8.shape[-1] // QUANT_BLOCK
         vt = Quantized(n=s.n, cols=kv.vt8, col_scale=kv.v_scale[:, None, :].expand(-1, blocks, -1).contiguous())
         o, lse2, p_codes = fwd.forward(q8, k_rows, vt, causal=causal, scale=scale, recipe=r, debug=debug, **_dims(s))
@@ -210,9 +203,8 @@ def _folded_forward(q, k, v, s: Shape, r: KernelSpec, *, causal: bool, scale: fl
         # K's transposed copy and V's rows (E4M3, the recipe's k_dq and v_dp: config.unsupported)
         # from the folded quantization's own pass over K and V; Q's copies from the Triton
         # forward's quantization, or made by the backward's preprocess (q_pending)
-        k_rows.cols, k_rows.col_scale = kv.k_cols.cols, kv.k_cols.col_scale
-        saved = SavedForward(q8, k_rows, kv.v_rows, lse2, q_pending=q if q8 is None else None,
-                             q_fmt=r.recipe.q.fmt.name)
+        k8 = dataclasses.replace(k_rows, cols=kv.k_cols.cols, col_scale=kv.k_cols.col_scale)
+        saved = SavedForward(q8, k8, kv.v_rows, lse2, q_pending=q if q8 is None else None, q_fmt=r.recipe.q.fmt.name)
     return o, (lse2 * LN2).view(s.batch, s.heads, s.n), saved, extra
 
 

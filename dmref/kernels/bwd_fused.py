@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from ._common import exp2_int, pow2_down_exponent, to_bf16, to_fp8
-from ._runtime import Launch, interpreting, start
+from ._runtime import Launch, interpreting
 from .bwd import _dkdv_col_tiles, _dkdv_p_t, _dot_rn, _quantize_ds, _row_tile_t
 from dmref.recipes import STALE
 
@@ -237,9 +237,9 @@ def postprocess_dq(dq_acc: torch.Tensor, batch: int, heads: int, n: int, head_di
     round to nearest even (one kernel); ``transposed``: ``dq_acc`` is dQ^T's, ``(B*H, D, N)``."""
     dq = torch.empty((batch, heads, n, head_dim), device=dq_acc.device, dtype=torch.bfloat16)
     total = dq.numel()
-    start(_dq_postprocess_kernel, (triton.cdiv(total, POSTPROCESS_BLOCK),),
-          dq_acc, dq, scale, total, n, HEAD_DIM=head_dim, BLOCK=POSTPROCESS_BLOCK, TRANSPOSED=bool(transposed),
-          INTERPRET=interpreting())
+    _dq_postprocess_kernel[(triton.cdiv(total, POSTPROCESS_BLOCK),)](
+        dq_acc, dq, scale, total, n, HEAD_DIM=head_dim, BLOCK=POSTPROCESS_BLOCK, TRANSPOSED=bool(transposed),
+        INTERPRET=interpreting())
     return dq
 
 
@@ -316,7 +316,7 @@ def backward(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int
         dumps["sem_seen"] = torch.full((batch * heads, n_qtiles, n_kblocks), -1, device=dev, dtype=torch.int32)
     saved = saved.with_q_copies()  # where the forward left them to the backward
     q8, k8, v8 = saved.q, saved.k, saved.v
-    start(run.kernel, run.grid(n, batch * kv_heads),
+    run.kernel[run.grid(n, batch * kv_heads)](
         q8.rows, q8.row_scale, q8.cols, q8.col_scale, k8.rows, k8.row_scale, k8.cols, k8.col_scale,
         v8.rows, v8.row_scale, do8.rows, do8.row_scale, do8.cols, do8.col_scale, saved.lse2, delta,
         dk, dv, dq_acc, sem, dumps.get("dsk_x", dummy32), dumps.get("dsk_inv", dummy32),

@@ -1135,7 +1135,7 @@ def dkdv(saved, do8, do_t, delta, *, batch: int, heads: int, kv_heads: int, n: i
         descs = _descriptors(q8.rows, q8.cols, q8.col_scale, k8.rows, v8.rows, do8.rows, do_t.cols, do_t.col_scale,
                              run.constexprs["BLOCK_M"])
         run.start(grid, *descs, q8.row_scale, k8.row_scale, v8.row_scale, do8.row_scale, saved.lse2, delta,
-                         dk, dv, *scalars)
+                  dk, dv, *scalars)
     else:
         triton.set_allocator(allocator)
         run.start(grid,

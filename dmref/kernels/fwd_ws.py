@@ -560,10 +560,10 @@ def forward(q, k8, k_scale, vt8, v_scale, *, kv_heads: int, causal: bool, scale:
     scalars = (scale * LOG2E, h, h // kv_heads, n, vt8.shape[-1])
     if host_descriptors:
         run.start(grid, *_descriptors(k8, vt8, run.constexprs["BLOCK_N"]), q, q.stride(0), q.stride(1), q.stride(2),
-                         k_scale, v_scale, o, lse2, p_dump, *scalars)
+                  k_scale, v_scale, o, lse2, p_dump, *scalars)
     else:
         run.start(grid, q, q.stride(0), q.stride(1), q.stride(2), k8, k_scale, vt8, v_scale, o, lse2,
-                         p_dump, *scalars, b * kv_heads * n)
+                  p_dump, *scalars, b * kv_heads * n)
     return (o, lse2, fp8_codes(p_dump)) if debug else (o, lse2)
 
 

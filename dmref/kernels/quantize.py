@@ -23,7 +23,7 @@ import triton.language as tl
 from dmref.emulation import get_format
 
 from ._common import exp2_int, from_bf16, pow2_down_exponent, to_fp8
-from ._runtime import Launch, interpreting, start
+from ._runtime import Launch, interpreting
 from .config import QUANT_BLOCK
 
 #: The FP8 formats of the kernels' casts (``_common.to_fp8``); their torch dtypes are the formats'
@@ -44,6 +44,20 @@ class Quantized:
     @property
     def npad(self) -> int:
         return triton.cdiv(self.n, QUANT_BLOCK) * QUANT_BLOCK
+
+    @classmethod
+    def empty(cls, programs: int, n: int, d: int, dtype: torch.dtype, device, *, rows: bool = True,
+              cols: bool = True) -> Quantized:
+        """Unwritten buffers of ``programs`` heads' copies in the layouts above (codes of ``dtype``,
+        float32 factors): the row copy and/or the transposed copy."""
+        out = cls(n=n)
+        if rows:
+            out.rows = torch.empty((programs, n, d), device=device, dtype=dtype)
+            out.row_scale = torch.empty((programs, n), device=device, dtype=torch.float32)
+        if cols:
+            out.cols = torch.empty((programs, d, out.npad), device=device, dtype=dtype)
+            out.col_scale = torch.empty((programs, out.npad // QUANT_BLOCK, d), device=device, dtype=torch.float32)
+        return out
 
 
 @triton.jit
@@ -173,14 +187,8 @@ def _quantize(x, fmt, *, rows, cols, delta_with, second=None, second_fmt=None):
     npad = triton.cdiv(n, QUANT_BLOCK) * QUANT_BLOCK
     dtype = get_format(fmt).torch_dtype
     dev = x.device
-    out = Quantized(n=n)
+    out = Quantized.empty(bsz * heads, n, d, dtype, dev, rows=rows, cols=cols)
     dummy8, dummy32 = _placeholder(dev, dtype), _placeholder(dev, torch.float32)
-    if rows:
-        out.rows = torch.empty((bsz * heads, n, d), device=dev, dtype=dtype)
-        out.row_scale = torch.empty((bsz * heads, n), device=dev, dtype=torch.float32)
-    if cols:
-        out.cols = torch.empty((bsz * heads, d, npad), device=dev, dtype=dtype)
-        out.col_scale = torch.empty((bsz * heads, npad // QUANT_BLOCK, d), device=dev, dtype=torch.float32)
     delta = None
     o = x
     if delta_with is not None:
@@ -191,11 +199,7 @@ def _quantize(x, fmt, *, rows, cols, delta_with, second=None, second_fmt=None):
     y8 = None
     y_args = (dummy8, 0, 0, 0, 0, dummy8, dummy32, dummy8, dummy32)
     if second is not None:
-        y_dtype = get_format(second_fmt).torch_dtype
-        y8 = Quantized(n=n, rows=torch.empty((bsz * heads, n, d), device=dev, dtype=y_dtype),
-                       row_scale=torch.empty((bsz * heads, n), device=dev, dtype=torch.float32),
-                       cols=torch.empty((bsz * heads, d, npad), device=dev, dtype=y_dtype),
-                       col_scale=torch.empty((bsz * heads, npad // QUANT_BLOCK, d), device=dev, dtype=torch.float32))
+        y8 = Quantized.empty(bsz * heads, n, d, get_format(second_fmt).torch_dtype, dev)
         y_args = (second, *second.stride(), y8.rows, y8.row_scale, y8.cols, y8.col_scale)
     run = launch(d, fmt, rows=rows, cols=cols, with_delta=delta is not None, second_fmt=second_fmt)
     grid = (npad // QUANT_BLOCK, bsz * heads)
@@ -213,50 +217,30 @@ def _quantize(x, fmt, *, rows, cols, delta_with, second=None, second_fmt=None):
 
 
 @triton.jit
-def _kv_tile(bh, stride_b, stride_h, stride_n, stride_d, H, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Head ``bh`` (of ``H`` a batch) and this program's token tile of a ``(B, H, N, D)`` tensor:
-    (token offsets, channel offsets, the head's element offset, the tile's element offsets)."""
+def _kv_tile(stride_b, stride_h, stride_n, stride_d, H, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr):
+    """This program's head and token tile of K and V (same strides): (bh, token offsets, channel
+    offsets, the head's element offset, the tile's element offsets)."""
+    bh = tl.program_id(1)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, HEAD_DIM)
     off = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
-    return offs_t, offs_d, off, offs_t[:, None] * stride_n + offs_d[None, :] * stride_d
+    return bh, offs_t, offs_d, off, offs_t[:, None] * stride_n + offs_d[None, :] * stride_d
 
 
 @triton.jit
 def _kv_amax_kernel(K, V, stride_b, stride_h, stride_n, stride_d, AMAX, H, N,
-                    Q, stride_qb, stride_qh, stride_qn, stride_qd, QR, QR_SCALE, QT, QT_SCALE, NPAD, GROUP,
-                    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, WITH_Q: tl.constexpr, Q_E5M2: tl.constexpr,
-                    INTERPRET: tl.constexpr):
-    """Per K/V head: max |K| over all tokens and channels (``AMAX[bh, 0]``) and max |V| of each
+                    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr):
+    """Per head: max |K| over all tokens and channels (``AMAX[bh, 0]``) and max |V| of each
     channel over all tokens (``AMAX[bh, 1 + d]``), as int32 bit patterns. Each program reduces one
     tile of BLOCK_T tokens and merges with atomic_max (AMAX starts at 0; for |x| >= 0 integer
-    order is float order, and NaN, the largest pattern, wins). ``WITH_Q``: the grid's second axis
-    runs over Q's heads (``GROUP`` of them a K/V head), every program also writes its tile of Q's
-    row and transposed copies, :func:`quantize`'s, and the first head of each group reduces K's
-    and V's tile."""
-    pid_t = tl.program_id(0)
-    bh = tl.program_id(1)
-    reduces = True
-    if WITH_Q:
-        hq = H * GROUP
-        q_t, q_d, q_off, q_ptrs = _kv_tile(bh, stride_qb, stride_qh, stride_qn, stride_qd, hq, HEAD_DIM, BLOCK_T)
-        q_in = q_t < N
-        q = from_bf16(tl.load(Q + q_off + q_ptrs, mask=q_in[:, None], other=0.0), INTERPRET)
-        bhq64 = bh.to(tl.int64)
-        _store_row_copy(q, q_t, q_d, q_in, QR + bhq64 * N * HEAD_DIM, QR_SCALE + bhq64 * N, HEAD_DIM, Q_E5M2,
-                        INTERPRET)
-        _store_col_copy(q, pid_t, q_t, q_d, QT + bhq64 * HEAD_DIM * NPAD,
-                        QT_SCALE + bhq64 * (NPAD // BLOCK_T) * HEAD_DIM, NPAD, HEAD_DIM, Q_E5M2, INTERPRET)
-        reduces = (bh % hq) % GROUP == 0
-        bh = (bh // hq) * H + (bh % hq) // GROUP
-    if reduces:
-        offs_t, offs_d, off, ptrs = _kv_tile(bh, stride_b, stride_h, stride_n, stride_d, H, HEAD_DIM, BLOCK_T)
-        in_seq = (offs_t < N)[:, None]
-        k = tl.abs(from_bf16(tl.load(K + off + ptrs, mask=in_seq, other=0.0), INTERPRET)).to(tl.int32, bitcast=True)
-        v = tl.abs(from_bf16(tl.load(V + off + ptrs, mask=in_seq, other=0.0), INTERPRET)).to(tl.int32, bitcast=True)
-        AMAX += bh.to(tl.int64) * (1 + HEAD_DIM)
-        tl.atomic_max(AMAX, tl.max(tl.max(k, axis=1), axis=0))
-        tl.atomic_max(AMAX + 1 + offs_d, tl.max(v, axis=0))
+    order is float order, and NaN, the largest pattern, wins)."""
+    bh, offs_t, offs_d, off, ptrs = _kv_tile(stride_b, stride_h, stride_n, stride_d, H, HEAD_DIM, BLOCK_T)
+    in_seq = (offs_t < N)[:, None]
+    k = tl.abs(from_bf16(tl.load(K + off + ptrs, mask=in_seq, other=0.0), INTERPRET)).to(tl.int32, bitcast=True)
+    v = tl.abs(from_bf16(tl.load(V + off + ptrs, mask=in_seq, other=0.0), INTERPRET)).to(tl.int32, bitcast=True)
+    AMAX += bh.to(tl.int64) * (1 + HEAD_DIM)
+    tl.atomic_max(AMAX, tl.max(tl.max(k, axis=1), axis=0))
+    tl.atomic_max(AMAX + 1 + offs_d, tl.max(v, axis=0))
 
 
 @triton.jit
@@ -269,8 +253,7 @@ def _kv_quantize_folded_kernel(K, V, stride_b, stride_h, stride_n, stride_d, AMA
     backward reads, as :func:`quantize` writes them (E4M3): K's transposed copy (``KT8``,
     ``KT_SCALE``) and V's row copy (``V8``, ``V8_SCALE``), and K's head factor once a token
     (``K8_SCALE``, ``(B*H, N)``: the row copy's scales as the backward reads them)."""
-    bh = tl.program_id(1)
-    offs_t, offs_d, off, ptrs = _kv_tile(bh, stride_b, stride_h, stride_n, stride_d, H, HEAD_DIM, BLOCK_T)
+    bh, offs_t, offs_d, off, ptrs = _kv_tile(stride_b, stride_h, stride_n, stride_d, H, HEAD_DIM, BLOCK_T)
     pid_t = tl.program_id(0)
     in_seq = offs_t < N
     bh64 = bh.to(tl.int64)
@@ -319,62 +302,37 @@ class FoldedKV:
     #: ``for_backward``: K's row copy as the backward reads it, ``k8`` with its head's factor
     #: for every token (``row_scale``, ``(B*HKV, N)``)
     k_rows: Quantized | None = None
-    #: ``q`` given: Q's row and transposed copies, :func:`quantize`'s, from the amaxes' launch
-    q: Quantized | None = None
 
 
-def quantize_kv_folded(k: torch.Tensor, v: torch.Tensor, *, for_backward: bool = False, q: torch.Tensor | None = None,
-                       q_fmt: str = "float8_e4m3fn") -> FoldedKV:
+def quantize_kv_folded(k: torch.Tensor, v: torch.Tensor, *, for_backward: bool = False) -> FoldedKV:
     """Quantize ``k, v: (B, HKV, N, D)`` (BF16, the same strides) to E4M3 with folded scales, in
     two launches: the amaxes of both, then the codes of both; ``for_backward``: the second
     launch also writes K's transposed copy and V's row copy (E4M3), the codes and factors of
     ``quantize(k, rows=False)`` and ``quantize(v, cols=False)``, and K's head factor for each
-    token (``k_rows``). ``q`` (``(B, H, N, D)`` BF16, any strides, ``H`` a multiple of ``HKV``):
-    the first launch also writes Q's row and transposed copies in ``q_fmt``, the codes and
-    factors of ``quantize(q, q_fmt)`` (``FoldedKV.q``), one launch fewer than quantizing Q on its
-    own."""
+    token (``k_rows``)."""
     if k.shape != v.shape or k.stride() != v.stride() or k.ndim != 4:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be (B, HKV, N, D) of one shape and strides")
     bsz, heads, n, d = k.shape
-    if q is not None and (q.ndim != 4 or q.shape[0] != bsz or q.shape[2:] != k.shape[2:] or q.shape[1] % heads):
-        raise ValueError(f"q {tuple(q.shape)} must be (B, H, N, D) with H a multiple of k's {heads} heads, "
-                         f"k {tuple(k.shape)}")
-    if q_fmt not in FORMATS:
-        raise ValueError(f"q_fmt={q_fmt!r} must be one of {list(FORMATS)}")
     npad = triton.cdiv(n, QUANT_BLOCK) * QUANT_BLOCK
     dev = k.device
     e4m3 = torch.float8_e4m3fn
-    dummy8, dummy32 = _placeholder(dev, e4m3), _placeholder(dev, torch.float32)
     amax = torch.zeros((bsz * heads, 1 + d), device=dev, dtype=torch.int32)
+    grid = (npad // QUANT_BLOCK, bsz * heads)
+    _kv_amax_kernel[grid](k, v, *k.stride(), amax, heads, n, HEAD_DIM=d, BLOCK_T=QUANT_BLOCK,
+                          INTERPRET=interpreting(), num_warps=8)
     out = FoldedKV(k8=torch.empty((bsz * heads, n, d), device=dev, dtype=e4m3),
                    k_scale=torch.empty(bsz * heads, device=dev, dtype=torch.float32),
                    vt8=torch.empty((bsz * heads, d, npad), device=dev, dtype=e4m3),
                    v_scale=torch.empty((bsz * heads, d), device=dev, dtype=torch.float32))
-    group = 1
-    q_args = (dummy8, 0, 0, 0, 0, dummy8, dummy32, dummy8, dummy32)
-    if q is not None:
-        group = q.shape[1] // heads
-        q_dtype = get_format(q_fmt).torch_dtype
-        rows = q.shape[0] * q.shape[1]
-        out.q = Quantized(n=n, rows=torch.empty((rows, n, d), device=dev, dtype=q_dtype),
-                          row_scale=torch.empty((rows, n), device=dev, dtype=torch.float32),
-                          cols=torch.empty((rows, d, npad), device=dev, dtype=q_dtype),
-                          col_scale=torch.empty((rows, npad // QUANT_BLOCK, d), device=dev, dtype=torch.float32))
-        q_args = (q, *q.stride(), out.q.rows, out.q.row_scale, out.q.cols, out.q.col_scale)
-    start(_kv_amax_kernel, (npad // QUANT_BLOCK, bsz * heads * group), k, v, *k.stride(), amax, heads, n, *q_args,
-          npad, group, HEAD_DIM=d, BLOCK_T=QUANT_BLOCK, WITH_Q=q is not None, Q_E5M2=q_fmt == "float8_e5m2",
-          INTERPRET=interpreting(), num_warps=8)
+    dummy8, dummy32 = _placeholder(dev, e4m3), _placeholder(dev, torch.float32)
+    bwd = (dummy8, dummy32, dummy8, dummy32, dummy32)
     if for_backward:
-        out.k_cols = Quantized(n=n, cols=torch.empty((bsz * heads, d, npad), device=dev, dtype=e4m3),
-                               col_scale=torch.empty((bsz * heads, npad // QUANT_BLOCK, d), device=dev,
-                                                     dtype=torch.float32))
-        out.v_rows = Quantized(n=n, rows=torch.empty((bsz * heads, n, d), device=dev, dtype=e4m3),
-                               row_scale=torch.empty((bsz * heads, n), device=dev, dtype=torch.float32))
+        out.k_cols = Quantized.empty(bsz * heads, n, d, e4m3, dev, rows=False)
+        out.v_rows = Quantized.empty(bsz * heads, n, d, e4m3, dev, cols=False)
         out.k_rows = Quantized(n=n, rows=out.k8, row_scale=torch.empty((bsz * heads, n), device=dev,
                                                                        dtype=torch.float32))
-    bwd = (out.k_cols.cols, out.k_cols.col_scale, out.v_rows.rows, out.v_rows.row_scale, out.k_rows.row_scale) \
-        if for_backward else (dummy8, dummy32, dummy8, dummy32, dummy32)
-    start(_kv_quantize_folded_kernel, (npad // QUANT_BLOCK, bsz * heads), k, v, *k.stride(), amax, out.k8,
-          out.k_scale, out.vt8, out.v_scale, *bwd, heads, n, npad, HEAD_DIM=d, BLOCK_T=QUANT_BLOCK,
-          FOR_BWD=bool(for_backward), INTERPRET=interpreting(), num_warps=8)
+        bwd = (out.k_cols.cols, out.k_cols.col_scale, out.v_rows.rows, out.v_rows.row_scale, out.k_rows.row_scale)
+    _kv_quantize_folded_kernel[grid](k, v, *k.stride(), amax, out.k8, out.k_scale, out.vt8, out.v_scale, *bwd, heads,
+                                     n, npad, HEAD_DIM=d, BLOCK_T=QUANT_BLOCK, FOR_BWD=bool(for_backward),
+                                     INTERPRET=interpreting(), num_warps=8)
     return out

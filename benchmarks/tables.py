@@ -44,6 +44,8 @@ LABELS = {
     "fwd_ws_incl_quant_dev": "WS fwd + quant, device descriptors",
     "fwd_ws_2cons_kernel": "WS fwd kernel, two consumers",
     "fwd_ws_2cons_incl_quant": "WS fwd + quant, two consumers",
+    "fwd_ws_3cons_kernel": "WS fwd kernel, three consumers",
+    "fwd_ws_3cons_incl_quant": "WS fwd + quant, three consumers",
     "bwd_matched": "bwd matched",
     "bwd_stale": "bwd stale",
     "bwd_matched_triton": "bwd matched, Triton",

@@ -310,7 +310,11 @@ DQ_CH = gl.constexpr(64)
 #: ``DMREF_FUSED_DQ_PROBE`` (``benchmarks/bench_bwd_fused_parts.py`` sets it in a process of its
 #: own): 0 (unset) the kernel as it is; 1 dQ's partial computed but not added (its stores masked
 #: off); 2 added by plain stores instead of atomics; 3 no fifth GEMM at all (neither dS's
-#: quantization for dQ nor the wgmma). dQ is wrong under 1-3: those runs are timed, never read.
+#: quantization for dQ nor the wgmma); 4 (``dq_t``) dS for dQ scaled by a per-query factor loaded
+#: with the other per-query vectors instead of its amax over the tile's keys, and dQ^T's partial
+#: added unscaled: the kernel of a recipe whose dS-for-dQ scale is known before the pass, one per
+#: query over all keys, so that dQ's scaling moves to the postprocess. dQ is wrong under 1-4: those
+#: runs are timed, never read.
 DQ_PROBE = gl.constexpr(int(os.environ.get("DMREF_FUSED_DQ_PROBE", "0")))
 #: the accumulator layout of that wgmma: dQ's (queries, DQ_CH channels) tile on one warp group
 DQ_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -355,7 +359,10 @@ def _dq_add_t(kt_a, dsq_b, kts_row, dsq_inv, DQT_ACC, dq_smem, bh, start_q, c0, 
     reduce-add into dQ^T's buffer ``DQT_ACC`` ``(B*H*D, N)``."""
     t = warpgroup_mma(kt_a, dsq_b, gl.zeros([CH, BLOCK_M], gl.float32, q_layout), use_acc=False, is_async=True)
     t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
-    dq = t * gl.expand_dims(kts_row.load(gl.SliceLayout(1, q_layout)), 1) * gl.expand_dims(dsq_inv, 0)
+    if DQ_PROBE == 4:
+        dq = t
+    else:
+        dq = t * gl.expand_dims(kts_row.load(gl.SliceLayout(1, q_layout)), 1) * gl.expand_dims(dsq_inv, 0)
     _dq_tile_out(dq, DQT_ACC, dq_smem, (bh * HEAD_DIM + c0).to(gl.int32), start_q)
 
 
@@ -486,6 +493,8 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
         lse2_v = gl.load(LSE2 + head + offs_v, mask=v_in, other=float("inf"))
         do_scale_v = gl.load(DO_SCALE + head + offs_v, mask=v_in, other=0.0)
         delta_v = gl.load(DELTA + head + offs_v, mask=v_in, other=0.0)
+        if DQ_PROBE == 4:  # a timing probe: dS-for-dQ's factors loaded, not computed (DQ_PROBE)
+            dsq_scale_v = gl.load(DELTA + head + offs_v, mask=v_in, other=1.0, volatile=True)
         # S^T (with OVERLAP, dP^T issued behind it runs during the softmax)
         mbarrier.wait(rows_ready.index(s), ph)
         st = warpgroup_mma(k_smem, q_bufs.index(s).permute((1, 0)),
@@ -541,7 +550,13 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
         if FUSED and DQ_PROBE != 3:
             # dQ's partial first: nothing of it lives across the dK and dV wgmmas and their
             # promotion, which fill the registers
-            if DQ_T:
+            if DQ_T and DQ_PROBE == 4:
+                dsq_inv = gl.convert_layout(dsq_scale_v, col_s)
+                dsq_smem.store(gl.permute(_to_fp8(ds_t * gl.expand_dims(dsq_inv, 0), False, False), [1, 0]))
+                fence_async_shared()
+                gl.thread_barrier()
+                dsq_a = dsq_smem
+            elif DQ_T:
                 dsq_inv = _quantize_ds_for_dq_t(ds_t, dsq_smem)
                 dsq_a = dsq_smem
             else:

@@ -31,8 +31,7 @@ Measures, per shape B·H·N·D and causal or not, medians of ``triton.testing.do
   alone and incl. its quantization of K and V (it quantizes Q inside), with host-built TMA
   descriptors (its default) and device-side ones (``_dev``), and with two consumer warp groups a
   CTA sharing one K/V ring (``FwdTiles(consumers=2)``, not the default: ``_2cons``; an error is
-  recorded as ``fwd_ws_2cons_error``), and at head dim 64 with three (``consumers=3``, the serial
-  schedule: ``_3cons``, ``fwd_ws_3cons_error``);
+  recorded as ``fwd_ws_2cons_error``);
 - what ``dmref.kernels.attention`` runs by default (``config.DEFAULT_RECIPE``): its forward with
   its quantization (K's and V's copies for the backward included), the same given K and V quantized by the caller
   (``api.quantize_kv``, ``kv_fp8``; that quantization alone is ``ours_default_quantize_kv``), its
@@ -252,8 +251,6 @@ def _speedups(ms: dict, anchor: str) -> dict:
         "fwd_ws_incl_quant_dev": fwd / ms["ours_fwd_ws_incl_quant_dev"],
         # two consumer warp groups a CTA sharing one K/V ring (fwd_ws's consumers=2)
         **{k: fwd / ms[f"ours_{k}"] for k in ("fwd_ws_2cons_kernel", "fwd_ws_2cons_incl_quant") if f"ours_{k}" in ms},
-        # three of them at head dim 64 (consumers=3)
-        **{k: fwd / ms[f"ours_{k}"] for k in ("fwd_ws_3cons_kernel", "fwd_ws_3cons_incl_quant") if f"ours_{k}" in ms},
         # the seven-GEMM matched recipe in Gluon (pre-pass + five-GEMM kernel), and end to end
         **{k: bwd / ms[f"ours_{k}"] for k in ("bwd_prepass_gluon",) if f"ours_{k}" in ms},
         # the Gluon five-GEMM kernel alone (stale D), one and two consumer warp groups a CTA
@@ -285,7 +282,7 @@ def _bwd_parts(r, gluon: bool, saved, do8, d_stale, kw) -> dict:
 
 
 #: groups of variants not to time (``--skip``): ``two_consumers`` (the two-consumer forward),
-#: ``three_consumers`` (the three-consumer forward at head dim 64), ``gluon_fused`` (the Gluon five-GEMM kernel and pre-pass), ``bwd_two_consumers`` (its
+#: ``gluon_fused`` (the Gluon five-GEMM kernel and pre-pass), ``bwd_two_consumers`` (its
 #: two-consumer form), for a kernel that hangs or faults
 SKIP: set = set()
 
@@ -463,18 +460,6 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
             q, k, v, causal=causal, scale=scale, consumers=2))
     except Exception as exc:
         res["fwd_ws_2cons_error"] = f"{type(exc).__name__}: {exc}"[:300]
-    # three consumer warp groups a CTA, head dim 64 (FwdTiles(consumers=3), 192 queries a CTA, serial)
-    if d == 64:
-        try:
-            if "three_consumers" in SKIP:
-                raise RuntimeError("not timed (--skip three_consumers)")
-            three = fwd_ws.variant("kernels_folded_naive_fp8", consumers=3)
-            ms["ours_fwd_ws_3cons_kernel"] = bench(lambda: fwd_ws.forward(
-                q, kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=h, causal=causal, scale=scale, recipe=three))
-            ms["ours_fwd_ws_3cons_incl_quant"] = bench(lambda: fwd_ws.attention_forward(
-                q, k, v, causal=causal, scale=scale, consumers=3))
-        except Exception as exc:
-            res["fwd_ws_3cons_error"] = f"{type(exc).__name__}: {exc}"[:300]
     del kv
     # --- ours: backward
     do8, d_stale = quantize(do, "float8_e4m3fn", rows=True, cols=True, delta_with=o)
@@ -737,7 +722,7 @@ def main(argv=None):
     ap.add_argument("--no-sweep", action="store_true", help="use the first candidate tilings")
     ap.add_argument("--accuracy", action="store_true", help="also measure errors vs float64")
     ap.add_argument("--workers", type=int, default=8, help="processes compiling ahead")
-    ap.add_argument("--skip", default="", help="comma-separated groups not to time: two_consumers, three_consumers, gluon_fused, "
+    ap.add_argument("--skip", default="", help="comma-separated groups not to time: two_consumers, gluon_fused, "
                     "bwd_two_consumers")
     ap.add_argument("--warm-only", action="store_true", help="compile every variant, then stop")
     ap.add_argument("--profile-one", action="store_true",
@@ -747,7 +732,7 @@ def main(argv=None):
                     help="only the shapes of this head dim (default: all)")
     args = ap.parse_args(argv)
     SKIP.update(g for g in args.skip.split(",") if g)
-    unknown = SKIP - {"two_consumers", "three_consumers", "gluon_fused", "bwd_two_consumers"}
+    unknown = SKIP - {"two_consumers", "gluon_fused", "bwd_two_consumers"}
     if unknown:
         ap.error(f"--skip: unknown groups {sorted(unknown)}")
     os.makedirs(args.out, exist_ok=True)

@@ -2,8 +2,10 @@
 ``python benchmarks/cpu_sass_budget.py`` writes ``benchmarks/results/cpu_sass_budget.json``.
 
 For the Gluon forward (``fwd_ws``, at both head dims) and the Gluon backwards (``bwd_ws``: the dkdv
-kernel, the five-GEMM kernel adding dQ by TMA reduce-adds, and its dQ^T form), compiled as their
-launches describe them (no GPU): the opcodes of the consumer's main loop (``compile_check.sass_loop``,
+kernel, the five-GEMM kernel adding dQ by TMA reduce-adds, and its dQ^T form, also built under the
+timing probes ``bwd_ws.DQ_PROBE`` 3, no fifth GEMM, and 4, dS-for-dQ's per-query factors loaded and
+dQ^T added unscaled, each compiled in a process of its own), compiled as their launches describe
+them (no GPU): the opcodes of the consumer's main loop (``compile_check.sass_loop``,
 the innermost loop holding a wgmma and an exp2) per tile of the loop (the forward's overlapped loop
 runs two key tiles an iteration; the backward's one query tile), and three cycle counts per tile
 of one CTA, on an SM that runs two such CTAs (each SM sub-partition then issues for one consumer
@@ -25,6 +27,8 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import subprocess
+import sys
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 #: dense FP8 FLOP an SM a cycle on an H100 SXM (1,979e12 / 132 / 1.83e9)
@@ -46,6 +50,25 @@ def _row(name, compiled, tiles_per_iteration, flops_per_tile):
                                      gemm=flops_per_tile / FP8_FLOP_PER_SM_CYCLE))
 
 
+def _fused_t(d: int) -> tuple:
+    """(compiled five-GEMM dQ^T kernel at head dim ``d``, tiles an iteration, FLOPs a tile)."""
+    from dmref.kernels import bwd_ws
+
+    ck = bwd_ws.compile_sm90(d, False, kernel="fused", recipe="kernels_naive_fp8", dq_tma=True, dq_t=True, n=4096)
+    return ck, 1, 5 * (2 * 64 * 64 * d)
+
+
+def _probe_rows(probe: int) -> list:
+    """The dQ^T kernel's rows built under ``DQ_PROBE = probe`` (read at import: a process of its own)."""
+    code = ("import json, sys; sys.path.insert(0, %r); from cpu_sass_budget import _row, _fused_t; "
+            "print(json.dumps([_row('bwd_ws fused dq_tma d=%%d dq_t probe=%d' %% d, *_fused_t(d)) for d in (64, 128)]))"
+            % (os.path.dirname(os.path.abspath(__file__)), probe))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["DMREF_FUSED_DQ_PROBE"] = str(probe)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def main() -> None:
     from dmref.kernels import bwd_ws, fwd_ws
 
@@ -62,6 +85,8 @@ def main() -> None:
             ck = bwd_ws.compile_sm90(d, False, kernel="fused", recipe="kernels_naive_fp8", dq_tma=True, dq_t=dq_t,
                                      n=4096)
             rows.append(_row(f"bwd_ws fused dq_tma d={d}{' dq_t' if dq_t else ''}", ck, 1, 5 * gemm))
+    for probe in (3, 4):
+        rows += _probe_rows(probe)
     import triton
 
     out = {"meta": {"date": datetime.date.today().isoformat(), "triton": triton.__version__,

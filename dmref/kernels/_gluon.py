@@ -31,14 +31,6 @@ TWO_CONSUMER_LAUNCH_REGS = 65536 // 384 // 8 * 8
 #: 168 - 24 = 144, shared between them, 168 + 72 = 240 (the worker partition's setmaxnreg; Gluon
 #: gives the default partition what is left, 3 * 168 - 24 - 240 = 240)
 TWO_CONSUMER_REGS = gl.constexpr((3 * TWO_CONSUMER_LAUNCH_REGS - PRODUCER_REGS.value) // 2 // 8 * 8)
-#: registers per thread at launch with three consumer warp groups a CTA (``fwd_ws``'s
-#: ``FwdTiles(consumers=3)``, head dim 64): one CTA of 512 threads (three consumer warp groups and
-#: the producer warp, padded to a warp group) an SM, 65,536 // 512
-THREE_CONSUMER_LAUNCH_REGS = 65536 // 512
-#: registers per thread of the two worker consumer warp groups with three consumers:
-#: (4 * 128 - 24) // 3 = 162, rounded down to 160 (FlashAttention-3's ``MmaRegisterRequirement`` for
-#: three consumers); Gluon gives the default partition what is left, 4 * 128 - 24 - 2 * 160 = 168
-THREE_CONSUMER_REGS = gl.constexpr((4 * THREE_CONSUMER_LAUNCH_REGS - PRODUCER_REGS.value) // 3 // 8 * 8)
 
 # The kernels' power-of-two scale rule, FP8 cast and separately rounded multiply
 pow2_down_exponent = gluon.jit(_common.pow2_down_exponent.fn)

@@ -59,14 +59,10 @@ class FwdTiles:
     overlap: int | None = None
     #: ``fwd_ws``'s consumer warp groups a CTA, sharing one K/V ring, each on 64 queries
     #: (``block_m = 64 * consumers``): 1, two CTAs an SM; 2, FlashAttention-3's structure, one CTA
-    #: of 128 queries an SM (each K/V tile loaded once for both); 3, at head dim 64 only, with the
-    #: serial schedule (``overlap=0``), one CTA of 192 queries an SM, FlashAttention-3's FP8 tiling
-    #: there. The Triton forward runs 1
+    #: of 128 queries an SM (each K/V tile loaded once for both). The Triton forward runs 1
     consumers: int = 1
 
     def __post_init__(self) -> None:
-        if self.consumers == 3 and self.block_m == 3 * WS_FWD_BLOCK_M:
-            return  # the warp-specialized forward's 192 queries a CTA, three m64 warp groups (fwd_refusal)
         _check_tile("block_m", self.block_m)
 
 
@@ -76,7 +72,7 @@ class FwdTiles:
 #: 232 for the consumer; two: 168 at launch, 240 for each), so no cap of its own.
 WS_FWD_BLOCK_M, WS_FWD_NUM_WARPS = 64, 4
 #: the consumer warp groups a CTA that ``fwd_ws`` runs
-WS_FWD_CONSUMERS = (1, 2, 3)
+WS_FWD_CONSUMERS = (1, 2)
 #: the consumer warp groups a CTA that the five-GEMM Gluon backward (``bwd_ws.fused``) runs
 WS_BWD_FUSED_CONSUMERS = (1, 2)
 
@@ -105,9 +101,6 @@ def fwd_refusal(recipe, tiles: FwdTiles) -> str | None:
                 "TMA loads and setmaxnreg's registers (maxnreg=None)")
     if tiles.overlap not in (None, 0, 1):
         return f"overlap={tiles.overlap!r}: the warp-specialized forward's schedules are 0 (serial) and 1"
-    if tiles.consumers == 3 and tiles.overlap:
-        return ("consumers=3 with overlap=1: three consumers have 160 registers each, too few for the next key "
-                "tile's scores beside this one's (it spills); their schedule is overlap=0")
     if tiles.num_stages < 1:
         return f"num_stages={tiles.num_stages}: the warp-specialized forward's ring needs at least one stage"
     return None

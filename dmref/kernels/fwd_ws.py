@@ -78,8 +78,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from ._gluon import (LAUNCH_REGS, PRODUCER_REGS, THREE_CONSUMER_LAUNCH_REGS, THREE_CONSUMER_REGS,
-                     TWO_CONSUMER_LAUNCH_REGS, TWO_CONSUMER_REGS, allocator)
+from ._gluon import LAUNCH_REGS, PRODUCER_REGS, TWO_CONSUMER_LAUNCH_REGS, TWO_CONSUMER_REGS, allocator
 from ._gluon import shared_layout as _shared_layout
 from ._runtime import Launch, triton_type
 from .config import WS_FWD_BLOCK_M
@@ -255,13 +254,11 @@ def _tile_overlap(i, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, a
 
 @gluon.jit
 def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, V_SCALE, O, LSE2,
-              cs_head, bh, kv, start_m, n_all, N,
+              cs_head, bh, kv, start_m, n_plain, n_tiles, N,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, CHAIN: gl.constexpr,
               OVERLAP: gl.constexpr, PD, NPAD, DEBUG: gl.constexpr):
-    """The consumer warp group: Q, its key tiles (masked from n_plain on), the epilogue, then the
-    release of the CTA's key tiles past its own (``n_all``: another consumer's causal diagonal)."""
-    n_plain, n_tiles = _key_tiles(start_m, N, BLOCK_M, BLOCK_N, CAUSAL)
+    """The consumer warp group: Q, the key tiles (masked from n_plain on), the epilogue."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -327,27 +324,6 @@ def _consumer(Q, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_
     o_ptrs = O + bh.to(gl.int64) * N * HEAD_DIM + gl.expand_dims(offs_mo, 1) * HEAD_DIM + gl.expand_dims(offs_d, 0)
     gl.store(o_ptrs, o.to(gl.bfloat16), mask=gl.expand_dims(offs_mo < N, 1))
     gl.store(LSE2 + bh.to(gl.int64) * N + offs_m, lse2, mask=offs_m < N)
-    # key tiles that only the CTA's later rows see (three consumers, causal): released unread, each
-    # once it has landed, so that the barrier's arrivals count toward this tile's phase
-    for i in range(n_tiles, n_all):
-        mbarrier.wait(k_ready.index(i % STAGES), (i // STAGES) & 1)
-        mbarrier.arrive(k_free.index(i % STAGES), count=1)
-        mbarrier.wait(v_ready.index(i % STAGES), (i // STAGES) & 1)
-        mbarrier.arrive(v_free.index(i % STAGES), count=1)
-
-
-@gluon.jit
-def _key_tiles(start_m, N, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """(tiles wholly unmasked, tiles in all) of ``ROWS`` queries from ``start_m``: causal, the
-    tiles at or left of the diagonal; else every tile, the last one masked where N is no multiple
-    of BLOCK_N."""
-    if CAUSAL:
-        n_tiles = gl.cdiv(gl.minimum(start_m + ROWS, N), BLOCK_N)
-        n_plain = start_m // BLOCK_N  # key tiles wholly at or below the diagonal
-    else:
-        n_tiles = gl.cdiv(N, BLOCK_N)
-        n_plain = N // BLOCK_N  # full key tiles
-    return n_plain, n_tiles
 
 
 @gluon.jit
@@ -360,9 +336,9 @@ def _body(k_desc, v_desc, Q, stride_qb, stride_qh, stride_qn, K_SCALE, V_SCALE, 
     columns hold code 0. ``CONSUMERS`` consumer warp groups of ``BLOCK_M`` queries each (1 or 2)
     share the ring."""
     CTA_M: gl.constexpr = CONSUMERS * BLOCK_M
-    # every consumer runs the key tiles of a CTA of its 64 rows alone (the masked one last: BLOCK_N is
-    # a multiple of 64) and releases the CTA's further ones unread
-    gl.static_assert(BLOCK_N % BLOCK_M == 0)
+    # every consumer's key tiles, the masked one included, are those of a CTA of its 64 rows alone
+    # (the bounds below with CTA_M for BLOCK_M are equal where BLOCK_N is a multiple of CTA_M)
+    gl.static_assert(BLOCK_N % CTA_M == 0)
     n_m = gl.cdiv(N, CTA_M)
     # causal: the longest rows first (the grid's tail is then the short work)
     pid_m = (n_m - 1 - gl.program_id(0)) if CAUSAL else gl.program_id(0)
@@ -371,10 +347,8 @@ def _body(k_desc, v_desc, Q, stride_qb, stride_qh, stride_qn, K_SCALE, V_SCALE, 
     kv = (bh // H) * (H // GROUP) + (bh % H) // GROUP
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float8e4nv)
     q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, HEAD_DIM], q_layout)
-    if CONSUMERS >= 2:
+    if CONSUMERS == 2:
         q_smem1 = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, HEAD_DIM], q_layout)
-    if CONSUMERS == 3:
-        q_smem2 = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, HEAD_DIM], q_layout)
     k_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_N], v_desc.layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -388,48 +362,37 @@ def _body(k_desc, v_desc, Q, stride_qb, stride_qh, stride_qn, K_SCALE, V_SCALE, 
         mbarrier.init(k_free.index(i), count=CONSUMERS)
         mbarrier.init(v_free.index(i), count=CONSUMERS)
     fence_async_shared()
-    n_plain, n_tiles = _key_tiles(start_m, N, CTA_M, BLOCK_N, CAUSAL)
+    if CAUSAL:
+        n_tiles = gl.cdiv(gl.minimum(start_m + CTA_M, N), BLOCK_N)
+        n_plain = start_m // BLOCK_N  # key tiles wholly at or below the diagonal
+    else:
+        n_tiles = gl.cdiv(N, BLOCK_N)
+        n_plain = N // BLOCK_N  # full key tiles
     cs_head = gl.load(K_SCALE + kv) * qk_scale
     q_ptr = Q + (bh // H).to(gl.int64) * stride_qb + (bh % H).to(gl.int64) * stride_qh
     pd = PD + bh.to(gl.int64) * N * NPAD
     if CONSUMERS == 1:
         gl.warp_specialize([
             (_consumer, (q_ptr, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, V_SCALE, O,
-                         LSE2, cs_head, bh, kv, start_m, n_tiles, N, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                         LSE2, cs_head, bh, kv, start_m, n_plain, n_tiles, N, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
                          P_SCALE, CHAIN, OVERLAP, pd, NPAD, DEBUG)),
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, kv * N, kv * HEAD_DIM,
                          n_tiles, BLOCK_N, STAGES)),
         ], [1], [PRODUCER_REGS])
-    elif CONSUMERS == 2:
+    else:
         # the second consumer (a worker partition of one warp group) takes the CTA's rows 64..127 and
         # runs every key tile of the CTA even where all its rows lie past N (stored nowhere), so it
         # releases every stage the producer waits on
         gl.warp_specialize([
             (_consumer, (q_ptr, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, V_SCALE, O,
-                         LSE2, cs_head, bh, kv, start_m, n_tiles, N, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                         LSE2, cs_head, bh, kv, start_m, n_plain, n_tiles, N, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
                          P_SCALE, CHAIN, OVERLAP, pd, NPAD, DEBUG)),
             (_consumer, (q_ptr, stride_qn, q_smem1, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, V_SCALE, O,
-                         LSE2, cs_head, bh, kv, start_m + BLOCK_M, n_tiles, N, BLOCK_N, HEAD_DIM, STAGES,
+                         LSE2, cs_head, bh, kv, start_m + BLOCK_M, n_plain, n_tiles, N, BLOCK_N, HEAD_DIM, STAGES,
                          CAUSAL, P_SCALE, CHAIN, OVERLAP, pd, NPAD, DEBUG)),
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, kv * N, kv * HEAD_DIM,
                          n_tiles, BLOCK_N, STAGES)),
         ], [4, 1], [TWO_CONSUMER_REGS, PRODUCER_REGS])
-    else:
-        # three consumers (head dim 64, FlashAttention-3's FP8 tiling): rows 0..63 in the default
-        # partition, 64..127 and 128..191 in two worker warp groups
-        gl.warp_specialize([
-            (_consumer, (q_ptr, stride_qn, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, V_SCALE, O,
-                         LSE2, cs_head, bh, kv, start_m, n_tiles, N, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                         P_SCALE, CHAIN, OVERLAP, pd, NPAD, DEBUG)),
-            (_consumer, (q_ptr, stride_qn, q_smem1, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, V_SCALE, O,
-                         LSE2, cs_head, bh, kv, start_m + BLOCK_M, n_tiles, N, BLOCK_N, HEAD_DIM, STAGES,
-                         CAUSAL, P_SCALE, CHAIN, OVERLAP, pd, NPAD, DEBUG)),
-            (_consumer, (q_ptr, stride_qn, q_smem2, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, V_SCALE, O,
-                         LSE2, cs_head, bh, kv, start_m + 2 * BLOCK_M, n_tiles, N, BLOCK_N, HEAD_DIM, STAGES,
-                         CAUSAL, P_SCALE, CHAIN, OVERLAP, pd, NPAD, DEBUG)),
-            (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, kv * N, kv * HEAD_DIM,
-                         n_tiles, BLOCK_N, STAGES)),
-        ], [4, 4, 1], [THREE_CONSUMER_REGS, THREE_CONSUMER_REGS, PRODUCER_REGS])
 
 
 @gluon.jit
@@ -494,16 +457,13 @@ def launch(spec, *, head_dim: int, causal: bool, debug: bool = False, host_descr
     why = fwd_refusal(spec.recipe, tiles)
     if why:
         raise ValueError(f"fwd_ws: {why}")
-    if tiles.consumers == 3 and head_dim != 64:
-        raise ValueError(f"fwd_ws: consumers=3 runs head dim 64 only: at {head_dim} a consumer's 160 registers "
-                         "cannot hold the accumulator, the scores and the promoted PV tile")
     overlap = default_fwd_tiles(spec.recipe, head_dim).overlap if tiles.overlap is None else tiles.overlap
     consts = dict(HEAD_DIM=head_dim, BLOCK_N=spec.recipe.tiles.block_k, STAGES=tiles.num_stages,
                   CAUSAL=bool(causal), P_SCALE=float(2 ** spec.recipe.p_fwd.offset_log2),
                   CHAIN=bool(spec.recipe.pv_chain), OVERLAP=int(overlap), CONSUMERS=tiles.consumers,
                   DEBUG=bool(debug))
     kernel = _fwd_ws_kernel if host_descriptors else _fwd_ws_kernel_dev
-    regs = {1: LAUNCH_REGS, 2: TWO_CONSUMER_LAUNCH_REGS, 3: THREE_CONSUMER_LAUNCH_REGS}[tiles.consumers]
+    regs = LAUNCH_REGS if tiles.consumers == 1 else TWO_CONSUMER_LAUNCH_REGS
     return Launch(consts, num_warps=tiles.num_warps, num_stages=None, maxnreg=regs, kernel=kernel,
                   block_m=tiles.block_m, signature=signature)
 
@@ -530,9 +490,7 @@ def variant(recipe="kernels_folded_naive_fp8", *, chain: bool | None = None, ove
     fwd = {d: dataclasses.replace(t, overlap=t.overlap if overlap is None else int(overlap),
                                   num_stages=t.num_stages if stages is None else stages) for d, t in tiles.items()}
     if consumers is not None:
-        # three consumers run the serial schedule (config.fwd_refusal) unless told otherwise
-        fwd = {d: dataclasses.replace(t, consumers=consumers, block_m=consumers * WS_FWD_BLOCK_M,
-                                      overlap=0 if consumers == 3 and overlap is None else t.overlap)
+        fwd = {d: dataclasses.replace(t, consumers=consumers, block_m=consumers * WS_FWD_BLOCK_M)
                for d, t in fwd.items()}
     return dataclasses.replace(spec, fwd=fwd[128], fwd_d64=fwd[64])
 

@@ -140,25 +140,6 @@ def test_two_consumer_fwd_ws_compiles_for_sm90_with_its_register_budget():
     compile_and_check_budget(_SCRIPT_TWO_CONSUMERS, 9, consumers=2)
 
 
-#: The three-consumer kernel (``FwdTiles(consumers=3)``, head dim 64, serial): 128 registers at
-#: launch for 512 threads, 160 for two consumers and 168 for the default partition's, 24 for the
-#: producer; no spills, no serialized wgmma, causal and not, promoted and chained.
-_SCRIPT_THREE_CONSUMERS = """
-import json
-from dmref.kernels import fwd_ws
-from dmref.kernels.compile_check import warp_specialized_budget
-configs = [(64, causal, dict(chain=chain)) for causal in (False, True) for chain in (False, True)]
-print(json.dumps([dict(d=d, causal=causal, **kw, **warp_specialized_budget(
-                      fwd_ws.compile_sm90(head_dim=d, causal=causal, consumers=3, **kw)))
-                  for d, causal, kw in configs]))
-"""
-
-
-@pytest.mark.slow
-def test_three_consumer_fwd_ws_compiles_for_sm90_with_its_register_budget():
-    compile_and_check_budget(_SCRIPT_THREE_CONSUMERS, 4, consumers=3)
-
-
 _GPU_CASES = [
     (ProblemShape(2, 4, 2, 1000, 128), False),
     (ProblemShape(2, 4, 2, 1000, 128), True),
@@ -297,44 +278,6 @@ def test_two_consumers_give_the_one_consumer_bits(shape, causal):
         o2, lse2, _, *codes2 = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, consumers=2, **kw)
         assert torch.equal(o2, o1) and torch.equal(lse2, lse1), kw
         assert all(torch.equal(a, b) for a, b in zip(codes2, codes1)), kw
-
-
-#: The cases of the bit-for-bit test of three consumers (head dim 64, 192 queries a CTA): the last
-#: CTA has rows for the first consumer alone (1000: 40, 777: 9), for two (300: 108) or for all three
-#: (383: 191, 129 causal: 64, 64 and 1); causal CTAs whose consumers end on different key tiles
-#: (the first releases the later rows' diagonal tile unread); GQA among them.
-_THREE_CONSUMER_CASES = [
-    (ProblemShape(2, 4, 2, 1000, 64), True),
-    (ProblemShape(2, 4, 2, 1000, 64), False),
-    (ProblemShape(1, 4, 4, 777, 64), True),
-    (ProblemShape(1, 2, 1, 300, 64), False),
-    (ProblemShape(1, 2, 2, 383, 64), True),
-    (ProblemShape(1, 3, 1, 129, 64), True),
-]
-_THREE_CONSUMER_IDS = [f"{s.batch}x{s.heads}x{s.kv_heads}x{s.n}x{s.head_dim}{'-causal' if c else ''}"
-                       for s, c in _THREE_CONSUMER_CASES]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape,causal", _THREE_CONSUMER_CASES, ids=_THREE_CONSUMER_IDS)
-def test_three_consumers_give_the_one_consumer_bits(shape, causal):
-    """Three consumer warp groups a CTA (``consumers=3``, head dim 64, the serial schedule) run, for
-    every query row, the one-consumer kernel's operations on the same key tiles, so O and LSE are
-    its bits, chained and promoted, with device-side descriptors and three ring stages, and the
-    debug build's P codes are its codes. A consumer whose causal rows end a key tile before the
-    CTA's last releases that tile unread, and one whose rows all lie past N runs every tile,
-    or the launch would not return."""
-    device = require_backend("gpu")
-    from dmref.kernels import fwd_ws
-
-    q, k, v = _wide_inputs(shape, device)
-    scale = 1.0 / math.sqrt(shape.head_dim)
-    runs = [dict(chain=True), dict(chain=False), dict(host_descriptors=False), dict(stages=3), dict(debug=True)]
-    for kw in runs:
-        o1, lse1, _, *codes1 = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, **kw)
-        o3, lse3, _, *codes3 = fwd_ws.attention_forward(q, k, v, causal=causal, scale=scale, consumers=3, **kw)
-        assert torch.equal(o3, o1) and torch.equal(lse3, lse1), kw
-        assert all(torch.equal(a, b) for a, b in zip(codes3, codes1)), kw
 
 
 #: The share of P codes the kernel must agree on with the reference (issue: at least 99.9%): both

@@ -182,33 +182,6 @@ def test_the_gluon_forward_reads_its_consumers_from_the_spec():
     assert (c["CHAIN"], c["OVERLAP"], c["STAGES"], c["CONSUMERS"]) == (True, 0, 3, 2)
 
 
-def test_three_consumers_are_a_head_dim_64_serial_tiling():
-    """``FwdTiles(block_m=192, consumers=3, overlap=0)`` is honoured at head dim 64 (not the
-    default): ``CONSUMERS=3``, 192 queries a CTA, 128 registers at launch for 512 threads;
-    ``variant(consumers=3)`` takes the serial schedule; the overlapped one, head dim 128 and a
-    192-query block without three consumers are refused in one line."""
-    from dmref.kernels import compile_check, fwd_ws
-    from dmref.kernels._gluon import THREE_CONSUMER_LAUNCH_REGS
-    from dmref.kernels.config import fwd_refusal
-
-    spec = SPECS["kernels_folded_naive_fp8"]
-    tiles = FwdTiles(block_m=192, consumers=3, num_stages=2, overlap=0)
-    assert fwd_refusal(spec.recipe, tiles) is None
-    assert "overlap=0" in fwd_refusal(spec.recipe, dataclasses.replace(tiles, overlap=1))
-    with pytest.raises(ValueError, match="QUANT_BLOCK"):
-        FwdTiles(block_m=192)
-    three = spec.with_tiles(fwd=tiles)
-    assert fwd_ws.variant(spec, consumers=3).fwd_tiles(64) == tiles
-    for causal in (False, True):
-        run = fwd_ws.launch(three, head_dim=64, causal=causal)
-        assert (run.constexprs["CONSUMERS"], run.constexprs["OVERLAP"], run.block_m, run.maxnreg, run.num_warps) == \
-            (3, 0, 192, THREE_CONSUMER_LAUNCH_REGS, 4)
-        assert dict(compile_check.recipe_variants(three, 64, causal))["fwd"] == run
-    assert [run.grid(n, 6) for n in (64, 192, 193, 383, 1000)] == [(1, 6), (1, 6), (2, 6), (2, 6), (6, 6)]
-    with pytest.raises(ValueError, match="head dim 64 only"):
-        fwd_ws.launch(three, head_dim=128, causal=False)
-
-
 def test_the_triton_forward_refuses_a_schedule_it_does_not_have():
     with pytest.raises(ValueError, match="overlap"):
         SPECS["kernels_delta_matching"].with_tiles(fwd=FwdTiles(overlap=1))

@@ -38,20 +38,12 @@ def compile_and_check_budget(script: str, configurations: int, consumers: int = 
     registers, 256 threads (the consumer warp group and the producer's, padded), setmaxnreg to the
     producer's 24 and the consumer's 232, shared memory for two CTAs an SM. Two (``fwd_ws``'s
     ``consumers=2``, one CTA an SM): 168 at launch, 384 threads, setmaxnreg to 24 and to 240 for
-    both consumers, shared memory for one CTA an SM. Three (``consumers=3``, head dim 64): 128 at
-    launch, 512 threads, setmaxnreg to 24, 160 (the two worker consumers) and 168 (the default
-    partition's), shared memory for one CTA an SM."""
+    both consumers, shared memory for one CTA an SM."""
     usage = compiled_usage(script)
-    from dmref.kernels._gluon import (LAUNCH_REGS, PRODUCER_REGS, THREE_CONSUMER_LAUNCH_REGS, THREE_CONSUMER_REGS,
-                                      TWO_CONSUMER_LAUNCH_REGS, TWO_CONSUMER_REGS)
+    from dmref.kernels._gluon import LAUNCH_REGS, PRODUCER_REGS, TWO_CONSUMER_LAUNCH_REGS, TWO_CONSUMER_REGS
 
     if consumers == 1:
         launch, consumer, threads, shared = LAUNCH_REGS, 2 * LAUNCH_REGS - PRODUCER_REGS.value, 256, MAX_SHARED_TWO_CTAS
-    elif consumers == 3:
-        launch, consumer, threads, shared = (THREE_CONSUMER_LAUNCH_REGS, THREE_CONSUMER_REGS.value, 512,
-                                             MAX_SHARED_ONE_CTA)
-        # two worker consumers at 160, the default partition at what is left, the producer at 24
-        assert 4 * launch - PRODUCER_REGS.value - 2 * consumer == 168 and launch * threads <= 65536
     else:
         launch, consumer, threads, shared = (TWO_CONSUMER_LAUNCH_REGS, TWO_CONSUMER_REGS.value, 384,
                                              MAX_SHARED_ONE_CTA)

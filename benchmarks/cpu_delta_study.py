@@ -4,6 +4,7 @@ Delta-Matching float32 bound, and its dQ, dK, dV errors against float64, on the 
     python benchmarks/cpu_delta_study.py                       # the table of docs/delta_study.md
     python benchmarks/cpu_delta_study.py --part hopper --out A.json   # one part (parts run in parallel)
     python benchmarks/cpu_delta_study.py --merge A.json B.json --train T.json --out RESULT.json
+    python benchmarks/cpu_delta_study.py --part dsq --hopper-seqlens 2048 4096 --out C.json   # dS for dQ, below
 
 The problem is the demo's (:func:`dmref.problems.make_problem`: outlier channels, an attention sink,
 peaked rows, log-normal gradient scales), causal, with grouped-query heads. Every candidate runs
@@ -13,6 +14,10 @@ keys). Two accumulation models: ``fp32`` (every matmul a float32 matmul of the q
 at every length, and the recipes as Hopper's FP8 tensor cores accumulate (the bit-exact wgmma
 model of :mod:`dmref.emulation.gemm`, ``hopper``) at the lengths of ``--hopper-seqlens``, where it
 is affordable on a CPU.
+
+Part ``dsq``: ``kernels_folded_delta_prepass`` beside ``kernels_folded_delta_prepass_dsq_row`` (dS for
+dQ scaled per query over all keys from the pre-pass's bound, ``Recipe.ds_dq_bound``), under both
+models, with dQ's error per query row (:func:`dq_row_errors`) besides the normwise one.
 
 ``rowsum_over_bound_max`` is max_i |r_i| / B_i with r_i = sum_j dS_ij (dS as the backward forms it,
 before its FP8 cast) and B_i :func:`dmref.diagnostics.matched_rowsum_bound`, the bound Delta-Matching
@@ -51,6 +56,10 @@ CANDIDATES = {
     "delta_matching": dict(gemms=7, delta="(c) matched, D from a pre-pass of QKᵀ and dO Vᵀ"),
     "kernels_delta_prepass": dict(gemms=7, delta="(c) matched, pre-pass, the kernels' quantization: the choice"),
     "kernels_delta_matching": dict(gemms=8, delta="matched, deferred dQ (today's kernels)"),
+    "kernels_folded_delta_prepass": dict(gemms=7, delta="(c) matched, pre-pass, the folded kernels' quantization"),
+    "kernels_folded_delta_prepass_dsq_row": dict(
+        gemms=7, delta="(c) as kernels_folded_delta_prepass, dS for dQ per query from the pre-pass's bound, K for dQ "
+                       "per head (a one-pass kernel adds dQ's partials unscaled)"),
 }
 
 #: (recipe, accumulation) pairs of each part; "recipe" is run as it is ("as is": the kernels'
@@ -60,6 +69,9 @@ PARTS = {
                                    "consistent_p_tile", "delta_matching")],
     "hopper": [("kernels_delta_prepass", "as is"), ("consistent_p_tile", "hopper"), ("consistent_p_fp32_pv_dp", "as is"),
                ("kernels_naive_fp8", "as is"), ("kernels_delta_matching", "as is")],
+    # dS for dQ with a scale known before the pass, beside the recipe it refines, both models
+    "dsq": [("kernels_folded_delta_prepass", "fp32"), ("kernels_folded_delta_prepass_dsq_row", "fp32"),
+            ("kernels_folded_delta_prepass", "as is"), ("kernels_folded_delta_prepass_dsq_row", "as is")],
 }
 #: the recipes the longer fp32 lengths run (the others are ruled out at the shortest), and at the longest
 LONG_FP32 = ("naive_fp8", "cudnn_fp8", "consistent_p", "consistent_p_tile", "delta_matching")
@@ -71,8 +83,8 @@ def recipe_for(name: str, accumulation: str):
     pre-pass (MATCHED, no deferred dQ); "hopper" runs a preset with every matmul under the wgmma model."""
     if name == "kernels_delta_prepass":
         return with_prepass_delta(get_recipe("kernels_delta_matching"), name)
-    if accumulation == "hopper":
-        return get_recipe(f"{name}@hopper")
+    if accumulation == "hopper" or (accumulation == "fp32" and name.startswith("kernels_")):
+        return get_recipe(f"{name}@{accumulation}")  # the kernels' recipes state Hopper's model
     return get_recipe(name)
 
 
@@ -110,14 +122,50 @@ def exact_chunked(q, k, v, dout, *, causal: bool, rows: int = 512) -> diagnostic
                              diagnostics.problem_fingerprint(q, k, v, dout, causal=causal))
 
 
+#: each dsq row's per-row dQ errors, by (accumulation, length), for the next row's comparison
+_ROW_ERRORS: dict = {}
+
+
+def dq_row_errors(q, k, v, do, recipe, exact, key) -> dict:
+    """Per query row, dQ's relative error against float64, ||dQ_i - dQ*_i|| / ||dQ*_i|| (rows with
+    dQ* = 0 left out): its quantiles and maximum; and, where ``key`` (accumulation, length) has
+    the errors of a row run before (the recipe this one refines), the ratio of the two row by row:
+    its quantiles, maximum, and the size of dQ*_i where it is largest against the median row's. A
+    dS-for-dQ scale from a bound of the row's amax loses precision where the bound is loose, on
+    rows whose dS is small against max_j P|dP| (peaked rows), which normwise errors do not show."""
+    from dmref import tiled
+
+    _, bwd = tiled.attention(q, k, v, do, recipe=recipe, causal=True)
+    ref = exact.dq.norm(dim=-1).flatten()
+    live = ref > 0
+    err = ((bwd.dq.double() - exact.dq).norm(dim=-1).flatten() / ref)[live]
+    at = torch.tensor([0.5, 0.99, 0.999], dtype=torch.float64)
+    out = {"dq_row_rel_err_quantiles": dict(zip(("p50", "p99", "p999"), torch.quantile(err, at).tolist())),
+           "dq_row_rel_err_max": err.max().item()}
+    before = _ROW_ERRORS.setdefault(key, err)
+    if before is not err:
+        ratio = err / before.clamp_min(torch.finfo(torch.float64).tiny)
+        worst = ratio.argmax()
+        out.update({"dq_row_err_ratio_quantiles": dict(zip(("p50", "p99", "p999"), torch.quantile(ratio, at).tolist())),
+                    "dq_row_err_ratio_max": ratio.max().item(),
+                    "dq_row_norm_at_ratio_max_over_median": (ref[live][worst] / ref[live].median()).item()})
+    return out
+
+
 def run_part(part: str, seqlens, args, rows: list, save) -> list[dict]:
     """Run one part's rows at ``seqlens``, appending to ``rows`` and calling ``save()`` after each."""
     for n in seqlens:
         q, k, v, do = make_problem(1, args.heads, n, args.head_dim, kv_heads=args.kv_heads, seed=args.seed)
+        if args.do_row_exponent:  # per-token gradient magnitudes: dO's rows times 2^U(-E, E), integer E
+            g = torch.Generator().manual_seed(args.seed)
+            e = args.do_row_exponent
+            do = do * torch.exp2(torch.randint(-e, e + 1, (*do.shape[:-1], 1), generator=g).to(do.dtype))
         t0 = time.perf_counter()
         exact = exact_chunked(q, k, v, do, causal=True)
         print(f"N={n}: float64 reference in {time.perf_counter() - t0:.0f} s", flush=True)
         for name, acc in PARTS[part]:
+            if part == "dsq" and acc != "fp32" and n > max(args.hopper_seqlens):
+                continue  # the wgmma model at the --hopper-seqlens only
             if part == "fp32" and n > min(args.seqlens) and name not in LONG_FP32:
                 continue
             if part == "fp32" and len(args.seqlens) > 2 and n == max(args.seqlens) and name not in LONGEST_FP32:
@@ -129,8 +177,11 @@ def run_part(part: str, seqlens, args, rows: list, save) -> list[dict]:
             row = {**report.as_dict(), "recipe": name,
                    "accumulation": acc if acc != "as is" else "hopper (the recipe's own)",
                    "seqlen": n, "gemms": CANDIDATES[name]["gemms"], "delta": CANDIDATES[name]["delta"],
+                   **({"do_row_exponent": args.do_row_exponent} if args.do_row_exponent else {}),
                    "rowsum_over_bound_median": ratio[torch.isfinite(ratio)].median().item(),
                    "seconds": time.perf_counter() - t0}
+            if part == "dsq":
+                row.update(dq_row_errors(q, k, v, do, recipe, exact, (acc, n, args.do_row_exponent)))
             rows.append(row)
             save()
             print(f"  {name:26s} {row['accumulation']:26s} r/B max {row['rowsum_over_bound_max']:9.3g} "
@@ -145,7 +196,8 @@ def markdown(result: dict) -> str:
     lines = ["| candidate | GEMMs | accumulation | keys | max_i r_i/B_i | median r_i/B_i | dQ | dK | dV | dQ error along k̄ |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(result["rows"], key=lambda r: (r["accumulation"] != "fp32", r["seqlen"], r["gemms"])):
-        lines.append(f"| `{r['recipe']}` | {r['gemms']} | {r['accumulation']} | {r['seqlen']} "
+        keys = f"{r['seqlen']}" + (f", dO rows x 2^U(±{r['do_row_exponent']})" if r.get("do_row_exponent") else "")
+        lines.append(f"| `{r['recipe']}` | {r['gemms']} | {r['accumulation']} | {keys} "
                      f"| {r['rowsum_over_bound_max']:.3g} | {r['rowsum_over_bound_median']:.3g} "
                      f"| {r['dq_rel_err']:.4f} | {r['dk_rel_err']:.4f} | {r['dv_rel_err']:.4f} "
                      f"| {r['dq_bias_fraction']:.2f} |")
@@ -154,13 +206,15 @@ def markdown(result: dict) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("fp32", "hopper", "all"), default="all")
+    ap.add_argument("--part", choices=("fp32", "hopper", "dsq", "all"), default="all")
     ap.add_argument("--seqlens", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--hopper-seqlens", type=int, nargs="+", default=[4096])
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--kv-heads", type=int, default=1)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--do-row-exponent", type=int, default=0,
+                    help="multiply dO's rows by 2^U(-E, E), integer exponents (per-token gradient magnitudes)")
     ap.add_argument("--merge", nargs="+", help="combine the rows of these result files instead of running")
     ap.add_argument("--markdown", help="print the table of this result file and exit")
     ap.add_argument("--train", help="examples/train_transformers.py's JSON, its 'final' section copied in")
@@ -183,14 +237,17 @@ def main(argv=None):
     if args.merge:
         docs = [json.load(open(p)) for p in args.merge]
         result = {**docs[0], "rows": [r for d in docs for r in d["rows"]],
-                  "parts": sorted({p for d in docs for p in d["parts"]})}
+                  "parts": sorted({p for d in docs for p in d["parts"]}),
+                  "candidates": {k: v for d in docs for k, v in d.get("candidates", {}).items()}}
     else:
         parts = ("fp32", "hopper") if args.part == "all" else (args.part,)
         result = {"problem": dict(maker="dmref.problems.make_problem", batch=1, heads=args.heads, kv_heads=args.kv_heads,
                                   head_dim=args.head_dim, seed=args.seed, causal=True),
                   "candidates": CANDIDATES, "parts": list(parts), "torch": torch.__version__, "rows": []}
         for part in parts:
-            run_part(part, args.seqlens if part == "fp32" else args.hopper_seqlens, args, result["rows"], save)
+            lengths = {"fp32": args.seqlens, "hopper": args.hopper_seqlens,
+                       "dsq": sorted(set(args.seqlens) | set(args.hopper_seqlens))}[part]
+            run_part(part, lengths, args, result["rows"], save)
     if args.train:
         train = json.load(open(args.train))
         result["train_transformers"] = {"config": train["config"], "final": train["final"]}

@@ -17,7 +17,7 @@ from ..emulation.gemm import Accumulation, MatmulModel
 from .presets import PRESETS, with_prepass_delta
 from .recipe import DeferredDq, DeltaKind, DeltaStrategy, Granularity, MatmulModels, QuantPoint, Recipe, STALE
 
-__all__ = ["KERNEL_RECIPES", "QUANT_BLOCK", "KBAR_P_SCALE_LOG2", "KernelDelta", "DEFAULT_DS_TILE", "ds_point",
+__all__ = ["KERNEL_RECIPES", "KERNEL_CANDIDATES", "QUANT_BLOCK", "KBAR_P_SCALE_LOG2", "KernelDelta", "DEFAULT_DS_TILE", "ds_point",
            "deferred_dq", "fit_to_tiles", "kernel_recipe"]
 
 #: Tokens per scale block of the kernels' transposed copies; every kernel tile along tokens
@@ -124,4 +124,24 @@ KERNEL_RECIPES: dict[str, Recipe] = {r.name: r for r in (
     kernel_recipe("stale", folded=True),
     with_prepass_delta(kernel_recipe("matched"), "kernels_delta_prepass"),
     with_prepass_delta(kernel_recipe("matched", folded=True), "kernels_folded_delta_prepass"),
+)}
+
+
+def _dsq_row(recipe: Recipe, name: str) -> Recipe:
+    """``recipe`` (a folded pre-pass one) with dS for dQ scaled once per query over all keys from
+    the pre-pass's bound of its amax (``Recipe.ds_dq_bound``) and K for dQ scaled per head, the
+    forward's scale: every factor of dQ's partials is then the same in every key block, so a
+    one-pass kernel adds them unscaled and applies the factors once, after the pass."""
+    return dataclasses.replace(recipe, name=name,
+                               ds_dq=QuantPoint(FLOAT8_E4M3FN, Granularity.ROW, ScaleRule.POW2_DOWN), ds_dq_bound=True,
+                               k_dq=QuantPoint(FLOAT8_E4M3FN, Granularity.HEAD, ScaleRule.POW2_DOWN))
+
+
+#: Recipes for kernels not written yet, by name: the emulation (``dmref.get_recipe``,
+#: ``dmref.tiled``) runs them, ``dmref.kernels`` refuses them (``config.unsupported``).
+#: ``kernels_folded_delta_prepass_dsq_row``: ``kernels_folded_delta_prepass`` with dS for dQ scaled
+#: per query over all keys from the pre-pass's bound U_i and K for dQ per head (docs/delta_study.md,
+#: "dS for dQ with a scale known before the pass").
+KERNEL_CANDIDATES: dict[str, Recipe] = {r.name: r for r in (
+    _dsq_row(KERNEL_RECIPES["kernels_folded_delta_prepass"], "kernels_folded_delta_prepass_dsq_row"),
 )}

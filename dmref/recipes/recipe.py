@@ -350,9 +350,24 @@ class Recipe:
     #: tile's P~ V^ is formed from zero and added to fl(alpha acc) in the working precision (a
     #: promotion per tile). The two differ only under the ``hopper`` model of ``accumulation.pv``.
     pv_chain: bool = False
+    #: dS for dQ (``ds_dq``, ROW granularity: one scale per query over all keys) scaled from an
+    #: upper bound of its row amax instead of the amax itself, U_i = max_j P_ij |dP^_ij| +
+    #: |D_i| max_j P_ij >= max_j |P_ij (dP^_ij - D_i)|: what a pre-pass of S and dP knows, with D_i,
+    #: before the main pass, so that a one-pass kernel (one CTA per key block) can quantize dS for
+    #: dQ with a scale that is the same in every key block. U_i is computed in float32 and
+    #: multiplied by 1 + 2^-21, which covers the rounding of dS and of U_i itself.
+    ds_dq_bound: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "pv_chain", check_bool(self.pv_chain, "Recipe.pv_chain"))
+        object.__setattr__(self, "ds_dq_bound", check_bool(self.ds_dq_bound, "Recipe.ds_dq_bound"))
+        if self.ds_dq_bound and not (self.ds_dq.quantized and self.ds_dq.granularity is Granularity.ROW
+                                     and self.ds_dq.scale_rule.is_dynamic):
+            raise ValueError(f"recipe {self.name!r}: ds_dq_bound scales ds_dq per row from a bound of its amax; "
+                             f"ds_dq is {self.ds_dq.describe()}, not a dynamically scaled ROW point")
+        if self.ds_dq_bound and self.delta.deferred_dq is not None:
+            raise ValueError(f"recipe {self.name!r}: ds_dq_bound needs the final D before the main pass; "
+                             "the deferred dQ corrects dQ after it")
         if self.precision not in ("float32", "float64"):
             raise ValueError(f"Recipe.precision={self.precision!r} must be 'float32' or 'float64'")
         if self.p_fwd.reference not in (PReference.RUNNING_MAX, PReference.POW2_RUNNING_MAX):
@@ -392,6 +407,8 @@ class Recipe:
         lines.append(f"  P bwd  {self.p_bwd.reference.value}, offset 2^{self.p_bwd.offset_log2}")
         lines.append(f"  norm   {self.normalizer.value}")
         lines.append(f"  delta  {self.delta.name}")
+        if self.ds_dq_bound:
+            lines.append("  ds_dq  scaled from U_i = max_j P|dP| + |D_i| max_j P (a pre-pass bound of its row amax)")
         acc = ", ".join(f"{m}={getattr(self.accumulation, m).name}" for m in MATMULS)
         lines.append(f"  accum  {acc}" + (", PV chained across key tiles" if self.pv_chain else ""))
         lines.append(f"  tiles  {self.tiles.block_q}x{self.tiles.block_k}, working precision {self.precision}")

@@ -5,6 +5,8 @@ before the backward, does not once dP is accumulated on FP8 tensor cores."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -97,3 +99,53 @@ def test_with_prepass_delta_needs_a_matched_recipe():
         with_prepass_delta(get_recipe("naive_fp8"))
     assert with_prepass_delta(get_recipe("delta_matching")).name == "delta_matching_prepass"
     assert CHOSEN.delta.deferred_dq is None and get_recipe("kernels_delta_matching").delta.deferred_dq is not None
+
+
+#: dS for dQ scaled per query over all keys from the pre-pass's bound (Recipe.ds_dq_bound), in
+#: float32 accumulation so that the adversarial problems stay cheap; and the same with the exact
+#: row amax, which no one-pass kernel knows before its pass.
+DSQ_ROW = get_recipe("kernels_folded_delta_prepass_dsq_row@fp32")
+DSQ_ROW_EXACT = dataclasses.replace(DSQ_ROW, name="dsq_row_exact_amax", ds_dq_bound=False)
+
+
+def _ds_for_dq_amaxes(recipe, q, k, v, dout, causal, mask):
+    """(the amax each key tile's dS-for-dQ cast was given, the row amax of the dS it cast), per
+    query row over all key tiles: the casts of ``recipe.ds_dq`` seen through ``tiled._quantize``."""
+    lead = (*q.shape[:-1], 1)
+    told, seen = torch.zeros(lead), torch.zeros(lead)
+    real = tiled._quantize
+
+    def spy(x, point, *args, **kw):
+        if point is recipe.ds_dq:
+            i0 = q.shape[-2] - x.shape[-2]  # a key tile's dS holds the query rows i0: of the head
+            told[..., i0:, :] = torch.maximum(told[..., i0:, :], kw["amax"].expand(*x.shape[:-1], 1))
+            seen[..., i0:, :] = torch.maximum(seen[..., i0:, :], x.abs().amax(dim=-1, keepdim=True))
+        return real(x, point, *args, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tiled, "_quantize", spy)
+        tiled.attention(q, k, v, dout, recipe=recipe, causal=causal, mask=mask)
+    return told, seen
+
+
+@settings(max_examples=10, deadline=None)
+@given(case=adversarial_problems())
+def test_the_pre_pass_bound_holds_every_row_of_ds_for_dq(case):
+    """U_i = max_j P_ij |dP^_ij| + |D_i| max_j P_ij >= max_j |P_ij (dP^_ij - D_i)|, on the sweep's
+    very P and dP^: with ``ds_dq_bound`` every key tile's cast of dS for dQ is given a row amax of
+    at least the row's largest |dS| over all keys (so one scale per row serves every key block,
+    and no code saturates beyond what the amax allows); without it, the row amax itself."""
+    q, k, v, dout, mask = _inputs(case)
+    given_b, seen_b = _ds_for_dq_amaxes(DSQ_ROW, q, k, v, dout, case["causal"], mask)
+    assert bool(torch.isfinite(given_b).all())
+    assert bool((given_b >= seen_b).all()), f"bound below the row amax by {(seen_b - given_b).max().item():.3g}"
+    given_e, seen_e = _ds_for_dq_amaxes(DSQ_ROW_EXACT, q, k, v, dout, case["causal"], mask)
+    assert torch.equal(given_e, seen_e) and torch.equal(seen_e, seen_b)
+
+
+def test_ds_dq_bound_needs_a_dynamic_row_point_and_the_final_delta():
+    with pytest.raises(ValueError, match="not a dynamically scaled ROW point"):
+        dataclasses.replace(get_recipe("kernels_folded_delta_prepass"), ds_dq_bound=True)
+    with pytest.raises(ValueError, match="deferred dQ"):
+        dataclasses.replace(get_recipe("kernels_folded_delta_matching"), ds_dq=DSQ_ROW.ds_dq, ds_dq_bound=True)
+    assert "pre-pass bound" in DSQ_ROW.describe()

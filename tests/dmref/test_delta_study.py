@@ -149,3 +149,15 @@ def test_ds_dq_bound_needs_a_dynamic_row_point_and_the_final_delta():
     with pytest.raises(ValueError, match="deferred dQ"):
         dataclasses.replace(get_recipe("kernels_folded_delta_matching"), ds_dq=DSQ_ROW.ds_dq, ds_dq_bound=True)
     assert "pre-pass bound" in DSQ_ROW.describe()
+
+
+def test_the_kernels_refuse_the_candidate_in_one_line():
+    """``kernels_folded_delta_prepass_dsq_row`` is a recipe for kernels not written yet: the
+    emulation runs it, ``dmref.kernels`` refuses it by name and as a Recipe, saying why."""
+    from dmref.kernels.config import KernelSpec, get_spec
+
+    with pytest.raises(ValueError, match="not one of the kernels' recipes"):
+        get_spec("kernels_folded_delta_prepass_dsq_row")
+    with pytest.raises(ValueError, match="ds_dq: the kernels quantize it as") as err:
+        KernelSpec(get_recipe("kernels_folded_delta_prepass_dsq_row"))
+    assert "\n" not in str(err.value)

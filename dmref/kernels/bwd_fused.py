@@ -74,6 +74,15 @@ def _quantize_ds_cols(ds_t, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _quantize_ds_cols_given(ds_t, u, INTERPRET: tl.constexpr):
+    """:func:`_quantize_ds_cols` with each query's scale from ``u``, the pre-pass's bound of the
+    row's amax over all keys (``Recipe.ds_dq_bound``), instead of the tile's column amax."""
+    k = pow2_down_exponent(u, False)
+    scaled = ds_t * exp2_int(k)[None, :]
+    return to_fp8(scaled, False, INTERPRET), exp2_int(-k), scaled
+
+
+@triton.jit
 def _fused_debug_store(ds_scaled, ds_inv, dsq_scaled, dsq_inv, offs_m, offs_n, in_seq, q_in, bh64,
                        DSK_X, DSK_INV, DSQ_X, DSQ_INV, N):
     """Debug stores of one tile, at ``(query, key)`` of ``(B*H, N, N)`` dumps: the float32 values
@@ -90,11 +99,11 @@ def _fused_debug_store(ds_scaled, ds_inv, dsq_scaled, dsq_inv, offs_m, offs_n, i
 @triton.jit
 def _fused_head(
     dk, dv, k, k_scale, v, v_scale, kt_t, kt_scale, offs_n, in_seq, bh64, lo, j_block,
-    Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA, DQ_ACC, SEM,
+    Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA, DSQ_U, DQ_ACC, SEM,
     DSK_X, DSK_INV, DSQ_X, DSQ_INV, SEM_SEEN, qk_scale, N, NPAD, n_qtiles, n_kblocks,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
     CAUSAL: tl.constexpr, P_SCALE: tl.constexpr, DETERMINISTIC: tl.constexpr,
-    DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
+    DSQ_GIVEN: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """The query tiles of one query head: dK and dV accumulated on chip, dQ's partials added to
     ``DQ_ACC``. Invariant at the top of each iteration, over the query tiles done so far:
@@ -125,7 +134,11 @@ def _fused_head(
         # dS = P (dP - D), D read from the buffer; quantized per key (dK) and per query (dQ)
         ds_t = p_t * (dp_t - delta[None, :])
         ds8_t, ds_inv, ds_scaled = _quantize_ds(ds_t, INTERPRET)
-        dsq8_t, dsq_inv, dsq_scaled = _quantize_ds_cols(ds_t, INTERPRET)
+        if DSQ_GIVEN:  # one scale per query over all keys, from the pre-pass's bound
+            u = tl.load(DSQ_U + head + offs_m, mask=q_in, other=0.0)
+            dsq8_t, dsq_inv, dsq_scaled = _quantize_ds_cols_given(ds_t, u, INTERPRET)
+        else:
+            dsq8_t, dsq_inv, dsq_scaled = _quantize_ds_cols(ds_t, INTERPRET)
         if DEBUG:
             _fused_debug_store(ds_scaled, ds_inv, dsq_scaled, dsq_inv, offs_m, offs_n, in_seq, q_in, bh64,
                                DSK_X, DSK_INV, DSQ_X, DSQ_INV, N)
@@ -161,12 +174,12 @@ def _fused_head(
 @triton.jit
 def _bwd_fused_kernel(
     Q8, Q_SCALE, QT8, QT_SCALE, K8, K_SCALE, KT8, KT_SCALE, V8, V_SCALE,
-    DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA,
+    DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA, DSQ_U,
     DK, DV, DQ_ACC, SEM, DSK_X, DSK_INV, DSQ_X, DSQ_INV, SEM_SEEN,
     qk_scale, sm_scale, H, HKV, N, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, P_SCALE: tl.constexpr, DETERMINISTIC: tl.constexpr,
-    DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
+    DSQ_GIVEN: tl.constexpr, DEBUG: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     tl.static_assert(QB % BLOCK_M == 0)
     tl.static_assert(QB % BLOCK_N == 0)
@@ -199,16 +212,16 @@ def _bwd_fused_kernel(
     if GROUP == 1:
         dk, dv = _fused_head(
             dk, dv, k, k_scale, v, v_scale, kt_t, kt_scale, offs_n, in_seq, bh0, lo, j_block,
-            Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA, DQ_ACC, SEM,
+            Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA, DSQ_U, DQ_ACC, SEM,
             DSK_X, DSK_INV, DSQ_X, DSQ_INV, SEM_SEEN, qk_scale, N, NPAD, n_qtiles, n_kblocks,
-            HEAD_DIM, BLOCK_M, BLOCK_N, QB, CAUSAL, P_SCALE, DETERMINISTIC, DEBUG, INTERPRET)
+            HEAD_DIM, BLOCK_M, BLOCK_N, QB, CAUSAL, P_SCALE, DETERMINISTIC, DSQ_GIVEN, DEBUG, INTERPRET)
     else:
         for g in range(0, GROUP):
             dk, dv = _fused_head(
                 dk, dv, k, k_scale, v, v_scale, kt_t, kt_scale, offs_n, in_seq, bh0 + g, lo, j_block,
-                Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA, DQ_ACC, SEM,
+                Q8, Q_SCALE, QT8, QT_SCALE, DO8, DO_SCALE, DOT8, DOT_SCALE, LSE2, DELTA, DSQ_U, DQ_ACC, SEM,
                 DSK_X, DSK_INV, DSQ_X, DSQ_INV, SEM_SEEN, qk_scale, N, NPAD, n_qtiles, n_kblocks,
-                HEAD_DIM, BLOCK_M, BLOCK_N, QB, CAUSAL, P_SCALE, DETERMINISTIC, DEBUG, INTERPRET)
+                HEAD_DIM, BLOCK_M, BLOCK_N, QB, CAUSAL, P_SCALE, DETERMINISTIC, DSQ_GIVEN, DEBUG, INTERPRET)
     tl.store(DK + kv_rows + rows, to_bf16(dk * sm_scale, INTERPRET), mask=in_seq[:, None])
     tl.store(DV + kv_rows + rows, to_bf16(dv * (1.0 / P_SCALE), INTERPRET), mask=in_seq[:, None])
 
@@ -269,11 +282,12 @@ def caller_delta(delta: torch.Tensor, batch: int, heads: int, n: int, device) ->
 
 
 def launch(spec: KernelSpec, *, head_dim: int, causal: bool, group: int = 1, deterministic: bool = False,
-           debug: bool = False) -> Launch:
+           debug: bool = False, dsq_given: bool = False) -> Launch:
     """The launch of the fused backward for ``spec`` at ``head_dim`` (``group``: query heads per
     key/value head): query tiles of the spec's ``block_m1`` and key blocks of its ``block_n2``, the
     dS blocks, promotion points and P scale the recipe states (``config.fit_to_tiles``). The one
-    description that :func:`backward` and ``compile_check`` read."""
+    description that :func:`backward` and ``compile_check`` read. ``dsq_given``: dS for dQ scaled
+    per query from a given bound (:func:`backward`'s ``dsq_bound``)."""
     why = refusal(spec, head_dim)
     if why:
         raise ValueError(why)
@@ -281,25 +295,51 @@ def launch(spec: KernelSpec, *, head_dim: int, causal: bool, group: int = 1, det
     f = default_fused_tiles(spec, head_dim)
     return Launch(dict(HEAD_DIM=head_dim, BLOCK_M=t.block_m1, BLOCK_N=t.block_n2, QB=QUANT_BLOCK, GROUP=group,
                        CAUSAL=causal, P_SCALE=float(2 ** spec.recipe.p_bwd.offset_log2),
-                       DETERMINISTIC=bool(deterministic), DEBUG=bool(debug), INTERPRET=interpreting()),
+                       DETERMINISTIC=bool(deterministic), DSQ_GIVEN=bool(dsq_given), DEBUG=bool(debug),
+                       INTERPRET=interpreting()),
                   f.num_warps, f.num_stages, f.maxnreg, {}, kernel=_bwd_fused_kernel, block_m=t.block_n2)
 
 
+def head_scaled_kt(k8, npad: int):
+    """K's transposed copy for dQ with K's one scale per (batch, key/value head) (a folded
+    recipe's row copy ``k8``: its codes carry the head's scale, repeated per token in
+    ``row_scale``): the row codes transposed into ``(B*HKV, D, NPAD)`` (keys past N code 0), and
+    the head's scale as every channel's scale of every 128-token block, ``(B*HKV, NPAD // 128, D)``,
+    the layout the kernel reads a transposed copy's scales in."""
+    rows = k8.rows
+    kt = torch.zeros((rows.shape[0], rows.shape[2], npad), device=rows.device, dtype=rows.dtype)
+    kt[..., :rows.shape[1]] = rows.transpose(1, 2)
+    head = k8.row_scale[:, :1]
+    return kt, head[:, :, None].expand(rows.shape[0], npad // QUANT_BLOCK, rows.shape[2]).contiguous()
+
+
 def backward(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int,
-             causal: bool, scale: float, recipe: KernelSpec, deterministic: bool = False, debug: bool = False):
+             causal: bool, scale: float, recipe: KernelSpec, deterministic: bool = False, debug: bool = False,
+             dsq_bound=None):
     """Run the fused backward and dQ's postprocess. ``saved``: the forward's ``SavedForward``;
     ``do8``: dO's row and transposed copies (one ``quantize.Quantized``); ``delta``: D per query row ``(B*H, N)``
     float32 (the preprocess's stale delta, or the pre-pass's matched D). Returns ``(dq, dk, dv,
     debug dict)``; the debug dict holds ``"delta"`` and with ``debug`` ``"ds_dk"`` and ``"ds_dq"``
     (``(B*H, N, N)`` float32: dS as each matmul sees it, codes times their dequantization factor; 0
-    where a tile skipped), ``"ds"`` (the float32 dS = P (dP - D) the casts received, before
+    where a tile skipped), ``"ds_dq_inv"`` (the dequantization factor of each element of dQ's dS
+    cast), ``"ds"`` (the float32 dS = P (dP - D) the casts received, before
     quantization: the dK cast's input times its power-of-two factor, exact unless the scaled value
     was subnormal) and, deterministic, ``"sem_seen"`` (``(B*H, n_qtiles, n_kblocks)`` int32: the counter each key block
-    read before adding, -1 where it did not see the tile)."""
+    read before adding, -1 where it did not see the tile).
+
+    ``dsq_bound`` (not the default): the pre-pass's bound U_i of each query's dS amax over all
+    keys (``bwd_prepass.delta(..., bound=True)``, ``(B*H, N)`` float32): dS for dQ is then
+    quantized with one POW2_DOWN scale per query from it and K for dQ with the head's scale
+    (:func:`head_scaled_kt`), the numerics of ``kernels_folded_delta_prepass_dsq_row``
+    (``Recipe.ds_dq_bound``) for a folded spec; the shipped kernels do not run that recipe yet,
+    this is its Triton form, checked in the interpreter (tests/kernels/test_bwd_prepass.py)."""
     from .fwd import LOG2E
 
+    if dsq_bound is not None and not recipe.folded:
+        raise ValueError(f"dsq_bound scales K for dQ per head: a folded recipe's K; {recipe.name!r} scales K "
+                         f"{recipe.recipe.k.describe()}")
     run = launch(recipe, head_dim=head_dim, causal=causal, group=heads // kv_heads,
-                 deterministic=deterministic, debug=debug)
+                 deterministic=deterministic, debug=debug, dsq_given=dsq_bound is not None)
     c = run.constexprs
     dev = do8.rows.device
     n_qtiles, n_kblocks = triton.cdiv(n, c["BLOCK_M"]), triton.cdiv(n, c["BLOCK_N"])
@@ -316,10 +356,11 @@ def backward(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int
         dumps["sem_seen"] = torch.full((batch * heads, n_qtiles, n_kblocks), -1, device=dev, dtype=torch.int32)
     saved = saved.with_q_copies()  # where the forward left them to the backward
     q8, k8, v8 = saved.q, saved.k, saved.v
+    kt, kt_scale = (k8.cols, k8.col_scale) if dsq_bound is None else head_scaled_kt(k8, do8.npad)
     run.kernel[run.grid(n, batch * kv_heads)](
-        q8.rows, q8.row_scale, q8.cols, q8.col_scale, k8.rows, k8.row_scale, k8.cols, k8.col_scale,
+        q8.rows, q8.row_scale, q8.cols, q8.col_scale, k8.rows, k8.row_scale, kt, kt_scale,
         v8.rows, v8.row_scale, do8.rows, do8.row_scale, do8.cols, do8.col_scale, saved.lse2, delta,
-        dk, dv, dq_acc, sem, dumps.get("dsk_x", dummy32), dumps.get("dsk_inv", dummy32),
+        dummy32 if dsq_bound is None else dsq_bound, dk, dv, dq_acc, sem, dumps.get("dsk_x", dummy32), dumps.get("dsk_inv", dummy32),
         dumps.get("dsq_x", dummy32), dumps.get("dsq_inv", dummy32), dumps.get("sem_seen", dummy_i32),
         scale * LOG2E, scale, heads, kv_heads, n, do8.npad, **c, **run.options())
     dq = postprocess_dq(dq_acc, batch, heads, n, head_dim, scale)
@@ -332,6 +373,7 @@ def backward(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int
 
         dbg["ds_dk"] = seen(dumps["dsk_x"], dumps["dsk_inv"])
         dbg["ds_dq"] = seen(dumps["dsq_x"], dumps["dsq_inv"])
+        dbg["ds_dq_inv"] = dumps["dsq_inv"]  # each element's dequantization factor in dQ's cast
         dbg["ds"] = dumps["dsk_x"] * dumps["dsk_inv"]
         if deterministic:
             dbg["sem_seen"] = dumps["sem_seen"]

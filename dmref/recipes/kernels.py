@@ -138,7 +138,9 @@ def _dsq_row(recipe: Recipe, name: str) -> Recipe:
 
 
 #: Recipes for kernels not written yet, by name: the emulation (``dmref.get_recipe``,
-#: ``dmref.tiled``) runs them, ``dmref.kernels`` refuses them (``config.unsupported``).
+#: ``dmref.tiled``) runs them, ``dmref.kernels``' specs and API refuse them
+#: (``config.unsupported``); their Triton forms, where written, are options of the kernels'
+#: functions (docs/kernels.md).
 #: ``kernels_folded_delta_prepass_dsq_row``: ``kernels_folded_delta_prepass`` with dS for dQ scaled
 #: per query over all keys from the pre-pass's bound U_i and K for dQ per head (docs/delta_study.md,
 #: "dS for dQ with a scale known before the pass").

@@ -9,6 +9,7 @@ tiles, causal, GQA, head dims 64 and 128), and on a Hopper GPU at larger ones.""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -290,3 +291,94 @@ def test_prepass_kernel_compiles_for_sm90_without_spills():
     for u in usage:
         assert u["spill_bytes"] == 0 and u["registers"] <= HOPPER_MAX_REGISTERS, u
         assert u["shared_bytes"] <= MAX_SHARED_BYTES, u
+
+
+#: The Triton form of ``kernels_folded_delta_prepass_dsq_row`` (``bwd_prepass.delta(bound=True)``,
+#: then ``bwd_fused.backward(dsq_bound=U)`` on a folded pre-pass spec): the interpreter at small
+#: sizes, and the GPU (the Triton kernels, compiled) at larger ones.
+_DSQ_CASES = {
+    "interpreter": [
+        Case(1, 2, 1, 203, 64, True, "kernels_folded_delta_prepass"),  # GQA 2:1, causal, N % 64 = 11
+        Case(1, 1, 1, 130, 128, False, "kernels_folded_delta_prepass"),  # head dim 128, N % 64 = 2
+    ],
+    "gpu": [
+        Case(1, 4, 2, 700, 128, True, "kernels_folded_delta_prepass"),
+        Case(1, 4, 4, 513, 64, False, "kernels_folded_delta_prepass"),
+    ],
+}
+
+
+@pytest.mark.parametrize("backend,case", backend_params(_DSQ_CASES))
+def test_the_dsq_row_recipe_in_triton_equals_its_reference(backend, case):
+    """The pre-pass's bound U (``bound=True``) and the fused backward that scales dS for dQ per
+    query from it, K for dQ per head (``dsq_bound=U``), against ``dmref.tiled`` on
+    ``kernels_folded_delta_prepass_dsq_row``: dS as each matmul sees it on at least CODE_AGREEMENT
+    of the elements (dQ's only agree where the kernel's scale is the recipe's), dQ, dK and dV
+    within the pre-pass test's bounds, D as the plain pre-pass gives it bit for bit."""
+    device = require_backend(backend)
+    from dmref import get_recipe, tiled
+    from dmref.kernels import api, bwd_fused, bwd_prepass
+    from dmref.kernels.quantize import quantize_with
+
+    q, k, v, do = outlier_inputs(case, device)
+    spec = case.spec()
+    scale = 1.0 / math.sqrt(case.head_dim)
+    o, _lse, saved, _ = api.attention_forward(q, k, v, causal=case.causal, scale=scale, recipe=spec)
+    dims = dict(batch=case.batch, heads=case.heads, kv_heads=case.kv_heads, n=case.n, head_dim=case.head_dim)
+    if saved.q is None:
+        do8, _, q8 = quantize_with(do, "float8_e4m3fn", saved.q_pending, saved.q_fmt)
+        saved = dataclasses.replace(saved, q=q8, q_pending=None)
+    else:
+        from dmref.kernels.quantize import quantize
+        do8, _ = quantize(do, "float8_e4m3fn", rows=True, cols=True)
+    d, u = bwd_prepass.delta(saved, do8, causal=case.causal, scale=scale, recipe=spec, bound=True, **dims)
+    assert torch.equal(d, bwd_prepass.delta(saved, do8, causal=case.causal, scale=scale, recipe=spec, **dims))
+    dq, dk, dv, kern = bwd_fused.backward(saved, do8, d, causal=case.causal, scale=scale, recipe=spec, debug=True,
+                                          dsq_bound=u, **dims)
+    rr = get_recipe("kernels_folded_delta_prepass_dsq_row" + ("" if backend == "gpu" else "@fp32"))
+    qf, kf, vf, dof = (t.float() for t in (q, k, v, do))
+    fwd = tiled.forward(qf, kf, vf, recipe=rr, causal=case.causal, scale=scale)
+    state = tiled.ForwardResult(o.float(), tiled.SoftmaxStats(fwd.stats.ref, fwd.stats.l,
+                                                              saved.lse2.view_as(fwd.stats.lse2)))
+    told = torch.zeros(case.batch, case.heads, case.n, 1, dtype=torch.float32)
+    real = tiled._quantize
+
+    def spy(x, point, *args, **kw):  # the row amax the reference's dS-for-dQ casts are given: its U
+        if point is rr.ds_dq:
+            told[..., case.n - x.shape[-2]:, :] = kw["amax"].expand(*x.shape[:-1], 1).cpu()
+        return real(x, point, *args, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tiled, "_quantize", spy)
+        with tap() as bt:  # the tap records the casts, then calls the spy
+            ref = tiled.backward(qf, kf, vf, state, dof, recipe=rr, causal=case.causal, scale=scale)
+    # the kernel's U bounds its own dS (Lemma 2), and its scale exponents are the reference's
+    assert bool((u.cpu() >= kern["ds"].abs().amax(dim=-1).cpu()).all())
+    u_ref = told.reshape(u.shape)
+    same = (torch.floor(torch.log2(u.cpu())) == torch.floor(torch.log2(u_ref))).double().mean().item()
+    assert same >= CODE_AGREEMENT, f"only {same:.6f} of the rows have the reference's dS-for-dQ scale"
+    valid = _valid(case, kern["ds_dk"].device).expand_as(kern["ds_dk"])
+    # the fused kernel's dQ cast: one factor per query over all its keys, POW2_DOWN of U (U/448 <=
+    # factor < 2U/448), not a factor per 64-key block
+    inv = kern["ds_dq_inv"].cpu()
+    u_q = u.cpu()[..., None].expand_as(inv)
+    live = valid.cpu() & (u_q > 2.0**-100)
+    assert bool(((inv >= u_q / 448) & (inv < 2 * u_q / 448))[live].all())
+    for use in ("ds_dk", "ds_dq"):
+        agree = (kern[use] == flat(bt.assemble("backward", use, case.n)))[valid].double().mean().item()
+        assert agree >= CODE_AGREEMENT, f"{use}: {agree:.6f} of the dS values agree with the reference"
+    got = dict(dq=dq, dk=dk, dv=dv)
+    for name, n_ops in _FP8_FROM_FLOAT32.items():
+        diff = rel_err(got[name].float(), getattr(ref, name))
+        tol = code_flip_rel_bound(n_ops) if backend == "gpu" else BF16_REL
+        assert diff <= tol, f"{name}: dsq-row backward vs reference {diff:.3e} > {tol:.3e}"
+
+
+def test_dsq_bound_needs_a_folded_spec():
+    """K for dQ scaled per head is a folded recipe's K: a per-token spec is refused in one line."""
+    pytest.importorskip("triton")
+    from dmref.kernels import bwd_fused
+
+    with pytest.raises(ValueError, match="folded recipe's K"):
+        bwd_fused.backward(None, None, None, batch=1, heads=1, kv_heads=1, n=64, head_dim=64, causal=False,
+                           scale=0.125, recipe=SPECS["kernels_delta_prepass"], dsq_bound=torch.zeros(1, 64))

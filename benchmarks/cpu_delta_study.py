@@ -122,17 +122,14 @@ def exact_chunked(q, k, v, dout, *, causal: bool, rows: int = 512) -> diagnostic
                              diagnostics.problem_fingerprint(q, k, v, dout, causal=causal))
 
 
-#: each dsq row's per-row dQ errors, by (accumulation, length), for the next row's comparison
-_ROW_ERRORS: dict = {}
-
-
-def dq_row_errors(q, k, v, do, recipe, exact, key) -> dict:
+def dq_row_errors(q, k, v, do, recipe, exact, before=None) -> tuple[dict, torch.Tensor]:
     """Per query row, dQ's relative error against float64, ||dQ_i - dQ*_i|| / ||dQ*_i|| (rows with
-    dQ* = 0 left out): its quantiles and maximum; and, where ``key`` (accumulation, length) has
-    the errors of a row run before (the recipe this one refines), the ratio of the two row by row:
+    dQ* = 0 left out): its quantiles and maximum; and, given ``before``, the same rows' errors of
+    the recipe this one refines (on the same problem), the ratio of the two row by row:
     its quantiles, maximum, and the size of dQ*_i where it is largest against the median row's. A
     dS-for-dQ scale from a bound of the row's amax loses precision where the bound is loose, on
-    rows whose dS is small against max_j P|dP| (peaked rows), which normwise errors do not show."""
+    rows whose dS is small against max_j P|dP| (peaked rows), which normwise errors do not show.
+    Returns the statistics and the per-row errors."""
     from dmref import tiled
 
     _, bwd = tiled.attention(q, k, v, do, recipe=recipe, causal=True)
@@ -142,14 +139,13 @@ def dq_row_errors(q, k, v, do, recipe, exact, key) -> dict:
     at = torch.tensor([0.5, 0.99, 0.999], dtype=torch.float64)
     out = {"dq_row_rel_err_quantiles": dict(zip(("p50", "p99", "p999"), torch.quantile(err, at).tolist())),
            "dq_row_rel_err_max": err.max().item()}
-    before = _ROW_ERRORS.setdefault(key, err)
-    if before is not err:
+    if before is not None:
         ratio = err / before.clamp_min(torch.finfo(torch.float64).tiny)
         worst = ratio.argmax()
         out.update({"dq_row_err_ratio_quantiles": dict(zip(("p50", "p99", "p999"), torch.quantile(ratio, at).tolist())),
                     "dq_row_err_ratio_max": ratio.max().item(),
                     "dq_row_norm_at_ratio_max_over_median": (ref[live][worst] / ref[live].median()).item()})
-    return out
+    return out, err
 
 
 def run_part(part: str, seqlens, args, rows: list, save) -> list[dict]:
@@ -163,6 +159,7 @@ def run_part(part: str, seqlens, args, rows: list, save) -> list[dict]:
         t0 = time.perf_counter()
         exact = exact_chunked(q, k, v, do, causal=True)
         print(f"N={n}: float64 reference in {time.perf_counter() - t0:.0f} s", flush=True)
+        row_errors = {}  # dsq: the first recipe's per-row dQ errors under each model, for the next
         for name, acc in PARTS[part]:
             if part == "dsq" and acc != "fp32" and n > max(args.hopper_seqlens):
                 continue  # the wgmma model at the --hopper-seqlens only
@@ -181,7 +178,9 @@ def run_part(part: str, seqlens, args, rows: list, save) -> list[dict]:
                    "rowsum_over_bound_median": ratio[torch.isfinite(ratio)].median().item(),
                    "seconds": time.perf_counter() - t0}
             if part == "dsq":
-                row.update(dq_row_errors(q, k, v, do, recipe, exact, (acc, n, args.do_row_exponent)))
+                stats, err = dq_row_errors(q, k, v, do, recipe, exact, row_errors.get(acc))
+                row_errors.setdefault(acc, err)
+                row.update(stats)
             rows.append(row)
             save()
             print(f"  {name:26s} {row['accumulation']:26s} r/B max {row['rowsum_over_bound_max']:9.3g} "

@@ -562,30 +562,27 @@ def _amax_pre_sweep(pb: _Problem, delta: torch.Tensor, sweep, device) -> dict:
     amax = {n: (torch.zeros((), dtype=wd, device=device) if spans[n] else None) for n in amax}
     if spans["ds_dq"] and r.ds_dq.granularity is Granularity.ROW:
         amax["ds_dq"] = torch.zeros(lead, dtype=wd, device=device)
-    if r.ds_dq_bound:
-        # U_i = max_j P_ij |dP^_ij| + |D_i| max_j P_ij, from the very P and dP^ of the sweep
+    if r.ds_dq_bound:  # ds_dq from U_i = max_j P_ij |dP^_ij| + |D_i| max_j P_ij instead of its amax
         p_dp_max, p_max = torch.zeros(lead, dtype=wd, device=device), torch.zeros(lead, dtype=wd, device=device)
-        for i0, j0, j1, p, dp in sweep():
+    for i0, j0, j1, p, dp in sweep():
+        if r.ds_dq_bound:  # from the very P and dP^ of the sweep, before dP^ becomes dS below
             p_dp_max[..., i0:, :] = torch.maximum(p_dp_max[..., i0:, :], (p * dp.abs()).amax(dim=-1, keepdim=True))
             p_max[..., i0:, :] = torch.maximum(p_max[..., i0:, :], p.amax(dim=-1, keepdim=True))
-        # |fl(P fl(dP - D))| <= P (|dP| + |D|) (1 + u)^2 and fl(U) >= P (|dP| + |D|) (1 - u)^2 for the
-        # working precision's u = 2^-24 (float32): the factor 1 + 2^-21 > (1 + u)^2 / (1 - u)^3 covers
-        # both roundings and its own, so no |dS| exceeds the amax its cast is given
-        amax["ds_dq"] = (p_dp_max + delta.abs() * p_max) * (1 + 2.0**-21)
-        spans = dict(spans, ds_dq=False)
-        if not any(spans.values()):
-            return amax
-    for i0, j0, j1, p, dp in sweep():
         ds = dp.sub_(delta[..., i0:, :]).mul_(p)  # dS = P ∘ (dP^ - D), as in the sweep
         if spans["p_dv"]:
             amax["p_dv"] = torch.maximum(amax["p_dv"], abs_amax(p))
         if spans["ds_dk"]:
             amax["ds_dk"] = torch.maximum(amax["ds_dk"], abs_amax(ds))
-        if spans["ds_dq"]:
+        if spans["ds_dq"] and not r.ds_dq_bound:
             if amax["ds_dq"].dim():
                 amax["ds_dq"][..., i0:, :] = torch.maximum(amax["ds_dq"][..., i0:, :], group_amax(ds, r.ds_dq, contract_dim=-1))
             else:
                 amax["ds_dq"] = torch.maximum(amax["ds_dq"], abs_amax(ds))
+    if r.ds_dq_bound:
+        # |fl(P fl(dP - D))| <= P (|dP| + |D|) (1 + u)^2 and fl(U) >= P (|dP| + |D|) (1 - u)^3 for the
+        # working precision's u = 2^-24 (float32): the factor 1 + 2^-21 > (1 + u)^2 / (1 - u)^3 covers
+        # both roundings and its own, so no |dS| exceeds the amax its cast is given
+        amax["ds_dq"] = (p_dp_max + delta.abs() * p_max) * (1 + 2.0**-21)
     return amax
 
 

@@ -64,20 +64,13 @@ def default_fused_tiles(spec: KernelSpec, head_dim: int) -> FusedBwdTiles:
 
 
 @triton.jit
-def _quantize_ds_cols(ds_t, INTERPRET: tl.constexpr):
+def _quantize_ds_cols(ds_t, amax, INTERPRET: tl.constexpr):
     """Q-point dS for dQ from the transposed tile ``(keys, queries)``: E4M3 with one POW2_DOWN
-    scale per query (a column) over the tile's keys (the recipe's ``ds_dq``, 1 x ``BLOCK_N``).
-    Returns (codes, the dequantization factor of each query, the scaled float32 tile)."""
-    k = pow2_down_exponent(tl.max(tl.abs(ds_t), axis=0), False)
-    scaled = ds_t * exp2_int(k)[None, :]
-    return to_fp8(scaled, False, INTERPRET), exp2_int(-k), scaled
-
-
-@triton.jit
-def _quantize_ds_cols_given(ds_t, u, INTERPRET: tl.constexpr):
-    """:func:`_quantize_ds_cols` with each query's scale from ``u``, the pre-pass's bound of the
-    row's amax over all keys (``Recipe.ds_dq_bound``), instead of the tile's column amax."""
-    k = pow2_down_exponent(u, False)
+    scale per query (a column) from ``amax``: the column's amax over the tile's keys (the
+    recipe's ``ds_dq``, 1 x ``BLOCK_N``), or with ``Recipe.ds_dq_bound`` the pre-pass's bound of
+    the row's amax over all keys. Returns (codes, the dequantization factor of each query, the
+    scaled float32 tile)."""
+    k = pow2_down_exponent(amax, False)
     scaled = ds_t * exp2_int(k)[None, :]
     return to_fp8(scaled, False, INTERPRET), exp2_int(-k), scaled
 
@@ -135,10 +128,10 @@ def _fused_head(
         ds_t = p_t * (dp_t - delta[None, :])
         ds8_t, ds_inv, ds_scaled = _quantize_ds(ds_t, INTERPRET)
         if DSQ_GIVEN:  # one scale per query over all keys, from the pre-pass's bound
-            u = tl.load(DSQ_U + head + offs_m, mask=q_in, other=0.0)
-            dsq8_t, dsq_inv, dsq_scaled = _quantize_ds_cols_given(ds_t, u, INTERPRET)
+            dsq_amax = tl.load(DSQ_U + head + offs_m, mask=q_in, other=0.0)
         else:
-            dsq8_t, dsq_inv, dsq_scaled = _quantize_ds_cols(ds_t, INTERPRET)
+            dsq_amax = tl.max(tl.abs(ds_t), axis=0)
+        dsq8_t, dsq_inv, dsq_scaled = _quantize_ds_cols(ds_t, dsq_amax, INTERPRET)
         if DEBUG:
             _fused_debug_store(ds_scaled, ds_inv, dsq_scaled, dsq_inv, offs_m, offs_n, in_seq, q_in, bh64,
                                DSK_X, DSK_INV, DSQ_X, DSQ_INV, N)
@@ -269,15 +262,16 @@ def refusal(spec: KernelSpec, head_dim: int) -> str | None:
     return None
 
 
-def caller_delta(delta: torch.Tensor, batch: int, heads: int, n: int, device) -> torch.Tensor:
-    """A caller's D as the kernel reads it, ``(B*H, N)`` float32 contiguous; ValueError if it is
-    not float32 (no silent rounding) of ``(B, H, N)`` or ``(B*H, N)`` on ``device``."""
+def caller_delta(delta: torch.Tensor, batch: int, heads: int, n: int, device, name: str = "delta") -> torch.Tensor:
+    """A caller's per-query vector (D, or ``name``: ``dsq_bound``) as the kernel reads it,
+    ``(B*H, N)`` float32 contiguous; ValueError if it is not float32 (no silent rounding) of
+    ``(B, H, N)`` or ``(B*H, N)`` on ``device``."""
     if not isinstance(delta, torch.Tensor) or delta.dtype != torch.float32:
-        raise ValueError(f"delta must be a float32 tensor, got {getattr(delta, 'dtype', type(delta).__name__)}")
+        raise ValueError(f"{name} must be a float32 tensor, got {getattr(delta, 'dtype', type(delta).__name__)}")
     if tuple(delta.shape) not in ((batch, heads, n), (batch * heads, n)):
-        raise ValueError(f"delta shape {tuple(delta.shape)} must be (B, H, N) = {(batch, heads, n)}")
+        raise ValueError(f"{name} shape {tuple(delta.shape)} must be (B, H, N) = {(batch, heads, n)}")
     if delta.device != torch.device(device) and not (delta.device.type == torch.device(device).type == "cuda"):
-        raise ValueError(f"delta is on {delta.device}, the gradients on {device}")
+        raise ValueError(f"{name} is on {delta.device}, the gradients on {device}")
     return delta.reshape(batch * heads, n).contiguous()
 
 
@@ -338,6 +332,8 @@ def backward(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int
     if dsq_bound is not None and not recipe.folded:
         raise ValueError(f"dsq_bound scales K for dQ per head: a folded recipe's K; {recipe.name!r} scales K "
                          f"{recipe.recipe.k.describe()}")
+    if dsq_bound is not None:
+        dsq_bound = caller_delta(dsq_bound, batch, heads, n, do8.rows.device, name="dsq_bound")
     run = launch(recipe, head_dim=head_dim, causal=causal, group=heads // kv_heads,
                  deterministic=deterministic, debug=debug, dsq_given=dsq_bound is not None)
     c = run.constexprs
@@ -360,7 +356,8 @@ def backward(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int
     run.kernel[run.grid(n, batch * kv_heads)](
         q8.rows, q8.row_scale, q8.cols, q8.col_scale, k8.rows, k8.row_scale, kt, kt_scale,
         v8.rows, v8.row_scale, do8.rows, do8.row_scale, do8.cols, do8.col_scale, saved.lse2, delta,
-        dummy32 if dsq_bound is None else dsq_bound, dk, dv, dq_acc, sem, dumps.get("dsk_x", dummy32), dumps.get("dsk_inv", dummy32),
+        dummy32 if dsq_bound is None else dsq_bound,
+        dk, dv, dq_acc, sem, dumps.get("dsk_x", dummy32), dumps.get("dsk_inv", dummy32),
         dumps.get("dsq_x", dummy32), dumps.get("dsq_inv", dummy32), dumps.get("sem_seen", dummy_i32),
         scale * LOG2E, scale, heads, kv_heads, n, do8.npad, **c, **run.options())
     dq = postprocess_dq(dq_acc, batch, heads, n, head_dim, scale)

@@ -325,7 +325,7 @@ DQ_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta
 def _quantize_ds_for_dq(ds_t):
     """Q-point dS for dQ from dS^T ``(keys, queries)``: E4M3, one POW2_DOWN scale per query (a
     column) over the tile's keys (the recipe's ``ds_dq``, 1 x ``BLOCK_N``, as
-    ``bwd_fused._quantize_ds_cols``). Returns dS ``(queries, keys)`` as the A operand of
+    ``bwd_fused._quantize_ds_cols`` of the column amax). Returns dS ``(queries, keys)`` as the A operand of
     :func:`_dq_partial`'s wgmma, and each query's dequantization factor. Done where dS^T is formed,
     so that only the FP8 codes, not the float32 tile, live across the dK and dV wgmmas."""
     q_layout: gl.constexpr = DQ_LAYOUT

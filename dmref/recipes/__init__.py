@@ -85,10 +85,11 @@ def get_recipe(recipe: Recipe | str) -> Recipe:
         kernels = KERNEL_RECIPES
         named = kernels.get(base)
         if named is None:
-            close = difflib.get_close_matches(base, [*PRESETS, *DELTA_STUDY, *kernels], n=1)
+            close = difflib.get_close_matches(base, [*PRESETS, *DELTA_STUDY, *KERNEL_CANDIDATES, *kernels], n=1)
             hint = f"did you mean {close[0] + at + model!r}? " if close else ""
             raise ValueError(f"unknown recipe {recipe!r}; {hint}presets: {', '.join(PRESETS)}; the delta study's: "
-                             f"{', '.join(DELTA_STUDY)}; the kernels' "
+                             f"{', '.join(DELTA_STUDY)}; for kernels not written yet: {', '.join(KERNEL_CANDIDATES)}; "
+                             "the kernels' "
                              f"recipes: {', '.join(kernels)} (NAME@MODEL for another accumulation model)")
     if not at:
         return named

@@ -39,6 +39,13 @@ Measures, per shape B·H·N·D and causal or not, medians of ``triton.testing.do
   ``default_fwd_incl_quant``, ``default_fwd_given_kv``, ``default_bwd`` and ``default_e2e`` among
   the speed-ups), and the host's share of the default's calls: CPU milliseconds a call takes to
   issue its launches (``_host``) and the forward replayed from a CUDA graph (``_graph``);
+- the seven-GEMM recipe with dS for dQ scaled per query from the pre-pass's bound
+  (``kernels_folded_delta_prepass_dsq_row``, ``_time_dsq_row``): its backward incl. dO's
+  quantization (the Gluon pre-pass with the bound, then the five-GEMM kernel adding dQ's partials
+  unscaled), end to end through autograd, and its two kernels alone: the pre-pass and the
+  five-GEMM kernel with one and two consumer warp groups (``ours_dsq_row_*``; ``dsq_row_bwd``,
+  ``dsq_row_e2e``, ``dsq_row_bwd_fused``, ``dsq_row_bwd_fused_2cons`` among the speed-ups; an error
+  is recorded as ``dsq_row_error``);
 - SDPA cuDNN and flash backends, BF16: forward, backward, end to end;
 - grouped-query shapes (``GQA_SHAPES``, ``run_gqa_shape``): the default recipe's forward,
   backward and end to end against cuDNN BF16 SDPA with ``enable_gqa`` (rows with ``kv_heads``);
@@ -162,6 +169,10 @@ def _warm_one(job):
             api.attention_forward(q, k, v, causal=causal, recipe=r, for_backward=False)
             api.attention_backward(saved, o, do, shape=api.Shape.of(q, k, v), causal=causal,
                                    scale=1 / math.sqrt(d), recipe=r)
+        if "dsq_row" not in SKIP:
+            o, _, saved, _ = api.attention_forward(q, k, v, causal=causal, recipe=DSQ_ROW)
+            api.attention_backward(saved, o, do, shape=api.Shape.of(q, k, v), causal=causal,
+                                   scale=1 / math.sqrt(d), recipe=DSQ_ROW)
         torch.cuda.synchronize()
         return None
     except Exception as exc:  # reported, the config is then skipped
@@ -231,7 +242,9 @@ def _default_speedups(ms: dict, anchor: str) -> dict:
             **({"default_fwd_given_kv": ms[f"{anchor}_fwd"] / ms["ours_default_fwd_given_kv_for_bwd"]}
                if "ours_default_fwd_given_kv_for_bwd" in ms else {}),
             "default_bwd": ms[f"{anchor}_bwd"] / ms["ours_default_bwd"],
-            "default_e2e": ms[f"{anchor}_e2e"] / ms["ours_default_e2e"]}
+            "default_e2e": ms[f"{anchor}_e2e"] / ms["ours_default_e2e"],
+            **{f"dsq_row_{k}": ms[f"{anchor}_{k.split('_')[0]}"] / ms[f"ours_dsq_row_{k}"]
+               for k in ("bwd", "e2e", "bwd_fused", "bwd_fused_2cons") if f"ours_dsq_row_{k}" in ms}}
 
 
 def _speedups(ms: dict, anchor: str) -> dict:
@@ -283,7 +296,7 @@ def _bwd_parts(r, gluon: bool, saved, do8, d_stale, kw) -> dict:
 
 #: groups of variants not to time (``--skip``): ``two_consumers`` (the two-consumer forward),
 #: ``gluon_fused`` (the Gluon five-GEMM kernel and pre-pass), ``bwd_two_consumers`` (its
-#: two-consumer form), for a kernel that hangs or faults
+#: two-consumer form), ``dsq_row`` (``_time_dsq_row``), for a kernel that hangs or faults
 SKIP: set = set()
 
 
@@ -322,6 +335,44 @@ def _time_default(q, k, v, do, causal, scale, shape) -> dict:
     if graphed is not None:
         ms["ours_default_fwd_incl_quant_graph"] = graphed
     return ms
+
+
+DSQ_ROW = "kernels_folded_delta_prepass_dsq_row"
+
+
+def _time_dsq_row(q, k, v, do, causal, scale, shape) -> tuple[dict, dict]:
+    """Times of ``kernels_folded_delta_prepass_dsq_row`` (``ours_dsq_row_*``): its backward incl.
+    dO's quantization as ``api.attention_backward`` runs it, quantization, forward and backward
+    through autograd, and on the same copies its Gluon pre-pass with the bound alone
+    (``_bwd_prepass``) and its five-GEMM kernel alone incl. dQ's postprocess, one consumer warp
+    group a CTA and two (``_bwd_fused``, ``_bwd_fused_2cons``). Returns (times, errors)."""
+    from dmref.kernels import api, bwd_ws
+    from dmref.kernels.quantize import quantize_with
+
+    ms, err = {}, {}
+    try:
+        if "dsq_row" in SKIP:
+            raise RuntimeError("not timed (--skip dsq_row)")
+        o, _, saved, _ = api.attention_forward(q, k, v, causal=causal, scale=scale, recipe=DSQ_ROW)
+        ms["ours_dsq_row_bwd"] = bench(lambda: api.attention_backward(
+            saved, o, do, shape=shape, causal=causal, scale=scale, recipe=DSQ_ROW))
+        qd, kd, vd = (t.detach().clone().requires_grad_() for t in (q, k, v))
+
+        def step():
+            api.attention(qd, kd, vd, causal=causal, scale=scale, recipe=DSQ_ROW).backward(do)
+        ms["ours_dsq_row_e2e"] = bench(step, grad_to_none=[qd, kd, vd])
+        do8, _, q8 = quantize_with(do, "float8_e4m3fn", saved.q_pending, saved.q_fmt)
+        saved = dataclasses.replace(saved, q=q8, q_pending=None)
+        kw = dict(batch=shape.batch, heads=shape.heads, kv_heads=shape.kv_heads, n=shape.n,
+                  head_dim=shape.head_dim, causal=causal, scale=scale)
+        d, u = bwd_ws.prepass(saved, do8, recipe=DSQ_ROW, bound=True, **kw)
+        ms["ours_dsq_row_bwd_prepass"] = bench(lambda: bwd_ws.prepass(saved, do8, recipe=DSQ_ROW, bound=True, **kw))
+        ms["ours_dsq_row_bwd_fused"] = bench(lambda: bwd_ws.fused(saved, do8, d, recipe=DSQ_ROW, dsq_bound=u, **kw))
+        ms["ours_dsq_row_bwd_fused_2cons"] = bench(lambda: bwd_ws.fused(saved, do8, d, recipe=DSQ_ROW, dsq_bound=u,
+                                                                         consumers=2, **kw))
+    except Exception as exc:
+        err["dsq_row_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    return ms, err
 
 
 def host_ms(fn, calls: int = 20) -> float:
@@ -393,6 +444,9 @@ def run_gqa_shape(b, h, hkv, n, d, causal):
     fl = _flops(b, h, n, d, causal)
     res = dict(shape=[b, h, n, d], kv_heads=hkv, causal=causal)
     ms = _time_default(q, k, v, do, causal, scale, shape)
+    dsq_ms, dsq_err = _time_dsq_row(q, k, v, do, causal, scale, shape)
+    ms.update(dsq_ms)
+    res.update(dsq_err)
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         ms["cudnn_fwd"] = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True))
@@ -436,6 +490,9 @@ def run_shape(b, h, n, d, causal, fwd_c, bwd_c):
         q, k, v, causal=causal, scale=scale, recipe=r_dm, for_backward=True))
     # --- what dmref.kernels.attention runs by default (config.DEFAULT_RECIPE)
     ms.update(_time_default(q, k, v, do, causal, scale, shape))
+    dsq_ms, dsq_err = _time_dsq_row(q, k, v, do, causal, scale, shape)
+    ms.update(dsq_ms)
+    res.update(dsq_err)
     ms["ours_quant_qkv_for_bwd"] = bench(lambda: [quantize(t, "float8_e4m3fn") for t in (q, k, v)])
     # --- ours: the warp-specialized forward (folded scales)
     from dmref.kernels import fwd_ws
@@ -723,7 +780,7 @@ def main(argv=None):
     ap.add_argument("--accuracy", action="store_true", help="also measure errors vs float64")
     ap.add_argument("--workers", type=int, default=8, help="processes compiling ahead")
     ap.add_argument("--skip", default="", help="comma-separated groups not to time: two_consumers, gluon_fused, "
-                    "bwd_two_consumers")
+                    "bwd_two_consumers, dsq_row")
     ap.add_argument("--warm-only", action="store_true", help="compile every variant, then stop")
     ap.add_argument("--profile-one", action="store_true",
                     help="run forward, stale and matched backward once at 1x16x4096xD (for ncu)")

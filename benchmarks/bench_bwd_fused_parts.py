@@ -11,9 +11,9 @@ backward timed in the same process (``triton.testing.do_bench`` medians, ``bench
   ``fused2_t``: dQ^T with dS's codes the wgmma's shared operand, ``dq_t=True``, the default with
   ``dq_tma``), and ``dkdv``, the Gluon dkdv kernel alone (the four GEMMs without dQ's);
 - the same kernel built under each ``bwd_ws.DQ_PROBE`` (a process each: the probe is read at
-  import): 1 dQ's partial computed, not added; 2 added by plain stores; 3 no fifth GEMM; and
-  ``tma:4`` (``--runs``, not by default), the ``tma`` variants with dS-for-dQ's per-query factors
-  loaded instead of computed and dQ^T added unscaled (``fused1_t``, ``fused2_t`` are that probe);
+  import): 1 dQ's partial computed, not added; 2 added by plain stores; 3 no fifth GEMM (the
+  kernel of dS for dQ scaled from the pre-pass's bound, which an earlier probe 4 stood in for, is
+  timed by ``bench_attention.py``: ``ours_dsq_row_bwd_fused``);
 - ``fwd1_*`` / ``fwd2_*``: the warp-specialized forward with one or two consumer warp groups, the
   kernel alone (K and V quantized ahead) and with K's and V's quantization (``incl_quant``), and
   ``kv_quant``, that quantization alone.

@@ -2,9 +2,10 @@
 ``python benchmarks/cpu_sass_budget.py`` writes ``benchmarks/results/cpu_sass_budget.json``.
 
 For the Gluon forward (``fwd_ws``, at both head dims) and the Gluon backwards (``bwd_ws``: the dkdv
-kernel, the five-GEMM kernel adding dQ by TMA reduce-adds, and its dQ^T form, also built under the
-timing probes ``bwd_ws.DQ_PROBE`` 3, no fifth GEMM, and 4, dS-for-dQ's per-query factors loaded and
-dQ^T added unscaled, each compiled in a process of its own), compiled as their launches describe
+kernel, the five-GEMM kernel adding dQ by TMA reduce-adds, and its dQ^T form, also for the recipe
+``kernels_folded_delta_prepass_dsq_row``, dS for dQ scaled per query from the pre-pass's bound and
+dQ^T added unscaled, and built under the timing probe ``bwd_ws.DQ_PROBE`` 3, no fifth GEMM, in a
+process of its own), compiled as their launches describe
 them (no GPU): the opcodes of the consumer's main loop (``compile_check.sass_loop``,
 the innermost loop holding a wgmma and an exp2) per tile of the loop (the forward's overlapped loop
 runs two key tiles an iteration; the backward's one query tile), and three cycle counts per tile
@@ -50,11 +51,11 @@ def _row(name, compiled, tiles_per_iteration, flops_per_tile):
                                      gemm=flops_per_tile / FP8_FLOP_PER_SM_CYCLE))
 
 
-def _fused_t(d: int) -> tuple:
-    """(compiled five-GEMM dQ^T kernel at head dim ``d``, tiles an iteration, FLOPs a tile)."""
+def _fused_t(d: int, recipe: str = "kernels_naive_fp8") -> tuple:
+    """(compiled five-GEMM dQ^T kernel of ``recipe`` at head dim ``d``, tiles an iteration, FLOPs a tile)."""
     from dmref.kernels import bwd_ws
 
-    ck = bwd_ws.compile_sm90(d, False, kernel="fused", recipe="kernels_naive_fp8", dq_tma=True, dq_t=True, n=4096)
+    ck = bwd_ws.compile_sm90(d, False, kernel="fused", recipe=recipe, dq_tma=True, dq_t=True, n=4096)
     return ck, 1, 5 * (2 * 64 * 64 * d)
 
 
@@ -85,8 +86,9 @@ def main() -> None:
             ck = bwd_ws.compile_sm90(d, False, kernel="fused", recipe="kernels_naive_fp8", dq_tma=True, dq_t=dq_t,
                                      n=4096)
             rows.append(_row(f"bwd_ws fused dq_tma d={d}{' dq_t' if dq_t else ''}", ck, 1, 5 * gemm))
-    for probe in (3, 4):
-        rows += _probe_rows(probe)
+        rows.append(_row(f"bwd_ws fused dq_tma d={d} dq_t dsq_row",
+                         *_fused_t(d, "kernels_folded_delta_prepass_dsq_row")))
+    rows += _probe_rows(3)
     import triton
 
     out = {"meta": {"date": datetime.date.today().isoformat(), "triton": triton.__version__,

@@ -9,9 +9,7 @@ Importing this module registers, with ``transformers.AttentionInterface`` (and, 
 ``"dmref:<preset>"``            a preset of :data:`dmref.PRESETS` (``bf16``, ``naive_fp8``,
                                 ``cudnn_fp8``, ``mxfp8_stale``, ``delta_matching``,
                                 ``consistent_p``, ``fp32``, ``exact``) or of
-                                :data:`dmref.recipes.DELTA_STUDY` or
-                                :data:`dmref.recipes.kernels.KERNEL_CANDIDATES` (recipes for
-                                kernels not written yet): ``dmref.attention`` with that
+                                :data:`dmref.recipes.DELTA_STUDY`: ``dmref.attention`` with that
                                 recipe, emulated on the tensors' device
 ``"dmref:kernels_<name>"``      a recipe the kernels run (``kernels_delta_matching``,
                                 ``kernels_naive_fp8``, ``kernels_folded_*``: the names of
@@ -64,7 +62,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .. import diagnostics
 from ..api import attention as emulated_attention
-from ..recipes import DELTA_STUDY, KERNEL_CANDIDATES, PRESETS, Recipe, get_recipe
+from ..recipes import DELTA_STUDY, PRESETS, Recipe, get_recipe
 
 __all__ = ["AttentionCall", "NAMES", "attention_forward", "layer_reports", "record", "register"]
 
@@ -81,7 +79,7 @@ _KERNEL_RECIPES = _kernel_recipes()
 def _names() -> dict[str, tuple[str, bool]]:
     """Registered name -> (recipe name, whether the kernels run it on a Hopper GPU)."""
     names = {"dmref": ("exact", False)}
-    names.update({f"dmref:{p}": (p, False) for p in (*PRESETS, *DELTA_STUDY, *KERNEL_CANDIDATES)})
+    names.update({f"dmref:{p}": (p, False) for p in (*PRESETS, *DELTA_STUDY)})
     names.update({f"dmref:{k}": (k, True) for k in _KERNEL_RECIPES})
     return names
 

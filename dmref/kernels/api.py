@@ -33,6 +33,10 @@ class SavedForward:
     #: inside its kernel and the transposed copy's 128-token blocks are not a consumer's
     q_pending: torch.Tensor | None = None
     q_fmt: str = "float8_e4m3fn"  #: the format of Q's copies (the recipe's ``q``), where pending
+    #: whether K's transposed copy (``k.cols``) holds its row codes with the head's factor, as a
+    #: spec with K for dQ per head reads it (``KernelSpec.dsq_row``), rather than a factor per
+    #: channel and 128-token block
+    kt_head: bool = False
 
     def with_q_copies(self) -> SavedForward:
         """This state with Q's copies made, where they are pending (one launch, ``quantize``):
@@ -140,7 +144,7 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, recipe: str | KernelSpec | 
     for name, t in (("k", k), ("v", v)):
         if t.dtype != torch.bfloat16:
             raise TypeError(f"quantize_kv: {name} must be bfloat16, got {t.dtype}")
-    return quantize_kv_folded(k.contiguous(), v.contiguous(), for_backward=for_backward)
+    return quantize_kv_folded(k.contiguous(), v.contiguous(), for_backward=for_backward, kt_head=r.dsq_row)
 
 
 def _check_kv_fp8(kv, s: Shape, r: KernelSpec, for_backward: bool) -> None:
@@ -159,6 +163,10 @@ def _check_kv_fp8(kv, s: Shape, r: KernelSpec, for_backward: bool) -> None:
         raise ValueError(f"kv_fp8 holds K codes {tuple(kv.k8.shape)}, not the (B*HKV, N, D) = {want} of k and v")
     if for_backward and (kv.k_cols is None or kv.v_rows is None):
         raise ValueError("kv_fp8 has no copies for the backward: make it with quantize_kv(k, v, for_backward=True)")
+    if for_backward and kv.kt_head != r.dsq_row:
+        raise ValueError(f"kv_fp8's K^T copy is scaled {'per head' if kv.kt_head else 'per channel and block'}, "
+                         f"recipe {r.recipe.name!r} reads it {'per head' if r.dsq_row else 'per channel and block'}: "
+                         "make it with quantize_kv(k, v, recipe=<this recipe>)")
 
 
 def _folded_forward(q, k, v, s: Shape, r: KernelSpec, *, causal: bool, scale: float, for_backward: bool, debug: bool,
@@ -181,7 +189,7 @@ def _folded_forward(q, k, v, s: Shape, r: KernelSpec, *, causal: bool, scale: fl
     from .quantize import Quantized, quantize, quantize_kv_folded
 
     if kv is None:
-        kv = quantize_kv_folded(k, v, for_backward=for_backward)
+        kv = quantize_kv_folded(k, v, for_backward=for_backward, kt_head=r.dsq_row)
     # K's rows as the Triton forward and the backward read them: the head's factor for every token
     k_rows = kv.k_rows or Quantized(n=s.n, rows=kv.k8, row_scale=kv.k_scale[:, None].expand(-1, s.n).contiguous())
     # the debug dumps are the Triton forward's: it runs them, on the same codes and scales
@@ -204,7 +212,8 @@ def _folded_forward(q, k, v, s: Shape, r: KernelSpec, *, causal: bool, scale: fl
         # from the folded quantization's own pass over K and V; Q's copies from the Triton
         # forward's quantization, or made by the backward's preprocess (q_pending)
         k8 = dataclasses.replace(k_rows, cols=kv.k_cols.cols, col_scale=kv.k_cols.col_scale)
-        saved = SavedForward(q8, k8, kv.v_rows, lse2, q_pending=q if q8 is None else None, q_fmt=r.recipe.q.fmt.name)
+        saved = SavedForward(q8, k8, kv.v_rows, lse2, q_pending=q if q8 is None else None, q_fmt=r.recipe.q.fmt.name,
+                             kt_head=kv.kt_head)
     return o, (lse2 * LN2).view(s.batch, s.heads, s.n), saved, extra
 
 
@@ -293,21 +302,27 @@ def attention_backward(
         use_gluon = not why_not and gluon is not False
         if use_gluon:
             from . import bwd_ws
-        if r.prepass:  # D from the pre-pass, on dO's row copy
+        u = None
+        if r.prepass:  # D from the pre-pass, on dO's row copy (and the bound U of dS for dQ, dsq_row)
             from . import bwd_prepass
 
+            if r.dsq_row and not saved.kt_head:
+                raise ValueError(f"recipe {r.name!r} reads K's transposed copy with the head's factor: saved comes "
+                                 "from another recipe's forward")
             do8, _ = quantize_do()
             d = (bwd_ws.prepass if use_gluon else bwd_prepass.delta)(saved, do8, causal=causal, scale=scale,
-                                                                       recipe=r, **_dims(shape))
+                                                                       recipe=r, bound=r.dsq_row, **_dims(shape))
+            if r.dsq_row:
+                d, u = d
         else:  # the stale delta fused into dO's quantization, or the caller's D
             do8, d = quantize_do(delta_with=o if given is None else None)
             if given is not None:
                 d = given
         if use_gluon:
             return bwd_ws.fused(saved, do8, d, causal=causal, scale=scale, recipe=r, deterministic=deterministic,
-                                **_dims(shape))
+                                dsq_bound=u, **_dims(shape))
         return bwd_fused.backward(saved, do8, d, causal=causal, scale=scale, recipe=r, deterministic=deterministic,
-                                  debug=debug, **_dims(shape))
+                                  debug=debug, dsq_bound=u, **_dims(shape))
     # delta step (stale) fused into the quantization of dO: one read of dO and O
     do8, delta_stale = quantize_do(delta_with=o)
     why_not = gluon_backward_refusal(r, shape.head_dim, debug, do.device)

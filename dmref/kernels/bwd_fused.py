@@ -220,17 +220,28 @@ def _bwd_fused_kernel(
 
 
 @triton.jit
-def _dq_postprocess_kernel(DQ_ACC, DQ, sm_scale, total, N, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-                           TRANSPOSED: tl.constexpr, INTERPRET: tl.constexpr):
+def _dq_postprocess_kernel(DQ_ACC, DQ, DSQ_U, KT_SCALE, sm_scale, total, N, H, GROUP, KT_HEAD_STRIDE,
+                           HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TRANSPOSED: tl.constexpr,
+                           FACTORS: tl.constexpr, INTERPRET: tl.constexpr):
     """dQ = BF16(dQ_acc * scale), round to nearest even, ``BLOCK`` elements a program;
-    ``TRANSPOSED``: ``dQ_acc`` holds dQ^T, ``(B*H, D, N)``."""
+    ``TRANSPOSED``: ``dQ_acc`` holds dQ^T, ``(B*H, D, N)``; ``FACTORS``: ``dQ_acc`` holds the
+    unscaled sum of the partials, each element first multiplied by its key/value head's K^T
+    factor (``KT_SCALE[kv * KT_HEAD_STRIDE]``) and then by its query's dS factor 2^-k, k the
+    POW2_DOWN exponent of its bound ``DSQ_U`` (the order in which ``_fused_head`` scales a partial;
+    both powers of two)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < total
+    head, r = offs // (N * HEAD_DIM), offs % (N * HEAD_DIM)
     src = offs
     if TRANSPOSED:
-        head, r = offs // (N * HEAD_DIM), offs % (N * HEAD_DIM)
         src = head * (N * HEAD_DIM) + (r % HEAD_DIM) * N + r // HEAD_DIM
-    tl.store(DQ + offs, to_bf16(tl.load(DQ_ACC + src, mask=m, other=0.0) * sm_scale, INTERPRET), mask=m)
+    x = tl.load(DQ_ACC + src, mask=m, other=0.0)
+    if FACTORS:
+        kv = (head // H) * (H // GROUP) + (head % H) // GROUP
+        ks = tl.load(KT_SCALE + kv * KT_HEAD_STRIDE, mask=m, other=1.0)
+        u = tl.load(DSQ_U + head * N + r // HEAD_DIM, mask=m, other=0.0)
+        x = x * ks * exp2_int(-pow2_down_exponent(u, False))
+    tl.store(DQ + offs, to_bf16(x * sm_scale, INTERPRET), mask=m)
 
 
 #: elements of dQ a postprocess program rounds
@@ -238,13 +249,18 @@ POSTPROCESS_BLOCK = 1024
 
 
 def postprocess_dq(dq_acc: torch.Tensor, batch: int, heads: int, n: int, head_dim: int, scale: float,
-                   transposed: bool = False) -> torch.Tensor:
+                   transposed: bool = False, factors=None) -> torch.Tensor:
     """dQ ``(B, H, N, D)`` BF16 from the float32 sum of its partials ``dq_acc``: BF16(dq_acc * scale),
-    round to nearest even (one kernel); ``transposed``: ``dq_acc`` is dQ^T's, ``(B*H, D, N)``."""
+    round to nearest even (one kernel); ``transposed``: ``dq_acc`` is dQ^T's, ``(B*H, D, N)``;
+    ``factors`` (the unscaled partials of a ``KernelSpec.dsq_row`` spec): ``(U, kt_scale, group)``,
+    the pre-pass's bound ``(B*H, N)``, K's transposed copy's factors ``(B*HKV, NPAD / 128, D)``
+    (the head's factor throughout) and the query heads per key/value head."""
     dq = torch.empty((batch, heads, n, head_dim), device=dq_acc.device, dtype=torch.bfloat16)
     total = dq.numel()
+    u, kt_scale, group = factors if factors is not None else (dq_acc, dq_acc, 1)
     _dq_postprocess_kernel[(triton.cdiv(total, POSTPROCESS_BLOCK),)](
-        dq_acc, dq, scale, total, n, HEAD_DIM=head_dim, BLOCK=POSTPROCESS_BLOCK, TRANSPOSED=bool(transposed),
+        dq_acc, dq, u, kt_scale, scale, total, n, heads, group, kt_scale[0].numel() if factors is not None else 0,
+        HEAD_DIM=head_dim, BLOCK=POSTPROCESS_BLOCK, TRANSPOSED=bool(transposed), FACTORS=factors is not None,
         INTERPRET=interpreting())
     return dq
 
@@ -276,12 +292,12 @@ def caller_delta(delta: torch.Tensor, batch: int, heads: int, n: int, device, na
 
 
 def launch(spec: KernelSpec, *, head_dim: int, causal: bool, group: int = 1, deterministic: bool = False,
-           debug: bool = False, dsq_given: bool = False) -> Launch:
+           debug: bool = False) -> Launch:
     """The launch of the fused backward for ``spec`` at ``head_dim`` (``group``: query heads per
     key/value head): query tiles of the spec's ``block_m1`` and key blocks of its ``block_n2``, the
     dS blocks, promotion points and P scale the recipe states (``config.fit_to_tiles``). The one
-    description that :func:`backward` and ``compile_check`` read. ``dsq_given``: dS for dQ scaled
-    per query from a given bound (:func:`backward`'s ``dsq_bound``)."""
+    description that :func:`backward` and ``compile_check`` read. A spec with dS for dQ scaled from
+    the pre-pass's bound (``KernelSpec.dsq_row``) reads it (:func:`backward`'s ``dsq_bound``)."""
     why = refusal(spec, head_dim)
     if why:
         raise ValueError(why)
@@ -289,22 +305,29 @@ def launch(spec: KernelSpec, *, head_dim: int, causal: bool, group: int = 1, det
     f = default_fused_tiles(spec, head_dim)
     return Launch(dict(HEAD_DIM=head_dim, BLOCK_M=t.block_m1, BLOCK_N=t.block_n2, QB=QUANT_BLOCK, GROUP=group,
                        CAUSAL=causal, P_SCALE=float(2 ** spec.recipe.p_bwd.offset_log2),
-                       DETERMINISTIC=bool(deterministic), DSQ_GIVEN=bool(dsq_given), DEBUG=bool(debug),
+                       DETERMINISTIC=bool(deterministic), DSQ_GIVEN=spec.dsq_row, DEBUG=bool(debug),
                        INTERPRET=interpreting()),
                   f.num_warps, f.num_stages, f.maxnreg, {}, kernel=_bwd_fused_kernel, block_m=t.block_n2)
 
 
-def head_scaled_kt(k8, npad: int):
-    """K's transposed copy for dQ with K's one scale per (batch, key/value head) (a folded
-    recipe's row copy ``k8``: its codes carry the head's scale, repeated per token in
-    ``row_scale``): the row codes transposed into ``(B*HKV, D, NPAD)`` (keys past N code 0), and
-    the head's scale as every channel's scale of every 128-token block, ``(B*HKV, NPAD // 128, D)``,
-    the layout the kernel reads a transposed copy's scales in."""
-    rows = k8.rows
-    kt = torch.zeros((rows.shape[0], rows.shape[2], npad), device=rows.device, dtype=rows.dtype)
-    kt[..., :rows.shape[1]] = rows.transpose(1, 2)
-    head = k8.row_scale[:, :1]
-    return kt, head[:, :, None].expand(rows.shape[0], npad // QUANT_BLOCK, rows.shape[2]).contiguous()
+def check_dsq(spec: KernelSpec, saved, dsq_bound, batch: int, heads: int, n: int, device):
+    """``dsq_bound`` as the five-GEMM kernels read it (``caller_delta``), or None: given exactly
+    for a spec whose dS for dQ is scaled from the pre-pass's bound (``KernelSpec.dsq_row``), on a
+    saved state whose K^T copy holds K's row codes with the head's factor (``saved.kt_head``, which
+    that spec's forward writes); else a one-line ValueError."""
+    if spec.dsq_row and dsq_bound is None:
+        raise ValueError(f"recipe {spec.name!r} scales dS for dQ from the pre-pass's bound: pass dsq_bound, the U of "
+                         "bwd_prepass.delta(..., bound=True)")
+    if dsq_bound is None:
+        return None
+    if not spec.dsq_row:
+        raise ValueError(f"dsq_bound is read by the recipes with dS for dQ scaled from the pre-pass's bound "
+                         f"(kernels_folded_delta_prepass_dsq_row); recipe {spec.name!r} scales it "
+                         f"{spec.recipe.ds_dq.describe()}")
+    if not getattr(saved, "kt_head", False):
+        raise ValueError(f"recipe {spec.name!r} reads K's transposed copy with the head's factor: the saved state "
+                         "comes from another recipe's forward")
+    return caller_delta(dsq_bound, batch, heads, n, device, name="dsq_bound")
 
 
 def backward(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int,
@@ -321,21 +344,16 @@ def backward(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int
     was subnormal) and, deterministic, ``"sem_seen"`` (``(B*H, n_qtiles, n_kblocks)`` int32: the counter each key block
     read before adding, -1 where it did not see the tile).
 
-    ``dsq_bound`` (not the default): the pre-pass's bound U_i of each query's dS amax over all
-    keys (``bwd_prepass.delta(..., bound=True)``, ``(B*H, N)`` float32): dS for dQ is then
-    quantized with one POW2_DOWN scale per query from it and K for dQ with the head's scale
-    (:func:`head_scaled_kt`), the numerics of ``kernels_folded_delta_prepass_dsq_row``
-    (``Recipe.ds_dq_bound``) for a folded spec; the shipped kernels do not run that recipe yet,
-    this is its Triton form, checked in the interpreter (tests/kernels/test_bwd_prepass.py)."""
+    ``dsq_bound``: with a spec whose dS for dQ is scaled from the pre-pass's bound
+    (``KernelSpec.dsq_row``, ``kernels_folded_delta_prepass_dsq_row``), and only there, the
+    pre-pass's bound U_i of each query's dS amax over all keys (``bwd_prepass.delta(...,
+    bound=True)``, ``(B*H, N)`` float32): dS for dQ is then quantized with one POW2_DOWN scale per
+    query from it, and K for dQ is the saved K^T copy with the head's scale (``check_dsq``)."""
     from .fwd import LOG2E
 
-    if dsq_bound is not None and not recipe.folded:
-        raise ValueError(f"dsq_bound scales K for dQ per head: a folded recipe's K; {recipe.name!r} scales K "
-                         f"{recipe.recipe.k.describe()}")
-    if dsq_bound is not None:
-        dsq_bound = caller_delta(dsq_bound, batch, heads, n, do8.rows.device, name="dsq_bound")
+    dsq_bound = check_dsq(recipe, saved, dsq_bound, batch, heads, n, do8.rows.device if do8 is not None else None)
     run = launch(recipe, head_dim=head_dim, causal=causal, group=heads // kv_heads,
-                 deterministic=deterministic, debug=debug, dsq_given=dsq_bound is not None)
+                 deterministic=deterministic, debug=debug)
     c = run.constexprs
     dev = do8.rows.device
     n_qtiles, n_kblocks = triton.cdiv(n, c["BLOCK_M"]), triton.cdiv(n, c["BLOCK_N"])
@@ -352,7 +370,7 @@ def backward(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int
         dumps["sem_seen"] = torch.full((batch * heads, n_qtiles, n_kblocks), -1, device=dev, dtype=torch.int32)
     saved = saved.with_q_copies()  # where the forward left them to the backward
     q8, k8, v8 = saved.q, saved.k, saved.v
-    kt, kt_scale = (k8.cols, k8.col_scale) if dsq_bound is None else head_scaled_kt(k8, do8.npad)
+    kt, kt_scale = k8.cols, k8.col_scale
     run.kernel[run.grid(n, batch * kv_heads)](
         q8.rows, q8.row_scale, q8.cols, q8.col_scale, k8.rows, k8.row_scale, kt, kt_scale,
         v8.rows, v8.row_scale, do8.rows, do8.row_scale, do8.cols, do8.col_scale, saved.lse2, delta,

@@ -275,17 +275,22 @@ def _dq_tile_out(dq, desc, dq_smem, row, col):
 
 @gluon.jit
 def _dq_add(dsq_a, kt_b, kts_row, dsq_inv, DQ_ACC, dq_smem, bh, row0, start_q, c0, N, HEAD_DIM: gl.constexpr,
-            CH: gl.constexpr, q_layout: gl.constexpr, EVEN_N: gl.constexpr, DQ_TMA: gl.constexpr):
+            CH: gl.constexpr, q_layout: gl.constexpr, EVEN_N: gl.constexpr, DQ_TMA: gl.constexpr,
+            DSQ_ROW: gl.constexpr = False):
     """dQ's partial over the tile's keys for channels ``c0 .. c0 + CH``: one wgmma chain of dS
     (``dsq_a``) and K (``kt_b``), times the K^T channel scales and dS's query factors, added into
     ``DQ_ACC`` (float32 atomics; rows past N are not added). ``DQ_TMA``: ``DQ_ACC`` is the
     buffer's TMA descriptor ``(B*H*N, D)`` and the tile goes through ``dq_smem`` by one TMA
     reduce-add (N a multiple of the tile: no tile crosses a head), once the previous one has read
-    ``dq_smem``."""
+    ``dq_smem``. ``DSQ_ROW``: the partial is added unscaled (its factors, the head's K scale and
+    each query's dS factor, are the same in every key block: the postprocess applies them)."""
     t = warpgroup_mma(dsq_a, kt_b, gl.zeros([dsq_a.shape[0], CH], gl.float32, q_layout), use_acc=False,
                       is_async=True)
     t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
-    dq = t * gl.expand_dims(kts_row.load(gl.SliceLayout(0, q_layout)), 0) * gl.expand_dims(dsq_inv, 1)
+    if DSQ_ROW:
+        dq = t
+    else:
+        dq = t * gl.expand_dims(kts_row.load(gl.SliceLayout(0, q_layout)), 0) * gl.expand_dims(dsq_inv, 1)
     if DQ_TMA:
         _dq_tile_out(dq, DQ_ACC, dq_smem, (bh * N + start_q).to(gl.int32), c0)
     else:
@@ -310,11 +315,7 @@ DQ_CH = gl.constexpr(64)
 #: ``DMREF_FUSED_DQ_PROBE`` (``benchmarks/bench_bwd_fused_parts.py`` sets it in a process of its
 #: own): 0 (unset) the kernel as it is; 1 dQ's partial computed but not added (its stores masked
 #: off); 2 added by plain stores instead of atomics; 3 no fifth GEMM at all (neither dS's
-#: quantization for dQ nor the wgmma); 4 (``dq_t``) dS for dQ scaled by a per-query factor loaded
-#: with the other per-query vectors instead of its amax over the tile's keys, and dQ^T's partial
-#: added unscaled: the kernel of a recipe whose dS-for-dQ scale is known before the pass, one per
-#: query over all keys, so that dQ's scaling moves to the postprocess. dQ is wrong under 1-4: those
-#: runs are timed, never read.
+#: quantization for dQ nor the wgmma). dQ is wrong under 1-3: those runs are timed, never read.
 DQ_PROBE = gl.constexpr(int(os.environ.get("DMREF_FUSED_DQ_PROBE", "0")))
 #: the accumulator layout of that wgmma: dQ's (queries, DQ_CH channels) tile on one warp group
 DQ_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -352,14 +353,14 @@ def _quantize_ds_for_dq_t(ds_t, dsq_smem):
 
 @gluon.jit
 def _dq_add_t(kt_a, dsq_b, kts_row, dsq_inv, DQT_ACC, dq_smem, bh, start_q, c0, HEAD_DIM: gl.constexpr,
-              CH: gl.constexpr, BLOCK_M: gl.constexpr, q_layout: gl.constexpr):
+              CH: gl.constexpr, BLOCK_M: gl.constexpr, q_layout: gl.constexpr, DSQ_ROW: gl.constexpr = False):
     """:func:`_dq_add` transposed (``DQ_T``): dQ^T's partial for channels ``c0 .. c0 + CH``, one
     wgmma chain of K^T (``kt_a``, as it lies) and dS^T (``dsq_b``: the shared dS codes), times the
     K^T channel scales (rows) and dS's query factors (columns), in that order; by one TMA
-    reduce-add into dQ^T's buffer ``DQT_ACC`` ``(B*H*D, N)``."""
+    reduce-add into dQ^T's buffer ``DQT_ACC`` ``(B*H*D, N)``; ``DSQ_ROW``: unscaled (:func:`_dq_add`)."""
     t = warpgroup_mma(kt_a, dsq_b, gl.zeros([CH, BLOCK_M], gl.float32, q_layout), use_acc=False, is_async=True)
     t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
-    if DQ_PROBE == 4:
+    if DSQ_ROW:
         dq = t
     else:
         dq = t * gl.expand_dims(kts_row.load(gl.SliceLayout(1, q_layout)), 1) * gl.expand_dims(dsq_inv, 0)
@@ -369,7 +370,7 @@ def _dq_add_t(kt_a, dsq_b, kts_row, dsq_inv, DQT_ACC, dq_smem, bh, start_q, c0, 
 @gluon.jit
 def _dq_partial(dsq_a, dsq_inv, kt_smem, kts_smem, DQ_ACC, dq_smem, SEM, bh, start_m, start_n, N,
                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr,
-                DQ_TMA: gl.constexpr, DQ_T: gl.constexpr = False):
+                DQ_TMA: gl.constexpr, DQ_T: gl.constexpr = False, DSQ_ROW: gl.constexpr = False):
     """The fifth GEMM of the fused backward: dQ's partial over this CTA's keys, added into the
     float32 ``DQ_ACC`` ``(B*H, N, D)``: dS (``dsq_a``, :func:`_quantize_ds_for_dq`) times K (keys,
     D) = K's transposed copy permuted, one wgmma chain per output element, then the K^T channel
@@ -378,7 +379,9 @@ def _dq_partial(dsq_a, dsq_inv, kt_smem, kts_smem, DQ_ACC, dq_smem, SEM, bh, sta
     the k order only). ``DETERMINISTIC``: the adds into a (query head, query tile) follow key
     order (``bwd_fused``'s counters: key block j waits until the counter reads j, adds, raises it
     to j + 1). ``DQ_T``: dQ^T by :func:`_dq_add_t`, ``dsq_a`` the shared dS
-    codes (:func:`_quantize_ds_for_dq_t`), ``DQ_ACC`` dQ^T's buffer's descriptor."""
+    codes (:func:`_quantize_ds_for_dq_t`), ``DQ_ACC`` dQ^T's buffer's descriptor. ``DSQ_ROW``:
+    dS's codes scaled per query from the pre-pass's bound, the partial added unscaled
+    (:func:`_dq_add`)."""
     CH: gl.constexpr = DQ_CH
     q_layout: gl.constexpr = DQ_LAYOUT
     gl.static_assert(not (DQ_TMA and (DETERMINISTIC or not EVEN_N)))
@@ -393,10 +396,10 @@ def _dq_partial(dsq_a, dsq_inv, kt_smem, kts_smem, DQ_ACC, dq_smem, SEM, bh, sta
     for h in gl.static_range(HEAD_DIM // CH):
         if DQ_T:
             _dq_add_t(kt_smem.slice(h * CH, CH, dim=0), dsq_a.permute((1, 0)), kts.slice(h * CH, CH), dsq_inv,
-                      DQ_ACC, dq_smem, bh, start_m, h * CH, HEAD_DIM, CH, BLOCK_M, q_layout)
+                      DQ_ACC, dq_smem, bh, start_m, h * CH, HEAD_DIM, CH, BLOCK_M, q_layout, DSQ_ROW)
         else:
             _dq_add(dsq_a, kt_smem.slice(h * CH, CH, dim=0).permute((1, 0)), kts.slice(h * CH, CH), dsq_inv,
-                    DQ_ACC, dq_smem, bh, row0, start_m, h * CH, N, HEAD_DIM, CH, q_layout, EVEN_N, DQ_TMA)
+                    DQ_ACC, dq_smem, bh, row0, start_m, h * CH, N, HEAD_DIM, CH, q_layout, EVEN_N, DQ_TMA, DSQ_ROW)
     if DETERMINISTIC:
         gl.thread_barrier()  # every thread's adds are issued before the release
         gl.atomic_add(counter, 1, sem="release")
@@ -422,14 +425,17 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               P_SCALE: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr, FUSED: gl.constexpr,
               DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr, SKIP: gl.constexpr = False, dq_smem=None,
-              DQ_TMA: gl.constexpr = False, dsq_smem=None, DQ_T: gl.constexpr = False):
+              DQ_TMA: gl.constexpr = False, dsq_smem=None, DQ_T: gl.constexpr = False, DSQ_U=None,
+              DSQ_ROW: gl.constexpr = False):
     """The consumer warp group: the key tile's scales, every query tile, the stores. With
     ``SPLIT`` dK and dV are held as two halves of the head dim, each accumulated by its own
     wgmma (the same per-element chains: a wgmma's output element depends on its row of A, its
     column of B and the k order only). ``FUSED``: the fifth GEMM, dQ's partial over this key tile
     added into ``DQ_ACC`` (:func:`_dq_partial`). ``SKIP`` (the second consumer of a two-consumer
     CTA, whose ring starts at the CTA's first query tile): the query tiles a one-consumer CTA of
-    keys ``start_n ..`` does not run are released without being computed."""
+    keys ``start_n ..`` does not run are released without being computed. ``DSQ_ROW``
+    (``KernelSpec.dsq_row``): dS for dQ scaled per query from the pre-pass's bound of its amax over
+    all keys (``DSQ_U``) instead of its amax over the tile's keys, dQ's partials added unscaled."""
     CH: gl.constexpr = HEAD_DIM // 2 if SPLIT else HEAD_DIM
     gl.static_assert(OVERLAP < 2 or not SPLIT)
     gl.static_assert(not FUSED or (not SPLIT and OVERLAP < 2 and BLOCK_M == BLOCK_N))
@@ -493,8 +499,8 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
         lse2_v = gl.load(LSE2 + head + offs_v, mask=v_in, other=float("inf"))
         do_scale_v = gl.load(DO_SCALE + head + offs_v, mask=v_in, other=0.0)
         delta_v = gl.load(DELTA + head + offs_v, mask=v_in, other=0.0)
-        if DQ_PROBE == 4:  # a timing probe: dS-for-dQ's factors loaded, not computed (DQ_PROBE)
-            dsq_scale_v = gl.load(DELTA + head + offs_v, mask=v_in, other=1.0, volatile=True)
+        if DSQ_ROW:  # the exponent of each query's dS-for-dQ scale, POW2_DOWN of its bound U
+            dsq_k_v = _pow2_down_exponent(gl.load(DSQ_U + head + offs_v, mask=v_in, other=0.0), False)
         # S^T (with OVERLAP, dP^T issued behind it runs during the softmax)
         mbarrier.wait(rows_ready.index(s), ph)
         st = warpgroup_mma(k_smem, q_bufs.index(s).permute((1, 0)),
@@ -550,19 +556,26 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
         if FUSED and DQ_PROBE != 3:
             # dQ's partial first: nothing of it lives across the dK and dV wgmmas and their
             # promotion, which fill the registers
-            if DQ_T and DQ_PROBE == 4:
-                dsq_inv = gl.convert_layout(dsq_scale_v, col_s)
-                dsq_smem.store(gl.permute(_to_fp8(ds_t * gl.expand_dims(dsq_inv, 0), False, False), [1, 0]))
-                fence_async_shared()
-                gl.thread_barrier()
-                dsq_a = dsq_smem
+            if DSQ_ROW:
+                # Q-point dS (dQ): E4M3, the query's scale from U over all keys (bwd_fused's
+                # _quantize_ds_cols of U); its factor is applied by the postprocess
+                dsq_inv = _exp2_int(gl.convert_layout(dsq_k_v, col_s))
+                dsq8_t = _to_fp8(ds_t * gl.expand_dims(dsq_inv, 0), False, False)
+                if DQ_T:
+                    dsq_smem.store(gl.permute(dsq8_t, [1, 0]))
+                    fence_async_shared()  # the generic stores before the wgmma's reads
+                    gl.thread_barrier()  # every thread's part of the tile
+                    dsq_a = dsq_smem
+                else:
+                    dsq_a = gl.convert_layout(gl.permute(dsq8_t, [1, 0]),
+                                              gl.DotOperandLayout(operand_index=0, parent=DQ_LAYOUT, k_width=4))
             elif DQ_T:
                 dsq_inv = _quantize_ds_for_dq_t(ds_t, dsq_smem)
                 dsq_a = dsq_smem
             else:
                 dsq_a, dsq_inv = _quantize_ds_for_dq(ds_t)
             _dq_partial(dsq_a, dsq_inv, kt_smem, kts_smem, DQ_ACC, dq_smem, SEM, bh, start_m, start_n, N, HEAD_DIM,
-                        BLOCK_M, DETERMINISTIC, EVEN_N, DQ_TMA, DQ_T)
+                        BLOCK_M, DETERMINISTIC, EVEN_N, DQ_TMA, DQ_T, DSQ_ROW)
         # P^T dO and dS^T Q, promoted: one wgmma chain per tile, then one float32 add
         if OVERLAP == 2:
             t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
@@ -622,7 +635,7 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
           CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr,
           FUSED: gl.constexpr, DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr, CONSUMERS: gl.constexpr = 1,
-          DQ_TMA: gl.constexpr = False, DQ_T: gl.constexpr = False):
+          DQ_TMA: gl.constexpr = False, DQ_T: gl.constexpr = False, DSQ_U=None, DSQ_ROW: gl.constexpr = False):
     """The kernel on its TMA descriptors: K, V rows ``(B*HKV*N, D)``, Q, dO rows ``(B*H*N, D)``,
     Q^T, dO^T ``(B*H*D, NPAD)`` and their scales ``(B*H*NPAD/128, D)``; ``FUSED``: K^T
     ``(B*HKV*D, NPAD)`` and its scales, dQ's float32 buffer and (``DETERMINISTIC``) its counters
@@ -696,7 +709,7 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
                          kv_ready, rows_ready, rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE,
                          LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, bkv, bh0, start_n, lo, n_m, n_iter, N,
                          NPAD, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, P_SCALE, SPLIT, OVERLAP, FUSED, DETERMINISTIC,
-                         EVEN_N, False, dq_smem, DQ_TMA, dsq_smem, DQ_T)),
+                         EVEN_N, False, dq_smem, DQ_TMA, dsq_smem, DQ_T, DSQ_U, DSQ_ROW)),
             (_producer, (k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, kt_desc, kts_desc,
                          k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs,
                          kv_ready, rows_ready, rows_free, cols_ready, cols_free, bkv * N + start_n, bkv, start_n, bh0,
@@ -712,13 +725,13 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
                          kv_ready, rows_ready, rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE,
                          LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, bkv, bh0, start_n, lo, n_m, n_iter, N,
                          NPAD, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, P_SCALE, SPLIT, OVERLAP, FUSED, DETERMINISTIC,
-                         EVEN_N, False, dq_smem, DQ_TMA, dsq_smem, DQ_T)),
+                         EVEN_N, False, dq_smem, DQ_TMA, dsq_smem, DQ_T, DSQ_U, DSQ_ROW)),
             (_consumer, (k_smem1, v_smem1, kt_smem1, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs,
                          dots_bufs, kv_ready, rows_ready, rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE,
                          DO_SCALE, LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, bkv, bh0, start_n + BLOCK_N,
                          lo, n_m, n_iter, N, NPAD, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, P_SCALE, SPLIT, OVERLAP, FUSED,
                          DETERMINISTIC, EVEN_N, True, dq_smem1, DQ_TMA, dsq_smem1,
-                         DQ_T)),
+                         DQ_T, DSQ_U, DSQ_ROW)),
             (_producer, (k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, kt_desc, kts_desc,
                          k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs,
                          kv_ready, rows_ready, rows_free, cols_ready, cols_free, bkv * N + start_n, bkv, start_n, bh0,
@@ -741,19 +754,20 @@ def _bwd_dkdv_ws_kernel(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_
 
 @gluon.jit
 def _bwd_fused_ws_kernel(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, kt_desc, kts_desc,
-                         Q_SCALE, K_SCALE, V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale,
-                         H, HKV, N, NPAD, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, GROUP: gl.constexpr,
-                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, OVERLAP: gl.constexpr,
-                         DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr, CONSUMERS: gl.constexpr,
-                         DQ_TMA: gl.constexpr, DQ_T: gl.constexpr):
+                         Q_SCALE, K_SCALE, V_SCALE, DO_SCALE, LSE2, DELTA, DSQ_U, DK, DV, DQ_ACC, SEM, qk_scale,
+                         sm_scale, H, HKV, N, NPAD, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                         GROUP: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, P_SCALE: gl.constexpr,
+                         OVERLAP: gl.constexpr, DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr,
+                         CONSUMERS: gl.constexpr, DQ_TMA: gl.constexpr, DQ_T: gl.constexpr, DSQ_ROW: gl.constexpr):
     """The five-GEMM backward (``bwd_fused``'s computation) on host-side TMA descriptors: the dkdv
     kernel with dQ's partial of every query tile added into ``DQ_ACC`` (:func:`fused`), on
     ``CONSUMERS`` consumer warp groups of 64 keys a CTA; ``DQ_TMA``: by TMA reduce-adds, ``DQ_ACC``
-    a descriptor, else by float32 atomics."""
+    a descriptor, else by float32 atomics; ``DSQ_ROW``: dS for dQ scaled from the bound ``DSQ_U``, the
+    partials unscaled."""
     _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, kt_desc, kts_desc, Q_SCALE,
           K_SCALE, V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, H, HKV, N, NPAD, HEAD_DIM,
           BLOCK_M, GROUP, STAGES, CAUSAL, P_SCALE, False, OVERLAP, True, DETERMINISTIC, EVEN_N, CONSUMERS, DQ_TMA,
-          DQ_T)
+          DQ_T, DSQ_U, DSQ_ROW)
 
 
 @gluon.jit
@@ -948,7 +962,8 @@ def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, de
         consts = _dq_constexprs(r, head_dim, causal)
         # S and dP, then the row sums: dP issued behind S runs during the softmax (the dq kernel's
         # other schedules overlap its dS K and kbar, which the pre-pass does not run)
-        consts.update(MATCHED=True, PREPASS=True, OVERLAP=1)
+        # BOUND: the bound of each row's dS amax too, for a spec that scales dS for dQ from it
+        consts.update(MATCHED=True, PREPASS=True, OVERLAP=1, BOUND=r.dsq_row)
         return Launch(consts, num_warps=NUM_WARPS, num_stages=None, maxnreg=LAUNCH_REGS, kernel=_bwd_dq_ws_kernel,
                       block_m=DQ_BLOCK_M.value, signature=_signature)
     if kernel == "fused":
@@ -971,6 +986,8 @@ def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, de
             raise ValueError("bwd_ws: dq_t adds dQ^T's partials by TMA reduce-adds: it needs dq_tma (N a multiple of "
                              f"{BLOCK_N.value}, not deterministic)")
         consts["DQ_T"] = bool(dq_t)
+        # dS for dQ scaled per query from the pre-pass's bound, its partials unscaled (fused(dsq_bound=))
+        consts["DSQ_ROW"] = r.dsq_row
         return Launch(consts, num_warps=NUM_WARPS, num_stages=None,
                       maxnreg=TWO_CONSUMER_LAUNCH_REGS if two else LAUNCH_REGS, kernel=_bwd_fused_ws_kernel,
                       block_m=consts["CONSUMERS"] * BLOCK_N.value, signature=_signature)
@@ -1006,11 +1023,12 @@ def _signature(run: Launch, n_multiple_of_16: bool = True, do_format: str = "flo
         names = ("q_desc", "do_desc", "k_desc", "v_desc", "kt_desc", "kts_desc")
         sig = {k: mangle_type(x) for k, x in zip(names, descs)}
         sig.update({k: "*" + fp32 for k in ("Q_SCALE", "K_SCALE", "V_SCALE", "K_UNIT", "DO_SCALE", "LSE2",
-                                            "DELTA_STALE", "DELTA_MATCHED")})
+                                            "DELTA_STALE", "DELTA_MATCHED", "DSQ_U")})
         sig.update(DQ="*" + bf16, qk_scale=fp32, sm_scale=fp32, H="i32", GROUP="i32", N="i32", NPAD="i32")
     else:
         scalars = {"qk_scale": fp32, "sm_scale": fp32, "H": "i32", "HKV": "i32", "N": "i32", "NPAD": "i32"}
-        vectors = {name: "*" + fp32 for name in ("Q_SCALE", "K_SCALE", "V_SCALE", "DO_SCALE", "LSE2", "DELTA")}
+        vectors = {name: "*" + fp32 for name in ("Q_SCALE", "K_SCALE", "V_SCALE", "DO_SCALE", "LSE2", "DELTA",
+                                                 "DSQ_U")}
         vectors.update(DK="*" + bf16, DV="*" + bf16)
         if run.kernel in (_bwd_dkdv_ws_kernel, _bwd_fused_ws_kernel):
             descs = _descriptors(rows, cols, sc, rows, rows, rows.to(do_dt), cols.to(do_dt), sc, run.constexprs["BLOCK_M"])
@@ -1031,8 +1049,9 @@ def _signature(run: Launch, n_multiple_of_16: bool = True, do_format: str = "flo
                    **{name: "*" + triton_type(do_format) for name in ("DO8", "DOT8")}, "ROWS_Q": "i32", "ROWS_KV": "i32"}
     names = list(run.kernel.arg_names)
     aligned = {"NPAD", "N"} if n_multiple_of_16 else {"NPAD"}
+    sig = {k: sig[k] for k in names if k in sig}
     attrs = {k: [["tt.divisibility", 16]] for k, t in sig.items() if t.startswith("*") or k in aligned}
-    return {k: sig[k] for k in names if k in sig}, attrs
+    return sig, attrs
 
 
 def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, recipe="kernels_delta_matching",
@@ -1057,32 +1076,38 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, reci
 
 
 def prepass(saved, do8, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int, causal: bool,
-            scale: float, recipe) -> "torch.Tensor":
+            scale: float, recipe, bound: bool = False):
     """The seven-GEMM recipe's pre-pass in Gluon: D_i = sum_j P_ij dP_ij ``(B*H, N)`` float32 from
     the dq kernel's very S, P and dP (its ``PREPASS`` form, which stops after the row sums), so
     the matched D its dq kernel makes, bit for bit; ``saved``: the forward's ``SavedForward``,
-    ``do8``: dO's row copy."""
+    ``do8``: dO's row copy. ``bound`` (a spec with ``KernelSpec.dsq_row``, and only there):
+    ``(D, U)``, U_i = (max_j P_ij |dP_ij| + |D_i| max_j P_ij)(1 + 2^-21), ``bwd_prepass.delta(...,
+    bound=True)``'s U bit for bit."""
     import torch
 
     from .fwd import LOG2E
 
     run = launch(recipe, head_dim=head_dim, causal=causal, kernel="prepass")
     consts = run.constexprs
+    if bool(bound) != consts["BOUND"]:
+        raise ValueError(f"bwd_ws.prepass: bound={bound!r}, but the bound of dS for dQ is the pre-pass's for the "
+                         f"specs that scale dS for dQ from it (KernelSpec.dsq_row: {consts['BOUND']})")
     saved = saved.with_q_copies()  # where the forward left them to the backward
     q8, k8, v8 = saved.q, saved.k, saved.v
     dev = do8.rows.device
     delta = torch.empty((batch * heads, n), device=dev, dtype=torch.float32)
+    u = torch.empty_like(delta) if bound else delta
     descs = _dq_descriptors(q8.rows, do8.rows, k8.rows, v8.rows, k8.cols, k8.col_scale, consts["BLOCK_N"])
     npad = triton.cdiv(n, QUANT_BLOCK.value) * QUANT_BLOCK.value
     run.start(run.grid(n, batch * heads),
-              *descs, q8.row_scale, k8.row_scale, v8.row_scale, delta, do8.row_scale, saved.lse2, delta, delta, delta,
-              scale * LOG2E, scale, heads, heads // kv_heads, n, npad)
-    return delta
+              *descs, q8.row_scale, k8.row_scale, v8.row_scale, delta, do8.row_scale, saved.lse2, delta, delta, u,
+              delta, scale * LOG2E, scale, heads, heads // kv_heads, n, npad)
+    return (delta, u) if bound else delta
 
 
 def fused(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int, causal: bool,
           scale: float, recipe, deterministic: bool = False, stages: int | None = None, overlap: int | None = None,
-          consumers: int | None = None, dq_tma: bool | None = None, dq_t: bool | None = None):
+          consumers: int | None = None, dq_tma: bool | None = None, dq_t: bool | None = None, dsq_bound=None):
     """The five-GEMM backward in Gluon: ``bwd_fused.backward``'s computation (the same operands,
     the same D from ``delta``, the same recipe) on the dkdv kernel's warp-specialized CTAs, each
     adding dQ's partial of its 64 keys into a float32 buffer, then ``bwd_fused``'s postprocess.
@@ -1094,11 +1119,18 @@ def fused(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, h
     every shape of the bench, ``benchmarks/results/h100_bench_attention.json``,
     ``ours_bwd_fused_tma``), else by float32 atomics; ``dq_t``: dQ^T's partials, dS's codes the
     wgmma's shared operand (:func:`launch`), by default wherever the partials go by TMA
-    reduce-adds. Returns ``(dq, dk, dv, {"delta": delta})``."""
+    reduce-adds. ``dsq_bound``: with a spec whose dS for dQ is scaled from the pre-pass's bound
+    (``KernelSpec.dsq_row``), and only there, that bound (``prepass(..., bound=True)``'s U, as
+    ``bwd_fused.backward`` reads it): dQ's partials are added unscaled and the postprocess applies
+    each query's factor and the head's K scale (powers of two: the same values as scaling each
+    partial, but for partials below float32's normal range). Returns ``(dq, dk, dv, {"delta": delta})``."""
     import torch
 
-    from .bwd_fused import postprocess_dq
+    from .bwd_fused import check_dsq, postprocess_dq
+    from .config import get_spec
     from .fwd import LOG2E
+
+    dsq_bound = check_dsq(get_spec(recipe), saved, dsq_bound, batch, heads, n, do8.rows.device)
 
     run = launch(recipe, head_dim=head_dim, causal=causal, kernel="fused", group=heads // kv_heads,
                  stages=stages, overlap=overlap, deterministic=deterministic, n=n, consumers=consumers,
@@ -1117,10 +1149,13 @@ def fused(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, h
                          run.constexprs["BLOCK_M"])
     descs += (_col_desc(k8.cols, head_dim, BLOCK_N.value), _scale_desc(k8.col_scale, head_dim))
     run.start(run.grid(n, batch * kv_heads),
-        *descs, q8.row_scale, k8.row_scale, v8.row_scale, do8.row_scale, saved.lse2, delta, dk, dv,
+        *descs, q8.row_scale, k8.row_scale, v8.row_scale, do8.row_scale, saved.lse2, delta,
+        delta if dsq_bound is None else dsq_bound, dk, dv,
         _dq_desc(dq_acc, run.constexprs["BLOCK_M"]) if run.constexprs["DQ_TMA"] else dq_acc, sem,
         scale * LOG2E, scale, heads, kv_heads, n, do8.npad)
-    return postprocess_dq(dq_acc, batch, heads, n, head_dim, scale, transposed), dk, dv, {"delta": delta}
+    factors = None if dsq_bound is None else (dsq_bound, k8.col_scale, heads // kv_heads)
+    return (postprocess_dq(dq_acc, batch, heads, n, head_dim, scale, transposed, factors=factors), dk, dv,
+            {"delta": delta})
 
 
 def dkdv(saved, do8, do_t, delta, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int,
@@ -1254,15 +1289,16 @@ def _dq_next_s(q_smem, k_bufs, rows_ready, j, s_layout: gl.constexpr, BLOCK_M: g
 
 @gluon.jit
 def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, rows_ready, rows_free, cols_ready,
-                 cols_free, Q_SCALE, K_SCALE, V_SCALE, K_UNIT, DO_SCALE, LSE2, DELTA_STALE, DELTA_MATCHED, DQ,
+                 cols_free, Q_SCALE, K_SCALE, V_SCALE, K_UNIT, DO_SCALE, LSE2, DELTA_STALE, DELTA_MATCHED, DSQ_U, DQ,
                  qk_scale, sm_scale, bh, kv, start_m, n_iter, N,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  CAUSAL: gl.constexpr, MATCHED: gl.constexpr, KBAR_P_SCALE: gl.constexpr, OVERLAP: gl.constexpr,
-                 PREPASS: gl.constexpr = False):
+                 PREPASS: gl.constexpr = False, BOUND: gl.constexpr = False):
     """The consumer warp group of the dq kernel: its queries' scales, every key tile, the matched
     delta's correction, the stores. ``PREPASS`` (with ``MATCHED``; ``OVERLAP`` 0 or 1): the
     seven-GEMM recipe's pre-pass, S and dP and D = sum_j P dP alone, stored to ``DELTA_MATCHED``
-    (no dS, no dQ). ``OVERLAP`` 1: dP is issued right behind S and runs during
+    (no dS, no dQ); with ``BOUND`` also U_i = (max_j P |dP| + |D_i| max_j P)(1 + 2^-21), the bound of
+    the row's dS amax (``bwd_prepass``'s, from the same P and dP), stored to ``DSQ_U``. ``OVERLAP`` 1: dP is issued right behind S and runs during
     the softmax; 2 (matched): also kbar's wgmma right behind dS K, running during dQ's promotion;
     3: S of tile i + 1 is issued right behind dS K of tile i (running during dQ's promotion and
     kbar) and waited on before the loop's back edge, and dP of tile i + 1 runs during its softmax."""
@@ -1296,6 +1332,9 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
         unit = gl.load(K_UNIT + kv64)
         kb_c = gl.div_rn(1.0 / KBAR_P_SCALE, unit)  # powers of two: exact
     pdp = gl.zeros([BLOCK_M], gl.float32, row_s)
+    if BOUND:  # max_j P |dP| and max_j P over the key tiles done so far
+        pdp_max = gl.zeros([BLOCK_M], gl.float32, row_s)
+        p_max = gl.zeros([BLOCK_M], gl.float32, row_s)
     mbarrier.wait(q_ready, 0)
     if OVERLAP == 3:
         s_next = _dq_next_s(q_smem, k_bufs, rows_ready, 0, s_layout, BLOCK_M, BLOCK_N, STAGES)
@@ -1353,6 +1392,9 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
         if MATCHED:
             # the matched delta: sum_j P dP from the very float32 P and dP that dS uses
             pdp += gl.sum(p * dp, axis=1)
+        if BOUND:
+            pdp_max = gl.maximum(pdp_max, gl.max(p * gl.abs(dp), axis=1))
+            p_max = gl.maximum(p_max, gl.max(p, axis=1))
         if not PREPASS:  # the pre-pass stops at the row sums
             # dS against the stale D (the matched D is not known yet: deferred correction below);
             # Q-point dS: one POW2_DOWN scale per query row of the tile (its 64 keys)
@@ -1403,6 +1445,10 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
             mbarrier.arrive(cols_free.index(s), count=1)
     if PREPASS:
         gl.store(DELTA_MATCHED + head + offs_m, pdp, mask=in_seq)
+        if BOUND:
+            # each product rounded on its own (bwd_prepass's order; dmref/proofs/delta_study.md, Lemma 2)
+            u = _mul_rn(pdp_max + _mul_rn(gl.abs(pdp), p_max, False), 1.0 + 2.0**-21, False)
+            gl.store(DSQ_U + head + offs_m, u, mask=in_seq)
         return
     offs_ma = start_m + gl.arange(0, BLOCK_M, layout=row_a)
     if MATCHED:
@@ -1419,14 +1465,16 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, ro
 
 @gluon.jit
 def _bwd_dq_ws_kernel(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, Q_SCALE, K_SCALE, V_SCALE, K_UNIT,
-                      DO_SCALE, LSE2, DELTA_STALE, DELTA_MATCHED, DQ, qk_scale, sm_scale, H, GROUP, N, NPAD,
+                      DO_SCALE, LSE2, DELTA_STALE, DELTA_MATCHED, DSQ_U, DQ, qk_scale, sm_scale, H, GROUP, N, NPAD,
                       HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                       MATCHED: gl.constexpr, KBAR_P_SCALE: gl.constexpr, OVERLAP: gl.constexpr,
-                      PREPASS: gl.constexpr = False):
+                      PREPASS: gl.constexpr = False, BOUND: gl.constexpr = False):
     """The dq kernel on host-side TMA descriptors: Q, dO rows ``(B*H*N, D)``, K, V rows
     ``(B*HKV*N, D)``, K^T ``(B*HKV*D, NPAD)`` and its scales ``(B*HKV*NPAD/128, D)``.
-    ``PREPASS``: the pre-pass alone (:func:`prepass`; the K^T tiles are not loaded)."""
+    ``PREPASS``: the pre-pass alone (:func:`prepass`; the K^T tiles are not loaded), with ``BOUND``
+    also the bound of each row's dS amax into ``DSQ_U``."""
     gl.static_assert(not PREPASS or (MATCHED and OVERLAP < 2))
+    gl.static_assert(PREPASS or not BOUND)
     BLOCK_M: gl.constexpr = DQ_BLOCK_M
     gl.static_assert(QUANT_BLOCK % BLOCK_N == 0)
     pid = gl.program_id(0)
@@ -1454,8 +1502,8 @@ def _bwd_dq_ws_kernel(q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, Q_SCAL
     gl.warp_specialize([
         (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, kt_bufs, kts_bufs, q_ready, rows_ready, rows_free,
                         cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, K_UNIT, DO_SCALE, LSE2, DELTA_STALE,
-                        DELTA_MATCHED, DQ, qk_scale, sm_scale, bh, kv, start_m, n_iter, N, HEAD_DIM, BLOCK_M,
-                        BLOCK_N, STAGES, CAUSAL, MATCHED, KBAR_P_SCALE, OVERLAP, PREPASS)),
+                        DELTA_MATCHED, DSQ_U, DQ, qk_scale, sm_scale, bh, kv, start_m, n_iter, N, HEAD_DIM, BLOCK_M,
+                        BLOCK_N, STAGES, CAUSAL, MATCHED, KBAR_P_SCALE, OVERLAP, PREPASS, BOUND)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, kt_desc, kts_desc, q_smem, do_smem, k_bufs, v_bufs,
                         kt_bufs, kts_bufs, q_ready, rows_ready, rows_free, cols_ready, cols_free, bh * N + start_m,
                         kv, n_iter, N, NPAD, HEAD_DIM, BLOCK_N, STAGES, OVERLAP == 3, not PREPASS)),
@@ -1471,7 +1519,8 @@ def _dq_constexprs(spec, head_dim: int, causal: bool) -> dict:
     from .bwd import kbar_p_scale
 
     return dict(HEAD_DIM=head_dim, BLOCK_N=t.block_n2, STAGES=ws.dq_stages, CAUSAL=bool(causal),
-                MATCHED=spec.matched, KBAR_P_SCALE=kbar_p_scale(spec), OVERLAP=int(ws.dq_overlap), PREPASS=False)
+                MATCHED=spec.matched, KBAR_P_SCALE=kbar_p_scale(spec), OVERLAP=int(ws.dq_overlap), PREPASS=False,
+                BOUND=False)
 
 
 def _check_dq(recipe, head_dim: int, debug: bool = False, prepass: bool = False) -> None:
@@ -1530,5 +1579,5 @@ def dq(saved, do8, delta_stale, *, batch: int, heads: int, kv_heads: int, n: int
     npad = triton.cdiv(n, QUANT_BLOCK.value) * QUANT_BLOCK.value
     run.start(run.grid(n, batch * heads),
               *descs, q8.row_scale, k8.row_scale, v8.row_scale, k_unit, do8.row_scale, saved.lse2, delta_stale, delta,
-              out, scale * LOG2E, scale, heads, heads // kv_heads, n, npad)
+              delta_stale, out, scale * LOG2E, scale, heads, heads // kv_heads, n, npad)
     return out, delta

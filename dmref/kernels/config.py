@@ -272,11 +272,18 @@ def _differences(recipe, bwd: BwdTiles | None) -> list[str]:
     folded = recipe.k.granularity is Granularity.HEAD
     k_v = ((point("k", (e4m3,), (Granularity.HEAD,)), point("v", (e4m3,), row)) if folded
            else (point("k", (e4m3,), row), point("v", (e4m3,), tok)))
+    # dS for dQ per query over all keys from the pre-pass's bound (Recipe.ds_dq_bound), K for dQ
+    # per head: the folded pre-pass recipe's refinement (kernels_folded_delta_prepass_dsq_row)
+    dsq_row = recipe.ds_dq_bound
     checks = [point("q", (e4m3,), row), *k_v,
               point("p", (e4m3,), tensor, ScaleRule.FIXED), point("do_dp", do_fmt, row),
               point("v_dp", (e4m3,), row), point("p_dv", (e4m3,), tensor, ScaleRule.FIXED),
-              point("do_dv", do_fmt, tok), point("ds_dq", (e4m3,), ds_grans), point("k_dq", (e4m3,), tok),
+              point("do_dv", do_fmt, tok), point("ds_dq", (e4m3,), row if dsq_row else ds_grans),
+              point("k_dq", (e4m3,), (Granularity.HEAD,) if dsq_row else tok),
               point("ds_dk", (e4m3,), ds_grans), point("q_dk", (e4m3,), tok)]
+    if dsq_row and not (folded and recipe.delta == MATCHED):
+        checks.append("ds_dq_bound: the kernels scale dS for dQ from the pre-pass's bound with the folded "
+                      "forward's K (per head) and the matched D of a pre-pass only")
     if recipe.o != QuantPoint(BFLOAT16):
         checks.append(f"o: the kernels return O in BF16 (round to nearest); the recipe says {recipe.o.describe()}")
     if recipe.p_fwd.reference is not PReference.RUNNING_MAX or recipe.p_bwd.reference is not PReference.LSE:
@@ -385,6 +392,16 @@ class KernelSpec:
         deferred dQ; the ``kernels_*delta_prepass`` recipes): the backward is ``bwd_prepass`` then the
         five-GEMM ``bwd_fused``; the dq and dkdv kernels refuse it."""
         return self.recipe.delta == MATCHED
+
+    @property
+    def dsq_row(self) -> bool:
+        """Whether dS for dQ is scaled once per query over all keys from the pre-pass's bound of
+        its amax and K for dQ once per head (``recipe.ds_dq_bound``;
+        ``kernels_folded_delta_prepass_dsq_row``): the pre-pass also returns the bound
+        (``bwd_prepass.delta(bound=True)``, ``bwd_ws.prepass(bound=True)``), the folded
+        quantization writes K's transposed copy with the head's scale, and the five-GEMM
+        kernels take the bound (``dsq_bound``)."""
+        return self.recipe.ds_dq_bound
 
     @property
     def folded(self) -> bool:

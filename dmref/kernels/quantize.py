@@ -246,13 +246,16 @@ def _kv_amax_kernel(K, V, stride_b, stride_h, stride_n, stride_d, AMAX, H, N,
 @triton.jit
 def _kv_quantize_folded_kernel(K, V, stride_b, stride_h, stride_n, stride_d, AMAX, K8, K_SCALE, VT8, V_SCALE,
                                KT8, KT_SCALE, V8, V8_SCALE, K8_SCALE, H, N, NPAD, HEAD_DIM: tl.constexpr,
-                               BLOCK_T: tl.constexpr, FOR_BWD: tl.constexpr, INTERPRET: tl.constexpr):
+                               BLOCK_T: tl.constexpr, FOR_BWD: tl.constexpr, KT_HEAD: tl.constexpr,
+                               INTERPRET: tl.constexpr):
     """Codes under the amaxes of ``_kv_amax_kernel`` (POW2_DOWN, E4M3): K's row copy with one
     scale per head, V's transposed copy with one per head and channel; the first tile of each
     head writes the dequantization factors 2**-k. ``FOR_BWD``: from the same tiles, the copies the
     backward reads, as :func:`quantize` writes them (E4M3): K's transposed copy (``KT8``,
     ``KT_SCALE``) and V's row copy (``V8``, ``V8_SCALE``), and K's head factor once a token
-    (``K8_SCALE``, ``(B*H, N)``: the row copy's scales as the backward reads them)."""
+    (``K8_SCALE``, ``(B*H, N)``: the row copy's scales as the backward reads them). ``KT_HEAD``:
+    K's transposed copy is the row copy's codes transposed, with the head's factor for every
+    channel of every token block (K for dQ scaled per head: ``KernelSpec.dsq_row``)."""
     bh, offs_t, offs_d, off, ptrs = _kv_tile(stride_b, stride_h, stride_n, stride_d, H, HEAD_DIM, BLOCK_T)
     pid_t = tl.program_id(0)
     in_seq = offs_t < N
@@ -261,9 +264,13 @@ def _kv_quantize_folded_kernel(K, V, stride_b, stride_h, stride_n, stride_d, AMA
     # Q-point K (QK^T): one POW2_DOWN scale per head
     k_head = pow2_down_exponent(tl.load(AMAX).to(tl.float32, bitcast=True), False)
     k = from_bf16(tl.load(K + off + ptrs, mask=in_seq[:, None], other=0.0), INTERPRET)
-    tl.store(K8 + bh64 * N * HEAD_DIM + offs_t[:, None] * HEAD_DIM + offs_d[None, :],
-             to_fp8(k * exp2_int(k_head), False, INTERPRET), mask=in_seq[:, None])
-    if FOR_BWD:  # K's transposed copy, before K's tile dies
+    k8 = to_fp8(k * exp2_int(k_head), False, INTERPRET)
+    tl.store(K8 + bh64 * N * HEAD_DIM + offs_t[:, None] * HEAD_DIM + offs_d[None, :], k8, mask=in_seq[:, None])
+    if FOR_BWD and KT_HEAD:  # K's transposed copy: the row codes (padding tokens 0: code 0), the head's factor
+        tl.store(KT8 + bh64 * HEAD_DIM * NPAD + offs_d[None, :] * NPAD + offs_t[:, None], k8)
+        tl.store(KT_SCALE + (bh64 * (NPAD // BLOCK_T) + pid_t) * HEAD_DIM + offs_d,
+                 tl.zeros([HEAD_DIM], tl.float32) + exp2_int(-k_head))
+    elif FOR_BWD:  # K's transposed copy, before K's tile dies
         _store_col_copy(k, pid_t, offs_t, offs_d, KT8 + bh64 * HEAD_DIM * NPAD,
                         KT_SCALE + bh64 * (NPAD // BLOCK_T) * HEAD_DIM, NPAD, HEAD_DIM, False, INTERPRET)
     # Q-point V (PV): one POW2_DOWN scale per head and channel; padding tokens (0) get code 0
@@ -302,14 +309,20 @@ class FoldedKV:
     #: ``for_backward``: K's row copy as the backward reads it, ``k8`` with its head's factor
     #: for every token (``row_scale``, ``(B*HKV, N)``)
     k_rows: Quantized | None = None
+    #: whether ``k_cols`` holds ``k8``'s codes transposed with the head's factor (``kt_head``)
+    #: rather than one factor per channel and 128-token block
+    kt_head: bool = False
 
 
-def quantize_kv_folded(k: torch.Tensor, v: torch.Tensor, *, for_backward: bool = False) -> FoldedKV:
+def quantize_kv_folded(k: torch.Tensor, v: torch.Tensor, *, for_backward: bool = False,
+                       kt_head: bool = False) -> FoldedKV:
     """Quantize ``k, v: (B, HKV, N, D)`` (BF16, the same strides) to E4M3 with folded scales, in
     two launches: the amaxes of both, then the codes of both; ``for_backward``: the second
     launch also writes K's transposed copy and V's row copy (E4M3), the codes and factors of
     ``quantize(k, rows=False)`` and ``quantize(v, cols=False)``, and K's head factor for each
-    token (``k_rows``)."""
+    token (``k_rows``); with ``kt_head`` (a spec whose K for dQ is scaled per head,
+    ``KernelSpec.dsq_row``) K's transposed copy is the row codes transposed, the head's factor
+    for every channel and block."""
     if k.shape != v.shape or k.stride() != v.stride() or k.ndim != 4:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be (B, HKV, N, D) of one shape and strides")
     bsz, heads, n, d = k.shape
@@ -334,5 +347,6 @@ def quantize_kv_folded(k: torch.Tensor, v: torch.Tensor, *, for_backward: bool =
         bwd = (out.k_cols.cols, out.k_cols.col_scale, out.v_rows.rows, out.v_rows.row_scale, out.k_rows.row_scale)
     _kv_quantize_folded_kernel[grid](k, v, *k.stride(), amax, out.k8, out.k_scale, out.vt8, out.v_scale, *bwd, heads,
                                      n, npad, HEAD_DIM=d, BLOCK_T=QUANT_BLOCK, FOR_BWD=bool(for_backward),
-                                     INTERPRET=interpreting(), num_warps=8)
+                                     KT_HEAD=bool(kt_head), INTERPRET=interpreting(), num_warps=8)
+    out.kt_head = bool(for_backward and kt_head)
     return out

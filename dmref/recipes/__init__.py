@@ -15,7 +15,7 @@ import difflib
 
 from ..emulation.blocked import ScaleRule
 from ..emulation.gemm import Accumulation, MatmulModel
-from .kernels import KERNEL_CANDIDATES, KERNEL_RECIPES
+from .kernels import KERNEL_RECIPES
 from .presets import (BF16, CONSISTENT_P_FP32_PV_DP, CONSISTENT_P_RECIPE, CONSISTENT_P_TILE, CUDNN_FP8, DELTA_MATCHING,
                       DELTA_STUDY, EXACT, FP32, MXFP8_STALE, NAIVE_FP8, PRESETS, STALE_FP32_O, with_prepass_delta)
 from .recipe import (CONSISTENT_P, MATCHED, MATMULS, NONE, STALE, STALE_FP8_DO, STALE_UNROUNDED, DeferredDq, DeltaKind,
@@ -24,7 +24,7 @@ from .recipe import (CONSISTENT_P, MATCHED, MATMULS, NONE, STALE, STALE_FP8_DO, 
 
 __all__ = [
     "DeferredDq", "DeltaKind", "DeltaStrategy", "Granularity", "MatmulModel", "MatmulModels", "Normalizer",
-    "PReference", "PScaling", "PRESETS", "DELTA_STUDY", "KERNEL_RECIPES", "KERNEL_CANDIDATES", "QuantPoint", "Recipe", "ScaleRule",
+    "PReference", "PScaling", "PRESETS", "DELTA_STUDY", "KERNEL_RECIPES", "QuantPoint", "Recipe", "ScaleRule",
     "Tiles", "get_recipe", "kernel_recipes", "with_prepass_delta", "MATMULS", "NONE", "STALE", "STALE_FP8_DO",
     "STALE_UNROUNDED", "MATCHED", "CONSISTENT_P", "ACCUMULATION_MODELS",
     "EXACT", "FP32", "BF16", "NAIVE_FP8", "CUDNN_FP8", "MXFP8_STALE", "DELTA_MATCHING", "CONSISTENT_P_RECIPE",
@@ -69,8 +69,7 @@ def kernel_recipes() -> dict[str, Recipe]:
 
 def get_recipe(recipe: Recipe | str) -> Recipe:
     """A :class:`Recipe`, or one by name: a preset (``"delta_matching"``), a candidate of the
-    delta study (:data:`DELTA_STUDY`), a recipe for kernels not written yet
-    (:data:`dmref.recipes.kernels.KERNEL_CANDIDATES`) or a recipe the kernels
+    delta study (:data:`DELTA_STUDY`) or a recipe the kernels
     run (``"kernels_delta_matching"``, :func:`kernel_recipes`); ``"naive_fp8@hopper"`` for one
     with every matmul under another accumulation model, one of :data:`ACCUMULATION_MODELS`.
     Raises TypeError for other types, ValueError for an unknown name or model, and for a hopper
@@ -80,16 +79,15 @@ def get_recipe(recipe: Recipe | str) -> Recipe:
     if not isinstance(recipe, str):
         raise TypeError(f"recipe must be a Recipe or a preset name, got {type(recipe).__name__}")
     base, at, model = recipe.partition("@")
-    named = PRESETS.get(base) or DELTA_STUDY.get(base) or KERNEL_CANDIDATES.get(base)
+    named = PRESETS.get(base) or DELTA_STUDY.get(base)
     if named is None:
         kernels = KERNEL_RECIPES
         named = kernels.get(base)
         if named is None:
-            close = difflib.get_close_matches(base, [*PRESETS, *DELTA_STUDY, *KERNEL_CANDIDATES, *kernels], n=1)
+            close = difflib.get_close_matches(base, [*PRESETS, *DELTA_STUDY, *kernels], n=1)
             hint = f"did you mean {close[0] + at + model!r}? " if close else ""
             raise ValueError(f"unknown recipe {recipe!r}; {hint}presets: {', '.join(PRESETS)}; the delta study's: "
-                             f"{', '.join(DELTA_STUDY)}; for kernels not written yet: {', '.join(KERNEL_CANDIDATES)}; "
-                             "the kernels' "
+                             f"{', '.join(DELTA_STUDY)}; the kernels' "
                              f"recipes: {', '.join(kernels)} (NAME@MODEL for another accumulation model)")
     if not at:
         return named

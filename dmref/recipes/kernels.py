@@ -17,7 +17,7 @@ from ..emulation.gemm import Accumulation, MatmulModel
 from .presets import PRESETS, with_prepass_delta
 from .recipe import DeferredDq, DeltaKind, DeltaStrategy, Granularity, MatmulModels, QuantPoint, Recipe, STALE
 
-__all__ = ["KERNEL_RECIPES", "KERNEL_CANDIDATES", "QUANT_BLOCK", "KBAR_P_SCALE_LOG2", "KernelDelta", "DEFAULT_DS_TILE", "ds_point",
+__all__ = ["KERNEL_RECIPES", "QUANT_BLOCK", "KBAR_P_SCALE_LOG2", "KernelDelta", "DEFAULT_DS_TILE", "ds_point",
            "deferred_dq", "fit_to_tiles", "kernel_recipe"]
 
 #: Tokens per scale block of the kernels' transposed copies; every kernel tile along tokens
@@ -64,13 +64,14 @@ def deferred_dq(tile: int) -> DeferredDq:
 def fit_to_tiles(recipe: Recipe, dk_tile: int, dq_tile: int) -> Recipe:
     """``recipe`` with the parts the backward's tile extents decide: dS blocks of 1 x ``dq_tile``
     (dQ, keys per tile) and 1 x ``dk_tile`` (dK, queries per tile), HOPPER promotion per kernel
-    tile for dV, dQ and dK, and the deferred dQ's kbar tile of ``dq_tile`` keys."""
+    tile for dV, dQ and dK, and the deferred dQ's kbar tile of ``dq_tile`` keys; dS for dQ scaled
+    per query over all keys (``ds_dq_bound``) stays so (only its promotion follows the tile)."""
     acc = recipe.accumulation
     delta = recipe.delta
     if delta.deferred_dq is not None:
         delta = DeltaStrategy(delta.kind, delta.do, delta.o, dataclasses.replace(delta.deferred_dq, tile=dq_tile))
     return dataclasses.replace(
-        recipe, ds_dq=ds_point(dq_tile), ds_dk=ds_point(dk_tile), delta=delta,
+        recipe, ds_dq=recipe.ds_dq if recipe.ds_dq_bound else ds_point(dq_tile), ds_dk=ds_point(dk_tile), delta=delta,
         accumulation=MatmulModels(qk=acc.qk, pv=acc.pv, qk_bwd=acc.qk_bwd, dp=acc.dp,
                                   dv=_promoted(acc.dv, dk_tile), dq=_promoted(acc.dq, dq_tile),
                                   dk=_promoted(acc.dk, dk_tile)))
@@ -110,23 +111,6 @@ def kernel_recipe(delta: KernelDelta, dk_tile: int = DEFAULT_DS_TILE, dq_tile: i
     return fit_to_tiles(recipe, dk_tile, dq_tile)
 
 
-#: The Recipes the kernels ship, by name. ``kernels_naive_fp8``: naive_fp8's quantization with the
-#: kernels' scales (Q, K, dO, V of dP per token) and the stale delta; ``kernels_delta_matching``:
-#: the same with the matched delta and the kernels' deferred dQ; ``kernels_folded_*``: the same
-#: backward with the warp-specialized forward's folded K and V scales; ``kernels_delta_prepass``
-#: (and its folded form): the matched recipe in the seven-GEMM schedule (``with_prepass_delta``):
-#: D = sum_j P dP from a pre-pass of QK^T and dO V^T, then the five-GEMM backward with that D and
-#: no deferred dQ.
-KERNEL_RECIPES: dict[str, Recipe] = {r.name: r for r in (
-    kernel_recipe("matched"),
-    kernel_recipe("stale"),
-    kernel_recipe("matched", folded=True),
-    kernel_recipe("stale", folded=True),
-    with_prepass_delta(kernel_recipe("matched"), "kernels_delta_prepass"),
-    with_prepass_delta(kernel_recipe("matched", folded=True), "kernels_folded_delta_prepass"),
-)}
-
-
 def _dsq_row(recipe: Recipe, name: str) -> Recipe:
     """``recipe`` (a folded pre-pass one) with dS for dQ scaled once per query over all keys from
     the pre-pass's bound of its amax (``Recipe.ds_dq_bound``) and K for dQ scaled per head, the
@@ -137,13 +121,24 @@ def _dsq_row(recipe: Recipe, name: str) -> Recipe:
                                k_dq=QuantPoint(FLOAT8_E4M3FN, Granularity.HEAD, ScaleRule.POW2_DOWN))
 
 
-#: Recipes for kernels not written yet, by name: the emulation (``dmref.get_recipe``,
-#: ``dmref.tiled``) runs them, ``dmref.kernels``' specs and API refuse them
-#: (``config.unsupported``); their Triton forms, where written, are options of the kernels'
-#: functions (docs/kernels.md).
-#: ``kernels_folded_delta_prepass_dsq_row``: ``kernels_folded_delta_prepass`` with dS for dQ scaled
-#: per query over all keys from the pre-pass's bound U_i and K for dQ per head (docs/delta_study.md,
-#: "dS for dQ with a scale known before the pass").
-KERNEL_CANDIDATES: dict[str, Recipe] = {r.name: r for r in (
-    _dsq_row(KERNEL_RECIPES["kernels_folded_delta_prepass"], "kernels_folded_delta_prepass_dsq_row"),
+#: The Recipes the kernels ship, by name. ``kernels_naive_fp8``: naive_fp8's quantization with the
+#: kernels' scales (Q, K, dO, V of dP per token) and the stale delta; ``kernels_delta_matching``:
+#: the same with the matched delta and the kernels' deferred dQ; ``kernels_folded_*``: the same
+#: backward with the warp-specialized forward's folded K and V scales; ``kernels_delta_prepass``
+#: (and its folded form): the matched recipe in the seven-GEMM schedule (``with_prepass_delta``):
+#: D = sum_j P dP from a pre-pass of QK^T and dO V^T, then the five-GEMM backward with that D and
+#: no deferred dQ; ``kernels_folded_delta_prepass_dsq_row``: ``kernels_folded_delta_prepass`` with dS
+#: for dQ scaled per query over all keys from the pre-pass's bound U_i and K for dQ per head
+#: (docs/delta_study.md, "dS for dQ with a scale known before the pass").
+KERNEL_RECIPES: dict[str, Recipe] = {r.name: r for r in (
+    kernel_recipe("matched"),
+    kernel_recipe("stale"),
+    kernel_recipe("matched", folded=True),
+    kernel_recipe("stale", folded=True),
+    with_prepass_delta(kernel_recipe("matched"), "kernels_delta_prepass"),
+    with_prepass_delta(kernel_recipe("matched", folded=True), "kernels_folded_delta_prepass"),
+    _dsq_row(with_prepass_delta(kernel_recipe("matched", folded=True), "kernels_folded_delta_prepass"),
+             "kernels_folded_delta_prepass_dsq_row"),
 )}
+
+

@@ -151,13 +151,18 @@ def test_ds_dq_bound_needs_a_dynamic_row_point_and_the_final_delta():
     assert "pre-pass bound" in DSQ_ROW.describe()
 
 
-def test_the_kernels_refuse_the_candidate_in_one_line():
-    """``kernels_folded_delta_prepass_dsq_row`` is a recipe for kernels not written yet: the
-    emulation runs it, ``dmref.kernels`` refuses it by name and as a Recipe, saying why."""
-    from dmref.kernels.config import KernelSpec, get_spec
+def test_the_kernels_run_the_dsq_row_recipe_and_refuse_its_scales_elsewhere():
+    """``kernels_folded_delta_prepass_dsq_row`` is a kernel spec by name and as a Recipe (the same
+    spec); its dS-for-dQ and K-for-dQ scales on a recipe without the folded forward's K or the
+    pre-pass's D are refused in one line, saying why."""
+    from dmref.kernels.config import SPECS, KernelSpec, get_spec
 
-    with pytest.raises(ValueError, match="not one of the kernels' recipes"):
-        get_spec("kernels_folded_delta_prepass_dsq_row")
-    with pytest.raises(ValueError, match="ds_dq: the kernels quantize it as") as err:
-        KernelSpec(get_recipe("kernels_folded_delta_prepass_dsq_row"))
+    spec = get_spec("kernels_folded_delta_prepass_dsq_row")
+    assert spec.dsq_row and spec.prepass and spec.folded and spec is SPECS[spec.name]
+    assert get_spec(get_recipe("kernels_folded_delta_prepass_dsq_row")) == spec
+    assert not any(s.dsq_row for name, s in SPECS.items() if name != spec.name)
+    per_token = dataclasses.replace(get_recipe("kernels_delta_prepass"), name="per_token_k_dsq_row",
+                                    ds_dq=DSQ_ROW.ds_dq, ds_dq_bound=True, k_dq=DSQ_ROW.k_dq)
+    with pytest.raises(ValueError, match="ds_dq_bound: the kernels scale") as err:
+        KernelSpec(per_token)
     assert "\n" not in str(err.value)

@@ -293,17 +293,18 @@ def test_prepass_kernel_compiles_for_sm90_without_spills():
         assert u["shared_bytes"] <= MAX_SHARED_BYTES, u
 
 
+_DSQ = "kernels_folded_delta_prepass_dsq_row"
 #: The Triton form of ``kernels_folded_delta_prepass_dsq_row`` (``bwd_prepass.delta(bound=True)``,
-#: then ``bwd_fused.backward(dsq_bound=U)`` on a folded pre-pass spec): the interpreter at small
-#: sizes, and the GPU (the Triton kernels, compiled) at larger ones.
+#: then ``bwd_fused.backward(dsq_bound=U)``): the interpreter at small sizes, and the GPU (the
+#: Triton kernels, compiled) at larger ones.
 _DSQ_CASES = {
     "interpreter": [
-        Case(1, 2, 1, 203, 64, True, "kernels_folded_delta_prepass"),  # GQA 2:1, causal, N % 64 = 11
-        Case(1, 1, 1, 130, 128, False, "kernels_folded_delta_prepass"),  # head dim 128, N % 64 = 2
+        Case(1, 2, 1, 203, 64, True, _DSQ),  # GQA 2:1, causal, N % 64 = 11
+        Case(1, 1, 1, 130, 128, False, _DSQ),  # head dim 128, N % 64 = 2
     ],
     "gpu": [
-        Case(1, 4, 2, 700, 128, True, "kernels_folded_delta_prepass"),
-        Case(1, 4, 4, 513, 64, False, "kernels_folded_delta_prepass"),
+        Case(1, 4, 2, 700, 128, True, _DSQ),
+        Case(1, 4, 4, 513, 64, False, _DSQ),
     ],
 }
 
@@ -311,8 +312,8 @@ _DSQ_CASES = {
 @pytest.mark.parametrize("backend,case", backend_params(_DSQ_CASES))
 def test_the_dsq_row_recipe_in_triton_equals_its_reference(backend, case):
     """The pre-pass's bound U (``bound=True``) and the fused backward that scales dS for dQ per
-    query from it, K for dQ per head (``dsq_bound=U``), against ``dmref.tiled`` on
-    ``kernels_folded_delta_prepass_dsq_row``: dS as each matmul sees it on at least CODE_AGREEMENT
+    query from it, K for dQ per head (``dsq_bound=U``; the forward of the spec writes K^T with the
+    head's scale), against ``dmref.tiled`` on ``kernels_folded_delta_prepass_dsq_row``: dS as each matmul sees it on at least CODE_AGREEMENT
     of the elements (dQ's only agree where the kernel's scale is the recipe's), dQ, dK and dV
     within the pre-pass test's bounds, D as the plain pre-pass gives it bit for bit."""
     device = require_backend(backend)
@@ -333,9 +334,18 @@ def test_the_dsq_row_recipe_in_triton_equals_its_reference(backend, case):
         do8, _ = quantize(do, "float8_e4m3fn", rows=True, cols=True)
     d, u = bwd_prepass.delta(saved, do8, causal=case.causal, scale=scale, recipe=spec, bound=True, **dims)
     assert torch.equal(d, bwd_prepass.delta(saved, do8, causal=case.causal, scale=scale, recipe=spec, **dims))
+    assert saved.kt_head
     dq, dk, dv, kern = bwd_fused.backward(saved, do8, d, causal=case.causal, scale=scale, recipe=spec, debug=True,
                                           dsq_bound=u, **dims)
-    rr = get_recipe("kernels_folded_delta_prepass_dsq_row" + ("" if backend == "gpu" else "@fp32"))
+    # the API runs the same kernels on the same inputs: the same D and gradients, bit for bit
+    got = api.attention_backward(saved, o, do, shape=api.Shape.of(q, k, v), causal=case.causal, scale=scale,
+                                 recipe=spec, deterministic=True, gluon=False)
+    want = bwd_fused.backward(saved, do8, d, causal=case.causal, scale=scale, recipe=spec, deterministic=True,
+                              dsq_bound=u, **dims)
+    assert torch.equal(got[3]["delta"], d)
+    for a, b in zip(got[:3], want[:3]):
+        assert torch.equal(a, b)
+    rr = get_recipe(_DSQ + ("" if backend == "gpu" else "@fp32"))
     qf, kf, vf, dof = (t.float() for t in (q, k, v, do))
     fwd = tiled.forward(qf, kf, vf, recipe=rr, causal=case.causal, scale=scale)
     state = tiled.ForwardResult(o.float(), tiled.SoftmaxStats(fwd.stats.ref, fwd.stats.l,
@@ -374,11 +384,25 @@ def test_the_dsq_row_recipe_in_triton_equals_its_reference(backend, case):
         assert diff <= tol, f"{name}: dsq-row backward vs reference {diff:.3e} > {tol:.3e}"
 
 
-def test_dsq_bound_needs_a_folded_spec():
-    """K for dQ scaled per head is a folded recipe's K: a per-token spec is refused in one line."""
+def test_dsq_bound_goes_with_a_dsq_row_spec_only():
+    """``dsq_bound`` is given exactly for a spec that scales dS for dQ from it, on a saved state
+    whose K^T copy that spec's forward wrote (the head's scale); each mismatch is refused in one
+    line, before any kernel runs."""
     pytest.importorskip("triton")
+    from types import SimpleNamespace
+
     from dmref.kernels import bwd_fused
 
-    with pytest.raises(ValueError, match="folded recipe's K"):
-        bwd_fused.backward(None, None, None, batch=1, heads=1, kv_heads=1, n=64, head_dim=64, causal=False,
-                           scale=0.125, recipe=SPECS["kernels_delta_prepass"], dsq_bound=torch.zeros(1, 64))
+    dims = dict(batch=1, heads=1, n=64, device="cpu")
+    for spec, saved, bound, why in (
+            (SPECS["kernels_folded_delta_prepass"], SimpleNamespace(kt_head=True), torch.zeros(1, 64),
+             "dsq_bound is read by"),
+            (SPECS[_DSQ], SimpleNamespace(kt_head=True), None, "pass dsq_bound"),
+            (SPECS[_DSQ], SimpleNamespace(kt_head=False), torch.zeros(1, 64), "another recipe's forward")):
+        with pytest.raises(ValueError, match=why) as err:
+            bwd_fused.check_dsq(spec, saved, bound, **dims)
+        assert "\n" not in str(err.value)
+    assert bwd_fused.check_dsq(SPECS["kernels_folded_delta_prepass"], None, None, **dims) is None
+    with pytest.raises(ValueError, match="dsq_bound must be a float32"):
+        bwd_fused.check_dsq(SPECS[_DSQ], SimpleNamespace(kt_head=True), torch.zeros(1, 64, dtype=torch.float64),
+                            **dims)

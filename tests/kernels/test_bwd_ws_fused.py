@@ -87,6 +87,34 @@ def test_two_consumer_bwd_ws_fused_with_tma_adds_compiles_for_sm90_with_its_regi
     assert all(u["spills"] == 0 for u in usage if u["d"] == 64)
 
 
+#: The dsq-row spec's kernel (dS for dQ scaled from the pre-pass's bound, partials unscaled): dQ^T
+#: with one consumer and two, and dQ by atomics (N not a multiple of 64, deterministic or not)
+_SCRIPT_DSQ = """
+import json
+from dmref.kernels import bwd_ws
+from dmref.kernels.compile_check import warp_specialized_budget
+out = []
+for d in (64, 128):
+    for kw in (dict(n=4096, dq_tma=True, dq_t=True, consumers=CONSUMERS),
+               dict(n=1000, dq_tma=False, consumers=CONSUMERS),
+               dict(n=4096, deterministic=True, consumers=CONSUMERS)):
+        k = bwd_ws.compile_sm90(kernel="fused", head_dim=d, causal=True, recipe="kernels_folded_delta_prepass_dsq_row",
+                                **kw)
+        out.append(dict(d=d, **{key: val for key, val in kw.items() if key != "consumers"}, **warp_specialized_budget(k)))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_dsq_row_bwd_ws_fused_compiles_for_sm90_with_its_register_budget():
+    """The dsq-row kernel (``DSQ_ROW``), one consumer and two, within the budget; D = 64 without
+    spills (D = 128 spills as the other fused kernels do)."""
+    for consumers in (1, 2):
+        got = compile_and_check_budget(_SCRIPT_DSQ.replace("CONSUMERS", str(consumers)), 6, consumers=consumers,
+                                       spills_ok=lambda u: u["d"] == 128)
+        assert all(u["spills"] == 0 for u in got if u["d"] == 64)
+
+
 @pytest.mark.slow
 def test_dq_t_bwd_ws_fused_compiles_for_sm90_with_its_register_budget():
     """dQ^T (dq_t): one consumer (two CTAs an SM's budget) and two (one CTA an SM's); the budget
@@ -132,6 +160,7 @@ def test_bwd_ws_fused_launches_one_or_two_consumers():
 def test_bwd_ws_fused_refuses_what_it_does_not_run():
     pytest.importorskip("triton")
     from dmref.kernels import bwd_ws
+    from dmref.kernels.bwd_fused import refusal as bwd_fused_refusal
     from dmref.kernels.config import SPECS, BwdTiles
 
     stale = SPECS["kernels_naive_fp8"]
@@ -178,6 +207,13 @@ def test_bwd_ws_fused_refuses_what_it_does_not_run():
         with pytest.raises(ValueError, match="fused_consumers") as exc:
             bwd_ws.launch(stale, head_dim=128, causal=False, kernel="fused", consumers=consumers)
         assert "\n" not in str(exc.value)
+    # the dsq-row spec's fused kernel scales dS for dQ from the bound (DSQ_ROW) and its pre-pass
+    # computes the bound (BOUND); no other spec's does
+    for name, spec in SPECS.items():
+        if not bwd_fused_refusal(spec, 64):
+            assert bwd_ws.launch(spec, head_dim=64, causal=True, kernel="fused").constexprs["DSQ_ROW"] is spec.dsq_row
+        if spec.prepass:
+            assert bwd_ws.launch(spec, head_dim=64, causal=True, kernel="prepass").constexprs["BOUND"] is spec.dsq_row
 
 
 _CASES = [
@@ -198,7 +234,7 @@ def _ulp_bf16(x: torch.Tensor) -> torch.Tensor:
     return torch.exp2(e - 7)
 
 
-def _dq_order_bound(saved, do8, delta, r, dims) -> torch.Tensor:
+def _dq_order_bound(saved, do8, delta, r, dims, dsq_bound=None) -> torch.Tensor:
     """How far apart two dQs may lie whose float32 buffers summed the same key blocks' partials
     p_j in different orders (atomic adds come in the order the CTAs reach them), each then
     rounded to BF16 after the factor s (``dims["scale"]``). Each order's sum of the n_b partials of
@@ -211,12 +247,14 @@ def _dq_order_bound(saved, do8, delta, r, dims) -> torch.Tensor:
     and the wgmma's truncating adds over 64 terms, each below 2**-23 relative to A). Returns
     s * 2 gamma(n_b - 1) * A * (1 + 2**-20) * (1 + u), (B, H, N, D): add the BF16 ulp at the
     comparison. Without cancellation this is far below a BF16 ulp; where the partials cancel (dQ
-    small beside them) it is the term that allows more than one ulp."""
+    small beside them) it is the term that allows more than one ulp. ``dsq_bound``: the U of a
+    dsq-row spec (its partials are added unscaled and scaled once by powers of two: the same
+    relative bound)."""
     from dmref.kernels import bwd_fused
     from dmref.kernels.config import QUANT_BLOCK
 
     b, h, hkv, n, d = dims["batch"], dims["heads"], dims["kv_heads"], dims["n"], dims["head_dim"]
-    dbg = bwd_fused.backward(saved, do8, delta, recipe=r, debug=True, **dims)[3]
+    dbg = bwd_fused.backward(saved, do8, delta, recipe=r, debug=True, dsq_bound=dsq_bound, **dims)[3]
     kt = saved.k.cols.float() * saved.k.col_scale.repeat_interleave(QUANT_BLOCK, dim=1).transpose(1, 2)
     k_deq = kt.transpose(1, 2)[:, :n].reshape(b, hkv, n, d).repeat_interleave(h // hkv, dim=1)
     a = dbg["ds_dq"].double().abs() @ k_deq.reshape(b * h, n, d).double().abs()
@@ -387,6 +425,8 @@ _SEVEN_CASES = [
     (ProblemShape(2, 4, 2, 1000, 128), True, "kernels_delta_prepass"),
     (ProblemShape(1, 4, 1, 777, 64), False, "kernels_delta_prepass"),
     (ProblemShape(1, 4, 2, 1024, 128), True, "kernels_folded_delta_prepass"),
+    (ProblemShape(1, 4, 2, 1024, 128), True, "kernels_folded_delta_prepass_dsq_row"),
+    (ProblemShape(1, 4, 1, 777, 64), False, "kernels_folded_delta_prepass_dsq_row"),
 ]
 
 
@@ -410,3 +450,51 @@ def test_the_seven_gemm_backward_in_gluon_equals_the_triton_one(case):
     assert torch.equal(got[3]["delta"], want[3]["delta"]), _describe(got[3]["delta"], want[3]["delta"])
     for name, a, b in zip(("dQ", "dK", "dV"), got[:3], want[:3]):
         assert torch.equal(a, b), f"{name}: {_describe(a, b)}"
+
+
+_DSQ_CASES = [
+    (ProblemShape(2, 4, 2, 1000, 128), True, "kernels_folded_delta_prepass_dsq_row"),
+    (ProblemShape(1, 4, 1, 777, 64), False, "kernels_folded_delta_prepass_dsq_row"),
+    (ProblemShape(1, 4, 2, 1024, 128), False, "kernels_folded_delta_prepass_dsq_row"),
+    (ProblemShape(2, 4, 4, 1024, 64), True, "kernels_folded_delta_prepass_dsq_row"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _DSQ_CASES, ids=[_id(c) for c in _DSQ_CASES])
+def test_the_dsq_row_backward_in_gluon_equals_the_triton_one(case):
+    """The dsq-row spec in Gluon against its Triton form (which test_bwd_prepass.py holds to the
+    emulated reference): the Gluon pre-pass's D and bound U are ``bwd_prepass.delta(bound=True)``'s
+    bit for bit (the same P and dP; U's maxima and two rounded products in the same order); the
+    five-GEMM kernel that scales dS for dQ from U and adds dQ's partials unscaled (``DSQ_ROW``)
+    gives ``bwd_fused.backward(dsq_bound=U)``'s dK and dV bits, one consumer or two, and
+    deterministic its dQ bits too (each partial's factors, the head's K scale and the query's dS
+    factor, are powers of two: scaling the key-ordered sum once scales each partial exactly, the
+    partials being far above float32's subnormals here); with atomics and TMA reduce-adds (dQ and
+    dQ^T, one and two consumers) dQ within the order bound."""
+    device = require_backend("gpu")
+    from dmref.kernels import bwd_fused, bwd_prepass, bwd_ws
+
+    shape, causal, recipe = case
+    saved, do8, _, r, dims = _problem(shape, causal, recipe, device)
+    assert saved.kt_head
+    d_t, u_t = bwd_prepass.delta(saved, do8, recipe=r, bound=True, **dims)
+    d_g, u_g = bwd_ws.prepass(saved, do8, recipe=r, bound=True, **dims)
+    assert torch.equal(d_g, d_t), _describe(d_g, d_t)
+    assert torch.equal(u_g, u_t), _describe(u_g, u_t)
+    want = bwd_fused.backward(saved, do8, d_t, recipe=r, deterministic=True, dsq_bound=u_t, **dims)[:3]
+    assert all(bool(torch.isfinite(x).all()) for x in want)
+    for consumers in (1, 2):
+        got = bwd_ws.fused(saved, do8, d_t, recipe=r, deterministic=True, consumers=consumers, dsq_bound=u_t,
+                           **dims)[:3]
+        for name, a, b in zip(("dQ", "dK", "dV"), got, want):
+            assert torch.equal(a, b), f"deterministic, {consumers} consumers: {name}: {_describe(a, b)}"
+    bound = _dq_order_bound(saved, do8, d_t, r, dims, dsq_bound=u_t)
+    variants = [dict(dq_tma=False, consumers=1)]
+    if shape.n % 64 == 0:
+        variants += [dict(dq_tma=True, dq_t=t, consumers=c) for t in (False, True) for c in (1, 2)]
+    for kw in variants:
+        dq, dk, dv, _ = bwd_ws.fused(saved, do8, d_t, recipe=r, dsq_bound=u_t, **kw, **dims)
+        torch.cuda.synchronize()
+        assert torch.equal(dk, want[1]) and torch.equal(dv, want[2]), f"{kw}: dK, dV"
+        _assert_within_order_bound(dq, want[0], bound, f"dQ ({kw})")

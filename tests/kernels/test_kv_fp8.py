@@ -10,9 +10,11 @@ import torch
 from kernel_inputs import Case, backend_params, outlier_inputs, require_backend
 
 CASES = {
-    "interpreter": [Case(1, 2, 1, 150, 64, True, "kernels_folded_delta_matching")],
+    "interpreter": [Case(1, 2, 1, 150, 64, True, "kernels_folded_delta_matching"),
+                    Case(1, 2, 1, 150, 64, False, "kernels_folded_delta_prepass_dsq_row")],
     "gpu": [Case(2, 4, 2, 1000, 128, True, "kernels_folded_delta_matching"),
-            Case(1, 4, 4, 777, 64, False, "kernels_folded_naive_fp8")],
+            Case(1, 4, 4, 777, 64, False, "kernels_folded_naive_fp8"),
+            Case(2, 4, 2, 1024, 128, True, "kernels_folded_delta_prepass_dsq_row")],
 }
 
 
@@ -60,6 +62,9 @@ def test_kv_fp8_that_does_not_fit_is_a_one_line_error():
         (lambda: attention(q, k, v, kv_fp8=(kv.k8, kv.vt8)), "quantize_kv returns"),
         (lambda: attention(q, k, v, kv_fp8=other), r"not the \(B\*HKV, N, D\)"),
         (lambda: attention(q.requires_grad_(), k, v, kv_fp8=fwd_only), "for_backward=True"),
+        # K^T scaled per channel and block where the recipe reads it with the head's scale
+        (lambda: attention(q.requires_grad_(), k, v, recipe="kernels_folded_delta_prepass_dsq_row", kv_fp8=kv),
+         "K\\^T copy is scaled per channel and block"),
     ):
         with pytest.raises((ValueError, TypeError), match=match) as exc:
             call()
@@ -99,6 +104,30 @@ BWD_CASES = {
     "gpu": [Case(2, 8, 2, 1000, 128, True, "kernels_folded_delta_matching"),
             Case(1, 4, 4, 777, 64, False, "kernels_folded_delta_prepass")],
 }
+
+
+@pytest.mark.parametrize("backend,case", backend_params(QKV_CASES))
+def test_kt_head_is_the_row_codes_transposed_with_the_heads_factor(backend, case):
+    """``quantize_kv_folded(..., for_backward=True, kt_head=True)`` (a spec with K for dQ per head,
+    ``KernelSpec.dsq_row``) writes K's transposed copy as the row codes transposed, code 0 past N,
+    and the head's factor for every channel of every 128-token block; a head of all zeros too. The
+    other copies are those of ``kt_head=False``."""
+    device = require_backend(backend)
+    from dmref.kernels.quantize import quantize_kv_folded
+
+    _, k, v, _ = outlier_inputs(case, device)
+    k[0, 0] = 0
+    kv = quantize_kv_folded(k, v, for_backward=True, kt_head=True)
+    plain = quantize_kv_folded(k, v, for_backward=True)
+    assert kv.kt_head and not plain.kt_head
+    n = case.n
+    cols = kv.k_cols.cols.view(torch.uint8)
+    assert torch.equal(cols[..., :n], kv.k8.view(torch.uint8).transpose(1, 2))
+    assert not cols[..., n:].any()
+    assert torch.equal(kv.k_cols.col_scale, kv.k_scale[:, None, None].expand_as(kv.k_cols.col_scale))
+    for a, b in ((kv.k8, plain.k8), (kv.vt8, plain.vt8), (kv.v_rows.rows, plain.v_rows.rows),
+                 (kv.k_rows.row_scale, plain.k_rows.row_scale), (kv.v_rows.row_scale, plain.v_rows.row_scale)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 @pytest.mark.parametrize("backend,case", backend_params(BWD_CASES))

@@ -43,10 +43,9 @@ Measures, per shape B·H·N·D and causal or not, medians of ``triton.testing.do
   (``kernels_folded_delta_prepass_dsq_row``, ``_time_dsq_row``): its backward incl. dO's
   quantization (the Gluon pre-pass with the bound, then the five-GEMM kernel adding dQ's partials
   unscaled), end to end through autograd, and its two kernels alone: the pre-pass and the
-  five-GEMM kernel with one and two consumer warp groups, and with two adding dQ^T's partial over
-  their 128 keys together (``dq_shared``) (``ours_dsq_row_*``; ``dsq_row_bwd``, ``dsq_row_e2e``,
-  ``dsq_row_bwd_fused``, ``dsq_row_bwd_fused_2cons``, ``dsq_row_bwd_fused_2cons_shared`` among the
-  speed-ups; an error is recorded as ``dsq_row_error``);
+  five-GEMM kernel with one and two consumer warp groups (``ours_dsq_row_*``; ``dsq_row_bwd``,
+  ``dsq_row_e2e``, ``dsq_row_bwd_fused``, ``dsq_row_bwd_fused_2cons`` among the speed-ups; an error
+  is recorded as ``dsq_row_error``);
 - SDPA cuDNN and flash backends, BF16: forward, backward, end to end;
 - grouped-query shapes (``GQA_SHAPES``, ``run_gqa_shape``): the default recipe's forward,
   backward and end to end against cuDNN BF16 SDPA with ``enable_gqa`` (rows with ``kv_heads``);
@@ -245,8 +244,7 @@ def _default_speedups(ms: dict, anchor: str) -> dict:
             "default_bwd": ms[f"{anchor}_bwd"] / ms["ours_default_bwd"],
             "default_e2e": ms[f"{anchor}_e2e"] / ms["ours_default_e2e"],
             **{f"dsq_row_{k}": ms[f"{anchor}_{k.split('_')[0]}"] / ms[f"ours_dsq_row_{k}"]
-               for k in ("bwd", "e2e", "bwd_fused", "bwd_fused_2cons", "bwd_fused_2cons_shared")
-               if f"ours_dsq_row_{k}" in ms}}
+               for k in ("bwd", "e2e", "bwd_fused", "bwd_fused_2cons") if f"ours_dsq_row_{k}" in ms}}
 
 
 def _speedups(ms: dict, anchor: str) -> dict:
@@ -371,10 +369,7 @@ def _time_dsq_row(q, k, v, do, causal, scale, shape) -> tuple[dict, dict]:
         ms["ours_dsq_row_bwd_prepass"] = bench(lambda: bwd_ws.prepass(saved, do8, recipe=DSQ_ROW, bound=True, **kw))
         ms["ours_dsq_row_bwd_fused"] = bench(lambda: bwd_ws.fused(saved, do8, d, recipe=DSQ_ROW, dsq_bound=u, **kw))
         ms["ours_dsq_row_bwd_fused_2cons"] = bench(lambda: bwd_ws.fused(saved, do8, d, recipe=DSQ_ROW, dsq_bound=u,
-                                                                         consumers=2, dq_shared=False, **kw))
-        if shape.n % 64 == 0:
-            ms["ours_dsq_row_bwd_fused_2cons_shared"] = bench(lambda: bwd_ws.fused(
-                saved, do8, d, recipe=DSQ_ROW, dsq_bound=u, consumers=2, dq_shared=True, **kw))
+                                                                         consumers=2, **kw))
     except Exception as exc:
         err["dsq_row_error"] = f"{type(exc).__name__}: {exc}"[:300]
     return ms, err

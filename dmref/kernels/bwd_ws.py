@@ -367,73 +367,6 @@ def _dq_add_t(kt_a, dsq_b, kts_row, dsq_inv, DQT_ACC, dq_smem, bh, start_q, c0, 
     _dq_tile_out(dq, DQT_ACC, dq_smem, (bh * HEAD_DIM + c0).to(gl.int32), start_q)
 
 
-#: queries of one dQ^T tile of a consumer sharing dQ's partials (``DQ_SHARED``): half the query tile
-DQ_SHARED_Q = gl.constexpr(32)
-
-
-@gluon.jit
-def _dq_add_shared(kt0, dsq0, kt1, dsq1, DQT_ACC, dq_smem, bh, q0, HEAD_DIM: gl.constexpr, TWO: gl.constexpr):
-    """``DQ_SHARED``: dQ^T's unscaled partial for the ``DQ_SHARED_Q`` queries from ``q0``, over the
-    keys of consumer 0 (K^T ``kt0``, dS codes ``dsq0``: ``(queries, keys)``, those queries' rows)
-    and, with ``TWO``, of consumer 1 (``kt1``, ``dsq1``): per ``DQ_CH`` channels one wgmma chain
-    over each 64-key block (the recipe's promotion interval), their float32 sum (consumer 0's keys
-    first), by one TMA reduce-add into dQ^T's buffer ``DQT_ACC``."""
-    QH: gl.constexpr = DQ_SHARED_Q
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                     instr_shape=[16, DQ_SHARED_Q.value, 32])
-    for h in gl.static_range(HEAD_DIM // DQ_CH):
-        t = warpgroup_mma(kt0.slice(h * DQ_CH, DQ_CH, dim=0), dsq0.permute((1, 0)),
-                          gl.zeros([DQ_CH, QH], gl.float32, layout), use_acc=False, is_async=True)
-        if TWO:
-            u = warpgroup_mma(kt1.slice(h * DQ_CH, DQ_CH, dim=0), dsq1.permute((1, 0)),
-                              gl.zeros([DQ_CH, QH], gl.float32, layout), use_acc=False, is_async=True)
-            t, u = warpgroup_mma_wait(num_outstanding=0, deps=(t, u))
-            dq = t + u
-        else:
-            dq = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
-        _dq_tile_out(dq, DQT_ACC, dq_smem, (bh * HEAD_DIM + h * DQ_CH).to(gl.int32), q0)
-
-
-@gluon.jit
-def _dq_shared(dsq8_t, kt_smem, kt_other, dsq_smem, sh_own, sh_other, dsq_ready, dsq_free, DQT_ACC, dq_smem,
-               shared, j, bh, start_m, HEAD_DIM: gl.constexpr, ME: gl.constexpr):
-    """dQ^T's partial of a query tile by the two consumers of a CTA together (``DQ_SHARED``):
-    where both compute the tile (``shared``, the j-th such tile), each stores its dS codes
-    ``dsq8_t`` (``(keys, queries)``) into its slot ``j % 2`` of ``sh_own``, both wait until both
-    have (``dsq_ready``), and consumer ``ME`` (False: the first, True: the second) adds the
-    partial over all 128 keys of queries ``ME * 32 ..`` (:func:`_dq_add_shared`), then releases the slot (``dsq_free``): one reduce-add
-    of 32 queries a consumer instead of 64 a consumer, half the bytes into dQ^T's buffer. Where
-    consumer 1 does not compute the tile (its keys past N; causal, the queries before them),
-    consumer 0 adds its own partial alone, both query halves, through ``dsq_smem``."""
-    QH: gl.constexpr = DQ_SHARED_Q
-    if shared:
-        slot = j % 2
-        # the slot's previous use has been read by both (the first two uses pass)
-        mbarrier.wait(dsq_free.index(slot), ((j // 2) & 1) ^ 1)
-        own = sh_own.index(slot)
-        own.store(gl.permute(dsq8_t, [1, 0]))
-        fence_async_shared()  # the generic stores before either consumer's wgmma reads
-        gl.thread_barrier()  # every thread's part of the tile
-        mbarrier.arrive(dsq_ready.index(slot), count=1)
-        mbarrier.wait(dsq_ready.index(slot), (j // 2) & 1)
-        other = sh_other.index(slot)
-        if ME == 0:
-            _dq_add_shared(kt_smem, own.slice(0, QH, dim=0), kt_other, other.slice(0, QH, dim=0), DQT_ACC, dq_smem,
-                           bh, start_m, HEAD_DIM, True)
-        else:
-            _dq_add_shared(kt_other, other.slice(QH, QH, dim=0), kt_smem, own.slice(QH, QH, dim=0), DQT_ACC,
-                           dq_smem, bh, start_m + QH, HEAD_DIM, True)
-        fence_async_shared()
-        mbarrier.arrive(dsq_free.index(slot), count=1)
-    else:
-        dsq_smem.store(gl.permute(dsq8_t, [1, 0]))
-        fence_async_shared()
-        gl.thread_barrier()
-        for qh in gl.static_range(2):
-            _dq_add_shared(kt_smem, dsq_smem.slice(qh * QH, QH, dim=0), kt_smem, dsq_smem, DQT_ACC, dq_smem, bh,
-                           start_m + qh * QH, HEAD_DIM, False)
-
-
 @gluon.jit
 def _dq_partial(dsq_a, dsq_inv, kt_smem, kts_smem, DQ_ACC, dq_smem, SEM, bh, start_m, start_n, N,
                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr,
@@ -493,8 +426,7 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
               P_SCALE: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr, FUSED: gl.constexpr,
               DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr, SKIP: gl.constexpr = False, dq_smem=None,
               DQ_TMA: gl.constexpr = False, dsq_smem=None, DQ_T: gl.constexpr = False, DSQ_U=None,
-              DSQ_ROW: gl.constexpr = False, DQ_SHARED: gl.constexpr = False, kt_other=None, sh_own=None,
-              sh_other=None, dsq_ready=None, dsq_free=None):
+              DSQ_ROW: gl.constexpr = False):
     """The consumer warp group: the key tile's scales, every query tile, the stores. With
     ``SPLIT`` dK and dV are held as two halves of the head dim, each accumulated by its own
     wgmma (the same per-element chains: a wgmma's output element depends on its row of A, its
@@ -503,11 +435,7 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
     CTA, whose ring starts at the CTA's first query tile): the query tiles a one-consumer CTA of
     keys ``start_n ..`` does not run are released without being computed. ``DSQ_ROW``
     (``KernelSpec.dsq_row``): dS for dQ scaled per query from the pre-pass's bound of its amax over
-    all keys (``DSQ_U``) instead of its amax over the tile's keys, dQ's partials added unscaled.
-    ``DQ_SHARED`` (with ``DSQ_ROW``, dQ^T and two consumers): the two consumers add dQ^T's partial
-    of a query tile together, over the CTA's 128 keys (:func:`_dq_shared`; ``kt_other``: the other
-    consumer's K^T tile; ``sh_own``, ``sh_other``: the two consumers' dS slots)."""
-    gl.static_assert(not DQ_SHARED or (DSQ_ROW and DQ_T))
+    all keys (``DSQ_U``) instead of its amax over the tile's keys, dQ's partials added unscaled."""
     CH: gl.constexpr = HEAD_DIM // 2 if SPLIT else HEAD_DIM
     gl.static_assert(OVERLAP < 2 or not SPLIT)
     gl.static_assert(not FUSED or (not SPLIT and OVERLAP < 2 and BLOCK_M == BLOCK_N))
@@ -633,22 +561,7 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
                 # _quantize_ds_cols of U); its factor is applied by the postprocess
                 dsq_inv = _exp2_int(gl.convert_layout(dsq_k_v, col_s))
                 dsq8_t = _to_fp8(ds_t * gl.expand_dims(dsq_inv, 0), False, False)
-                if DQ_SHARED:
-                    # the tiles both consumers compute, and this one's index among them: the
-                    # second consumer computes only such tiles (k); the first all but those where
-                    # the second's keys lie past N or (causal) after the head's first query tile's
-                    if SKIP:
-                        shared = k >= 0
-                        j = k
-                    elif CAUSAL:
-                        shared = (i % n_m != 0) & (start_n + BLOCK_N < N)
-                        j = i - i // n_m - 1
-                    else:
-                        shared = start_n + BLOCK_N < N
-                        j = i
-                    _dq_shared(dsq8_t, kt_smem, kt_other, dsq_smem, sh_own, sh_other, dsq_ready, dsq_free, DQ_ACC,
-                               dq_smem, shared, j, bh, start_m, HEAD_DIM, 1 if SKIP else 0)
-                elif DQ_T:
+                if DQ_T:
                     dsq_smem.store(gl.permute(dsq8_t, [1, 0]))
                     fence_async_shared()  # the generic stores before the wgmma's reads
                     gl.thread_barrier()  # every thread's part of the tile
@@ -656,17 +569,13 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
                 else:
                     dsq_a = gl.convert_layout(gl.permute(dsq8_t, [1, 0]),
                                               gl.DotOperandLayout(operand_index=0, parent=DQ_LAYOUT, k_width=4))
-                if not DQ_SHARED:
-                    _dq_partial(dsq_a, dsq_inv, kt_smem, kts_smem, DQ_ACC, dq_smem, SEM, bh, start_m, start_n, N,
-                                HEAD_DIM, BLOCK_M, DETERMINISTIC, EVEN_N, DQ_TMA, DQ_T, DSQ_ROW)
+            elif DQ_T:
+                dsq_inv = _quantize_ds_for_dq_t(ds_t, dsq_smem)
+                dsq_a = dsq_smem
             else:
-                if DQ_T:
-                    dsq_inv = _quantize_ds_for_dq_t(ds_t, dsq_smem)
-                    dsq_a = dsq_smem
-                else:
-                    dsq_a, dsq_inv = _quantize_ds_for_dq(ds_t)
-                _dq_partial(dsq_a, dsq_inv, kt_smem, kts_smem, DQ_ACC, dq_smem, SEM, bh, start_m, start_n, N,
-                            HEAD_DIM, BLOCK_M, DETERMINISTIC, EVEN_N, DQ_TMA, DQ_T, DSQ_ROW)
+                dsq_a, dsq_inv = _quantize_ds_for_dq(ds_t)
+            _dq_partial(dsq_a, dsq_inv, kt_smem, kts_smem, DQ_ACC, dq_smem, SEM, bh, start_m, start_n, N, HEAD_DIM,
+                        BLOCK_M, DETERMINISTIC, EVEN_N, DQ_TMA, DQ_T, DSQ_ROW)
         # P^T dO and dS^T Q, promoted: one wgmma chain per tile, then one float32 add
         if OVERLAP == 2:
             t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
@@ -726,8 +635,7 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
           CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr,
           FUSED: gl.constexpr, DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr, CONSUMERS: gl.constexpr = 1,
-          DQ_TMA: gl.constexpr = False, DQ_T: gl.constexpr = False, DSQ_U=None, DSQ_ROW: gl.constexpr = False,
-          DQ_SHARED: gl.constexpr = False):
+          DQ_TMA: gl.constexpr = False, DQ_T: gl.constexpr = False, DSQ_U=None, DSQ_ROW: gl.constexpr = False):
     """The kernel on its TMA descriptors: K, V rows ``(B*HKV*N, D)``, Q, dO rows ``(B*H*N, D)``,
     Q^T, dO^T ``(B*H*D, NPAD)`` and their scales ``(B*H*NPAD/128, D)``; ``FUSED``: K^T
     ``(B*HKV*D, NPAD)`` and its scales, dQ's float32 buffer and (``DETERMINISTIC``) its counters
@@ -793,22 +701,6 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
     else:
         dsq_smem = k_smem  # placeholders, never read
         dsq_smem1 = k_smem
-    gl.static_assert(not DQ_SHARED or (CONSUMERS == 2 and DQ_T and DSQ_ROW))
-    if DQ_SHARED:
-        # each consumer's dS codes of a shared tile, two slots each; both consumers arrive on a
-        # slot's ready barrier once theirs are stored and on its free one once they have read both
-        sh0 = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_M, BLOCK_N], dsq_layout)
-        sh1 = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_M, BLOCK_N], dsq_layout)
-        dsq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        dsq_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for b in gl.static_range(2):
-            mbarrier.init(dsq_ready.index(b), count=2)
-            mbarrier.init(dsq_free.index(b), count=2)
-    else:
-        sh0 = k_smem  # placeholders, never read
-        sh1 = k_smem
-        dsq_ready = kv_ready
-        dsq_free = kv_ready
     rows_ready, rows_free, cols_ready, cols_free = _ring_barriers(STAGES, CONSUMERS)
     fence_async_shared()
     if CONSUMERS == 1:
@@ -833,14 +725,13 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
                          kv_ready, rows_ready, rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE,
                          LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, bkv, bh0, start_n, lo, n_m, n_iter, N,
                          NPAD, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, P_SCALE, SPLIT, OVERLAP, FUSED, DETERMINISTIC,
-                         EVEN_N, False, dq_smem, DQ_TMA, dsq_smem, DQ_T, DSQ_U, DSQ_ROW, DQ_SHARED, kt_smem1, sh0, sh1,
-                         dsq_ready, dsq_free)),
+                         EVEN_N, False, dq_smem, DQ_TMA, dsq_smem, DQ_T, DSQ_U, DSQ_ROW)),
             (_consumer, (k_smem1, v_smem1, kt_smem1, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs,
                          dots_bufs, kv_ready, rows_ready, rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE,
                          DO_SCALE, LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, bkv, bh0, start_n + BLOCK_N,
                          lo, n_m, n_iter, N, NPAD, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, P_SCALE, SPLIT, OVERLAP, FUSED,
                          DETERMINISTIC, EVEN_N, True, dq_smem1, DQ_TMA, dsq_smem1,
-                         DQ_T, DSQ_U, DSQ_ROW, DQ_SHARED, kt_smem, sh1, sh0, dsq_ready, dsq_free)),
+                         DQ_T, DSQ_U, DSQ_ROW)),
             (_producer, (k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, kt_desc, kts_desc,
                          k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs,
                          kv_ready, rows_ready, rows_free, cols_ready, cols_free, bkv * N + start_n, bkv, start_n, bh0,
@@ -867,8 +758,7 @@ def _bwd_fused_ws_kernel(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts
                          sm_scale, H, HKV, N, NPAD, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                          GROUP: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, P_SCALE: gl.constexpr,
                          OVERLAP: gl.constexpr, DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr,
-                         CONSUMERS: gl.constexpr, DQ_TMA: gl.constexpr, DQ_T: gl.constexpr, DSQ_ROW: gl.constexpr,
-                         DQ_SHARED: gl.constexpr):
+                         CONSUMERS: gl.constexpr, DQ_TMA: gl.constexpr, DQ_T: gl.constexpr, DSQ_ROW: gl.constexpr):
     """The five-GEMM backward (``bwd_fused``'s computation) on host-side TMA descriptors: the dkdv
     kernel with dQ's partial of every query tile added into ``DQ_ACC`` (:func:`fused`), on
     ``CONSUMERS`` consumer warp groups of 64 keys a CTA; ``DQ_TMA``: by TMA reduce-adds, ``DQ_ACC``
@@ -877,7 +767,7 @@ def _bwd_fused_ws_kernel(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts
     _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, kt_desc, kts_desc, Q_SCALE,
           K_SCALE, V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, H, HKV, N, NPAD, HEAD_DIM,
           BLOCK_M, GROUP, STAGES, CAUSAL, P_SCALE, False, OVERLAP, True, DETERMINISTIC, EVEN_N, CONSUMERS, DQ_TMA,
-          DQ_T, DSQ_U, DSQ_ROW, DQ_SHARED)
+          DQ_T, DSQ_U, DSQ_ROW)
 
 
 @gluon.jit
@@ -962,22 +852,13 @@ def _col_desc(x, head_dim: int, block: int):
     return TensorDescriptor.from_tensor(x.reshape(-1, x.shape[-1]), [head_dim, block], layout)
 
 
-def _dq_desc(dq_acc, block: int, cols: int = DQ_CH.value):
+def _dq_desc(dq_acc, block: int):
     """Host-side TMA descriptor of dQ's float32 buffer ``(..., N, D)`` viewed as ``(rows, D)``,
-    ``(block, cols)`` tiles: the fused kernel's TMA reduce-adds (``dq_tma``; dQ^T's buffer
-    ``(..., D, N)`` alike, ``(channels, queries)`` tiles)."""
+    ``(block, DQ_CH)`` tiles: the fused kernel's TMA reduce-adds (``dq_tma``)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    layout = _shared_layout((block, cols), gl.float32)
-    return TensorDescriptor.from_tensor(dq_acc.reshape(-1, dq_acc.shape[-1]), [block, cols], layout)
-
-
-def _dq_block(run: Launch) -> tuple[int, int]:
-    """The tile of a launch's dQ (or dQ^T) reduce-adds: ``(BLOCK_M, DQ_CH)``, with ``DQ_SHARED``
-    ``(DQ_CH, DQ_SHARED_Q)`` (channels, queries)."""
-    if run.constexprs.get("DQ_SHARED"):
-        return DQ_CH.value, DQ_SHARED_Q.value
-    return run.constexprs["BLOCK_M"], DQ_CH.value
+    layout = _shared_layout((block, DQ_CH.value), gl.float32)
+    return TensorDescriptor.from_tensor(dq_acc.reshape(-1, dq_acc.shape[-1]), [block, DQ_CH.value], layout)
 
 
 def _scale_desc(x, head_dim: int):
@@ -1023,8 +904,7 @@ def _check_fused(spec, head_dim: int, debug: bool = False) -> None:
 def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, debug: bool = False,
            host_descriptors: bool = True, stages: int | None = None, split: bool | None = None,
            overlap: int | None = None, deterministic: bool = False, n: int | None = None,
-           consumers: int | None = None, dq_tma: bool | None = False, dq_t: bool | None = None,
-           dq_shared: bool = False) -> Launch:
+           consumers: int | None = None, dq_tma: bool | None = False, dq_t: bool | None = None) -> Launch:
     """The launch of the Gluon backward kernel ``kernel`` (``"dq"``, ``"dkdv"`` or ``"fused"``, the
     five-GEMM one: dkdv with dQ's partials, :func:`fused`) for ``spec`` (a
     ``config.KernelSpec`` or its name) at ``head_dim``, ``group`` query heads per key/value head:
@@ -1108,12 +988,6 @@ def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, de
         consts["DQ_T"] = bool(dq_t)
         # dS for dQ scaled per query from the pre-pass's bound, its partials unscaled (fused(dsq_bound=))
         consts["DSQ_ROW"] = r.dsq_row
-        if dq_shared and not (r.dsq_row and consts["DQ_T"] and consts["CONSUMERS"] == 2):
-            raise ValueError(f"bwd_ws: dq_shared adds the two consumers' unscaled dQ^T partials together: it needs "
-                             f"a dsq-row spec (KernelSpec.dsq_row: {r.dsq_row}), dq_t (N a multiple of "
-                             f"{BLOCK_N.value}, not deterministic: {consts['DQ_T']}) and two consumers "
-                             f"({consts['CONSUMERS']})")
-        consts["DQ_SHARED"] = bool(dq_shared)
         return Launch(consts, num_warps=NUM_WARPS, num_stages=None,
                       maxnreg=TWO_CONSUMER_LAUNCH_REGS if two else LAUNCH_REGS, kernel=_bwd_fused_ws_kernel,
                       block_m=consts["CONSUMERS"] * BLOCK_N.value, signature=_signature)
@@ -1164,7 +1038,7 @@ def _signature(run: Launch, n_multiple_of_16: bool = True, do_format: str = "flo
                 names += ("kt_desc", "kts_desc")
                 vectors.update(SEM="*i32")
                 if run.constexprs["DQ_TMA"]:
-                    descs += (_dq_desc(torch.zeros(n, d), *_dq_block(run)), )
+                    descs += (_dq_desc(torch.zeros(n, d), run.constexprs["BLOCK_M"]), )
                     names += ("DQ_ACC", )
                 else:
                     vectors.update(DQ_ACC="*" + fp32)
@@ -1184,7 +1058,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, reci
                  stages: int | None = None, split: bool | None = None, overlap: int | None = None,
                  host_descriptors: bool = True, n_multiple_of_16: bool = True, kernel: str = "dkdv",
                  deterministic: bool = False, n: int | None = None, consumers: int | None = None,
-                 dq_tma: bool = False, dq_t: bool | None = None, dq_shared: bool = False):
+                 dq_tma: bool = False, dq_t: bool | None = None):
     """Compile ``kernel`` for sm_90a without a GPU (ptxas included) as :func:`launch` describes it
     (``group``, ``split`` and ``host_descriptors`` are the dkdv kernel's only; GQA is a run-time
     argument of the dq kernel; ``deterministic``, ``n``, ``consumers`` and ``dq_tma`` the fused
@@ -1197,7 +1071,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, reci
     spec = get_spec(recipe)
     run = launch(spec, head_dim=head_dim, causal=causal, kernel=kernel, group=group,
                  host_descriptors=host_descriptors, stages=stages, split=split, overlap=overlap,
-                 deterministic=deterministic, n=n, consumers=consumers, dq_tma=dq_tma, dq_t=dq_t, dq_shared=dq_shared)
+                 deterministic=deterministic, n=n, consumers=consumers, dq_tma=dq_tma, dq_t=dq_t)
     return compile_launch(run, n_multiple_of_16=n_multiple_of_16, do_format=spec.recipe.do_dp.fmt.name)
 
 
@@ -1233,8 +1107,7 @@ def prepass(saved, do8, *, batch: int, heads: int, kv_heads: int, n: int, head_d
 
 def fused(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int, causal: bool,
           scale: float, recipe, deterministic: bool = False, stages: int | None = None, overlap: int | None = None,
-          consumers: int | None = None, dq_tma: bool | None = None, dq_t: bool | None = None, dsq_bound=None,
-          dq_shared: bool = False):
+          consumers: int | None = None, dq_tma: bool | None = None, dq_t: bool | None = None, dsq_bound=None):
     """The five-GEMM backward in Gluon: ``bwd_fused.backward``'s computation (the same operands,
     the same D from ``delta``, the same recipe) on the dkdv kernel's warp-specialized CTAs, each
     adding dQ's partial of its 64 keys into a float32 buffer, then ``bwd_fused``'s postprocess.
@@ -1261,7 +1134,7 @@ def fused(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, h
 
     run = launch(recipe, head_dim=head_dim, causal=causal, kernel="fused", group=heads // kv_heads,
                  stages=stages, overlap=overlap, deterministic=deterministic, n=n, consumers=consumers,
-                 dq_tma=dq_tma, dq_t=dq_t, dq_shared=dq_shared)
+                 dq_tma=dq_tma, dq_t=dq_t)
     saved = saved.with_q_copies()  # where the forward left them to the backward
     q8, k8, v8 = saved.q, saved.k, saved.v
     dev = do8.rows.device
@@ -1278,7 +1151,7 @@ def fused(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, h
     run.start(run.grid(n, batch * kv_heads),
         *descs, q8.row_scale, k8.row_scale, v8.row_scale, do8.row_scale, saved.lse2, delta,
         delta if dsq_bound is None else dsq_bound, dk, dv,
-        _dq_desc(dq_acc, *_dq_block(run)) if run.constexprs["DQ_TMA"] else dq_acc, sem,
+        _dq_desc(dq_acc, run.constexprs["BLOCK_M"]) if run.constexprs["DQ_TMA"] else dq_acc, sem,
         scale * LOG2E, scale, heads, kv_heads, n, do8.npad)
     factors = None if dsq_bound is None else (dsq_bound, k8.col_scale, heads // kv_heads)
     return (postprocess_dq(dq_acc, batch, heads, n, head_dim, scale, transposed, factors=factors), dk, dv,

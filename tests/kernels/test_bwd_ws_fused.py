@@ -95,8 +95,7 @@ from dmref.kernels import bwd_ws
 from dmref.kernels.compile_check import warp_specialized_budget
 out = []
 for d in (64, 128):
-    for kw in (dict(n=4096, dq_tma=True, dq_t=True, consumers=CONSUMERS, dq_shared=CONSUMERS == 2),
-               dict(n=4096, dq_tma=True, dq_t=True, consumers=CONSUMERS),
+    for kw in (dict(n=4096, dq_tma=True, dq_t=True, consumers=CONSUMERS),
                dict(n=1000, dq_tma=False, consumers=CONSUMERS),
                dict(n=4096, deterministic=True, consumers=CONSUMERS)):
         k = bwd_ws.compile_sm90(kernel="fused", head_dim=d, causal=True, recipe="kernels_folded_delta_prepass_dsq_row",
@@ -108,11 +107,10 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_dsq_row_bwd_ws_fused_compiles_for_sm90_with_its_register_budget():
-    """The dsq-row kernel (``DSQ_ROW``), one consumer and two (and two adding dQ^T's partials
-    together, ``dq_shared``), within the budget; D = 64 without spills (D = 128 spills as the other
-    fused kernels do)."""
+    """The dsq-row kernel (``DSQ_ROW``), one consumer and two, within the budget; D = 64 without
+    spills (D = 128 spills as the other fused kernels do)."""
     for consumers in (1, 2):
-        got = compile_and_check_budget(_SCRIPT_DSQ.replace("CONSUMERS", str(consumers)), 8, consumers=consumers,
+        got = compile_and_check_budget(_SCRIPT_DSQ.replace("CONSUMERS", str(consumers)), 6, consumers=consumers,
                                        spills_ok=lambda u: u["d"] == 128)
         assert all(u["spills"] == 0 for u in got if u["d"] == 64)
 
@@ -216,16 +214,6 @@ def test_bwd_ws_fused_refuses_what_it_does_not_run():
             assert bwd_ws.launch(spec, head_dim=64, causal=True, kernel="fused").constexprs["DSQ_ROW"] is spec.dsq_row
         if spec.prepass:
             assert bwd_ws.launch(spec, head_dim=64, causal=True, kernel="prepass").constexprs["BOUND"] is spec.dsq_row
-    # dq_shared: the dsq-row spec's dQ^T partials, two consumers
-    dsq = SPECS["kernels_folded_delta_prepass_dsq_row"]
-    assert bwd_ws.launch(dsq, head_dim=128, causal=True, kernel="fused", n=1024, dq_tma=True, consumers=2,
-                         dq_shared=True).constexprs["DQ_SHARED"]
-    for spec, kwargs in ((SPECS["kernels_folded_delta_prepass"], dict(n=1024, dq_tma=True, consumers=2)),
-                         (dsq, dict(n=1024, dq_tma=True, consumers=1)), (dsq, dict(n=1000, consumers=2)),
-                         (dsq, dict(n=1024, dq_tma=True, dq_t=False, consumers=2))):
-        with pytest.raises(ValueError, match="dq_shared adds") as exc:
-            bwd_ws.launch(spec, head_dim=128, causal=True, kernel="fused", dq_shared=True, **kwargs)
-        assert "\n" not in str(exc.value)
 
 
 _CASES = [
@@ -464,8 +452,8 @@ def test_the_seven_gemm_backward_in_gluon_equals_the_triton_one(case):
         assert torch.equal(a, b), f"{name}: {_describe(a, b)}"
 
 
-#: N a multiple of 64 (dQ^T, and dq_shared) or not; 1088 = 17 x 64: the last CTA's second consumer's
-#: keys all past N (its first consumer adds alone); 64: the second consumer of the one CTA idle
+#: N a multiple of 64 (dQ^T) or not; 1088 = 17 x 64: the last CTA's second consumer's keys all past
+#: N; 64: the one CTA's second consumer idle
 _DSQ_CASES = [
     (ProblemShape(2, 4, 2, 1000, 128), True, "kernels_folded_delta_prepass_dsq_row"),
     (ProblemShape(1, 4, 1, 777, 64), False, "kernels_folded_delta_prepass_dsq_row"),
@@ -488,8 +476,7 @@ def test_the_dsq_row_backward_in_gluon_equals_the_triton_one(case):
     deterministic its dQ bits too (each partial's factors, the head's K scale and the query's dS
     factor, are powers of two: scaling the key-ordered sum once scales each partial exactly, the
     partials being far above float32's subnormals here); with atomics and TMA reduce-adds (dQ and
-    dQ^T, one and two consumers, and the two consumers adding dQ^T's partial over their 128 keys
-    together, ``dq_shared``) dQ within the order bound."""
+    dQ^T, one and two consumers) dQ within the order bound."""
     device = require_backend("gpu")
     from dmref.kernels import bwd_fused, bwd_prepass, bwd_ws
 
@@ -511,7 +498,6 @@ def test_the_dsq_row_backward_in_gluon_equals_the_triton_one(case):
     variants = [dict(dq_tma=False, consumers=1)]
     if shape.n % 64 == 0:
         variants += [dict(dq_tma=True, dq_t=t, consumers=c) for t in (False, True) for c in (1, 2)]
-        variants += [dict(dq_tma=True, dq_t=True, consumers=2, dq_shared=True)]
     for kw in variants:
         dq, dk, dv, _ = bwd_ws.fused(saved, do8, d_t, recipe=r, dsq_bound=u_t, **kw, **dims)
         torch.cuda.synchronize()

@@ -68,6 +68,10 @@ LABELS = {
     "bwd_prepass_gluon": "7-GEMM bwd matched (pre-pass)",
     "e2e_prepass_gluon": "e2e 7-GEMM matched",
     "e2e_prepass_gluon_folded": "e2e 7-GEMM matched, WS fwd",
+    "dsq_row_bwd": "7-GEMM bwd matched, dS for dQ per query (`kernels_folded_delta_prepass_dsq_row`)",
+    "dsq_row_e2e": "e2e 7-GEMM matched, dS for dQ per query",
+    "dsq_row_bwd_fused": "Gluon five-GEMM kernel, dS for dQ per query",
+    "dsq_row_bwd_fused_2cons": "Gluon five-GEMM kernel, dS for dQ per query, two consumers",
 }
 GLUON_OVER_TRITON = "Gluon bwd over Triton bwd (matched)"
 
@@ -173,6 +177,8 @@ BACKWARDS = [
     ("seven GEMMs, stale (`kernels_naive_fp8`)", "bwd_stale", "ours_kernels_naive_fp8"),
     ("seven GEMMs, matched: pre-pass + five-GEMM (`kernels_delta_prepass`)", "bwd_prepass_gluon",
      "ours_kernels_delta_prepass"),
+    ("seven GEMMs, matched, dS for dQ per query from the pre-pass's bound (`kernels_folded_delta_prepass_dsq_row`; "
+     "its errors: docs/delta_study.md)", "dsq_row_bwd", None),
     ("five GEMMs, stale (`fused=True`; its errors are not in the accuracy file)", "bwd_fused_stale", None),
     ("cuDNN FP8 (stale, per-tensor scales)", "cudnn_fp8", "cudnn_fp8"),
     ("cuDNN BF16", None, "cudnn_bf16"),

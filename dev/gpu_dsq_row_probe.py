@@ -1,0 +1,66 @@
+"""The dsq-row recipe's backward (``kernels_folded_delta_prepass_dsq_row``) part by part at the
+bench's shapes (``bench_attention.SHAPES``), causal and not, beside cuDNN BF16's backward timed in
+the same process: the whole backward as ``api.attention_backward`` runs it (``dsq_bwd``), its Gluon
+pre-pass with the bound (``prepass``), and its Gluon five-GEMM kernel incl. dQ's postprocess with
+one consumer warp group a CTA (``f1``), two (``f2``), and two adding dQ^T's partial over their
+128 keys together (``f2s``, ``bwd_ws.fused(dq_shared=True)``: only where ``fused`` takes it, the
+kernels as committed in df6f3e8; it left the tree). Prints one JSON line a shape (``ratio``: cuDNN
+BF16's time over ours) and writes them to ``$OUT/h100_dsq_row_probe.json`` (its log:
+dev/results/h100_dsq_row_probe.json, run at df6f3e8 on an H100: ``PYTHONPATH=benchmarks python
+dev/gpu_dsq_row_probe.py``)."""
+import dataclasses
+import inspect
+import json
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+from bench_attention import SHAPES, bench  # the product benchmark's shapes and timing
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from dmref.kernels import api, bwd_ws
+from dmref.kernels.quantize import quantize_with
+
+R = "kernels_folded_delta_prepass_dsq_row"
+VARIANTS = {"f1": dict(consumers=1), "f2": dict(consumers=2)}
+if "dq_shared" in inspect.signature(bwd_ws.fused).parameters:
+    VARIANTS["f2s"] = dict(consumers=2, dq_shared=True)
+
+
+def main() -> None:
+    out = []
+    for b, h, n, d in SHAPES:
+        for causal in (False, True):
+            torch.manual_seed(0)
+            q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+            scale = 1 / math.sqrt(d)
+            shape = api.Shape.of(q, k, v)
+            ms = {}
+            qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                o_ref = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+                ms["cudnn_bwd"] = bench(lambda: o_ref.backward(do, retain_graph=True), grad_to_none=[qg, kg, vg])
+            o, _, saved, _ = api.attention_forward(q, k, v, causal=causal, scale=scale, recipe=R)
+            ms["dsq_bwd"] = bench(lambda: api.attention_backward(saved, o, do, shape=shape, causal=causal,
+                                                                 scale=scale, recipe=R))
+            do8, _, q8 = quantize_with(do, "float8_e4m3fn", saved.q_pending, saved.q_fmt)
+            sv = dataclasses.replace(saved, q=q8, q_pending=None)
+            kw = dict(batch=b, heads=h, kv_heads=h, n=n, head_dim=d, causal=causal, scale=scale)
+            delta, u = bwd_ws.prepass(sv, do8, recipe=R, bound=True, **kw)
+            ms["prepass"] = bench(lambda: bwd_ws.prepass(sv, do8, recipe=R, bound=True, **kw))
+            for name, extra in VARIANTS.items():
+                ms[name] = bench(lambda extra=extra: bwd_ws.fused(sv, do8, delta, recipe=R, dsq_bound=u, **extra,
+                                                                  **kw))
+            ratio = {key: round(ms["cudnn_bwd"] / t, 3) for key, t in ms.items() if key != "cudnn_bwd"}
+            row = dict(shape=[b, h, n, d], causal=causal, ms=ms, ratio=ratio)
+            print(json.dumps(row), flush=True)
+            out.append(row)
+    meta = dict(device=torch.cuda.get_device_name(), commit="df6f3e8",
+                method="triton.testing.do_bench medians (bench_attention.bench); ratio = cuDNN BF16's backward time / ours")
+    with open(os.path.join(os.environ.get("OUT", "."), "h100_dsq_row_probe.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=out), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

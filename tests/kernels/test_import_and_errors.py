@@ -62,7 +62,8 @@ def test_recipes_are_named_by_their_recipes_and_validate_tiles():
     for name, spec in SPECS.items():
         assert spec.name == name and name.startswith("kernels_"), name
         assert spec.matched == name.endswith("delta_matching"), name
-        assert spec.prepass == name.endswith("delta_prepass"), name
+        assert spec.prepass == ("delta_prepass" in name), name
+        assert spec.dsq_row == name.endswith("_dsq_row"), name
         assert spec.folded == name.startswith("kernels_folded_"), name
     # a folded K without the folded V is no forward the kernels have
     half = dataclasses.replace(kernel_recipe("stale"), k=SPECS["kernels_folded_naive_fp8"].recipe.k)

@@ -28,25 +28,34 @@ if "dq_shared" in inspect.signature(bwd_ws.fused).parameters:
     VARIANTS["f2s"] = dict(consumers=2, dq_shared=True)
 
 
+def problem(b: int, h: int, n: int, d: int, causal: bool):
+    """The inputs at one shape (randn, BF16, seed 0), cuDNN BF16's backward time on them
+    (``{"cudnn_bwd": ms}``), the dsq-row recipe's forward state, its backward through the API as
+    a function, and the kernels' operands (the saved state with Q's copies, dO's copies, the
+    problem's dims)."""
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    scale = 1 / math.sqrt(d)
+    shape = api.Shape.of(q, k, v)
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        o_ref = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+        ms = {"cudnn_bwd": bench(lambda: o_ref.backward(do, retain_graph=True), grad_to_none=[qg, kg, vg])}
+    o, _, saved, _ = api.attention_forward(q, k, v, causal=causal, scale=scale, recipe=R)
+    backward = lambda: api.attention_backward(saved, o, do, shape=shape, causal=causal,  # noqa: E731
+                                              scale=scale, recipe=R)
+    do8, _, q8 = quantize_with(do, "float8_e4m3fn", saved.q_pending, saved.q_fmt)
+    sv = dataclasses.replace(saved, q=q8, q_pending=None)
+    kw = dict(batch=b, heads=h, kv_heads=h, n=n, head_dim=d, causal=causal, scale=scale)
+    return ms, backward, sv, do8, kw
+
+
 def main() -> None:
     out = []
     for b, h, n, d in SHAPES:
         for causal in (False, True):
-            torch.manual_seed(0)
-            q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-            scale = 1 / math.sqrt(d)
-            shape = api.Shape.of(q, k, v)
-            ms = {}
-            qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                o_ref = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
-                ms["cudnn_bwd"] = bench(lambda: o_ref.backward(do, retain_graph=True), grad_to_none=[qg, kg, vg])
-            o, _, saved, _ = api.attention_forward(q, k, v, causal=causal, scale=scale, recipe=R)
-            ms["dsq_bwd"] = bench(lambda: api.attention_backward(saved, o, do, shape=shape, causal=causal,
-                                                                 scale=scale, recipe=R))
-            do8, _, q8 = quantize_with(do, "float8_e4m3fn", saved.q_pending, saved.q_fmt)
-            sv = dataclasses.replace(saved, q=q8, q_pending=None)
-            kw = dict(batch=b, heads=h, kv_heads=h, n=n, head_dim=d, causal=causal, scale=scale)
+            ms, backward, sv, do8, kw = problem(b, h, n, d, causal)
+            ms["dsq_bwd"] = bench(backward)
             delta, u = bwd_ws.prepass(sv, do8, recipe=R, bound=True, **kw)
             ms["prepass"] = bench(lambda: bwd_ws.prepass(sv, do8, recipe=R, bound=True, **kw))
             for name, extra in VARIANTS.items():

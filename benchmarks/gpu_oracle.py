@@ -119,16 +119,17 @@ def _folded_targets(cases: str) -> list[Target]:
 
 
 def _prepass_targets(cases: str) -> list[Target]:
-    """The seven-GEMM recipes (``kernels_delta_prepass`` and its folded form: a pre-pass's matched
-    D, then the Gluon five-GEMM backward) held to the recipes they run, and the stale kernel held
-    to the folded one's (its rows must fail ``rowsum``)."""
+    """The seven-GEMM recipes (``kernels_delta_prepass``, its folded form and the folded form with
+    dS for dQ scaled from the pre-pass's bound, ``kernels_folded_delta_prepass_dsq_row``: a
+    pre-pass's matched D, then the Gluon five-GEMM backward) held to the recipes they run, and the
+    stale kernel held to the folded one's (its rows must fail ``rowsum``)."""
     from dmref import oracle
     from dmref.kernels.config import SPECS
 
     kcases = oracle.make_cases(cases, dtype=torch.bfloat16, names=KERNEL_CASES)
     out = [Target(f"{r} claims its recipe", _kernel(r), recipe=SPECS[r].recipe, cases=kcases, device="cuda",
                   note=f"held to the recipe it runs: {r}")
-           for r in ("kernels_delta_prepass", "kernels_folded_delta_prepass")]
+           for r in ("kernels_delta_prepass", "kernels_folded_delta_prepass", "kernels_folded_delta_prepass_dsq_row")]
     out.append(Target("kernels_folded_naive_fp8 claims kernels_folded_delta_prepass", _kernel("kernels_folded_naive_fp8"),
                       recipe=SPECS["kernels_folded_delta_prepass"].recipe, cases=kcases, device="cuda",
                       note="the stale kernel held to the seven-GEMM recipe"))

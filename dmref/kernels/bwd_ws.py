@@ -129,7 +129,11 @@ dK wgmmas so that nothing of it lives across their promotion, which fills the re
 past N are masked in P^T (they would reach dQ's sums and its per-query scale). Rows past N are
 not added (no mask where N is a multiple of 64, ``EVEN_N``). ``DETERMINISTIC``: the counters of
 ``bwd_fused`` (key block j adds after the blocks before it). The D it subtracts is read from a
-buffer, as ``bwd_fused``'s: the stale one, or a matched one computed ahead by the pre-pass.
+buffer, as ``bwd_fused``'s: the stale one, or a matched one computed ahead by the pre-pass. For a spec that
+scales dS for dQ from the pre-pass's bound (``KernelSpec.dsq_row``, ``DSQ_ROW``), each query's
+scale is POW2_DOWN of its bound U (``DSQ_U``, loaded with the other per-query vectors) instead of
+its amax over the CTA's keys, and the partial is added unscaled: its factors, K's head scale and
+the query's 2^-k, are the same in every key block, and the postprocess applies them once.
 ptxas spills 108-180 B a thread at D = 128 (tests/kernels/test_bwd_ws_fused.py); none at
 D = 64.
 

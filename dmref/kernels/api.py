@@ -306,9 +306,7 @@ def attention_backward(
         if r.prepass:  # D from the pre-pass, on dO's row copy (and the bound U of dS for dQ, dsq_row)
             from . import bwd_prepass
 
-            if r.dsq_row and not saved.kt_head:
-                raise ValueError(f"recipe {r.name!r} reads K's transposed copy with the head's factor: saved comes "
-                                 "from another recipe's forward")
+            bwd_fused.check_kt_head(r, saved)  # before the pre-pass runs
             do8, _ = quantize_do()
             d = (bwd_ws.prepass if use_gluon else bwd_prepass.delta)(saved, do8, causal=causal, scale=scale,
                                                                        recipe=r, bound=r.dsq_row, **_dims(shape))

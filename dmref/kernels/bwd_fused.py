@@ -310,11 +310,20 @@ def launch(spec: KernelSpec, *, head_dim: int, causal: bool, group: int = 1, det
                   f.num_warps, f.num_stages, f.maxnreg, {}, kernel=_bwd_fused_kernel, block_m=t.block_n2)
 
 
+def check_kt_head(spec: KernelSpec, saved) -> None:
+    """ValueError, one line, where ``spec`` reads K's transposed copy with the head's factor
+    (``KernelSpec.dsq_row``) and ``saved`` holds another (``saved.kt_head``: another recipe's
+    forward wrote it)."""
+    if spec.dsq_row and not getattr(saved, "kt_head", False):
+        raise ValueError(f"recipe {spec.name!r} reads K's transposed copy with the head's factor: the saved state "
+                         "comes from another recipe's forward")
+
+
 def check_dsq(spec: KernelSpec, saved, dsq_bound, batch: int, heads: int, n: int, device):
     """``dsq_bound`` as the five-GEMM kernels read it (``caller_delta``), or None: given exactly
     for a spec whose dS for dQ is scaled from the pre-pass's bound (``KernelSpec.dsq_row``), on a
-    saved state whose K^T copy holds K's row codes with the head's factor (``saved.kt_head``, which
-    that spec's forward writes); else a one-line ValueError."""
+    saved state whose K^T copy holds K's row codes with the head's factor (:func:`check_kt_head`);
+    else a one-line ValueError."""
     if spec.dsq_row and dsq_bound is None:
         raise ValueError(f"recipe {spec.name!r} scales dS for dQ from the pre-pass's bound: pass dsq_bound, the U of "
                          "bwd_prepass.delta(..., bound=True)")
@@ -324,9 +333,7 @@ def check_dsq(spec: KernelSpec, saved, dsq_bound, batch: int, heads: int, n: int
         raise ValueError(f"dsq_bound is read by the recipes with dS for dQ scaled from the pre-pass's bound "
                          f"(kernels_folded_delta_prepass_dsq_row); recipe {spec.name!r} scales it "
                          f"{spec.recipe.ds_dq.describe()}")
-    if not getattr(saved, "kt_head", False):
-        raise ValueError(f"recipe {spec.name!r} reads K's transposed copy with the head's factor: the saved state "
-                         "comes from another recipe's forward")
+    check_kt_head(spec, saved)
     return caller_delta(dsq_bound, batch, heads, n, device, name="dsq_bound")
 
 
@@ -351,7 +358,7 @@ def backward(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int
     query from it, and K for dQ is the saved K^T copy with the head's scale (``check_dsq``)."""
     from .fwd import LOG2E
 
-    dsq_bound = check_dsq(recipe, saved, dsq_bound, batch, heads, n, do8.rows.device if do8 is not None else None)
+    dsq_bound = check_dsq(recipe, saved, dsq_bound, batch, heads, n, do8.rows.device)
     run = launch(recipe, head_dim=head_dim, causal=causal, group=heads // kv_heads,
                  deterministic=deterministic, debug=debug)
     c = run.constexprs

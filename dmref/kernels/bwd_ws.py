@@ -327,14 +327,21 @@ DQ_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta
 
 
 @gluon.jit
-def _quantize_ds_for_dq(ds_t):
-    """Q-point dS for dQ from dS^T ``(keys, queries)``: E4M3, one POW2_DOWN scale per query (a
-    column) over the tile's keys (the recipe's ``ds_dq``, 1 x ``BLOCK_N``, as
-    ``bwd_fused._quantize_ds_cols`` of the column amax). Returns dS ``(queries, keys)`` as the A operand of
+def _ds_for_dq_exponent(ds_t):
+    """The POW2_DOWN exponent of each query's dS-for-dQ scale from dS^T ``(keys, queries)``: of
+    its amax over the tile's keys (a column; the recipe's ``ds_dq``, 1 x ``BLOCK_N``), in S^T's
+    column layout. (``DSQ_ROW`` takes it from the pre-pass's bound instead.)"""
+    return _pow2_down_exponent(gl.max(gl.abs(ds_t), axis=0), False)
+
+
+@gluon.jit
+def _quantize_ds_for_dq(ds_t, k_dq):
+    """Q-point dS for dQ from dS^T ``(keys, queries)``: E4M3, each query (a column) scaled by
+    2^``k_dq`` (:func:`_ds_for_dq_exponent`, or the bound's under ``DSQ_ROW``; as
+    ``bwd_fused._quantize_ds_cols`` of the amax). Returns dS ``(queries, keys)`` as the A operand of
     :func:`_dq_partial`'s wgmma, and each query's dequantization factor. Done where dS^T is formed,
     so that only the FP8 codes, not the float32 tile, live across the dK and dV wgmmas."""
     q_layout: gl.constexpr = DQ_LAYOUT
-    k_dq = _pow2_down_exponent(gl.max(gl.abs(ds_t), axis=0), False)
     dsq = _to_fp8(ds_t * gl.expand_dims(_exp2_int(k_dq), 0), False, False)
     dsq_a = gl.convert_layout(gl.permute(dsq, [1, 0]), gl.DotOperandLayout(operand_index=0, parent=q_layout,
                                                                             k_width=4))
@@ -342,12 +349,11 @@ def _quantize_ds_for_dq(ds_t):
 
 
 @gluon.jit
-def _quantize_ds_for_dq_t(ds_t, dsq_smem):
+def _quantize_ds_for_dq_t(ds_t, k_dq, dsq_smem):
     """:func:`_quantize_ds_for_dq`'s codes and factors for dQ^T = K^T dS^T (``DQ_T``): the codes
     stored as dS ``(queries, keys)`` into ``dsq_smem``, the wgmma's B operand (K-major: FP8 wgmma
     has no transpose), instead of moved into registers; each query's factor stays in S^T's column
     layout, which is the dQ^T accumulator's."""
-    k_dq = _pow2_down_exponent(gl.max(gl.abs(ds_t), axis=0), False)
     dsq = _to_fp8(ds_t * gl.expand_dims(_exp2_int(k_dq), 0), False, False)
     dsq_smem.store(gl.permute(dsq, [1, 0]))
     fence_async_shared()  # the generic stores before the wgmma's reads
@@ -560,24 +566,17 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
         if FUSED and DQ_PROBE != 3:
             # dQ's partial first: nothing of it lives across the dK and dV wgmmas and their
             # promotion, which fill the registers
+            # Q-point dS (dQ): E4M3, each query's scale from its amax over the tile's keys, or
+            # (DSQ_ROW) from U over all keys, whose factor the postprocess applies
             if DSQ_ROW:
-                # Q-point dS (dQ): E4M3, the query's scale from U over all keys (bwd_fused's
-                # _quantize_ds_cols of U); its factor is applied by the postprocess
-                dsq_inv = _exp2_int(gl.convert_layout(dsq_k_v, col_s))
-                dsq8_t = _to_fp8(ds_t * gl.expand_dims(dsq_inv, 0), False, False)
-                if DQ_T:
-                    dsq_smem.store(gl.permute(dsq8_t, [1, 0]))
-                    fence_async_shared()  # the generic stores before the wgmma's reads
-                    gl.thread_barrier()  # every thread's part of the tile
-                    dsq_a = dsq_smem
-                else:
-                    dsq_a = gl.convert_layout(gl.permute(dsq8_t, [1, 0]),
-                                              gl.DotOperandLayout(operand_index=0, parent=DQ_LAYOUT, k_width=4))
-            elif DQ_T:
-                dsq_inv = _quantize_ds_for_dq_t(ds_t, dsq_smem)
+                k_dq = gl.convert_layout(dsq_k_v, col_s)
+            else:
+                k_dq = _ds_for_dq_exponent(ds_t)
+            if DQ_T:
+                dsq_inv = _quantize_ds_for_dq_t(ds_t, k_dq, dsq_smem)
                 dsq_a = dsq_smem
             else:
-                dsq_a, dsq_inv = _quantize_ds_for_dq(ds_t)
+                dsq_a, dsq_inv = _quantize_ds_for_dq(ds_t, k_dq)
             _dq_partial(dsq_a, dsq_inv, kt_smem, kts_smem, DQ_ACC, dq_smem, SEM, bh, start_m, start_n, N, HEAD_DIM,
                         BLOCK_M, DETERMINISTIC, EVEN_N, DQ_TMA, DQ_T, DSQ_ROW)
         # P^T dO and dS^T Q, promoted: one wgmma chain per tile, then one float32 add

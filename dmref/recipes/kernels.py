@@ -137,8 +137,8 @@ KERNEL_RECIPES: dict[str, Recipe] = {r.name: r for r in (
     kernel_recipe("stale", folded=True),
     with_prepass_delta(kernel_recipe("matched"), "kernels_delta_prepass"),
     with_prepass_delta(kernel_recipe("matched", folded=True), "kernels_folded_delta_prepass"),
-    _dsq_row(with_prepass_delta(kernel_recipe("matched", folded=True), "kernels_folded_delta_prepass"),
-             "kernels_folded_delta_prepass_dsq_row"),
 )}
+KERNEL_RECIPES["kernels_folded_delta_prepass_dsq_row"] = _dsq_row(KERNEL_RECIPES["kernels_folded_delta_prepass"],
+                                                                  "kernels_folded_delta_prepass_dsq_row")
 
 

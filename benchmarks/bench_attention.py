@@ -44,7 +44,7 @@ Measures, per shape B·H·N·D and causal or not, medians of ``triton.testing.do
   quantization (the Gluon pre-pass with the bound, then the five-GEMM kernel adding dQ's partials
   unscaled), end to end through autograd, and its two kernels alone: the pre-pass and the
   five-GEMM kernel with one and two consumer warp groups (``ours_dsq_row_*``; ``dsq_row_bwd``,
-  ``dsq_row_e2e``, ``dsq_row_bwd_fused``, ``dsq_row_bwd_fused_2cons`` among the speed-ups; an error
+  ``dsq_row_bwd_det`` (dQ's partials added in key order), ``dsq_row_e2e``, ``dsq_row_bwd_fused``, ``dsq_row_bwd_fused_2cons`` among the speed-ups; an error
   is recorded as ``dsq_row_error``);
 - SDPA cuDNN and flash backends, BF16: forward, backward, end to end;
 - grouped-query shapes (``GQA_SHAPES``, ``run_gqa_shape``): the default recipe's forward,
@@ -244,7 +244,7 @@ def _default_speedups(ms: dict, anchor: str) -> dict:
             "default_bwd": ms[f"{anchor}_bwd"] / ms["ours_default_bwd"],
             "default_e2e": ms[f"{anchor}_e2e"] / ms["ours_default_e2e"],
             **{f"dsq_row_{k}": ms[f"{anchor}_{k.split('_')[0]}"] / ms[f"ours_dsq_row_{k}"]
-               for k in ("bwd", "e2e", "bwd_fused", "bwd_fused_2cons") if f"ours_dsq_row_{k}" in ms}}
+               for k in ("bwd", "bwd_det", "e2e", "bwd_fused", "bwd_fused_2cons") if f"ours_dsq_row_{k}" in ms}}
 
 
 def _speedups(ms: dict, anchor: str) -> dict:
@@ -342,7 +342,8 @@ DSQ_ROW = "kernels_folded_delta_prepass_dsq_row"
 
 def _time_dsq_row(q, k, v, do, causal, scale, shape) -> tuple[dict, dict]:
     """Times of ``kernels_folded_delta_prepass_dsq_row`` (``ours_dsq_row_*``): its backward incl.
-    dO's quantization as ``api.attention_backward`` runs it, quantization, forward and backward
+    dO's quantization as ``api.attention_backward`` runs it (and with ``deterministic=True``,
+    ``_bwd_det``: dQ's partials added in key order), quantization, forward and backward
     through autograd, and on the same copies its Gluon pre-pass with the bound alone
     (``_bwd_prepass``) and its five-GEMM kernel alone incl. dQ's postprocess, one consumer warp
     group a CTA and two (``_bwd_fused``, ``_bwd_fused_2cons``). Returns (times, errors)."""
@@ -356,6 +357,8 @@ def _time_dsq_row(q, k, v, do, causal, scale, shape) -> tuple[dict, dict]:
         o, _, saved, _ = api.attention_forward(q, k, v, causal=causal, scale=scale, recipe=DSQ_ROW)
         ms["ours_dsq_row_bwd"] = bench(lambda: api.attention_backward(
             saved, o, do, shape=shape, causal=causal, scale=scale, recipe=DSQ_ROW))
+        ms["ours_dsq_row_bwd_det"] = bench(lambda: api.attention_backward(
+            saved, o, do, shape=shape, causal=causal, scale=scale, recipe=DSQ_ROW, deterministic=True))
         qd, kd, vd = (t.detach().clone().requires_grad_() for t in (q, k, v))
 
         def step():

@@ -42,6 +42,11 @@ TARGETS = {
     "bwd_dq_d128": ("_bwd_dq_ws_kernel", 128, "the default backward's dq kernel (matched delta)"),
     "bwd_fused_tma_d128": ("_bwd_fused_ws_kernel", 128, "five-GEMM kernel, one consumer, TMA reduce-adds of dQ"),
     "bwd_fused_tma_d64": ("_bwd_fused_ws_kernel", 64, "five-GEMM kernel, one consumer, TMA reduce-adds of dQ"),
+    "dsq_row_fused_d128": ("_bwd_fused_ws_kernel", 128,
+                           "kernels_folded_delta_prepass_dsq_row's five-GEMM kernel as the API runs it (dQ^T)"),
+    "dsq_row_fused_d64": ("_bwd_fused_ws_kernel", 64,
+                          "kernels_folded_delta_prepass_dsq_row's five-GEMM kernel as the API runs it (dQ^T)"),
+    "dsq_row_prepass_d128": ("_bwd_dq_ws_kernel", 128, "kernels_folded_delta_prepass_dsq_row's pre-pass (D and U)"),
 }
 
 
@@ -51,6 +56,8 @@ def _shape(head_dim: int) -> tuple[int, int, int, int]:
 
 def launch(target: str) -> None:
     """Run ``target``'s kernel twice on the bench's inputs (the first launch compiles)."""
+    import dataclasses
+
     import torch
 
     from dmref.kernels import api, bwd_ws, fwd_ws
@@ -63,7 +70,18 @@ def launch(target: str) -> None:
     scale = 1 / math.sqrt(d)
     dims = dict(batch=b, heads=h, kv_heads=h, n=n, head_dim=d)
     kw = dict(causal=False, scale=scale, **dims)
-    if target.startswith("fwd_ws"):
+    if target.startswith("dsq_row"):
+        from dmref.kernels.quantize import quantize_with
+        recipe = "kernels_folded_delta_prepass_dsq_row"
+        o, _, saved, _ = api.attention_forward(q, k, v, causal=False, scale=scale, recipe=recipe)
+        do8, _, q8 = quantize_with(do, "float8_e4m3fn", saved.q_pending, saved.q_fmt)
+        sv = dataclasses.replace(saved, q=q8, q_pending=None)
+        delta, u = bwd_ws.prepass(sv, do8, recipe=recipe, bound=True, **kw)
+        if target.startswith("dsq_row_prepass"):
+            fn = lambda: bwd_ws.prepass(sv, do8, recipe=recipe, bound=True, **kw)  # noqa: E731
+        else:
+            fn = lambda: bwd_ws.fused(sv, do8, delta, recipe=recipe, dsq_bound=u, **kw)  # noqa: E731
+    elif target.startswith("fwd_ws"):
         _, _, kv = fwd_ws.attention_forward(q, k, v, causal=False, scale=scale)
         recipe = "kernels_folded_naive_fp8"
         fn = lambda: fwd_ws.forward(q, kv.k8, kv.k_scale, kv.vt8, kv.v_scale, kv_heads=h, causal=False,  # noqa: E731

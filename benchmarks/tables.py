@@ -69,6 +69,7 @@ LABELS = {
     "e2e_prepass_gluon": "e2e 7-GEMM matched",
     "e2e_prepass_gluon_folded": "e2e 7-GEMM matched, WS fwd",
     "dsq_row_bwd": "7-GEMM bwd matched, dS for dQ per query (`kernels_folded_delta_prepass_dsq_row`)",
+    "dsq_row_bwd_det": "7-GEMM bwd matched, dS for dQ per query, deterministic",
     "dsq_row_e2e": "e2e 7-GEMM matched, dS for dQ per query",
     "dsq_row_bwd_fused": "Gluon five-GEMM kernel, dS for dQ per query",
     "dsq_row_bwd_fused_2cons": "Gluon five-GEMM kernel, dS for dQ per query, two consumers",

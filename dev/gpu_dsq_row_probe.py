@@ -2,10 +2,11 @@
 bench's shapes (``bench_attention.SHAPES``), causal and not, beside cuDNN BF16's backward timed in
 the same process: the whole backward as ``api.attention_backward`` runs it (``dsq_bwd``), its Gluon
 pre-pass with the bound (``prepass``), and its Gluon five-GEMM kernel incl. dQ's postprocess with
-one consumer warp group a CTA (``f1``), two (``f2``), and two adding dQ^T's partial over their
-128 keys together (``f2s``, ``bwd_ws.fused(dq_shared=True)``: only where ``fused`` takes it, the
-kernels as committed in df6f3e8; it left the tree). Prints one JSON line a shape (``ratio``: cuDNN
-BF16's time over ours) and writes them to ``$OUT/h100_dsq_row_probe.json`` (its log:
+one consumer warp group a CTA (``f1``), two (``f2``), each with dQ^T's partial placed otherwise
+among dV and dK (``f<consumers>o<dq_order>``: ``bwd_ws.fused(dq_order=)``, ``DQ_ORDERS``), and
+two adding dQ^T's partial over their 128 keys together (``f2s``, ``bwd_ws.fused(dq_shared=True)``:
+only where ``fused`` takes it, the kernels as committed in df6f3e8; it left the tree). Prints one JSON line a shape (``ratio``: cuDNN
+BF16's time over ours) and writes them to ``$OUT/<device>_dsq_row_probe.json`` (its log:
 dev/results/h100_dsq_row_probe.json, run at df6f3e8 on an H100: ``PYTHONPATH=benchmarks python
 dev/gpu_dsq_row_probe.py``)."""
 import dataclasses
@@ -16,7 +17,7 @@ import os
 
 import torch
 import torch.nn.functional as F
-from bench_attention import SHAPES, bench  # the product benchmark's shapes and timing
+from bench_attention import SHAPES, bench, device_tag  # the product benchmark's shapes, timing, file prefix
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dmref.kernels import api, bwd_ws
@@ -26,6 +27,17 @@ R = "kernels_folded_delta_prepass_dsq_row"
 VARIANTS = {"f1": dict(consumers=1), "f2": dict(consumers=2)}
 if "dq_shared" in inspect.signature(bwd_ws.fused).parameters:
     VARIANTS["f2s"] = dict(consumers=2, dq_shared=True)
+#: dQ^T's partial placed among dV and dK otherwise (``WsBwdTiles.fused_dq_order``), name -> (consumers,
+#: dq_order) at each head dim
+DQ_ORDERS = {128: {"f1o1": (1, 1), "f2o1": (2, 1), "f2o3": (2, 3)}, 64: {"f1o2": (1, 2), "f2o2": (2, 2)}}
+
+
+def variants(d: int) -> dict:
+    """The five-GEMM kernel's variants timed at head dim ``d``."""
+    out = dict(VARIANTS)
+    if "dq_order" in inspect.signature(bwd_ws.fused).parameters:
+        out.update({name: dict(consumers=c, dq_order=o) for name, (c, o) in DQ_ORDERS[d].items()})
+    return out
 
 
 def problem(b: int, h: int, n: int, d: int, causal: bool):
@@ -58,16 +70,21 @@ def main() -> None:
             ms["dsq_bwd"] = bench(backward)
             delta, u = bwd_ws.prepass(sv, do8, recipe=R, bound=True, **kw)
             ms["prepass"] = bench(lambda: bwd_ws.prepass(sv, do8, recipe=R, bound=True, **kw))
-            for name, extra in VARIANTS.items():
+            ref = bwd_ws.fused(sv, do8, delta, recipe=R, dsq_bound=u, **kw)
+            same = {}
+            for name, extra in variants(d).items():
+                got = bwd_ws.fused(sv, do8, delta, recipe=R, dsq_bound=u, **extra, **kw)
+                same[name] = bool(torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2]))
                 ms[name] = bench(lambda extra=extra: bwd_ws.fused(sv, do8, delta, recipe=R, dsq_bound=u, **extra,
                                                                   **kw))
             ratio = {key: round(ms["cudnn_bwd"] / t, 3) for key, t in ms.items() if key != "cudnn_bwd"}
-            row = dict(shape=[b, h, n, d], causal=causal, ms=ms, ratio=ratio)
+            row = dict(shape=[b, h, n, d], causal=causal, dkdv_bits_equal=same, ms=ms, ratio=ratio)
             print(json.dumps(row), flush=True)
             out.append(row)
-    meta = dict(device=torch.cuda.get_device_name(), commit="df6f3e8",
-                method="triton.testing.do_bench medians (bench_attention.bench); ratio = cuDNN BF16's backward time / ours")
-    with open(os.path.join(os.environ.get("OUT", "."), "h100_dsq_row_probe.json"), "w") as f:
+    meta = dict(device=torch.cuda.get_device_name(),
+                method="triton.testing.do_bench medians (bench_attention.bench); ratio = cuDNN BF16's backward time / "
+                       "ours; dkdv_bits_equal: each variant's dK and dV equal f1's bit for bit")
+    with open(os.path.join(os.environ.get("OUT", "."), f"{device_tag()}_dsq_row_probe.json"), "w") as f:
         json.dump(dict(meta=meta, rows=out), f, indent=1)
 
 

@@ -267,10 +267,12 @@ def _promote(acc, a8, b_smem, t_old, scale_smem, row_factor, acc_layout: gl.cons
 
 
 @gluon.jit
-def _dq_tile_out(dq, desc, dq_smem, row, col):
+def _dq_tile_out(dq, desc, dq_smem, row, col, PENDING: gl.constexpr = 0):
     """A float32 dQ (or dQ^T) partial tile's way out with TMA reduce-adds: through ``dq_smem``,
-    once the previous reduce has read that tile, by one reduce-add into ``desc`` at ``(row, col)``."""
-    tma.store_wait(0)  # the previous tile's reduce has read dq_smem
+    once the previous reduce has read that tile, by one reduce-add into ``desc`` at ``(row, col)``.
+    ``PENDING``: reduces issued since the one that read ``dq_smem`` last, which may go on (1 where
+    two shared tiles take turns)."""
+    tma.store_wait(PENDING)  # the previous reduce from dq_smem has read it
     dq_smem.store(dq)
     fence_async_shared()
     gl.thread_barrier()  # every thread's part of the tile is in shared memory
@@ -363,18 +365,20 @@ def _quantize_ds_for_dq_t(ds_t, k_dq, dsq_smem):
 
 @gluon.jit
 def _dq_add_t(kt_a, dsq_b, kts_row, dsq_inv, DQT_ACC, dq_smem, bh, start_q, c0, HEAD_DIM: gl.constexpr,
-              CH: gl.constexpr, BLOCK_M: gl.constexpr, q_layout: gl.constexpr, DSQ_ROW: gl.constexpr = False):
+              CH: gl.constexpr, BLOCK_M: gl.constexpr, q_layout: gl.constexpr, DSQ_ROW: gl.constexpr = False,
+              PENDING: gl.constexpr = 0):
     """:func:`_dq_add` transposed (``DQ_T``): dQ^T's partial for channels ``c0 .. c0 + CH``, one
     wgmma chain of K^T (``kt_a``, as it lies) and dS^T (``dsq_b``: the shared dS codes), times the
     K^T channel scales (rows) and dS's query factors (columns), in that order; by one TMA
-    reduce-add into dQ^T's buffer ``DQT_ACC`` ``(B*H*D, N)``; ``DSQ_ROW``: unscaled (:func:`_dq_add`)."""
+    reduce-add into dQ^T's buffer ``DQT_ACC`` ``(B*H*D, N)``; ``DSQ_ROW``: unscaled (:func:`_dq_add`);
+    ``PENDING``: :func:`_dq_tile_out`'s."""
     t = warpgroup_mma(kt_a, dsq_b, gl.zeros([CH, BLOCK_M], gl.float32, q_layout), use_acc=False, is_async=True)
     t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
     if DSQ_ROW:
         dq = t
     else:
         dq = t * gl.expand_dims(kts_row.load(gl.SliceLayout(1, q_layout)), 1) * gl.expand_dims(dsq_inv, 0)
-    _dq_tile_out(dq, DQT_ACC, dq_smem, (bh * HEAD_DIM + c0).to(gl.int32), start_q)
+    _dq_tile_out(dq, DQT_ACC, dq_smem, (bh * HEAD_DIM + c0).to(gl.int32), start_q, PENDING)
 
 
 @gluon.jit
@@ -436,7 +440,7 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
               P_SCALE: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr, FUSED: gl.constexpr,
               DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr, SKIP: gl.constexpr = False, dq_smem=None,
               DQ_TMA: gl.constexpr = False, dsq_smem=None, DQ_T: gl.constexpr = False, DSQ_U=None,
-              DSQ_ROW: gl.constexpr = False):
+              DSQ_ROW: gl.constexpr = False, DQ_ORDER: gl.constexpr = 0):
     """The consumer warp group: the key tile's scales, every query tile, the stores. With
     ``SPLIT`` dK and dV are held as two halves of the head dim, each accumulated by its own
     wgmma (the same per-element chains: a wgmma's output element depends on its row of A, its
@@ -445,10 +449,22 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
     CTA, whose ring starts at the CTA's first query tile): the query tiles a one-consumer CTA of
     keys ``start_n ..`` does not run are released without being computed. ``DSQ_ROW``
     (``KernelSpec.dsq_row``): dS for dQ scaled per query from the pre-pass's bound of its amax over
-    all keys (``DSQ_U``) instead of its amax over the tile's keys, dQ's partials added unscaled."""
+    all keys (``DSQ_U``) instead of its amax over the tile's keys, dQ's partials added unscaled.
+    ``DQ_ORDER`` (``FUSED`` with ``DQ_T``; ``config.WsBwdTiles.fused_dq_order``): where dQ^T's
+    partial goes among dV and dK, the same values in every order: 0 before both; 1 (D = 128) its
+    first half before dV and its second between dV and dK, so that the second half's wait for the
+    first's reduce-add to have read the shared tile falls behind dV's wgmma; 2 (D = 64) its wgmma
+    and those of dV and dK issued together, each waited on in turn (three results in flight), so
+    that dQ^T's way out runs under dV's and dK's wgmmas and their promotions under each other's; 3
+    (D = 128) before both, its two halves through two shared tiles of their own (``dq_smem``
+    ``[2, D/2, BLOCK_M]``), so that neither waits for the other's reduce-add."""
     CH: gl.constexpr = HEAD_DIM // 2 if SPLIT else HEAD_DIM
     gl.static_assert(OVERLAP < 2 or not SPLIT)
     gl.static_assert(not FUSED or (not SPLIT and OVERLAP < 2 and BLOCK_M == BLOCK_N))
+    gl.static_assert(DQ_ORDER == 0 or (FUSED and DQ_T and DQ_PROBE == 0))
+    gl.static_assert(DQ_ORDER != 1 or HEAD_DIM == 2 * DQ_CH)
+    gl.static_assert(DQ_ORDER != 3 or HEAD_DIM == 2 * DQ_CH)
+    gl.static_assert(DQ_ORDER != 2 or HEAD_DIM == DQ_CH)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 32])
     a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -577,10 +593,40 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
                 dsq_a = dsq_smem
             else:
                 dsq_a, dsq_inv = _quantize_ds_for_dq(ds_t, k_dq)
-            _dq_partial(dsq_a, dsq_inv, kt_smem, kts_smem, DQ_ACC, dq_smem, SEM, bh, start_m, start_n, N, HEAD_DIM,
-                        BLOCK_M, DETERMINISTIC, EVEN_N, DQ_TMA, DQ_T, DSQ_ROW)
+            if DQ_ORDER == 0:
+                _dq_partial(dsq_a, dsq_inv, kt_smem, kts_smem, DQ_ACC, dq_smem, SEM, bh, start_m, start_n, N,
+                            HEAD_DIM, BLOCK_M, DETERMINISTIC, EVEN_N, DQ_TMA, DQ_T, DSQ_ROW)
+            elif DQ_ORDER == 3:  # the two halves through two shared tiles taking turns
+                for h in gl.static_range(2):
+                    _dq_add_t(kt_smem.slice(h * DQ_CH, DQ_CH, dim=0), dsq_smem.permute((1, 0)),
+                              kts_smem.reshape([HEAD_DIM]).slice(h * DQ_CH, DQ_CH), dsq_inv, DQ_ACC, dq_smem.index(h),
+                              bh, start_m, h * DQ_CH, HEAD_DIM, DQ_CH, BLOCK_M, DQ_LAYOUT, DSQ_ROW, 1)
+            elif DQ_ORDER == 1:  # the first half of the channels; the second between dV and dK
+                _dq_add_t(kt_smem.slice(0, DQ_CH, dim=0), dsq_smem.permute((1, 0)),
+                          kts_smem.reshape([HEAD_DIM]).slice(0, DQ_CH), dsq_inv, DQ_ACC, dq_smem, bh, start_m, 0,
+                          HEAD_DIM, DQ_CH, BLOCK_M, DQ_LAYOUT, DSQ_ROW)
         # P^T dO and dS^T Q, promoted: one wgmma chain per tile, then one float32 add
-        if OVERLAP == 2:
+        if DQ_ORDER == 2:
+            # dQ^T, dV and dK issued together, retired in that order (wgmma groups complete in order)
+            mbarrier.wait(cols_ready.index(s), ph)
+            tq = warpgroup_mma(kt_smem, dsq_smem.permute((1, 0)), gl.zeros([DQ_CH, BLOCK_M], gl.float32, DQ_LAYOUT),
+                               use_acc=False, is_async=True)
+            tv = warpgroup_mma(p8, dot_s.permute((1, 0)), gl.zeros([BLOCK_N, CH], gl.float32, a_layout),
+                               use_acc=False, is_async=True)
+            tk = warpgroup_mma(ds8, qt_s.permute((1, 0)), gl.zeros([BLOCK_N, CH], gl.float32, a_layout),
+                               use_acc=False, is_async=True)
+            tq = warpgroup_mma_wait(num_outstanding=2, deps=(tq, ))
+            if DSQ_ROW:
+                dq = tq
+            else:  # _dq_add_t's scaling
+                dq = (tq * gl.expand_dims(kts_smem.reshape([HEAD_DIM]).load(gl.SliceLayout(1, DQ_LAYOUT)), 1)
+                      * gl.expand_dims(dsq_inv, 0))
+            _dq_tile_out(dq, DQ_ACC, dq_smem, (bh * HEAD_DIM).to(gl.int32), start_m)
+            tv = warpgroup_mma_wait(num_outstanding=1, deps=(tv, ))
+            dv0 += tv * gl.expand_dims(dots_s.load(gl.SliceLayout(0, a_layout)), 0)  # _promote's, in its order
+            tk = warpgroup_mma_wait(num_outstanding=0, deps=(tk, ))
+            dk0 += tk * gl.expand_dims(qts_s.load(gl.SliceLayout(0, a_layout)), 0) * gl.expand_dims(ds_inv, 1)
+        elif OVERLAP == 2:
             t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
             dv0 += t * gl.expand_dims(dots_s.load(col_a), 0)
             dk0, t = _promote(dk0, ds8, qt_s.permute((1, 0)), t, qts_s, ds_inv, a_layout, True)
@@ -598,6 +644,10 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
                                   ds_inv, a_layout, True)
             else:
                 dv0, t = _promote(dv0, p8, dot_s.permute((1, 0)), t, dots_s, ds_inv, a_layout, False)
+                if DQ_ORDER == 1:  # dQ^T's second half
+                    _dq_add_t(kt_smem.slice(DQ_CH, DQ_CH, dim=0), dsq_smem.permute((1, 0)),
+                              kts_smem.reshape([HEAD_DIM]).slice(DQ_CH, DQ_CH), dsq_inv, DQ_ACC, dq_smem, bh,
+                              start_m, DQ_CH, HEAD_DIM, DQ_CH, BLOCK_M, DQ_LAYOUT, DSQ_ROW)
                 dk0, t = _promote(dk0, ds8, qt_s.permute((1, 0)), t, qts_s, ds_inv, a_layout, True)
         fence_async_shared()  # the reads of this stage before the next TMA writes into it
         mbarrier.arrive(cols_free.index(s), count=1)
@@ -638,7 +688,8 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
           CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr,
           FUSED: gl.constexpr, DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr, CONSUMERS: gl.constexpr = 1,
-          DQ_TMA: gl.constexpr = False, DQ_T: gl.constexpr = False, DSQ_U=None, DSQ_ROW: gl.constexpr = False):
+          DQ_TMA: gl.constexpr = False, DQ_T: gl.constexpr = False, DSQ_U=None, DSQ_ROW: gl.constexpr = False,
+          DQ_ORDER: gl.constexpr = 0):
     """The kernel on its TMA descriptors: K, V rows ``(B*HKV*N, D)``, Q, dO rows ``(B*H*N, D)``,
     Q^T, dO^T ``(B*H*D, NPAD)`` and their scales ``(B*H*NPAD/128, D)``; ``FUSED``: K^T
     ``(B*HKV*D, NPAD)`` and its scales, dQ's float32 buffer and (``DETERMINISTIC``) its counters
@@ -683,9 +734,11 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
         v_smem1 = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_shape, v_desc.layout)
         kt_smem1 = gl.allocate_shared_memory(kt_desc.dtype, kt_desc.block_shape, kt_desc.layout)
     if DQ_TMA:
-        dq_smem = gl.allocate_shared_memory(gl.float32, DQ_ACC.block_shape, DQ_ACC.layout)
+        # DQ_ORDER 3: two tiles a consumer, taking turns
+        dq_tiles: gl.constexpr = [2] + DQ_ACC.block_shape if DQ_ORDER == 3 else DQ_ACC.block_shape
+        dq_smem = gl.allocate_shared_memory(gl.float32, dq_tiles, DQ_ACC.layout)
         if CONSUMERS == 2:
-            dq_smem1 = gl.allocate_shared_memory(gl.float32, DQ_ACC.block_shape, DQ_ACC.layout)
+            dq_smem1 = gl.allocate_shared_memory(gl.float32, dq_tiles, DQ_ACC.layout)
         else:
             dq_smem1 = dq_smem
     else:
@@ -712,7 +765,7 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
                          kv_ready, rows_ready, rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE,
                          LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, bkv, bh0, start_n, lo, n_m, n_iter, N,
                          NPAD, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, P_SCALE, SPLIT, OVERLAP, FUSED, DETERMINISTIC,
-                         EVEN_N, False, dq_smem, DQ_TMA, dsq_smem, DQ_T, DSQ_U, DSQ_ROW)),
+                         EVEN_N, False, dq_smem, DQ_TMA, dsq_smem, DQ_T, DSQ_U, DSQ_ROW, DQ_ORDER)),
             (_producer, (k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, kt_desc, kts_desc,
                          k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs,
                          kv_ready, rows_ready, rows_free, cols_ready, cols_free, bkv * N + start_n, bkv, start_n, bh0,
@@ -728,13 +781,13 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
                          kv_ready, rows_ready, rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE,
                          LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, bkv, bh0, start_n, lo, n_m, n_iter, N,
                          NPAD, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, P_SCALE, SPLIT, OVERLAP, FUSED, DETERMINISTIC,
-                         EVEN_N, False, dq_smem, DQ_TMA, dsq_smem, DQ_T, DSQ_U, DSQ_ROW)),
+                         EVEN_N, False, dq_smem, DQ_TMA, dsq_smem, DQ_T, DSQ_U, DSQ_ROW, DQ_ORDER)),
             (_consumer, (k_smem1, v_smem1, kt_smem1, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs,
                          dots_bufs, kv_ready, rows_ready, rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE,
                          DO_SCALE, LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, bkv, bh0, start_n + BLOCK_N,
                          lo, n_m, n_iter, N, NPAD, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, P_SCALE, SPLIT, OVERLAP, FUSED,
                          DETERMINISTIC, EVEN_N, True, dq_smem1, DQ_TMA, dsq_smem1,
-                         DQ_T, DSQ_U, DSQ_ROW)),
+                         DQ_T, DSQ_U, DSQ_ROW, DQ_ORDER)),
             (_producer, (k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, kt_desc, kts_desc,
                          k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs,
                          kv_ready, rows_ready, rows_free, cols_ready, cols_free, bkv * N + start_n, bkv, start_n, bh0,
@@ -761,16 +814,17 @@ def _bwd_fused_ws_kernel(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts
                          sm_scale, H, HKV, N, NPAD, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                          GROUP: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, P_SCALE: gl.constexpr,
                          OVERLAP: gl.constexpr, DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr,
-                         CONSUMERS: gl.constexpr, DQ_TMA: gl.constexpr, DQ_T: gl.constexpr, DSQ_ROW: gl.constexpr):
+                         CONSUMERS: gl.constexpr, DQ_TMA: gl.constexpr, DQ_T: gl.constexpr, DSQ_ROW: gl.constexpr,
+                         DQ_ORDER: gl.constexpr):
     """The five-GEMM backward (``bwd_fused``'s computation) on host-side TMA descriptors: the dkdv
     kernel with dQ's partial of every query tile added into ``DQ_ACC`` (:func:`fused`), on
     ``CONSUMERS`` consumer warp groups of 64 keys a CTA; ``DQ_TMA``: by TMA reduce-adds, ``DQ_ACC``
     a descriptor, else by float32 atomics; ``DSQ_ROW``: dS for dQ scaled from the bound ``DSQ_U``, the
-    partials unscaled."""
+    partials unscaled; ``DQ_ORDER``: where dQ^T's partial goes among dV and dK (:func:`_consumer`)."""
     _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, kt_desc, kts_desc, Q_SCALE,
           K_SCALE, V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, H, HKV, N, NPAD, HEAD_DIM,
           BLOCK_M, GROUP, STAGES, CAUSAL, P_SCALE, False, OVERLAP, True, DETERMINISTIC, EVEN_N, CONSUMERS, DQ_TMA,
-          DQ_T, DSQ_U, DSQ_ROW)
+          DQ_T, DSQ_U, DSQ_ROW, DQ_ORDER)
 
 
 @gluon.jit
@@ -907,7 +961,8 @@ def _check_fused(spec, head_dim: int, debug: bool = False) -> None:
 def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, debug: bool = False,
            host_descriptors: bool = True, stages: int | None = None, split: bool | None = None,
            overlap: int | None = None, deterministic: bool = False, n: int | None = None,
-           consumers: int | None = None, dq_tma: bool | None = False, dq_t: bool | None = None) -> Launch:
+           consumers: int | None = None, dq_tma: bool | None = False, dq_t: bool | None = None,
+           dq_order: int | None = None) -> Launch:
     """The launch of the Gluon backward kernel ``kernel`` (``"dq"``, ``"dkdv"`` or ``"fused"``, the
     five-GEMM one: dkdv with dQ's partials, :func:`fused`) for ``spec`` (a
     ``config.KernelSpec`` or its name) at ``head_dim``, ``group`` query heads per key/value head:
@@ -928,8 +983,9 @@ def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, de
     wgmma's shared B operand instead of moved into registers, into a transposed buffer; None (the
     default): wherever dQ's partials go by TMA reduce-adds (faster than dQ's own partials at every
     shape of the bench: ``benchmarks/results/h100_bench_attention.json``, ``ours_bwd_fused_t``
-    against ``ours_bwd_fused_tma``). Raises ValueError, with the reason, for what the kernel does
-    not run."""
+    against ``ours_bwd_fused_tma``); ``dq_order`` (fused, dQ^T): where its partial goes among dV
+    and dK, else the spec's ``fused_dq_order`` (``_consumer``'s ``DQ_ORDER``). Raises ValueError,
+    with the reason, for what the kernel does not run."""
     from .config import get_spec
 
     import dataclasses
@@ -949,6 +1005,10 @@ def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, de
     given = {f"{'dkdv' if kernel == 'fused' else kernel}_{k}": v for k, v in dict(stages=stages, split=split, overlap=overlap).items() if v is not None}
     if consumers is not None:
         given["fused_consumers"] = consumers
+    if dq_order is not None:
+        if kernel != "fused":
+            raise ValueError(f"bwd_ws: dq_order={dq_order!r} is the fused kernel's")
+        given["fused_dq_order"] = dq_order
     if given:
         r = r.with_tiles(ws_bwd=dataclasses.replace(ws, **given))
     if kernel == "dq":
@@ -991,6 +1051,16 @@ def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, de
         consts["DQ_T"] = bool(dq_t)
         # dS for dQ scaled per query from the pre-pass's bound, its partials unscaled (fused(dsq_bound=))
         consts["DSQ_ROW"] = r.dsq_row
+        order = r.ws_bwd_tiles(head_dim).fused_dq_order
+        if order and not dq_t:
+            raise ValueError(f"bwd_ws: fused_dq_order={order} places dQ^T's partial (dq_t); this launch adds dQ's "
+                             "own (dq_t=False, or no TMA reduce-adds: N not a multiple of "
+                             f"{BLOCK_N.value}, or deterministic)")
+        if order and head_dim != {1: 128, 2: 64, 3: 128}[order]:
+            raise ValueError(f"bwd_ws: fused_dq_order={order} runs at head dim {({1: 128, 2: 64, 3: 128})[order]} "
+                             "only (1, 3: two channel halves of dQ^T; 2: three wgmma results in flight), not "
+                             f"{head_dim}")
+        consts["DQ_ORDER"] = int(order)
         return Launch(consts, num_warps=NUM_WARPS, num_stages=None,
                       maxnreg=TWO_CONSUMER_LAUNCH_REGS if two else LAUNCH_REGS, kernel=_bwd_fused_ws_kernel,
                       block_m=consts["CONSUMERS"] * BLOCK_N.value, signature=_signature)
@@ -1061,7 +1131,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, reci
                  stages: int | None = None, split: bool | None = None, overlap: int | None = None,
                  host_descriptors: bool = True, n_multiple_of_16: bool = True, kernel: str = "dkdv",
                  deterministic: bool = False, n: int | None = None, consumers: int | None = None,
-                 dq_tma: bool = False, dq_t: bool | None = None):
+                 dq_tma: bool = False, dq_t: bool | None = None, dq_order: int | None = None):
     """Compile ``kernel`` for sm_90a without a GPU (ptxas included) as :func:`launch` describes it
     (``group``, ``split`` and ``host_descriptors`` are the dkdv kernel's only; GQA is a run-time
     argument of the dq kernel; ``deterministic``, ``n``, ``consumers`` and ``dq_tma`` the fused
@@ -1074,7 +1144,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, reci
     spec = get_spec(recipe)
     run = launch(spec, head_dim=head_dim, causal=causal, kernel=kernel, group=group,
                  host_descriptors=host_descriptors, stages=stages, split=split, overlap=overlap,
-                 deterministic=deterministic, n=n, consumers=consumers, dq_tma=dq_tma, dq_t=dq_t)
+                 deterministic=deterministic, n=n, consumers=consumers, dq_tma=dq_tma, dq_t=dq_t, dq_order=dq_order)
     return compile_launch(run, n_multiple_of_16=n_multiple_of_16, do_format=spec.recipe.do_dp.fmt.name)
 
 
@@ -1110,7 +1180,8 @@ def prepass(saved, do8, *, batch: int, heads: int, kv_heads: int, n: int, head_d
 
 def fused(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int, causal: bool,
           scale: float, recipe, deterministic: bool = False, stages: int | None = None, overlap: int | None = None,
-          consumers: int | None = None, dq_tma: bool | None = None, dq_t: bool | None = None, dsq_bound=None):
+          consumers: int | None = None, dq_tma: bool | None = None, dq_t: bool | None = None, dsq_bound=None,
+          dq_order: int | None = None):
     """The five-GEMM backward in Gluon: ``bwd_fused.backward``'s computation (the same operands,
     the same D from ``delta``, the same recipe) on the dkdv kernel's warp-specialized CTAs, each
     adding dQ's partial of its 64 keys into a float32 buffer, then ``bwd_fused``'s postprocess.
@@ -1126,7 +1197,8 @@ def fused(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, h
     (``KernelSpec.dsq_row``), and only there, that bound (``prepass(..., bound=True)``'s U, as
     ``bwd_fused.backward`` reads it): dQ's partials are added unscaled and the postprocess applies
     each query's factor and the head's K scale (powers of two: the same values as scaling each
-    partial, but for partials below float32's normal range). Returns ``(dq, dk, dv, {"delta": delta})``."""
+    partial, but for partials below float32's normal range). ``dq_order``: where dQ^T's partial
+    goes among dV and dK, if not the spec's (:func:`launch`). Returns ``(dq, dk, dv, {"delta": delta})``."""
     import torch
 
     from .bwd_fused import check_dsq, postprocess_dq
@@ -1137,7 +1209,7 @@ def fused(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, h
 
     run = launch(recipe, head_dim=head_dim, causal=causal, kernel="fused", group=heads // kv_heads,
                  stages=stages, overlap=overlap, deterministic=deterministic, n=n, consumers=consumers,
-                 dq_tma=dq_tma, dq_t=dq_t)
+                 dq_tma=dq_tma, dq_t=dq_t, dq_order=dq_order)
     saved = saved.with_q_copies()  # where the forward left them to the backward
     q8, k8, v8 = saved.q, saved.k, saved.v
     dev = do8.rows.device

@@ -174,6 +174,11 @@ class WsBwdTiles:
     #: sharing one ring of query tiles (each streamed once for both). It runs the ring and
     #: schedule of dkdv (``dkdv_stages``, ``dkdv_overlap``)
     fused_consumers: int = 1
+    #: where the five-GEMM kernel's dQ^T partial goes among dV and dK (``bwd_ws._consumer``'s
+    #: ``DQ_ORDER``; dQ^T's partials only, ``bwd_ws.launch``'s ``dq_t``): 0 before both; 1 (D = 128)
+    #: its two channel halves around dV; 2 (D = 64) its wgmma and dV's and dK's issued together; 3
+    #: (D = 128) before both, its halves through two shared tiles taking turns
+    fused_dq_order: int = 0
 
     def __post_init__(self) -> None:
         if self.dkdv_overlap not in (0, 1, 2) or self.dq_overlap not in (0, 1, 2, 3):
@@ -182,6 +187,8 @@ class WsBwdTiles:
         if self.fused_consumers not in WS_BWD_FUSED_CONSUMERS:
             raise ValueError(f"fused_consumers={self.fused_consumers!r}: the five-GEMM Gluon backward runs "
                              f"{' or '.join(map(str, WS_BWD_FUSED_CONSUMERS))} consumer warp groups a CTA")
+        if self.fused_dq_order not in (0, 1, 2, 3):
+            raise ValueError(f"fused_dq_order={self.fused_dq_order!r} must be 0, 1, 2 or 3")
         if self.dkdv_overlap == 2 and self.dkdv_split:
             raise ValueError("dkdv_overlap=2 issues P^T dO behind dP^T, which the split dK and dV do not")
         if min(self.dkdv_stages, self.dq_stages) < 1:

@@ -51,6 +51,11 @@ print(json.dumps(out))
 """
 
 
+#: the fused kernel's other places of dQ^T's partial at each head dim (``WsBwdTiles.fused_dq_order``),
+#: as (consumers, dq_order)
+_DQ_ORDERS = {128: ((1, 1), (2, 1), (2, 3)), 64: ((1, 2), (2, 2))}
+
+
 @pytest.mark.slow
 def test_bwd_ws_fused_compiles_for_sm90_with_its_register_budget():
     usage = compile_and_check_budget(_SCRIPT, 16, spills_ok=lambda u: u["d"] == 128)
@@ -96,6 +101,8 @@ from dmref.kernels.compile_check import warp_specialized_budget
 out = []
 for d in (64, 128):
     for kw in (dict(n=4096, dq_tma=True, dq_t=True, consumers=CONSUMERS),
+               dict(n=4096, dq_tma=True, dq_t=True, consumers=CONSUMERS, dq_order=2 if d == 64 else 1),
+               dict(n=4096, dq_tma=True, dq_t=True, consumers=CONSUMERS, dq_order=2 if d == 64 else 3),
                dict(n=1000, dq_tma=False, consumers=CONSUMERS),
                dict(n=4096, deterministic=True, consumers=CONSUMERS)):
         k = bwd_ws.compile_sm90(kernel="fused", head_dim=d, causal=True, recipe="kernels_folded_delta_prepass_dsq_row",
@@ -110,7 +117,7 @@ def test_dsq_row_bwd_ws_fused_compiles_for_sm90_with_its_register_budget():
     """The dsq-row kernel (``DSQ_ROW``), one consumer and two, within the budget; D = 64 without
     spills (D = 128 spills as the other fused kernels do)."""
     for consumers in (1, 2):
-        got = compile_and_check_budget(_SCRIPT_DSQ.replace("CONSUMERS", str(consumers)), 6, consumers=consumers,
+        got = compile_and_check_budget(_SCRIPT_DSQ.replace("CONSUMERS", str(consumers)), 10, consumers=consumers,
                                        spills_ok=lambda u: u["d"] == 128)
         assert all(u["spills"] == 0 for u in got if u["d"] == 64)
 
@@ -203,6 +210,20 @@ def test_bwd_ws_fused_refuses_what_it_does_not_run():
         assert run.constexprs["DQ_TMA"] is want and run.constexprs["DQ_T"] is want, kwargs
     with pytest.raises(ValueError, match="fused kernel's"):
         bwd_ws.launch(stale, head_dim=128, causal=False, kernel="dkdv", dq_tma=True)
+    # dQ^T's partial among dV and dK (dq_order): dQ^T only, 1 at D = 128, 2 at D = 64
+    for d, order in ((128, 1), (128, 3), (64, 2)):
+        run = bwd_ws.launch(stale, head_dim=d, causal=True, kernel="fused", n=1024, dq_tma=True, dq_t=True,
+                            dq_order=order)
+        assert run.constexprs["DQ_ORDER"] == order
+        for kwargs, match in ((dict(head_dim=d, dq_order=2 if d == 128 else 1, dq_t=True), "runs at head dim"),
+                              (dict(head_dim=d, dq_order=order, dq_t=False), "places dQ\\^T"),
+                              (dict(head_dim=d, dq_order=4), "must be 0, 1, 2 or 3")):
+            with pytest.raises(ValueError, match=match) as exc:
+                bwd_ws.launch(stale, causal=True, kernel="fused", n=1024, dq_tma=True, **kwargs)
+            assert "\n" not in str(exc.value)
+    assert bwd_ws.launch(stale, head_dim=64, causal=True, kernel="fused", n=1024, dq_tma=True).constexprs["DQ_ORDER"] == 0
+    with pytest.raises(ValueError, match="fused kernel's"):
+        bwd_ws.launch(stale, head_dim=64, causal=True, kernel="dkdv", dq_order=2)
     for consumers in (0, 3):
         with pytest.raises(ValueError, match="fused_consumers") as exc:
             bwd_ws.launch(stale, head_dim=128, causal=False, kernel="fused", consumers=consumers)
@@ -292,11 +313,14 @@ def test_bwd_ws_fused_equals_the_triton_fused(case):
         # dQ's partials by TMA reduce-adds of a shared tile (dq_tma): the same partials, added in L2,
         # so within the same bound; and as dQ^T = K^T dS^T into a transposed buffer (dq_t, the
         # default with dq_tma): the same products in the same k order, within the same bound
-        for consumers, t in ((1, False), (2, False), (1, True), (2, True), (1, None)):
+        # dQ^T's partial placed among dV and dK otherwise (dq_order): the same values
+        orders = tuple((c, True, o) for c, o in _DQ_ORDERS[shape.head_dim])
+        for consumers, t, o in ((1, False, None), (2, False, None), (1, True, None), (2, True, None), (1, None, None),
+                                *orders):
             dq_r, dk_r, dv_r, _ = bwd_ws.fused(saved, do8, delta, recipe=r, dq_tma=True, consumers=consumers,
-                                               dq_t=t, **dims)
+                                               dq_t=t, dq_order=o, **dims)
             torch.cuda.synchronize()
-            what = f"dq_tma, {consumers} consumers, dq_t={t}"
+            what = f"dq_tma, {consumers} consumers, dq_t={t}, dq_order={o}"
             assert torch.equal(dk_r, dk_t) and torch.equal(dv_r, dv_t), f"{what}: dK, dV"
             _assert_within_order_bound(dq_r, dq_t, bound, f"dQ ({what})")
 
@@ -498,6 +522,7 @@ def test_the_dsq_row_backward_in_gluon_equals_the_triton_one(case):
     variants = [dict(dq_tma=False, consumers=1)]
     if shape.n % 64 == 0:
         variants += [dict(dq_tma=True, dq_t=t, consumers=c) for t in (False, True) for c in (1, 2)]
+        variants += [dict(dq_tma=True, dq_t=True, consumers=c, dq_order=o) for c, o in _DQ_ORDERS[shape.head_dim]]
     for kw in variants:
         dq, dk, dv, _ = bwd_ws.fused(saved, do8, d_t, recipe=r, dsq_bound=u_t, **kw, **dims)
         torch.cuda.synchronize()

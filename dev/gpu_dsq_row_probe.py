@@ -3,7 +3,8 @@ bench's shapes (``bench_attention.SHAPES``), causal and not, beside cuDNN BF16's
 the same process: the whole backward as ``api.attention_backward`` runs it (``dsq_bwd``), its Gluon
 pre-pass with the bound (``prepass``), and its Gluon five-GEMM kernel incl. dQ's postprocess with
 one consumer warp group a CTA (``f1``), two (``f2``), each with dQ^T's partial placed otherwise
-among dV and dK (``f<consumers>o<dq_order>``: ``bwd_ws.fused(dq_order=)``, ``DQ_ORDERS``), and
+among dV and dK or with the per-query vectors through the ring (``NEW``: ``bwd_ws.fused(dq_order=,
+vec_tma=)``), and
 two adding dQ^T's partial over their 128 keys together (``f2s``, ``bwd_ws.fused(dq_shared=True)``:
 only where ``fused`` takes it, the kernels as committed in df6f3e8; it left the tree). Prints one JSON line a shape (``ratio``: cuDNN
 BF16's time over ours) and writes them to ``$OUT/<device>_dsq_row_probe.json`` (its log:
@@ -27,16 +28,21 @@ R = "kernels_folded_delta_prepass_dsq_row"
 VARIANTS = {"f1": dict(consumers=1), "f2": dict(consumers=2)}
 if "dq_shared" in inspect.signature(bwd_ws.fused).parameters:
     VARIANTS["f2s"] = dict(consumers=2, dq_shared=True)
-#: dQ^T's partial placed among dV and dK otherwise (``WsBwdTiles.fused_dq_order``), name -> (consumers,
-#: dq_order) at each head dim
-DQ_ORDERS = {128: {"f1o1": (1, 1), "f2o1": (2, 1), "f2o3": (2, 3)}, 64: {"f1o2": (1, 2), "f2o2": (2, 2)}}
+#: name -> (consumers, dq_order, vec_tma) at each head dim: dQ^T's partial placed among dV and dK
+#: otherwise (``WsBwdTiles.fused_dq_order``, ``o<order>``) and the per-query vectors through the ring
+#: (``fused_vec_tma``, ``v``; at D = 128 with two consumers only: with one its 116 KB of shared
+#: memory a CTA leave one CTA an SM)
+NEW = {128: {"f1o1": (1, 1, False), "f2o1": (2, 1, False), "f2o3": (2, 3, False), "f2v": (2, 0, True),
+             "f2o3v": (2, 3, True)},
+       64: {"f1o2": (1, 2, False), "f2o2": (2, 2, False), "f1v": (1, 0, True), "f2v": (2, 0, True),
+            "f1o2v": (1, 2, True), "f2o2v": (2, 2, True)}}
 
 
 def variants(d: int) -> dict:
     """The five-GEMM kernel's variants timed at head dim ``d``."""
     out = dict(VARIANTS)
-    if "dq_order" in inspect.signature(bwd_ws.fused).parameters:
-        out.update({name: dict(consumers=c, dq_order=o) for name, (c, o) in DQ_ORDERS[d].items()})
+    if "vec_tma" in inspect.signature(bwd_ws.fused).parameters:
+        out.update({name: dict(consumers=c, dq_order=o, vec_tma=v) for name, (c, o, v) in NEW[d].items()})
     return out
 
 

@@ -209,13 +209,16 @@ def _producer(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots
               v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs, kv_ready,
               rows_ready, rows_free, cols_ready, cols_free, kv_row, bkv, start_n, bh0, lo, n_m, n_iter, N, NPAD,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, FUSED: gl.constexpr,
-              k_smem1=None, v_smem1=None, kt_smem1=None, CONSUMERS: gl.constexpr = 1):
+              k_smem1=None, v_smem1=None, kt_smem1=None, CONSUMERS: gl.constexpr = 1, VEC_TMA: gl.constexpr = False,
+              vec_descs=None, vec_bufs=None, NV: gl.constexpr = 0):
     """TMA loads: K and V row tiles once (``FUSED``: and K's transposed tile with its scale row;
     ``CONSUMERS`` 2: those of keys ``start_n + 64 ..`` too, into ``k_smem1``, ``v_smem1``,
     ``kt_smem1``, the scale row being one for the CTA's 128 keys), then per iteration i (query
     head ``bh0 + i // n_m``, query tile ``lo + (i % n_m) * BLOCK_M``) the Q and dO row tiles, and
     the Q^T and dO^T tiles with their scales (the row of ``(NPAD // QUANT_BLOCK, D)`` factors of
-    the tile's token block)."""
+    the tile's token block). ``VEC_TMA``: with the row tiles, the query tile's ``NV`` per-query
+    vectors (``vec_descs``: Q's scale, LSE2, dO's scale, D and, ``NV`` 5, U; rows of ``BLOCK_M``
+    float32) into ``vec_bufs[s * NV + j]``."""
     if FUSED:
         mbarrier.expect(kv_ready, CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes
                                                + kt_desc.block_type.nbytes) + kts_desc.block_type.nbytes)
@@ -236,9 +239,18 @@ def _producer(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots
         bh = bh0 + i // n_m
         start_m = lo + (i % n_m) * BLOCK_M
         mbarrier.wait(rows_free.index(s), ph)
-        mbarrier.expect(rows_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        if VEC_TMA:
+            mbarrier.expect(rows_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                            + NV * vec_descs[0].block_type.nbytes)
+        else:
+            mbarrier.expect(rows_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [bh * N + start_m, 0], rows_ready.index(s), q_bufs.index(s))
         tma.async_copy_global_to_shared(do_desc, [bh * N + start_m, 0], rows_ready.index(s), do_bufs.index(s))
+        if VEC_TMA:
+            vrow = (bh * N + start_m) // BLOCK_M  # N a multiple of BLOCK_M: one row of one head
+            for j in gl.static_range(NV):
+                tma.async_copy_global_to_shared(vec_descs[j], [vrow, 0], rows_ready.index(s),
+                                                vec_bufs.index(s * NV + j))
         mbarrier.wait(cols_free.index(s), ph)
         mbarrier.expect(cols_ready.index(s), qt_desc.block_type.nbytes + dot_desc.block_type.nbytes
                         + qts_desc.block_type.nbytes + dots_desc.block_type.nbytes)
@@ -440,7 +452,8 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
               P_SCALE: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr, FUSED: gl.constexpr,
               DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr, SKIP: gl.constexpr = False, dq_smem=None,
               DQ_TMA: gl.constexpr = False, dsq_smem=None, DQ_T: gl.constexpr = False, DSQ_U=None,
-              DSQ_ROW: gl.constexpr = False, DQ_ORDER: gl.constexpr = 0):
+              DSQ_ROW: gl.constexpr = False, DQ_ORDER: gl.constexpr = 0, VEC_TMA: gl.constexpr = False,
+              vec_bufs=None, NV: gl.constexpr = 0):
     """The consumer warp group: the key tile's scales, every query tile, the stores. With
     ``SPLIT`` dK and dV are held as two halves of the head dim, each accumulated by its own
     wgmma (the same per-element chains: a wgmma's output element depends on its row of A, its
@@ -457,7 +470,11 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
     and those of dV and dK issued together, each waited on in turn (three results in flight), so
     that dQ^T's way out runs under dV's and dK's wgmmas and their promotions under each other's; 3
     (D = 128) before both, its two halves through two shared tiles of their own (``dq_smem``
-    ``[2, D/2, BLOCK_M]``), so that neither waits for the other's reduce-add."""
+    ``[2, D/2, BLOCK_M]``), so that neither waits for the other's reduce-add. ``VEC_TMA``: the
+    per-query vectors come with the row tiles through the ring (``vec_bufs``, :func:`_producer`)
+    and are read from shared memory in S^T's column layout where they are used, instead of loaded
+    one element a thread and moved into that layout through shared memory (two barriers of the
+    warp group each)."""
     CH: gl.constexpr = HEAD_DIM // 2 if SPLIT else HEAD_DIM
     gl.static_assert(OVERLAP < 2 or not SPLIT)
     gl.static_assert(not FUSED or (not SPLIT and OVERLAP < 2 and BLOCK_M == BLOCK_N))
@@ -518,15 +535,16 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
         # the per-query vectors: loaded one element a thread, moved into S^T's column layout
         # (16 registers a thread each) through shared memory where they are used, so that none
         # is held across a wgmma
-        offs_v = start_m + gl.arange(0, BLOCK_M, layout=vec_layout)
-        v_in = offs_v < N
-        head = bh * N
-        q_scale_v = gl.load(Q_SCALE + head + offs_v, mask=v_in, other=0.0) * qk_scale
-        lse2_v = gl.load(LSE2 + head + offs_v, mask=v_in, other=float("inf"))
-        do_scale_v = gl.load(DO_SCALE + head + offs_v, mask=v_in, other=0.0)
-        delta_v = gl.load(DELTA + head + offs_v, mask=v_in, other=0.0)
-        if DSQ_ROW:  # the exponent of each query's dS-for-dQ scale, POW2_DOWN of its bound U
-            dsq_k_v = _pow2_down_exponent(gl.load(DSQ_U + head + offs_v, mask=v_in, other=0.0), False)
+        if not VEC_TMA:
+            offs_v = start_m + gl.arange(0, BLOCK_M, layout=vec_layout)
+            v_in = offs_v < N
+            head = bh * N
+            q_scale_v = gl.load(Q_SCALE + head + offs_v, mask=v_in, other=0.0) * qk_scale
+            lse2_v = gl.load(LSE2 + head + offs_v, mask=v_in, other=float("inf"))
+            do_scale_v = gl.load(DO_SCALE + head + offs_v, mask=v_in, other=0.0)
+            delta_v = gl.load(DELTA + head + offs_v, mask=v_in, other=0.0)
+            if DSQ_ROW:  # the exponent of each query's dS-for-dQ scale, POW2_DOWN of its bound U
+                dsq_k_v = _pow2_down_exponent(gl.load(DSQ_U + head + offs_v, mask=v_in, other=0.0), False)
         # S^T (with OVERLAP, dP^T issued behind it runs during the softmax)
         mbarrier.wait(rows_ready.index(s), ph)
         st = warpgroup_mma(k_smem, q_bufs.index(s).permute((1, 0)),
@@ -538,8 +556,12 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
         else:
             st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
         # the softmax, transposed: P^T = exp2(S2^T - LSE2), 0 where masked
-        q_scale = gl.convert_layout(q_scale_v, col_s)
-        lse2 = gl.convert_layout(lse2_v, col_s)
+        if VEC_TMA:  # every query below N (N a multiple of BLOCK_M): no mask
+            q_scale = vec_bufs.index(s * NV).reshape([BLOCK_M]).load(col_s) * qk_scale
+            lse2 = vec_bufs.index(s * NV + 1).reshape([BLOCK_M]).load(col_s)
+        else:
+            q_scale = gl.convert_layout(q_scale_v, col_s)
+            lse2 = gl.convert_layout(lse2_v, col_s)
         s2 = _mul_rn(st, gl.expand_dims(k_scale, 1) * gl.expand_dims(q_scale, 0), False)
         # masks: queries past N have LSE2 = +inf, so their P is exp2(-inf) = 0 (the Triton
         # kernel's select gives the same 0); causal, one compare a element. Keys past N are not
@@ -569,10 +591,16 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
             t = warpgroup_mma(p8, dot_s.permute((1, 0)), gl.zeros([BLOCK_N, CH], gl.float32, a_layout),
                               use_acc=False, is_async=True)
             dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
+        if VEC_TMA:  # read before the stage is released
+            do_scale = vec_bufs.index(s * NV + 2).reshape([BLOCK_M]).load(col_s)
+            delta = vec_bufs.index(s * NV + 3).reshape([BLOCK_M]).load(col_s)
+            if DSQ_ROW:
+                k_dq_row = _pow2_down_exponent(vec_bufs.index(s * NV + 4).reshape([BLOCK_M]).load(col_s), False)
         fence_async_shared()  # the reads of this stage before the next TMA writes into it
         mbarrier.arrive(rows_free.index(s), count=1)
-        do_scale = gl.convert_layout(do_scale_v, col_s)
-        delta = gl.convert_layout(delta_v, col_s)
+        if not VEC_TMA:
+            do_scale = gl.convert_layout(do_scale_v, col_s)
+            delta = gl.convert_layout(delta_v, col_s)
         dp_t = _mul_rn(dpt, gl.expand_dims(v_scale, 1) * gl.expand_dims(do_scale, 0), False)
         # dS = P (dP - D); Q-point dS: one POW2_DOWN scale per key row of the tile
         ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
@@ -584,7 +612,9 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
             # promotion, which fill the registers
             # Q-point dS (dQ): E4M3, each query's scale from its amax over the tile's keys, or
             # (DSQ_ROW) from U over all keys, whose factor the postprocess applies
-            if DSQ_ROW:
+            if DSQ_ROW and VEC_TMA:
+                k_dq = k_dq_row
+            elif DSQ_ROW:
                 k_dq = gl.convert_layout(dsq_k_v, col_s)
             else:
                 k_dq = _ds_for_dq_exponent(ds_t)
@@ -689,7 +719,7 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
           CAUSAL: gl.constexpr, P_SCALE: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr,
           FUSED: gl.constexpr, DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr, CONSUMERS: gl.constexpr = 1,
           DQ_TMA: gl.constexpr = False, DQ_T: gl.constexpr = False, DSQ_U=None, DSQ_ROW: gl.constexpr = False,
-          DQ_ORDER: gl.constexpr = 0):
+          DQ_ORDER: gl.constexpr = 0, VEC_TMA: gl.constexpr = False):
     """The kernel on its TMA descriptors: K, V rows ``(B*HKV*N, D)``, Q, dO rows ``(B*H*N, D)``,
     Q^T, dO^T ``(B*H*D, NPAD)`` and their scales ``(B*H*NPAD/128, D)``; ``FUSED``: K^T
     ``(B*HKV*D, NPAD)`` and its scales, dQ's float32 buffer and (``DETERMINISTIC``) its counters
@@ -698,7 +728,9 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
     starts at the CTA's first query tile. ``DQ_TMA``: ``DQ_ACC`` is dQ's buffer as a TMA
     descriptor, each consumer's partials reaching it through a shared tile of its own;
     ``DQ_T`` (with ``DQ_TMA``): dQ^T's partials, ``DQ_ACC`` dQ^T's buffer ``(B*H*D, N)``, dS's codes
-    through a shared tile of each consumer's own."""
+    through a shared tile of each consumer's own. ``VEC_TMA`` (``FUSED``, N a multiple of
+    ``BLOCK_M``): ``Q_SCALE``, ``LSE2``, ``DO_SCALE``, ``DELTA`` and ``DSQ_U`` are TMA descriptors
+    of those vectors viewed as ``(B*H*N / BLOCK_M, BLOCK_M)``, loaded with the row tiles."""
     gl.static_assert(QUANT_BLOCK % BLOCK_M == 0)
     gl.static_assert(BLOCK_N % BLOCK_M == 0 or BLOCK_M % BLOCK_N == 0)
     gl.static_assert(CONSUMERS == 1 or (FUSED and CONSUMERS == 2))
@@ -747,6 +779,18 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
     gl.static_assert(not DQ_T or DQ_TMA)
+    gl.static_assert(not VEC_TMA or (FUSED and EVEN_N))
+    # the per-query vectors a query tile, through the ring (VEC_TMA): Q's scale, LSE2, dO's scale, D, U
+    NV: gl.constexpr = (5 if DSQ_ROW else 4) if VEC_TMA else 0
+    if VEC_TMA:
+        if DSQ_ROW:
+            vec_descs = (Q_SCALE, LSE2, DO_SCALE, DELTA, DSQ_U)
+        else:
+            vec_descs = (Q_SCALE, LSE2, DO_SCALE, DELTA)
+        vec_bufs = gl.allocate_shared_memory(gl.float32, [STAGES * NV] + Q_SCALE.block_shape, Q_SCALE.layout)
+    else:
+        vec_descs = (k_desc, )  # placeholders, never read
+        vec_bufs = k_smem
     if DQ_T:
         dsq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.float8e4nv)
         dsq_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, BLOCK_N], dsq_layout)
@@ -765,11 +809,13 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
                          kv_ready, rows_ready, rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE,
                          LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, bkv, bh0, start_n, lo, n_m, n_iter, N,
                          NPAD, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, P_SCALE, SPLIT, OVERLAP, FUSED, DETERMINISTIC,
-                         EVEN_N, False, dq_smem, DQ_TMA, dsq_smem, DQ_T, DSQ_U, DSQ_ROW, DQ_ORDER)),
+                         EVEN_N, False, dq_smem, DQ_TMA, dsq_smem, DQ_T, DSQ_U, DSQ_ROW, DQ_ORDER, VEC_TMA,
+                         vec_bufs, NV)),
             (_producer, (k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, kt_desc, kts_desc,
                          k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs,
                          kv_ready, rows_ready, rows_free, cols_ready, cols_free, bkv * N + start_n, bkv, start_n, bh0,
-                         lo, n_m, n_iter, N, NPAD, HEAD_DIM, BLOCK_M, STAGES, FUSED)),
+                         lo, n_m, n_iter, N, NPAD, HEAD_DIM, BLOCK_M, STAGES, FUSED, k_smem, v_smem, kt_smem,
+                         CONSUMERS, VEC_TMA, vec_descs, vec_bufs, NV)),
         ], [1], [PRODUCER_REGS])
     else:
         # consumer 0 (the default partition) takes keys start_n .. + 63, consumer 1 (a worker
@@ -781,18 +827,19 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
                          kv_ready, rows_ready, rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE,
                          LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, bkv, bh0, start_n, lo, n_m, n_iter, N,
                          NPAD, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, P_SCALE, SPLIT, OVERLAP, FUSED, DETERMINISTIC,
-                         EVEN_N, False, dq_smem, DQ_TMA, dsq_smem, DQ_T, DSQ_U, DSQ_ROW, DQ_ORDER)),
+                         EVEN_N, False, dq_smem, DQ_TMA, dsq_smem, DQ_T, DSQ_U, DSQ_ROW, DQ_ORDER, VEC_TMA,
+                         vec_bufs, NV)),
             (_consumer, (k_smem1, v_smem1, kt_smem1, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs,
                          dots_bufs, kv_ready, rows_ready, rows_free, cols_ready, cols_free, Q_SCALE, K_SCALE, V_SCALE,
                          DO_SCALE, LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, bkv, bh0, start_n + BLOCK_N,
                          lo, n_m, n_iter, N, NPAD, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, P_SCALE, SPLIT, OVERLAP, FUSED,
                          DETERMINISTIC, EVEN_N, True, dq_smem1, DQ_TMA, dsq_smem1,
-                         DQ_T, DSQ_U, DSQ_ROW, DQ_ORDER)),
+                         DQ_T, DSQ_U, DSQ_ROW, DQ_ORDER, VEC_TMA, vec_bufs, NV)),
             (_producer, (k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, kt_desc, kts_desc,
                          k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_bufs, qts_bufs, dots_bufs,
                          kv_ready, rows_ready, rows_free, cols_ready, cols_free, bkv * N + start_n, bkv, start_n, bh0,
                          lo, n_m, n_iter, N, NPAD, HEAD_DIM, BLOCK_M, STAGES, FUSED, k_smem1, v_smem1, kt_smem1,
-                         CONSUMERS)),
+                         CONSUMERS, VEC_TMA, vec_descs, vec_bufs, NV)),
         ], [4, 1], [TWO_CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -815,16 +862,17 @@ def _bwd_fused_ws_kernel(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts
                          GROUP: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, P_SCALE: gl.constexpr,
                          OVERLAP: gl.constexpr, DETERMINISTIC: gl.constexpr, EVEN_N: gl.constexpr,
                          CONSUMERS: gl.constexpr, DQ_TMA: gl.constexpr, DQ_T: gl.constexpr, DSQ_ROW: gl.constexpr,
-                         DQ_ORDER: gl.constexpr):
+                         DQ_ORDER: gl.constexpr, VEC_TMA: gl.constexpr):
     """The five-GEMM backward (``bwd_fused``'s computation) on host-side TMA descriptors: the dkdv
     kernel with dQ's partial of every query tile added into ``DQ_ACC`` (:func:`fused`), on
     ``CONSUMERS`` consumer warp groups of 64 keys a CTA; ``DQ_TMA``: by TMA reduce-adds, ``DQ_ACC``
     a descriptor, else by float32 atomics; ``DSQ_ROW``: dS for dQ scaled from the bound ``DSQ_U``, the
-    partials unscaled; ``DQ_ORDER``: where dQ^T's partial goes among dV and dK (:func:`_consumer`)."""
+    partials unscaled; ``DQ_ORDER``: where dQ^T's partial goes among dV and dK (:func:`_consumer`);
+    ``VEC_TMA``: the per-query vectors as TMA descriptors, through the ring (:func:`_body`)."""
     _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_desc, kt_desc, kts_desc, Q_SCALE,
           K_SCALE, V_SCALE, DO_SCALE, LSE2, DELTA, DK, DV, DQ_ACC, SEM, qk_scale, sm_scale, H, HKV, N, NPAD, HEAD_DIM,
           BLOCK_M, GROUP, STAGES, CAUSAL, P_SCALE, False, OVERLAP, True, DETERMINISTIC, EVEN_N, CONSUMERS, DQ_TMA,
-          DQ_T, DSQ_U, DSQ_ROW, DQ_ORDER)
+          DQ_T, DSQ_U, DSQ_ROW, DQ_ORDER, VEC_TMA)
 
 
 @gluon.jit
@@ -918,6 +966,14 @@ def _dq_desc(dq_acc, block: int):
     return TensorDescriptor.from_tensor(dq_acc.reshape(-1, dq_acc.shape[-1]), [block, DQ_CH.value], layout)
 
 
+def _vec_desc(x, block: int):
+    """Host-side TMA descriptor of a per-query vector ``(B*H, N)`` (N a multiple of ``block``)
+    viewed as ``(B*H*N / block, block)``, one row a query tile: the fused kernel's ``VEC_TMA``."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(x.reshape(-1, block), [1, block], _unswizzled_layout(32))
+
+
 def _scale_desc(x, head_dim: int):
     """Host-side TMA descriptor of a transposed copy's scales ``(..., NPAD / 128, D)`` viewed as
     ``(rows, D)``, one row of D factors a tile."""
@@ -962,7 +1018,7 @@ def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, de
            host_descriptors: bool = True, stages: int | None = None, split: bool | None = None,
            overlap: int | None = None, deterministic: bool = False, n: int | None = None,
            consumers: int | None = None, dq_tma: bool | None = False, dq_t: bool | None = None,
-           dq_order: int | None = None) -> Launch:
+           dq_order: int | None = None, vec_tma: bool | None = None) -> Launch:
     """The launch of the Gluon backward kernel ``kernel`` (``"dq"``, ``"dkdv"`` or ``"fused"``, the
     five-GEMM one: dkdv with dQ's partials, :func:`fused`) for ``spec`` (a
     ``config.KernelSpec`` or its name) at ``head_dim``, ``group`` query heads per key/value head:
@@ -984,7 +1040,9 @@ def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, de
     default): wherever dQ's partials go by TMA reduce-adds (faster than dQ's own partials at every
     shape of the bench: ``benchmarks/results/h100_bench_attention.json``, ``ours_bwd_fused_t``
     against ``ours_bwd_fused_tma``); ``dq_order`` (fused, dQ^T): where its partial goes among dV
-    and dK, else the spec's ``fused_dq_order`` (``_consumer``'s ``DQ_ORDER``). Raises ValueError,
+    and dK, else the spec's ``fused_dq_order`` (``_consumer``'s ``DQ_ORDER``); ``vec_tma`` (fused,
+    N a multiple of 64): the per-query vectors through the ring by TMA, else the spec's
+    ``fused_vec_tma`` (``_body``'s ``VEC_TMA``). Raises ValueError,
     with the reason, for what the kernel does not run."""
     from .config import get_spec
 
@@ -1009,6 +1067,10 @@ def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, de
         if kernel != "fused":
             raise ValueError(f"bwd_ws: dq_order={dq_order!r} is the fused kernel's")
         given["fused_dq_order"] = dq_order
+    if vec_tma is not None:
+        if kernel != "fused":
+            raise ValueError(f"bwd_ws: vec_tma={vec_tma!r} is the fused kernel's")
+        given["fused_vec_tma"] = bool(vec_tma)
     if given:
         r = r.with_tiles(ws_bwd=dataclasses.replace(ws, **given))
     if kernel == "dq":
@@ -1060,7 +1122,17 @@ def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, de
             raise ValueError(f"bwd_ws: fused_dq_order={order} runs at head dim {({1: 128, 2: 64, 3: 128})[order]} "
                              "only (1, 3: two channel halves of dQ^T; 2: three wgmma results in flight), not "
                              f"{head_dim}")
+        if order == 3 and not two:
+            raise ValueError("bwd_ws: fused_dq_order=3 runs with two consumer warp groups (fused_consumers=2): with "
+                             "one, its second dQ^T tile takes a CTA's shared memory past half an SM's")
         consts["DQ_ORDER"] = int(order)
+        consts["VEC_TMA"] = bool(r.ws_bwd_tiles(head_dim).fused_vec_tma)
+        if consts["VEC_TMA"] and not consts["EVEN_N"]:
+            raise ValueError(f"bwd_ws: fused_vec_tma loads the per-query vectors in rows of {BLOCK_N.value}: it needs N "
+                             f"a multiple of {BLOCK_N.value} (n={n})")
+        if consts["VEC_TMA"] and head_dim == 128 and not two:
+            raise ValueError("bwd_ws: fused_vec_tma at head dim 128 runs with two consumer warp groups (fused_consumers"
+                             "=2): with one, the vectors' ring takes a CTA's shared memory past half an SM's")
         return Launch(consts, num_warps=NUM_WARPS, num_stages=None,
                       maxnreg=TWO_CONSUMER_LAUNCH_REGS if two else LAUNCH_REGS, kernel=_bwd_fused_ws_kernel,
                       block_m=consts["CONSUMERS"] * BLOCK_N.value, signature=_signature)
@@ -1115,6 +1187,12 @@ def _signature(run: Launch, n_multiple_of_16: bool = True, do_format: str = "flo
                     names += ("DQ_ACC", )
                 else:
                     vectors.update(DQ_ACC="*" + fp32)
+                if run.constexprs["VEC_TMA"]:
+                    vec = ("Q_SCALE", "LSE2", "DO_SCALE", "DELTA", "DSQ_U")
+                    descs += tuple(_vec_desc(torch.zeros(n), run.constexprs["BLOCK_M"]) for _ in vec)
+                    names += vec
+                    for name in vec:
+                        del vectors[name]
             sig = {**{k: mangle_type(x) for k, x in zip(names, descs)}, **vectors, **scalars}
         else:
             vectors.update(QT_SCALE="*" + fp32, DOT_SCALE="*" + fp32)
@@ -1131,7 +1209,8 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, reci
                  stages: int | None = None, split: bool | None = None, overlap: int | None = None,
                  host_descriptors: bool = True, n_multiple_of_16: bool = True, kernel: str = "dkdv",
                  deterministic: bool = False, n: int | None = None, consumers: int | None = None,
-                 dq_tma: bool = False, dq_t: bool | None = None, dq_order: int | None = None):
+                 dq_tma: bool = False, dq_t: bool | None = None, dq_order: int | None = None,
+                 vec_tma: bool | None = None):
     """Compile ``kernel`` for sm_90a without a GPU (ptxas included) as :func:`launch` describes it
     (``group``, ``split`` and ``host_descriptors`` are the dkdv kernel's only; GQA is a run-time
     argument of the dq kernel; ``deterministic``, ``n``, ``consumers`` and ``dq_tma`` the fused
@@ -1144,7 +1223,8 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, group: int = 1, reci
     spec = get_spec(recipe)
     run = launch(spec, head_dim=head_dim, causal=causal, kernel=kernel, group=group,
                  host_descriptors=host_descriptors, stages=stages, split=split, overlap=overlap,
-                 deterministic=deterministic, n=n, consumers=consumers, dq_tma=dq_tma, dq_t=dq_t, dq_order=dq_order)
+                 deterministic=deterministic, n=n, consumers=consumers, dq_tma=dq_tma, dq_t=dq_t, dq_order=dq_order,
+                 vec_tma=vec_tma)
     return compile_launch(run, n_multiple_of_16=n_multiple_of_16, do_format=spec.recipe.do_dp.fmt.name)
 
 
@@ -1181,7 +1261,7 @@ def prepass(saved, do8, *, batch: int, heads: int, kv_heads: int, n: int, head_d
 def fused(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, head_dim: int, causal: bool,
           scale: float, recipe, deterministic: bool = False, stages: int | None = None, overlap: int | None = None,
           consumers: int | None = None, dq_tma: bool | None = None, dq_t: bool | None = None, dsq_bound=None,
-          dq_order: int | None = None):
+          dq_order: int | None = None, vec_tma: bool | None = None):
     """The five-GEMM backward in Gluon: ``bwd_fused.backward``'s computation (the same operands,
     the same D from ``delta``, the same recipe) on the dkdv kernel's warp-specialized CTAs, each
     adding dQ's partial of its 64 keys into a float32 buffer, then ``bwd_fused``'s postprocess.
@@ -1198,7 +1278,8 @@ def fused(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, h
     ``bwd_fused.backward`` reads it): dQ's partials are added unscaled and the postprocess applies
     each query's factor and the head's K scale (powers of two: the same values as scaling each
     partial, but for partials below float32's normal range). ``dq_order``: where dQ^T's partial
-    goes among dV and dK, if not the spec's (:func:`launch`). Returns ``(dq, dk, dv, {"delta": delta})``."""
+    goes among dV and dK, if not the spec's (:func:`launch`); ``vec_tma``: the per-query vectors
+    through the ring by TMA (N a multiple of 64), if not the spec's (:func:`launch`). Returns ``(dq, dk, dv, {"delta": delta})``."""
     import torch
 
     from .bwd_fused import check_dsq, postprocess_dq
@@ -1209,7 +1290,7 @@ def fused(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, h
 
     run = launch(recipe, head_dim=head_dim, causal=causal, kernel="fused", group=heads // kv_heads,
                  stages=stages, overlap=overlap, deterministic=deterministic, n=n, consumers=consumers,
-                 dq_tma=dq_tma, dq_t=dq_t, dq_order=dq_order)
+                 dq_tma=dq_tma, dq_t=dq_t, dq_order=dq_order, vec_tma=vec_tma)
     saved = saved.with_q_copies()  # where the forward left them to the backward
     q8, k8, v8 = saved.q, saved.k, saved.v
     dev = do8.rows.device
@@ -1223,9 +1304,12 @@ def fused(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, h
     descs = _descriptors(q8.rows, q8.cols, q8.col_scale, k8.rows, v8.rows, do8.rows, do8.cols, do8.col_scale,
                          run.constexprs["BLOCK_M"])
     descs += (_col_desc(k8.cols, head_dim, BLOCK_N.value), _scale_desc(k8.col_scale, head_dim))
+    vec = (q8.row_scale, do8.row_scale, saved.lse2, delta, delta if dsq_bound is None else dsq_bound)
+    if run.constexprs["VEC_TMA"]:  # the per-query vectors as TMA descriptors of rows of BLOCK_M
+        vec = tuple(_vec_desc(x, run.constexprs["BLOCK_M"]) for x in vec)
+    q_sc, do_sc, lse2, dlt, u = vec
     run.start(run.grid(n, batch * kv_heads),
-        *descs, q8.row_scale, k8.row_scale, v8.row_scale, do8.row_scale, saved.lse2, delta,
-        delta if dsq_bound is None else dsq_bound, dk, dv,
+        *descs, q_sc, k8.row_scale, v8.row_scale, do_sc, lse2, dlt, u, dk, dv,
         _dq_desc(dq_acc, run.constexprs["BLOCK_M"]) if run.constexprs["DQ_TMA"] else dq_acc, sem,
         scale * LOG2E, scale, heads, kv_heads, n, do8.npad)
     factors = None if dsq_bound is None else (dsq_bound, k8.col_scale, heads // kv_heads)

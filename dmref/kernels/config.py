@@ -179,6 +179,10 @@ class WsBwdTiles:
     #: its two channel halves around dV; 2 (D = 64) its wgmma and dV's and dK's issued together; 3
     #: (D = 128) before both, its halves through two shared tiles taking turns
     fused_dq_order: int = 0
+    #: the five-GEMM kernel's per-query vectors (Q's scale, LSE2, dO's scale, D, U) through the ring
+    #: by TMA with the row tiles, read in the accumulator's column layout (N a multiple of 64),
+    #: instead of loaded a element a thread and moved into that layout through shared memory
+    fused_vec_tma: bool = False
 
     def __post_init__(self) -> None:
         if self.dkdv_overlap not in (0, 1, 2) or self.dq_overlap not in (0, 1, 2, 3):

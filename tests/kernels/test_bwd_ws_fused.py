@@ -51,9 +51,11 @@ print(json.dumps(out))
 """
 
 
-#: the fused kernel's other places of dQ^T's partial at each head dim (``WsBwdTiles.fused_dq_order``),
-#: as (consumers, dq_order)
-_DQ_ORDERS = {128: ((1, 1), (2, 1), (2, 3)), 64: ((1, 2), (2, 2))}
+#: the fused kernel's other schedules of dQ^T at each head dim, as (consumers, dq_order, vec_tma): its
+#: partial placed among dV and dK otherwise (``WsBwdTiles.fused_dq_order``) and the per-query vectors
+#: through the ring (``fused_vec_tma``)
+_DQ_ORDERS = {128: ((1, 1, False), (2, 1, False), (2, 3, False), (2, 0, True), (2, 3, True)),
+              64: ((1, 2, False), (2, 2, False), (1, 0, True), (2, 2, True))}
 
 
 @pytest.mark.slow
@@ -93,18 +95,19 @@ def test_two_consumer_bwd_ws_fused_with_tma_adds_compiles_for_sm90_with_its_regi
 
 
 #: The dsq-row spec's kernel (dS for dQ scaled from the pre-pass's bound, partials unscaled): dQ^T
-#: with one consumer and two, and dQ by atomics (N not a multiple of 64, deterministic or not)
+#: with one consumer and two, in the other schedules of ``_DQ_ORDERS`` of that many consumers, and dQ
+#: by atomics (N not a multiple of 64, deterministic or not)
 _SCRIPT_DSQ = """
 import json
 from dmref.kernels import bwd_ws
 from dmref.kernels.compile_check import warp_specialized_budget
 out = []
 for d in (64, 128):
-    for kw in (dict(n=4096, dq_tma=True, dq_t=True, consumers=CONSUMERS),
-               dict(n=4096, dq_tma=True, dq_t=True, consumers=CONSUMERS, dq_order=2 if d == 64 else 1),
-               dict(n=4096, dq_tma=True, dq_t=True, consumers=CONSUMERS, dq_order=2 if d == 64 else 3),
+    others = [dict(n=4096, dq_tma=True, dq_t=True, consumers=c, dq_order=o, vec_tma=v)
+              for c, o, v in ORDERS[d] if c == CONSUMERS]
+    for kw in [dict(n=4096, dq_tma=True, dq_t=True, consumers=CONSUMERS), *others,
                dict(n=1000, dq_tma=False, consumers=CONSUMERS),
-               dict(n=4096, deterministic=True, consumers=CONSUMERS)):
+               dict(n=4096, deterministic=True, consumers=CONSUMERS)]:
         k = bwd_ws.compile_sm90(kernel="fused", head_dim=d, causal=True, recipe="kernels_folded_delta_prepass_dsq_row",
                                 **kw)
         out.append(dict(d=d, **{key: val for key, val in kw.items() if key != "consumers"}, **warp_specialized_budget(k)))
@@ -117,8 +120,9 @@ def test_dsq_row_bwd_ws_fused_compiles_for_sm90_with_its_register_budget():
     """The dsq-row kernel (``DSQ_ROW``), one consumer and two, within the budget; D = 64 without
     spills (D = 128 spills as the other fused kernels do)."""
     for consumers in (1, 2):
-        got = compile_and_check_budget(_SCRIPT_DSQ.replace("CONSUMERS", str(consumers)), 10, consumers=consumers,
-                                       spills_ok=lambda u: u["d"] == 128)
+        script = _SCRIPT_DSQ.replace("CONSUMERS", str(consumers)).replace("ORDERS", repr(_DQ_ORDERS))
+        others = sum(c == consumers for d in (64, 128) for c, _, _ in _DQ_ORDERS[d])
+        got = compile_and_check_budget(script, 6 + others, consumers=consumers, spills_ok=lambda u: u["d"] == 128)
         assert all(u["spills"] == 0 for u in got if u["d"] == 64)
 
 
@@ -213,15 +217,24 @@ def test_bwd_ws_fused_refuses_what_it_does_not_run():
     # dQ^T's partial among dV and dK (dq_order): dQ^T only, 1 at D = 128, 2 at D = 64
     for d, order in ((128, 1), (128, 3), (64, 2)):
         run = bwd_ws.launch(stale, head_dim=d, causal=True, kernel="fused", n=1024, dq_tma=True, dq_t=True,
-                            dq_order=order)
+                            dq_order=order, consumers=2 if order == 3 else 1)
         assert run.constexprs["DQ_ORDER"] == order
         for kwargs, match in ((dict(head_dim=d, dq_order=2 if d == 128 else 1, dq_t=True), "runs at head dim"),
                               (dict(head_dim=d, dq_order=order, dq_t=False), "places dQ\\^T"),
-                              (dict(head_dim=d, dq_order=4), "must be 0, 1, 2 or 3")):
+                              (dict(head_dim=d, dq_order=4), "must be 0, 1, 2 or 3"),
+                              (dict(head_dim=128, dq_order=3, dq_t=True), "two consumer warp groups")):
             with pytest.raises(ValueError, match=match) as exc:
                 bwd_ws.launch(stale, causal=True, kernel="fused", n=1024, dq_tma=True, **kwargs)
             assert "\n" not in str(exc.value)
-    assert bwd_ws.launch(stale, head_dim=64, causal=True, kernel="fused", n=1024, dq_tma=True).constexprs["DQ_ORDER"] == 0
+    run = bwd_ws.launch(stale, head_dim=64, causal=True, kernel="fused", n=1024, dq_tma=True)
+    assert (run.constexprs["DQ_ORDER"], run.constexprs["VEC_TMA"]) == (0, False)
+    # the per-query vectors through the ring (vec_tma): rows of 64 queries, N a multiple of 64
+    assert bwd_ws.launch(stale, head_dim=64, causal=True, kernel="fused", n=1024, vec_tma=True).constexprs["VEC_TMA"]
+    for kwargs, match in ((dict(kernel="fused", n=1000), "fused_vec_tma loads"), (dict(kernel="dkdv"), "fused kernel's"),
+                          (dict(kernel="fused", n=1024, head_dim=128), "two consumer warp groups")):
+        with pytest.raises(ValueError, match=match) as exc:
+            bwd_ws.launch(stale, **{"head_dim": 64, **kwargs}, causal=True, vec_tma=True)
+        assert "\n" not in str(exc.value)
     with pytest.raises(ValueError, match="fused kernel's"):
         bwd_ws.launch(stale, head_dim=64, causal=True, kernel="dkdv", dq_order=2)
     for consumers in (0, 3):
@@ -314,13 +327,13 @@ def test_bwd_ws_fused_equals_the_triton_fused(case):
         # so within the same bound; and as dQ^T = K^T dS^T into a transposed buffer (dq_t, the
         # default with dq_tma): the same products in the same k order, within the same bound
         # dQ^T's partial placed among dV and dK otherwise (dq_order): the same values
-        orders = tuple((c, True, o) for c, o in _DQ_ORDERS[shape.head_dim])
-        for consumers, t, o in ((1, False, None), (2, False, None), (1, True, None), (2, True, None), (1, None, None),
-                                *orders):
+        orders = tuple((c, True, o, v) for c, o, v in _DQ_ORDERS[shape.head_dim])
+        for consumers, t, o, v in ((1, False, None, None), (2, False, None, None), (1, True, None, None),
+                                   (2, True, None, None), (1, None, None, None), *orders):
             dq_r, dk_r, dv_r, _ = bwd_ws.fused(saved, do8, delta, recipe=r, dq_tma=True, consumers=consumers,
-                                               dq_t=t, dq_order=o, **dims)
+                                               dq_t=t, dq_order=o, vec_tma=v, **dims)
             torch.cuda.synchronize()
-            what = f"dq_tma, {consumers} consumers, dq_t={t}, dq_order={o}"
+            what = f"dq_tma, {consumers} consumers, dq_t={t}, dq_order={o}, vec_tma={v}"
             assert torch.equal(dk_r, dk_t) and torch.equal(dv_r, dv_t), f"{what}: dK, dV"
             _assert_within_order_bound(dq_r, dq_t, bound, f"dQ ({what})")
 
@@ -522,7 +535,8 @@ def test_the_dsq_row_backward_in_gluon_equals_the_triton_one(case):
     variants = [dict(dq_tma=False, consumers=1)]
     if shape.n % 64 == 0:
         variants += [dict(dq_tma=True, dq_t=t, consumers=c) for t in (False, True) for c in (1, 2)]
-        variants += [dict(dq_tma=True, dq_t=True, consumers=c, dq_order=o) for c, o in _DQ_ORDERS[shape.head_dim]]
+        variants += [dict(dq_tma=True, dq_t=True, consumers=c, dq_order=o, vec_tma=v)
+                     for c, o, v in _DQ_ORDERS[shape.head_dim]]
     for kw in variants:
         dq, dk, dv, _ = bwd_ws.fused(saved, do8, d_t, recipe=r, dsq_bound=u_t, **kw, **dims)
         torch.cuda.synchronize()

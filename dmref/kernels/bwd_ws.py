@@ -1089,7 +1089,9 @@ def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, de
         # other schedules overlap its dS K and kbar, which the pre-pass does not run)
         # BOUND: the bound of each row's dS amax too, for a spec that scales dS for dQ from it
         consts.update(MATCHED=True, PREPASS=True, OVERLAP=1, BOUND=r.dsq_row)
-        return Launch(consts, num_warps=NUM_WARPS, num_stages=None, maxnreg=LAUNCH_REGS, kernel=_bwd_dq_ws_kernel,
+        # the launch's register cap: the spec's (WsBwdTiles.prepass_regs: more CTAs an SM), else the kernels'
+        regs = r.ws_bwd_tiles(head_dim).prepass_regs or LAUNCH_REGS
+        return Launch(consts, num_warps=NUM_WARPS, num_stages=None, maxnreg=regs, kernel=_bwd_dq_ws_kernel,
                       block_m=DQ_BLOCK_M.value, signature=_signature)
     if kernel == "fused":
         if split:

@@ -150,6 +150,10 @@ def _check_tile(name: str, value: int) -> None:
         raise ValueError(f"{name}={value} must be >= 32 and divide QUANT_BLOCK={QUANT_BLOCK}")
 
 
+#: the pre-pass's register caps at launch (``WsBwdTiles.prepass_regs``): four, three and two CTAs an SM
+PREPASS_REGS = (64, 80, 128)
+
+
 @dataclass(frozen=True)
 class WsBwdTiles:
     """The warp-specialized Gluon backward's schedule (``bwd_ws``). Its CTAs are fixed (64 keys
@@ -183,6 +187,10 @@ class WsBwdTiles:
     #: by TMA with the row tiles, read in the accumulator's column layout (N a multiple of 64),
     #: instead of loaded a element a thread and moved into that layout through shared memory
     fused_vec_tma: bool = False
+    #: the pre-pass's register cap a thread at launch (``bwd_ws.launch(kernel="prepass")``'s
+    #: ``maxnreg``; None: the kernels' 128, two CTAs an SM): 80 lets three CTAs share an SM and 64
+    #: four (its consumer then holds 136 and 104 after the producer's drop; no spills at either)
+    prepass_regs: int | None = None
 
     def __post_init__(self) -> None:
         if self.dkdv_overlap not in (0, 1, 2) or self.dq_overlap not in (0, 1, 2, 3):
@@ -191,6 +199,8 @@ class WsBwdTiles:
         if self.fused_consumers not in WS_BWD_FUSED_CONSUMERS:
             raise ValueError(f"fused_consumers={self.fused_consumers!r}: the five-GEMM Gluon backward runs "
                              f"{' or '.join(map(str, WS_BWD_FUSED_CONSUMERS))} consumer warp groups a CTA")
+        if self.prepass_regs is not None and self.prepass_regs not in PREPASS_REGS:
+            raise ValueError(f"prepass_regs={self.prepass_regs!r} must be None or one of {PREPASS_REGS}")
         if self.fused_dq_order not in (0, 1, 2, 3):
             raise ValueError(f"fused_dq_order={self.fused_dq_order!r} must be 0, 1, 2 or 3")
         if self.dkdv_overlap == 2 and self.dkdv_split:

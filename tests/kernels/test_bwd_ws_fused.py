@@ -126,6 +126,42 @@ def test_dsq_row_bwd_ws_fused_compiles_for_sm90_with_its_register_budget():
         assert all(u["spills"] == 0 for u in got if u["d"] == 64)
 
 
+#: The Gluon pre-pass at the lower register caps (``WsBwdTiles.prepass_regs``), both head dims
+_SCRIPT_PREPASS_REGS = """
+import dataclasses, json
+from dmref.kernels import bwd_ws
+from dmref.kernels._sm90 import compile_launch
+from dmref.kernels.compile_check import warp_specialized_budget
+from dmref.kernels.config import get_spec
+spec = get_spec("kernels_folded_delta_prepass_dsq_row")
+out = []
+for d in (64, 128):
+    for regs in (64, 80):
+        sp = spec.with_tiles(ws_bwd=dataclasses.replace(spec.ws_bwd_tiles(d), prepass_regs=regs))
+        k = compile_launch(bwd_ws.launch(sp, head_dim=d, causal=True, kernel="prepass"))
+        out.append(dict(d=d, cap=regs, **warp_specialized_budget(k)))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_the_gluon_prepass_compiles_at_its_lower_register_caps():
+    """At launch caps of 64 and 80 registers (four and three CTAs an SM) the pre-pass spills
+    nothing, its consumer holds what the producer's drop leaves (2 cap - 24) and its shared memory
+    fits that many CTAs an SM (228 KB less 1 KB a CTA)."""
+    from dmref.kernels._gluon import PRODUCER_REGS
+    from warp_specialized_budget import compiled_usage
+
+    usage = compiled_usage(_SCRIPT_PREPASS_REGS)
+    assert len(usage) == 4
+    for u in usage:
+        ctas = 65536 // (u["cap"] * u["threads"])
+        assert ctas == {64: 4, 80: 3}[u["cap"]], u
+        assert u["regs"] == u["cap"] and u["spills"] == 0 and not u["serialized"], u
+        assert sorted(u["setmaxnreg"]) == [PRODUCER_REGS.value, 2 * u["cap"] - PRODUCER_REGS.value], u
+        assert u["shared"] <= 228 * 1024 // ctas - 1024, u
+
+
 @pytest.mark.slow
 def test_dq_t_bwd_ws_fused_compiles_for_sm90_with_its_register_budget():
     """dQ^T (dq_t): one consumer (two CTAs an SM's budget) and two (one CTA an SM's); the budget
@@ -170,7 +206,10 @@ def test_bwd_ws_fused_launches_one_or_two_consumers():
 
 def test_bwd_ws_fused_refuses_what_it_does_not_run():
     pytest.importorskip("triton")
+    import dataclasses
+
     from dmref.kernels import bwd_ws
+    from dmref.kernels._gluon import LAUNCH_REGS
     from dmref.kernels.bwd_fused import refusal as bwd_fused_refusal
     from dmref.kernels.config import SPECS, BwdTiles
 
@@ -228,6 +267,15 @@ def test_bwd_ws_fused_refuses_what_it_does_not_run():
             assert "\n" not in str(exc.value)
     run = bwd_ws.launch(stale, head_dim=64, causal=True, kernel="fused", n=1024, dq_tma=True)
     assert (run.constexprs["DQ_ORDER"], run.constexprs["VEC_TMA"]) == (0, False)
+    # the pre-pass's register cap: the spec's prepass_regs, else the kernels' own
+    dsq = SPECS["kernels_folded_delta_prepass_dsq_row"]
+    assert bwd_ws.launch(dsq, head_dim=128, causal=True, kernel="prepass").maxnreg == LAUNCH_REGS
+    for regs in (64, 80):
+        sp = dsq.with_tiles(ws_bwd=dataclasses.replace(dsq.ws_bwd_tiles(128), prepass_regs=regs))
+        assert bwd_ws.launch(sp, head_dim=128, causal=True, kernel="prepass").maxnreg == regs
+    with pytest.raises(ValueError, match="prepass_regs=96 must be") as exc:
+        dataclasses.replace(dsq.ws_bwd_tiles(128), prepass_regs=96)
+    assert "\n" not in str(exc.value)
     # the per-query vectors through the ring (vec_tma): rows of 64 queries, N a multiple of 64
     assert bwd_ws.launch(stale, head_dim=64, causal=True, kernel="fused", n=1024, vec_tma=True).constexprs["VEC_TMA"]
     for kwargs, match in ((dict(kernel="fused", n=1000), "fused_vec_tma loads"), (dict(kernel="dkdv"), "fused kernel's"),
@@ -526,11 +574,13 @@ def test_the_dsq_row_backward_in_gluon_equals_the_triton_one(case):
     assert torch.equal(u_g, u_t), _describe(u_g, u_t)
     want = bwd_fused.backward(saved, do8, d_t, recipe=r, deterministic=True, dsq_bound=u_t, **dims)[:3]
     assert all(bool(torch.isfinite(x).all()) for x in want)
-    for consumers in (1, 2):
-        got = bwd_ws.fused(saved, do8, d_t, recipe=r, deterministic=True, consumers=consumers, dsq_bound=u_t,
-                           **dims)[:3]
+    # deterministic, one and two consumers; and (N a multiple of 64) with the per-query vectors
+    # through the ring, every bit of dQ too
+    runs = [dict(consumers=c) for c in (1, 2)] + [dict(consumers=2, vec_tma=True)] * (shape.n % 64 == 0)
+    for kw in runs:
+        got = bwd_ws.fused(saved, do8, d_t, recipe=r, deterministic=True, dsq_bound=u_t, **kw, **dims)[:3]
         for name, a, b in zip(("dQ", "dK", "dV"), got, want):
-            assert torch.equal(a, b), f"deterministic, {consumers} consumers: {name}: {_describe(a, b)}"
+            assert torch.equal(a, b), f"deterministic, {kw}: {name}: {_describe(a, b)}"
     bound = _dq_order_bound(saved, do8, d_t, r, dims, dsq_bound=u_t)
     variants = [dict(dq_tma=False, consumers=1)]
     if shape.n % 64 == 0:

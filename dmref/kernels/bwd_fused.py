@@ -248,6 +248,26 @@ def _dq_postprocess_kernel(DQ_ACC, DQ, DSQ_U, KT_SCALE, sm_scale, total, N, H, G
 POSTPROCESS_BLOCK = 1024
 
 
+@triton.jit
+def _dsq_exponent_kernel(DSQ_U, K, total, BLOCK: tl.constexpr):
+    """k = ``pow2_down_exponent(U)`` of each query's bound, int32, ``BLOCK`` queries a program."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < total
+    tl.store(K + offs, pow2_down_exponent(tl.load(DSQ_U + offs, mask=m, other=0.0), False), mask=m)
+
+
+def dsq_exponents(u: torch.Tensor) -> torch.Tensor:
+    """The POW2_DOWN exponent of each query's dS-for-dQ scale, k = floor(log2(448 / U_i))
+    clamped to [-126, 126] (0 where U_i = 0), from the pre-pass's bound ``u`` ``(B*H, N)``, as int32
+    of ``u``'s shape (one kernel, ``_common.pow2_down_exponent``: what the five-GEMM kernels compute
+    from U themselves). ``bwd_ws.fused`` hands these to its kernel with ``vec_tma`` instead of U, so
+    that the kernel does not take each query's exponent once for every element of its column."""
+    u = u.contiguous()
+    k = torch.empty(u.shape, device=u.device, dtype=torch.int32)
+    _dsq_exponent_kernel[(triton.cdiv(u.numel(), POSTPROCESS_BLOCK),)](u, k, u.numel(), BLOCK=POSTPROCESS_BLOCK)
+    return k
+
+
 def postprocess_dq(dq_acc: torch.Tensor, batch: int, heads: int, n: int, head_dim: int, scale: float,
                    transposed: bool = False, factors=None) -> torch.Tensor:
     """dQ ``(B, H, N, D)`` BF16 from the float32 sum of its partials ``dq_acc``: BF16(dq_acc * scale),

@@ -594,8 +594,8 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
         if VEC_TMA:  # read before the stage is released
             do_scale = vec_bufs.index(s * NV + 2).reshape([BLOCK_M]).load(col_s)
             delta = vec_bufs.index(s * NV + 3).reshape([BLOCK_M]).load(col_s)
-            if DSQ_ROW:
-                k_dq_row = _pow2_down_exponent(vec_bufs.index(s * NV + 4).reshape([BLOCK_M]).load(col_s), False)
+            if DSQ_ROW:  # the exponents of U (bwd_fused.dsq_exponents), int32 bits in the float32 ring
+                k_dq_row = vec_bufs.index(s * NV + 4).reshape([BLOCK_M]).load(col_s).to(gl.int32, bitcast=True)
         fence_async_shared()  # the reads of this stage before the next TMA writes into it
         mbarrier.arrive(rows_free.index(s), count=1)
         if not VEC_TMA:
@@ -730,7 +730,9 @@ def _body(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots_des
     ``DQ_T`` (with ``DQ_TMA``): dQ^T's partials, ``DQ_ACC`` dQ^T's buffer ``(B*H*D, N)``, dS's codes
     through a shared tile of each consumer's own. ``VEC_TMA`` (``FUSED``, N a multiple of
     ``BLOCK_M``): ``Q_SCALE``, ``LSE2``, ``DO_SCALE``, ``DELTA`` and ``DSQ_U`` are TMA descriptors
-    of those vectors viewed as ``(B*H*N / BLOCK_M, BLOCK_M)``, loaded with the row tiles."""
+    of those vectors viewed as ``(B*H*N / BLOCK_M, BLOCK_M)``, loaded with the row tiles;
+    ``DSQ_U`` then holds U's POW2_DOWN exponents (``bwd_fused.dsq_exponents``), int32 bits read as
+    float32."""
     gl.static_assert(QUANT_BLOCK % BLOCK_M == 0)
     gl.static_assert(BLOCK_N % BLOCK_M == 0 or BLOCK_M % BLOCK_N == 0)
     gl.static_assert(CONSUMERS == 1 or (FUSED and CONSUMERS == 2))
@@ -1308,6 +1310,10 @@ def fused(saved, do8, delta, *, batch: int, heads: int, kv_heads: int, n: int, h
     descs += (_col_desc(k8.cols, head_dim, BLOCK_N.value), _scale_desc(k8.col_scale, head_dim))
     vec = (q8.row_scale, do8.row_scale, saved.lse2, delta, delta if dsq_bound is None else dsq_bound)
     if run.constexprs["VEC_TMA"]:  # the per-query vectors as TMA descriptors of rows of BLOCK_M
+        if dsq_bound is not None:  # U's exponents instead of U: int32 bits through the float32 ring
+            from .bwd_fused import dsq_exponents
+
+            vec = vec[:4] + (dsq_exponents(dsq_bound).view(torch.float32), )
         vec = tuple(_vec_desc(x, run.constexprs["BLOCK_M"]) for x in vec)
     q_sc, do_sc, lse2, dlt, u = vec
     run.start(run.grid(n, batch * kv_heads),

@@ -269,6 +269,44 @@ def test_caller_delta_is_checked():
 
 
 @pytest.mark.parametrize("backend", ["interpreter", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_dsq_exponents_are_floor_log2_of_448_over_the_bound(backend):
+    """``dsq_exponents(U)`` (what ``bwd_ws.fused(vec_tma=True)`` hands its kernel instead of U) is
+    k = floor(log2(448 / U)) exactly, clamped to [-126, 126], 0 where U = 0: against exact
+    rational arithmetic on every float32 exponent, the fraction fields at and around E4M3's
+    1.75, subnormals, the largest float32 and 0, in a tail-length (B*H, N) tensor."""
+    device = require_backend(backend)
+    import math
+    from fractions import Fraction
+
+    import numpy as np
+
+    from dmref.kernels.bwd_fused import dsq_exponents
+
+    fields = [0, 1, 0x400000, 0x5FFFFF, 0x600000, 0x600001, 0x7FFFFF]  # 1.75 = fraction field 0x600000
+    bits = [(e << 23) | f for e in range(0, 255) for f in fields] + [1, 2, 0x7FFFFF]  # normals, subnormals
+    u = np.array(bits, dtype=np.uint32).view(np.float32)
+    u = np.concatenate([u, np.float32([0.0, np.finfo(np.float32).max])])
+    u = np.resize(u, (3, (len(u) + 2) // 3))  # a tail: N not a multiple of the kernel's block
+
+    def exact(x: float) -> int:
+        if x == 0:
+            return 0
+        q = Fraction(448) / Fraction(x)
+        k = math.floor(math.log2(q))  # then exactly: 2**k <= q < 2**(k + 1)
+        while Fraction(2) ** k > q:
+            k -= 1
+        while Fraction(2) ** (k + 1) <= q:
+            k += 1
+        return max(-126, min(126, k))
+
+    got = dsq_exponents(torch.from_numpy(u).to(device)).cpu()
+    assert got.dtype == torch.int32 and got.shape == u.shape
+    want = torch.tensor([[exact(float(x)) for x in row] for row in u], dtype=torch.int32)
+    bad = (got != want).nonzero()
+    assert not len(bad), [(float(u[tuple(i)]), int(got[tuple(i)]), int(want[tuple(i)])) for i in bad[:5].tolist()]
+
+
+@pytest.mark.parametrize("backend", ["interpreter", pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_the_postprocess_of_a_transposed_buffer_gives_the_same_bits(backend):
     """``postprocess_dq(..., transposed=True)`` (dQ^T's buffer, ``(B*H, D, N)``: ``bwd_ws``'s
     ``dq_t``) rounds each element as the plain one does: BF16(dQ_acc * scale) bit for bit, on a

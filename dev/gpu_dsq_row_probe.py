@@ -4,12 +4,11 @@ the same process: the whole backward as ``api.attention_backward`` runs it (``ds
 pre-pass with the bound (``prepass``), and its Gluon five-GEMM kernel incl. dQ's postprocess with
 one consumer warp group a CTA (``f1``), two (``f2``), each with dQ^T's partial placed otherwise
 among dV and dK or with the per-query vectors through the ring (``NEW``: ``bwd_ws.fused(dq_order=,
-vec_tma=)``), and
-two adding dQ^T's partial over their 128 keys together (``f2s``, ``bwd_ws.fused(dq_shared=True)``:
-only where ``fused`` takes it, the kernels as committed in df6f3e8; it left the tree). Prints one JSON line a shape (``ratio``: cuDNN
-BF16's time over ours) and writes them to ``$OUT/<device>_dsq_row_probe.json`` (its log:
-dev/results/h100_dsq_row_probe.json, run at df6f3e8 on an H100: ``PYTHONPATH=benchmarks python
-dev/gpu_dsq_row_probe.py``)."""
+vec_tma=)``), and two adding dQ^T's partial over their 128 keys together (``f2s``,
+``bwd_ws.fused(dq_shared=True)``: only where ``fused`` takes it, the kernels as committed in
+df6f3e8; it left the tree). Prints one JSON line a shape (``ratio``: cuDNN BF16's time over ours)
+and writes them to ``$OUT/<device>_dsq_row_probe.json`` (its log: dev/results/h100_dsq_row_probe.json,
+run at df6f3e8 on an H100: ``PYTHONPATH=benchmarks python dev/gpu_dsq_row_probe.py``)."""
 import dataclasses
 import inspect
 import json
@@ -49,7 +48,7 @@ def variants(d: int) -> dict:
 def problem(b: int, h: int, n: int, d: int, causal: bool):
     """The inputs at one shape (randn, BF16, seed 0), cuDNN BF16's backward time on them
     (``{"cudnn_bwd": ms}``), the dsq-row recipe's forward state, its backward through the API as
-    a function, and the kernels' operands (the saved state with Q's copies, dO's copies, the
+    a function (of the spec, R or one of R's with another backward tiling), and the kernels' operands (the saved state with Q's copies, dO's copies, the
     problem's dims)."""
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
@@ -60,8 +59,9 @@ def problem(b: int, h: int, n: int, d: int, causal: bool):
         o_ref = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
         ms = {"cudnn_bwd": bench(lambda: o_ref.backward(do, retain_graph=True), grad_to_none=[qg, kg, vg])}
     o, _, saved, _ = api.attention_forward(q, k, v, causal=causal, scale=scale, recipe=R)
-    backward = lambda: api.attention_backward(saved, o, do, shape=shape, causal=causal,  # noqa: E731
-                                              scale=scale, recipe=R)
+    # any spec of R's recipe (another backward tiling) runs its backward on R's forward state
+    backward = lambda recipe=R: api.attention_backward(saved, o, do, shape=shape, causal=causal,  # noqa: E731
+                                                       scale=scale, recipe=recipe)
     do8, _, q8 = quantize_with(do, "float8_e4m3fn", saved.q_pending, saved.q_fmt)
     sv = dataclasses.replace(saved, q=q8, q_pending=None)
     kw = dict(batch=b, heads=h, kv_heads=h, n=n, head_dim=d, causal=causal, scale=scale)

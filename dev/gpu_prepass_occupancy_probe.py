@@ -19,7 +19,7 @@ import torch
 from bench_attention import SHAPES, bench, device_tag  # the product benchmark's shapes, timing, file prefix
 from gpu_dsq_row_probe import R, problem  # the dsq-row recipe's inputs, anchor and operands at one shape
 
-from dmref.kernels import api, bwd_ws
+from dmref.kernels import bwd_ws
 from dmref.kernels.config import get_spec
 
 #: (launch register cap, K/V ring depth) of the pre-pass
@@ -39,7 +39,7 @@ def main() -> None:
     out = []
     for b, h, n, d in SHAPES:
         for causal in (False, True):
-            ms, _, sv, do8, kw = problem(b, h, n, d, causal)
+            ms, backward, sv, do8, kw = problem(b, h, n, d, causal)
             want = bwd_ws.prepass(sv, do8, recipe=R, bound=True, **kw)
             same = True
             for regs, stages in VARIANTS:
@@ -50,7 +50,7 @@ def main() -> None:
                                                                                          bound=True, **kw))
                 if (regs, stages) in WHOLE:
                     # the recipe's whole backward as the API runs it, this pre-pass within it
-                    ms[f"bwd_{regs}_{stages}"] = bench(_backward(spec, b, h, n, d, causal))
+                    ms[f"bwd_{regs}_{stages}"] = bench(lambda spec=spec: backward(spec))
             ratio = {key: round(ms["cudnn_bwd"] / t, 3) for key, t in ms.items() if key != "cudnn_bwd"}
             row = dict(shape=[b, h, n, d], causal=causal, same_bits=bool(same), ms=ms, ratio=ratio)
             print(json.dumps(row), flush=True)
@@ -61,19 +61,6 @@ def main() -> None:
                                "time / ours; same_bits: D and U of every variant equal the default launch's")
             with open(os.path.join(os.environ.get("OUT", "."), f"{device_tag()}_prepass_occupancy_probe.json"), "w") as f:
                 json.dump(dict(meta=meta, rows=out), f, indent=1)
-
-
-def _backward(spec, b: int, h: int, n: int, d: int, causal: bool):
-    """``api.attention_backward`` of ``spec`` on the probe's inputs at one shape (seed 0, as
-    ``problem``'s), as a function."""
-    import math
-
-    torch.manual_seed(0)
-    q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    scale = 1 / math.sqrt(d)
-    o, _, saved, _ = api.attention_forward(q, k, v, causal=causal, scale=scale, recipe=spec)
-    shape = api.Shape.of(q, k, v)
-    return lambda: api.attention_backward(saved, o, do, shape=shape, causal=causal, scale=scale, recipe=spec)
 
 
 if __name__ == "__main__":

@@ -239,11 +239,9 @@ def _producer(k_desc, v_desc, q_desc, do_desc, qt_desc, dot_desc, qts_desc, dots
         bh = bh0 + i // n_m
         start_m = lo + (i % n_m) * BLOCK_M
         mbarrier.wait(rows_free.index(s), ph)
-        if VEC_TMA:
-            mbarrier.expect(rows_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes
-                            + NV * vec_descs[0].block_type.nbytes)
-        else:
-            mbarrier.expect(rows_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        # NV is 0 without VEC_TMA
+        mbarrier.expect(rows_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                        + NV * vec_descs[0].block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [bh * N + start_m, 0], rows_ready.index(s), q_bufs.index(s))
         tma.async_copy_global_to_shared(do_desc, [bh * N + start_m, 0], rows_ready.index(s), do_bufs.index(s))
         if VEC_TMA:
@@ -269,13 +267,20 @@ def _promote(acc, a8, b_smem, t_old, scale_smem, row_factor, acc_layout: gl.cons
     (acc, the chain's result, now dead)."""
     t = warpgroup_mma(a8, b_smem, t_old, use_acc=False, is_async=True)
     t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
+    return _promote_add(acc, t, scale_smem, row_factor, acc_layout, ROW), t
+
+
+@gluon.jit
+def _promote_add(acc, t, scale_smem, row_factor, acc_layout: gl.constexpr, ROW: gl.constexpr):
+    """:func:`_promote`'s float32 multiply-add of a chain's result ``t``, waited on: acc + t *
+    scale_c (* row_factor_j with ``ROW``)."""
     # the channel scales, from shared memory after the wait (not held across the wgmma)
     scale = gl.expand_dims(scale_smem.load(gl.SliceLayout(0, acc_layout)), 0)
     if ROW:
         acc += t * scale * gl.expand_dims(row_factor, 1)
     else:
         acc += t * scale
-    return acc, t
+    return acc
 
 
 @gluon.jit
@@ -386,11 +391,29 @@ def _dq_add_t(kt_a, dsq_b, kts_row, dsq_inv, DQT_ACC, dq_smem, bh, start_q, c0, 
     ``PENDING``: :func:`_dq_tile_out`'s."""
     t = warpgroup_mma(kt_a, dsq_b, gl.zeros([CH, BLOCK_M], gl.float32, q_layout), use_acc=False, is_async=True)
     t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
+    _dq_t_out(t, kts_row, dsq_inv, DQT_ACC, dq_smem, bh, start_q, c0, HEAD_DIM, q_layout, DSQ_ROW, PENDING)
+
+
+@gluon.jit
+def _dq_t_out(t, kts_row, dsq_inv, DQT_ACC, dq_smem, bh, start_q, c0, HEAD_DIM: gl.constexpr,
+              q_layout: gl.constexpr, DSQ_ROW: gl.constexpr, PENDING: gl.constexpr):
+    """:func:`_dq_add_t`'s part after the wgmma: its result ``t`` times the K^T channel scales and
+    dS's query factors (unscaled with ``DSQ_ROW``), by one TMA reduce-add (:func:`_dq_tile_out`)."""
     if DSQ_ROW:
         dq = t
     else:
         dq = t * gl.expand_dims(kts_row.load(gl.SliceLayout(1, q_layout)), 1) * gl.expand_dims(dsq_inv, 0)
     _dq_tile_out(dq, DQT_ACC, dq_smem, (bh * HEAD_DIM + c0).to(gl.int32), start_q, PENDING)
+
+
+@gluon.jit
+def _dq_t_half(h, kt_smem, dsq_smem, kts_smem, dsq_inv, DQT_ACC, dq_smem, bh, start_q, HEAD_DIM: gl.constexpr,
+               BLOCK_M: gl.constexpr, DSQ_ROW: gl.constexpr, PENDING: gl.constexpr = 0):
+    """:func:`_dq_add_t` for channels ``h * DQ_CH .. + DQ_CH`` of dQ^T: K^T's rows and scales of
+    those channels, the shared dS codes ``dsq_smem`` ``(queries, keys)``."""
+    _dq_add_t(kt_smem.slice(h * DQ_CH, DQ_CH, dim=0), dsq_smem.permute((1, 0)),
+              kts_smem.reshape([HEAD_DIM]).slice(h * DQ_CH, DQ_CH), dsq_inv, DQT_ACC, dq_smem, bh, start_q,
+              h * DQ_CH, HEAD_DIM, DQ_CH, BLOCK_M, DQ_LAYOUT, DSQ_ROW, PENDING)
 
 
 @gluon.jit
@@ -421,14 +444,20 @@ def _dq_partial(dsq_a, dsq_inv, kt_smem, kts_smem, DQ_ACC, dq_smem, SEM, bh, sta
             seen = gl.atomic_add(counter, 0, sem="acquire")
     for h in gl.static_range(HEAD_DIM // CH):
         if DQ_T:
-            _dq_add_t(kt_smem.slice(h * CH, CH, dim=0), dsq_a.permute((1, 0)), kts.slice(h * CH, CH), dsq_inv,
-                      DQ_ACC, dq_smem, bh, start_m, h * CH, HEAD_DIM, CH, BLOCK_M, q_layout, DSQ_ROW)
+            _dq_t_half(h, kt_smem, dsq_a, kts_smem, dsq_inv, DQ_ACC, dq_smem, bh, start_m, HEAD_DIM, BLOCK_M, DSQ_ROW)
         else:
             _dq_add(dsq_a, kt_smem.slice(h * CH, CH, dim=0).permute((1, 0)), kts.slice(h * CH, CH), dsq_inv,
                     DQ_ACC, dq_smem, bh, row0, start_m, h * CH, N, HEAD_DIM, CH, q_layout, EVEN_N, DQ_TMA, DSQ_ROW)
     if DETERMINISTIC:
         gl.thread_barrier()  # every thread's adds are issued before the release
         gl.atomic_add(counter, 1, sem="release")
+
+
+@gluon.jit
+def _ring_vector(vec_bufs, s, j, NV: gl.constexpr, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+    """Per-query vector ``j`` of stage ``s`` of the ring (``VEC_TMA``, :func:`_producer`), read in
+    ``layout``."""
+    return vec_bufs.index(s * NV + j).reshape([BLOCK_M]).load(layout)
 
 
 @gluon.jit
@@ -557,8 +586,8 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
             st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
         # the softmax, transposed: P^T = exp2(S2^T - LSE2), 0 where masked
         if VEC_TMA:  # every query below N (N a multiple of BLOCK_M): no mask
-            q_scale = vec_bufs.index(s * NV).reshape([BLOCK_M]).load(col_s) * qk_scale
-            lse2 = vec_bufs.index(s * NV + 1).reshape([BLOCK_M]).load(col_s)
+            q_scale = _ring_vector(vec_bufs, s, 0, NV, BLOCK_M, col_s) * qk_scale
+            lse2 = _ring_vector(vec_bufs, s, 1, NV, BLOCK_M, col_s)
         else:
             q_scale = gl.convert_layout(q_scale_v, col_s)
             lse2 = gl.convert_layout(lse2_v, col_s)
@@ -592,10 +621,10 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
                               use_acc=False, is_async=True)
             dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
         if VEC_TMA:  # read before the stage is released
-            do_scale = vec_bufs.index(s * NV + 2).reshape([BLOCK_M]).load(col_s)
-            delta = vec_bufs.index(s * NV + 3).reshape([BLOCK_M]).load(col_s)
+            do_scale = _ring_vector(vec_bufs, s, 2, NV, BLOCK_M, col_s)
+            delta = _ring_vector(vec_bufs, s, 3, NV, BLOCK_M, col_s)
             if DSQ_ROW:  # the exponents of U (bwd_fused.dsq_exponents), int32 bits in the float32 ring
-                k_dq_row = vec_bufs.index(s * NV + 4).reshape([BLOCK_M]).load(col_s).to(gl.int32, bitcast=True)
+                k_dq_row = _ring_vector(vec_bufs, s, 4, NV, BLOCK_M, col_s).to(gl.int32, bitcast=True)
         fence_async_shared()  # the reads of this stage before the next TMA writes into it
         mbarrier.arrive(rows_free.index(s), count=1)
         if not VEC_TMA:
@@ -628,13 +657,11 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
                             HEAD_DIM, BLOCK_M, DETERMINISTIC, EVEN_N, DQ_TMA, DQ_T, DSQ_ROW)
             elif DQ_ORDER == 3:  # the two halves through two shared tiles taking turns
                 for h in gl.static_range(2):
-                    _dq_add_t(kt_smem.slice(h * DQ_CH, DQ_CH, dim=0), dsq_smem.permute((1, 0)),
-                              kts_smem.reshape([HEAD_DIM]).slice(h * DQ_CH, DQ_CH), dsq_inv, DQ_ACC, dq_smem.index(h),
-                              bh, start_m, h * DQ_CH, HEAD_DIM, DQ_CH, BLOCK_M, DQ_LAYOUT, DSQ_ROW, 1)
+                    _dq_t_half(h, kt_smem, dsq_smem, kts_smem, dsq_inv, DQ_ACC, dq_smem.index(h), bh, start_m,
+                               HEAD_DIM, BLOCK_M, DSQ_ROW, 1)
             elif DQ_ORDER == 1:  # the first half of the channels; the second between dV and dK
-                _dq_add_t(kt_smem.slice(0, DQ_CH, dim=0), dsq_smem.permute((1, 0)),
-                          kts_smem.reshape([HEAD_DIM]).slice(0, DQ_CH), dsq_inv, DQ_ACC, dq_smem, bh, start_m, 0,
-                          HEAD_DIM, DQ_CH, BLOCK_M, DQ_LAYOUT, DSQ_ROW)
+                _dq_t_half(0, kt_smem, dsq_smem, kts_smem, dsq_inv, DQ_ACC, dq_smem, bh, start_m, HEAD_DIM, BLOCK_M,
+                           DSQ_ROW)
         # P^T dO and dS^T Q, promoted: one wgmma chain per tile, then one float32 add
         if DQ_ORDER == 2:
             # dQ^T, dV and dK issued together, retired in that order (wgmma groups complete in order)
@@ -646,16 +673,12 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
             tk = warpgroup_mma(ds8, qt_s.permute((1, 0)), gl.zeros([BLOCK_N, CH], gl.float32, a_layout),
                                use_acc=False, is_async=True)
             tq = warpgroup_mma_wait(num_outstanding=2, deps=(tq, ))
-            if DSQ_ROW:
-                dq = tq
-            else:  # _dq_add_t's scaling
-                dq = (tq * gl.expand_dims(kts_smem.reshape([HEAD_DIM]).load(gl.SliceLayout(1, DQ_LAYOUT)), 1)
-                      * gl.expand_dims(dsq_inv, 0))
-            _dq_tile_out(dq, DQ_ACC, dq_smem, (bh * HEAD_DIM).to(gl.int32), start_m)
+            _dq_t_out(tq, kts_smem.reshape([HEAD_DIM]), dsq_inv, DQ_ACC, dq_smem, bh, start_m, 0, HEAD_DIM, DQ_LAYOUT,
+                      DSQ_ROW, 0)
             tv = warpgroup_mma_wait(num_outstanding=1, deps=(tv, ))
-            dv0 += tv * gl.expand_dims(dots_s.load(gl.SliceLayout(0, a_layout)), 0)  # _promote's, in its order
+            dv0 = _promote_add(dv0, tv, dots_s, ds_inv, a_layout, False)
             tk = warpgroup_mma_wait(num_outstanding=0, deps=(tk, ))
-            dk0 += tk * gl.expand_dims(qts_s.load(gl.SliceLayout(0, a_layout)), 0) * gl.expand_dims(ds_inv, 1)
+            dk0 = _promote_add(dk0, tk, qts_s, ds_inv, a_layout, True)
         elif OVERLAP == 2:
             t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
             dv0 += t * gl.expand_dims(dots_s.load(col_a), 0)
@@ -675,9 +698,8 @@ def _consumer(k_smem, v_smem, kt_smem, kts_smem, q_bufs, do_bufs, qt_bufs, dot_b
             else:
                 dv0, t = _promote(dv0, p8, dot_s.permute((1, 0)), t, dots_s, ds_inv, a_layout, False)
                 if DQ_ORDER == 1:  # dQ^T's second half
-                    _dq_add_t(kt_smem.slice(DQ_CH, DQ_CH, dim=0), dsq_smem.permute((1, 0)),
-                              kts_smem.reshape([HEAD_DIM]).slice(DQ_CH, DQ_CH), dsq_inv, DQ_ACC, dq_smem, bh,
-                              start_m, DQ_CH, HEAD_DIM, DQ_CH, BLOCK_M, DQ_LAYOUT, DSQ_ROW)
+                    _dq_t_half(1, kt_smem, dsq_smem, kts_smem, dsq_inv, DQ_ACC, dq_smem, bh, start_m, HEAD_DIM,
+                               BLOCK_M, DSQ_ROW)
                 dk0, t = _promote(dk0, ds8, qt_s.permute((1, 0)), t, qts_s, ds_inv, a_layout, True)
         fence_async_shared()  # the reads of this stage before the next TMA writes into it
         mbarrier.arrive(cols_free.index(s), count=1)
@@ -1016,6 +1038,10 @@ def _check_fused(spec, head_dim: int, debug: bool = False) -> None:
                          "keys")
 
 
+#: the head dim each nonzero ``WsBwdTiles.fused_dq_order`` runs at (1, 3: dQ^T in two channel halves)
+DQ_ORDER_HEAD_DIM = {1: 128, 2: 64, 3: 128}
+
+
 def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, debug: bool = False,
            host_descriptors: bool = True, stages: int | None = None, split: bool | None = None,
            overlap: int | None = None, deterministic: bool = False, n: int | None = None,
@@ -1105,7 +1131,8 @@ def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, de
         del consts["SPLIT"]
         consts["DETERMINISTIC"] = bool(deterministic)
         consts["EVEN_N"] = n is not None and n % BLOCK_N.value == 0
-        two = r.ws_bwd_tiles(head_dim).fused_consumers == 2
+        tiles = r.ws_bwd_tiles(head_dim)
+        two = tiles.fused_consumers == 2
         consts["CONSUMERS"] = 2 if two else 1
         if dq_tma and (deterministic or not consts["EVEN_N"]):
             raise ValueError(f"bwd_ws: dq_tma needs N a multiple of {BLOCK_N.value} (n={n}: a tile would cross "
@@ -1117,20 +1144,20 @@ def launch(spec, *, head_dim: int, causal: bool, kernel: str, group: int = 1, de
         consts["DQ_T"] = bool(dq_t)
         # dS for dQ scaled per query from the pre-pass's bound, its partials unscaled (fused(dsq_bound=))
         consts["DSQ_ROW"] = r.dsq_row
-        order = r.ws_bwd_tiles(head_dim).fused_dq_order
+        order = tiles.fused_dq_order
         if order and not dq_t:
             raise ValueError(f"bwd_ws: fused_dq_order={order} places dQ^T's partial (dq_t); this launch adds dQ's "
                              "own (dq_t=False, or no TMA reduce-adds: N not a multiple of "
                              f"{BLOCK_N.value}, or deterministic)")
-        if order and head_dim != {1: 128, 2: 64, 3: 128}[order]:
-            raise ValueError(f"bwd_ws: fused_dq_order={order} runs at head dim {({1: 128, 2: 64, 3: 128})[order]} "
+        if order and head_dim != DQ_ORDER_HEAD_DIM[order]:
+            raise ValueError(f"bwd_ws: fused_dq_order={order} runs at head dim {DQ_ORDER_HEAD_DIM[order]} "
                              "only (1, 3: two channel halves of dQ^T; 2: three wgmma results in flight), not "
                              f"{head_dim}")
         if order == 3 and not two:
             raise ValueError("bwd_ws: fused_dq_order=3 runs with two consumer warp groups (fused_consumers=2): with "
                              "one, its second dQ^T tile takes a CTA's shared memory past half an SM's")
         consts["DQ_ORDER"] = int(order)
-        consts["VEC_TMA"] = bool(r.ws_bwd_tiles(head_dim).fused_vec_tma)
+        consts["VEC_TMA"] = bool(tiles.fused_vec_tma)
         if consts["VEC_TMA"] and not consts["EVEN_N"]:
             raise ValueError(f"bwd_ws: fused_vec_tma loads the per-query vectors in rows of {BLOCK_N.value}: it needs N "
                              f"a multiple of {BLOCK_N.value} (n={n})")
